@@ -1,0 +1,37 @@
+# pdrouter: `make run` starts a local PD deployment on :8000, `make test` runs every test.
+GO      ?= go
+BIN     := bin
+GOFLAGS ?=
+
+.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz
+
+build:
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/mockworker ./cmd/mockworker
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdbench ./cmd/pdbench
+	$(GO) build $(GOFLAGS) -o $(BIN)/kvproxy ./cmd/kvproxy
+
+# deps installs what the tests need (UCX from Debian) when it is missing.
+deps:
+	@scripts/install-deps.sh test
+
+test: deps
+	$(GO) vet ./...
+	CGO_ENABLED=0 $(GO) build ./cmd/pdrouter
+	$(GO) test -race -count=1 -timeout 12m ./...
+
+run: deps build
+	@scripts/run-local.sh
+
+bench: build
+	@scripts/install-deps.sh bench
+	@scripts/bench-router.sh
+
+bench-ucx: deps
+	@scripts/bench-ucx.sh
+
+bench-kv: deps build
+	@scripts/bench-kv.sh
+
+clean:
+	rm -rf $(BIN) bench/out

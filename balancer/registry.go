@@ -1,0 +1,96 @@
+package balancer
+
+import (
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/google/uuid"
+)
+
+// Snapshot is an immutable view of the registered workers. The hot path
+// loads it with one atomic read and never locks.
+type Snapshot struct {
+	All    []*Worker
+	ByType [3][]*Worker // indexed by WorkerType
+	byURL  map[string]*Worker
+	byID   map[string]*Worker
+}
+
+func (s *Snapshot) ByURL(u string) *Worker { return s.byURL[u] }
+func (s *Snapshot) ByID(id string) *Worker { return s.byID[id] }
+
+// Available returns the workers of a type that may take traffic now. It
+// allocates only when some worker is unavailable.
+func (s *Snapshot) Available(t WorkerType) []*Worker {
+	ws := s.ByType[t]
+	for i, w := range ws {
+		if !w.Available() {
+			out := make([]*Worker, i, len(ws))
+			copy(out, ws[:i])
+			for _, w := range ws[i+1:] {
+				if w.Available() {
+					out = append(out, w)
+				}
+			}
+			return out
+		}
+	}
+	return ws
+}
+
+// Registry owns the set of workers. Writers serialise on a mutex and publish
+// a fresh Snapshot.
+type Registry struct {
+	mu   sync.Mutex
+	snap atomic.Pointer[Snapshot]
+}
+
+func NewRegistry() *Registry {
+	r := &Registry{}
+	r.snap.Store(buildSnapshot(nil))
+	return r
+}
+
+func (r *Registry) Snapshot() *Snapshot { return r.snap.Load() }
+
+// Add registers a worker, assigning an ID when it has none. Adding a URL that
+// is already registered returns the existing worker and false.
+func (r *Registry) Add(w *Worker) (*Worker, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cur := r.snap.Load()
+	if old := cur.byURL[w.URL]; old != nil {
+		return old, false
+	}
+	if w.ID == "" {
+		w.ID = uuid.NewString()
+	}
+	r.snap.Store(buildSnapshot(append(slices.Clone(cur.All), w)))
+	return w, true
+}
+
+// Remove unregisters a worker by URL. In-flight requests keep their pointer
+// and finish normally.
+func (r *Registry) Remove(url string) (*Worker, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cur := r.snap.Load()
+	w := cur.byURL[url]
+	if w == nil {
+		return nil, false
+	}
+	all := slices.DeleteFunc(slices.Clone(cur.All), func(x *Worker) bool { return x == w })
+	r.snap.Store(buildSnapshot(all))
+	return w, true
+}
+
+func buildSnapshot(all []*Worker) *Snapshot {
+	s := &Snapshot{All: all, byURL: make(map[string]*Worker, len(all)), byID: make(map[string]*Worker, len(all))}
+	for _, w := range all {
+		s.ByType[w.Type] = append(s.ByType[w.Type], w)
+		s.byURL[w.URL] = w
+		s.byID[w.ID] = w
+	}
+	return s
+}
