@@ -26,8 +26,11 @@ type Policy interface {
 // worker index that does not exist).
 var ErrNoSelection = errors.New("policy made no selection")
 
+// PolicyOptions carries the CLI tunables policies read.
+type PolicyOptions struct{}
+
 // NewPolicy builds a policy by its CLI name.
-func NewPolicy(name string) (Policy, error) {
+func NewPolicy(name string, _ PolicyOptions) (Policy, error) {
 	switch name {
 	case "random":
 		return Random{}, nil
