@@ -1,0 +1,130 @@
+package wire
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+)
+
+// Conn frames messages over a stream. Reads must come from one goroutine;
+// writes may come from many (each frame is written whole under a lock).
+type Conn struct {
+	nc  net.Conn
+	br  *bufio.Reader
+	buf []byte // reused read buffer for control payloads
+
+	wmu  sync.Mutex
+	wbuf []byte
+	iov  net.Buffers
+
+	pending uint32 // DATA bytes the caller still has to consume
+}
+
+// NewConn wraps nc.
+func NewConn(nc net.Conn) *Conn {
+	return &Conn{nc: nc, br: bufio.NewReaderSize(nc, 64<<10)}
+}
+
+// NetConn is the underlying connection (for deadlines and Close).
+func (c *Conn) NetConn() net.Conn { return c.nc }
+
+// Close closes the underlying connection.
+func (c *Conn) Close() error { return c.nc.Close() }
+
+// Write sends one control frame.
+func (c *Conn) Write(m Msg) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.wbuf = AppendFrame(c.wbuf[:0], m)
+	_, err := c.nc.Write(c.wbuf)
+	return err
+}
+
+// WriteData sends a DATA frame whose bytes are taken straight from data
+// (one writev of header and payload, no copy of the payload).
+func (c *Conn) WriteData(region uint32, offset uint64, data []byte) error {
+	if len(data) > MaxDataLen {
+		return fmt.Errorf("DATA of %d bytes exceeds %d", len(data), MaxDataLen)
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.wbuf = AppendFrame(c.wbuf[:0], &Data{Region: region, Offset: offset, N: uint32(len(data))})
+	c.iov = append(c.iov[:0], c.wbuf, data)
+	_, err := c.iov.WriteTo(c.nc)
+	return err
+}
+
+// SetReadTimeout arms the read deadline d from now (0 disables it).
+func (c *Conn) SetReadTimeout(d time.Duration) error {
+	if d == 0 {
+		return c.nc.SetReadDeadline(time.Time{})
+	}
+	return c.nc.SetReadDeadline(time.Now().Add(d))
+}
+
+// Read returns the next frame. For a *Data the caller must then consume
+// exactly N bytes with ReadData before calling Read again.
+func (c *Conn) Read() (Msg, error) {
+	if c.pending != 0 {
+		return nil, fmt.Errorf("wire: %d DATA bytes not consumed", c.pending)
+	}
+	return ReadMsg(c.br, &c.buf, &c.pending)
+}
+
+// ReadMsg reads one frame from r; buf is reused for payloads. For DATA it
+// reads only the fixed header and sets *pending to the bytes that follow.
+// Exported for the fuzz target and tests.
+func ReadMsg(r io.Reader, buf *[]byte, pending *uint32) (Msg, error) {
+	var h [HeaderLen]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return nil, err
+	}
+	t, n, err := ParseHeader(h[:])
+	if err != nil {
+		return nil, err
+	}
+	if t == TData {
+		var dh [DataHeaderLen]byte
+		if _, err := io.ReadFull(r, dh[:]); err != nil {
+			return nil, unexpected(err)
+		}
+		d := &Data{
+			Region: binary.LittleEndian.Uint32(dh[:]),
+			Offset: binary.LittleEndian.Uint64(dh[4:]),
+			N:      n - DataHeaderLen,
+		}
+		*pending = d.N
+		return d, nil
+	}
+	if cap(*buf) < int(n) {
+		*buf = make([]byte, n)
+	}
+	p := (*buf)[:n]
+	if _, err := io.ReadFull(r, p); err != nil {
+		return nil, unexpected(err)
+	}
+	return Decode(t, p)
+}
+
+func unexpected(err error) error {
+	if err == io.EOF {
+		return io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+// ReadData reads the pending DATA bytes straight into dst, which must be
+// exactly that long. bufio hands reads at least its buffer's size directly
+// to the socket, so large pages land in dst without an intermediate copy.
+func (c *Conn) ReadData(dst []byte) error {
+	if uint32(len(dst)) != c.pending {
+		return fmt.Errorf("wire: ReadData of %d bytes, %d pending", len(dst), c.pending)
+	}
+	c.pending = 0
+	_, err := io.ReadFull(c.br, dst)
+	return unexpected(err)
+}

@@ -1,0 +1,279 @@
+// Package wire is the kvproxy ↔ kvproxy peer protocol: versioned,
+// length-prefixed binary frames over one TCP connection per peer pair.
+//
+// Frame: magic "KV" (2 bytes), version (1), type (1), payload length (u32 LE),
+// payload. The decode side dials and sends HELLO; the prefill side answers
+// with its own HELLO. Then, per room, the decode side sends XFER_REQ (only
+// page indices travel); the prefill side moves the pages (UCX puts, or DATA
+// frames on this connection for the tcp transport) and sends DONE per chunk
+// after the data is complete at the target. ABORT goes either way; both sides
+// send HEARTBEAT every interval.
+package wire
+
+import (
+	"fmt"
+)
+
+// Version is bumped on any incompatible change; peers must match exactly.
+const Version = 1
+
+const (
+	magic0    = 'K'
+	magic1    = 'V'
+	HeaderLen = 8
+	// MaxControlLen bounds every non-DATA payload (32k tokens at page 16 is
+	// 8 KiB of indices, so this is generous).
+	MaxControlLen = 4 << 20
+	// MaxDataLen bounds one DATA frame; senders split runs into pieces so
+	// heartbeats can interleave and read deadlines stay meaningful.
+	MaxDataLen = 8 << 20
+	// DataHeaderLen is the fixed part of a DATA payload before the bytes.
+	DataHeaderLen = 12
+)
+
+// Type identifies a frame.
+type Type uint8
+
+const (
+	THello Type = iota + 1
+	TXferReq
+	TData
+	TDone
+	TAbort
+	THeartbeat
+)
+
+func (t Type) String() string {
+	switch t {
+	case THello:
+		return "HELLO"
+	case TXferReq:
+		return "XFER_REQ"
+	case TData:
+		return "DATA"
+	case TDone:
+		return "DONE"
+	case TAbort:
+		return "ABORT"
+	case THeartbeat:
+		return "HEARTBEAT"
+	}
+	return fmt.Sprintf("Type(%d)", uint8(t))
+}
+
+// Msg is one decoded frame.
+type Msg interface {
+	Type() Type
+	encode(e *Enc)
+}
+
+// RegionKind tells KV buffers (indexed by page) from aux buffers (indexed by
+// the request's aux slot).
+type RegionKind uint8
+
+const (
+	KindKV RegionKind = iota + 1
+	KindAux
+)
+
+// Region describes one registered buffer of a peer: where it is, how big one
+// page (item) is, and the transport's packed remote key for it.
+type Region struct {
+	Kind    RegionKind
+	Base    uint64
+	Len     uint64
+	ItemLen uint32
+	RKey    []byte
+}
+
+// Hello is sent once per connection by each side: the whole metadata blob
+// (transport worker address, regions with packed rkeys, layout).
+type Hello struct {
+	Name       string
+	Transport  string
+	WorkerAddr []byte
+	PageSize   uint32
+	Dtype      string
+	Regions    []Region
+}
+
+// XferReq asks the prefill side to move a room's pages into DstPages (in
+// prompt order) and the aux item into AuxSlot (-1: none).
+type XferReq struct {
+	Room     uint64
+	AuxSlot  int32
+	DstPages []uint32
+}
+
+// Data precedes N raw bytes destined for Region at Offset (tcp transport).
+type Data struct {
+	Region uint32
+	Offset uint64
+	N      uint32
+}
+
+// Status of a finished chunk.
+type Status uint8
+
+const (
+	StatusOK Status = iota
+	StatusFailed
+)
+
+// Done reports that chunk Chunk of Room is complete at the target.
+type Done struct {
+	Room   uint64
+	Chunk  uint32
+	Last   bool
+	Status Status
+	Pages  uint32
+	Bytes  uint64
+}
+
+// Abort fails a room on the other side.
+type Abort struct {
+	Room   uint64
+	Reason string
+}
+
+// Heartbeat proves the peer is alive.
+type Heartbeat struct{ Seq uint64 }
+
+func (*Hello) Type() Type     { return THello }
+func (*XferReq) Type() Type   { return TXferReq }
+func (*Data) Type() Type      { return TData }
+func (*Done) Type() Type      { return TDone }
+func (*Abort) Type() Type     { return TAbort }
+func (*Heartbeat) Type() Type { return THeartbeat }
+
+func (m *Hello) encode(e *Enc) {
+	e.String(m.Name)
+	e.String(m.Transport)
+	e.Bytes(m.WorkerAddr)
+	e.U32(m.PageSize)
+	e.String(m.Dtype)
+	e.U32(uint32(len(m.Regions)))
+	for _, r := range m.Regions {
+		e.U8(uint8(r.Kind))
+		e.U64(r.Base)
+		e.U64(r.Len)
+		e.U32(r.ItemLen)
+		e.Bytes(r.RKey)
+	}
+}
+
+func (m *XferReq) encode(e *Enc) {
+	e.U64(m.Room)
+	e.I32(m.AuxSlot)
+	e.U32s(m.DstPages)
+}
+
+func (m *Data) encode(e *Enc) {
+	e.U32(m.Region)
+	e.U64(m.Offset)
+}
+
+func (m *Done) encode(e *Enc) {
+	e.U64(m.Room)
+	e.U32(m.Chunk)
+	e.Bool(m.Last)
+	e.U8(uint8(m.Status))
+	e.U32(m.Pages)
+	e.U64(m.Bytes)
+}
+
+func (m *Abort) encode(e *Enc) {
+	e.U64(m.Room)
+	e.String(m.Reason)
+}
+
+func (m *Heartbeat) encode(e *Enc) { e.U64(m.Seq) }
+
+// Decode parses a non-DATA payload of type t.
+func Decode(t Type, p []byte) (Msg, error) {
+	d := Dec{B: p}
+	var m Msg
+	switch t {
+	case THello:
+		h := &Hello{
+			Name:       d.String(),
+			Transport:  d.String(),
+			WorkerAddr: d.Bytes(),
+			PageSize:   d.U32(),
+			Dtype:      d.String(),
+		}
+		n := d.U32()
+		if n > maxRegions {
+			return nil, fmt.Errorf("%w: %d regions", ErrMalformed, n)
+		}
+		for i := uint32(0); i < n && d.Err == nil; i++ {
+			r := Region{Kind: RegionKind(d.U8()), Base: d.U64(), Len: d.U64(), ItemLen: d.U32(), RKey: d.Bytes()}
+			if d.Err == nil && (r.Kind != KindKV && r.Kind != KindAux || r.ItemLen == 0) {
+				return nil, fmt.Errorf("%w: bad region %d", ErrMalformed, i)
+			}
+			h.Regions = append(h.Regions, r)
+		}
+		m = h
+	case TXferReq:
+		m = &XferReq{Room: d.U64(), AuxSlot: d.I32(), DstPages: d.U32s()}
+	case TDone:
+		dn := &Done{Room: d.U64(), Chunk: d.U32(), Last: d.Bool(), Status: Status(d.U8()), Pages: d.U32(), Bytes: d.U64()}
+		if d.Err == nil && dn.Status > StatusFailed {
+			return nil, fmt.Errorf("%w: status %d", ErrMalformed, dn.Status)
+		}
+		m = dn
+	case TAbort:
+		m = &Abort{Room: d.U64(), Reason: d.String()}
+	case THeartbeat:
+		m = &Heartbeat{Seq: d.U64()}
+	default:
+		return nil, fmt.Errorf("%w: type %s has no control payload", ErrMalformed, t)
+	}
+	if err := d.End(); err != nil {
+		return nil, fmt.Errorf("%s: %w", t, err)
+	}
+	return m, nil
+}
+
+// AppendFrame appends m's whole frame (header and payload) to b. DATA frames
+// get only their header: the bytes follow separately.
+func AppendFrame(b []byte, m Msg) []byte {
+	start := len(b)
+	b = append(b, magic0, magic1, Version, byte(m.Type()), 0, 0, 0, 0)
+	e := Enc{B: b}
+	m.encode(&e)
+	n := len(e.B) - start - HeaderLen
+	if d, ok := m.(*Data); ok {
+		n += int(d.N)
+	}
+	putU32(e.B[start+4:], uint32(n))
+	return e.B
+}
+
+func putU32(b []byte, v uint32) {
+	b[0], b[1], b[2], b[3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
+}
+
+// ParseHeader checks a frame header and returns its type and payload length.
+func ParseHeader(h []byte) (Type, uint32, error) {
+	if len(h) < HeaderLen {
+		return 0, 0, fmt.Errorf("%w: short header", ErrMalformed)
+	}
+	if h[0] != magic0 || h[1] != magic1 {
+		return 0, 0, fmt.Errorf("%w: bad magic", ErrMalformed)
+	}
+	if h[2] != Version {
+		return 0, 0, fmt.Errorf("%w: version %d, want %d", ErrMalformed, h[2], Version)
+	}
+	t := Type(h[3])
+	n := uint32(h[4]) | uint32(h[5])<<8 | uint32(h[6])<<16 | uint32(h[7])<<24
+	switch {
+	case t < THello || t > THeartbeat:
+		return 0, 0, fmt.Errorf("%w: unknown type %d", ErrMalformed, h[3])
+	case t == TData && (n < DataHeaderLen || n > DataHeaderLen+MaxDataLen):
+		return 0, 0, fmt.Errorf("%w: DATA length %d", ErrMalformed, n)
+	case t != TData && n > MaxControlLen:
+		return 0, 0, fmt.Errorf("%w: %s length %d", ErrMalformed, t, n)
+	}
+	return t, n, nil
+}

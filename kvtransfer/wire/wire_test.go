@@ -1,0 +1,164 @@
+package wire
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"reflect"
+	"testing"
+)
+
+func sample() []Msg {
+	return []Msg{
+		&Hello{Name: "p0", Transport: "ucx", WorkerAddr: []byte{1, 2, 3}, PageSize: 16, Dtype: "bf16",
+			Regions: []Region{{Kind: KindKV, Base: 0x7f00, Len: 1 << 20, ItemLen: 32 << 10, RKey: []byte{9}}, {Kind: KindAux, Base: 1, Len: 64, ItemLen: 8, RKey: []byte{}}}},
+		&XferReq{Room: 1<<63 - 1, AuxSlot: -1, DstPages: []uint32{4, 5, 6, 100}},
+		&XferReq{Room: 7, AuxSlot: 3, DstPages: []uint32{}},
+		&Done{Room: 7, Chunk: 2, Last: true, Status: StatusFailed, Pages: 3, Bytes: 1 << 40},
+		&Abort{Room: 9, Reason: "client gone"},
+		&Heartbeat{Seq: 42},
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, m := range sample() {
+		frame := AppendFrame(nil, m)
+		var buf []byte
+		var pending uint32
+		got, err := ReadMsg(bytes.NewReader(frame), &buf, &pending)
+		if err != nil {
+			t.Fatalf("%s: %v", m.Type(), err)
+		}
+		if !reflect.DeepEqual(normalize(got), normalize(m)) {
+			t.Fatalf("%s: got %+v want %+v", m.Type(), got, m)
+		}
+	}
+}
+
+// normalize maps nil and empty slices together: the codec does not keep the difference.
+func normalize(m Msg) Msg {
+	switch v := m.(type) {
+	case *Hello:
+		c := *v
+		c.Regions = append([]Region(nil), v.Regions...)
+		for i := range c.Regions {
+			if len(c.Regions[i].RKey) == 0 {
+				c.Regions[i].RKey = nil
+			}
+		}
+		return &c
+	case *XferReq:
+		c := *v
+		if len(c.DstPages) == 0 {
+			c.DstPages = nil
+		}
+		return &c
+	}
+	return m
+}
+
+func TestDataFrameOverConn(t *testing.T) {
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	ca, cb := NewConn(a), NewConn(b)
+	payload := bytes.Repeat([]byte("kvpage"), 1000)
+	go func() {
+		_ = ca.WriteData(3, 4096, payload)
+		_ = ca.Write(&Done{Room: 1, Last: true, Bytes: uint64(len(payload))})
+	}()
+	m, err := cb.Read()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, ok := m.(*Data)
+	if !ok || d.Region != 3 || d.Offset != 4096 || int(d.N) != len(payload) {
+		t.Fatalf("bad data header %+v", m)
+	}
+	if _, err := cb.Read(); err == nil {
+		t.Fatal("Read with DATA bytes pending must fail")
+	}
+	dst := make([]byte, d.N)
+	if err := cb.ReadData(dst); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, payload) {
+		t.Fatal("payload differs")
+	}
+	m, err = cb.Read()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dn, ok := m.(*Done); !ok || !dn.Last || dn.Bytes != uint64(len(payload)) {
+		t.Fatalf("bad done %+v", m)
+	}
+}
+
+func TestMalformed(t *testing.T) {
+	good := AppendFrame(nil, &XferReq{Room: 1, AuxSlot: 0, DstPages: []uint32{1, 2}})
+	cases := map[string][]byte{
+		"bad magic":      append([]byte{'X'}, good[1:]...),
+		"bad version":    append(append([]byte{}, good[:2]...), append([]byte{Version + 1}, good[3:]...)...),
+		"unknown type":   append(append([]byte{}, good[:3]...), append([]byte{99}, good[4:]...)...),
+		"huge length":    append(append([]byte{}, good[:4]...), 0xff, 0xff, 0xff, 0x7f),
+		"trailing byte":  withLen(append(append([]byte{}, good...), 0), len(good)+1-HeaderLen),
+		"short count":    withLen(append([]byte{}, good[:len(good)-4]...), len(good)-4-HeaderLen),
+		"data too big":   {magic0, magic1, Version, byte(TData), 0xff, 0xff, 0xff, 0xff},
+		"data too small": {magic0, magic1, Version, byte(TData), 4, 0, 0, 0},
+	}
+	done := AppendFrame(nil, &Done{Room: 1})
+	done[HeaderLen+12] = 2 // Last is neither 0 nor 1
+	cases["bad bool"] = done
+	for name, frame := range cases {
+		var buf []byte
+		var pending uint32
+		_, err := ReadMsg(bytes.NewReader(frame), &buf, &pending)
+		if !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: got %v, want ErrMalformed", name, err)
+		}
+	}
+	var buf []byte
+	var pending uint32
+	if _, err := ReadMsg(bytes.NewReader(good[:HeaderLen+3]), &buf, &pending); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("truncated payload: got %v", err)
+	}
+}
+
+func withLen(f []byte, n int) []byte {
+	putU32(f[4:], uint32(n))
+	return f
+}
+
+func FuzzReadMsg(f *testing.F) {
+	for _, m := range sample() {
+		f.Add(AppendFrame(nil, m))
+	}
+	f.Add(append(AppendFrame(nil, &Data{Region: 1, Offset: 2, N: 3}), 1, 2, 3))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var buf []byte
+		var pending uint32
+		r := bytes.NewReader(b)
+		for {
+			m, err := ReadMsg(r, &buf, &pending)
+			if err != nil {
+				return
+			}
+			if d, ok := m.(*Data); ok {
+				if pending != d.N || d.N > MaxDataLen {
+					t.Fatalf("pending %d for %+v", pending, d)
+				}
+				if _, err := io.CopyN(io.Discard, r, int64(d.N)); err != nil {
+					return
+				}
+				pending = 0
+				continue
+			}
+			// A decoded message must re-encode to a frame that decodes the same.
+			again, err := ReadMsg(bytes.NewReader(AppendFrame(nil, m)), &buf, &pending)
+			if err != nil || !reflect.DeepEqual(normalize(again), normalize(m)) {
+				t.Fatalf("re-encode of %+v: %+v, %v", m, again, err)
+			}
+		}
+	})
+}
