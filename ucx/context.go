@@ -1,0 +1,227 @@
+//go:build cgo
+
+package ucx
+
+/*
+#cgo pkg-config: ucx
+#include <stdlib.h>
+#include "glue.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+)
+
+// live counts UCX objects for LiveObjects.
+var live struct {
+	contexts, workers, listeners, endpoints, memory, rkeys, requests atomic.Int64
+}
+
+// LiveObjects reports how many UCX objects this process holds right now.
+func LiveObjects() Live {
+	return Live{
+		Contexts:  live.contexts.Load(),
+		Workers:   live.workers.Load(),
+		Listeners: live.listeners.Load(),
+		Endpoints: live.endpoints.Load(),
+		Memory:    live.memory.Load(),
+		Rkeys:     live.rkeys.Load(),
+		Requests:  live.requests.Load(),
+		AMBuffers: int64(C.ucxg_am_buffers()),
+	}
+}
+
+func statusErr(op string, st C.ucs_status_t) error {
+	if st == C.UCS_OK {
+		return nil
+	}
+	return &Error{Op: op, Status: int(st), Text: C.GoString(C.ucs_status_string(st))}
+}
+
+// Context is a UCP context with the RMA, AM and wakeup features. It is safe
+// for concurrent use.
+type Context struct {
+	p   C.ucp_context_h
+	tls string // effective UCX_TLS, to check sockaddr support
+
+	mu       sync.Mutex
+	children int // open workers and memory regions
+	closed   bool
+}
+
+// NewContext reads the UCX_* environment, applies cfg.Options and creates
+// the context.
+func NewContext(cfg Config) (*Context, error) {
+	keys := make([]*C.char, 0, len(cfg.Options))
+	vals := make([]*C.char, 0, len(cfg.Options))
+	defer func() {
+		for i := range keys {
+			C.free(unsafe.Pointer(keys[i]))
+			C.free(unsafe.Pointer(vals[i]))
+		}
+	}()
+	for k, v := range cfg.Options {
+		keys = append(keys, C.CString(k))
+		vals = append(vals, C.CString(v))
+	}
+	// C memory for the arrays: cgo forbids passing Go memory holding pointers.
+	n := len(keys)
+	ck := (**C.char)(C.calloc(C.size_t(n+1), C.size_t(unsafe.Sizeof(uintptr(0)))))
+	cv := (**C.char)(C.calloc(C.size_t(n+1), C.size_t(unsafe.Sizeof(uintptr(0)))))
+	defer C.free(unsafe.Pointer(ck))
+	defer C.free(unsafe.Pointer(cv))
+	copy(unsafe.Slice(ck, n), keys)
+	copy(unsafe.Slice(cv, n), vals)
+
+	c := &Context{tls: tlsSetting(cfg)}
+	if err := statusErr("ucp_init", C.ucxg_context_create(ck, cv, C.int(n), &c.p)); err != nil {
+		return nil, err
+	}
+	live.contexts.Add(1)
+	return c, nil
+}
+
+// Close releases the context. Every worker and memory region of it must be
+// closed first.
+func (c *Context) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	if c.children > 0 {
+		return fmt.Errorf("ucx: context close: %d workers or memory regions still open", c.children)
+	}
+	c.closed = true
+	C.ucp_cleanup(c.p)
+	live.contexts.Add(-1)
+	return nil
+}
+
+func (c *Context) addChild() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	c.children++
+	return nil
+}
+
+func (c *Context) dropChild() {
+	c.mu.Lock()
+	c.children--
+	c.mu.Unlock()
+}
+
+// tlsSetting returns the UCX_TLS value the context will use.
+func tlsSetting(cfg Config) string {
+	if v, ok := cfg.Options["TLS"]; ok {
+		return v
+	}
+	return os.Getenv("UCX_TLS")
+}
+
+// tlsHasTCP reports whether a UCX_TLS value enables tcp, which sockaddr
+// connection establishment needs.
+func tlsHasTCP(tls string) bool {
+	tls = strings.TrimSpace(tls)
+	if tls == "" {
+		return true
+	}
+	exclude := strings.HasPrefix(tls, "^")
+	found := false
+	for _, t := range strings.Split(strings.TrimPrefix(tls, "^"), ",") {
+		t = strings.TrimSpace(t)
+		if t == "tcp" || (!exclude && t == "all") {
+			found = true
+		}
+	}
+	return found != exclude
+}
+
+// Memory is a registered region. It is safe to share between goroutines;
+// close it once no operation uses it.
+type Memory struct {
+	ctx    *Context
+	memh   C.ucp_mem_h
+	base   unsafe.Pointer
+	n      int
+	closed atomic.Bool
+}
+
+// Alloc lets UCX allocate and register n bytes (UCP_MEM_MAP_ALLOCATE). Over
+// shared-memory transports peers can then store into it directly.
+func (c *Context) Alloc(n int) (*Memory, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("ucx: alloc: bad length %d", n)
+	}
+	return c.mapMem(nil, n, true)
+}
+
+// Map registers existing memory. b must not be Go heap memory: use mmap'd
+// memory (a memfd, shared segment) or C-allocated memory, and keep it
+// mapped until the Memory is closed.
+func (c *Context) Map(b []byte) (*Memory, error) {
+	if len(b) == 0 {
+		return nil, fmt.Errorf("ucx: map: empty buffer")
+	}
+	return c.mapMem(unsafe.Pointer(unsafe.SliceData(b)), len(b), false)
+}
+
+func (c *Context) mapMem(addr unsafe.Pointer, n int, alloc bool) (*Memory, error) {
+	if err := c.addChild(); err != nil {
+		return nil, err
+	}
+	m := &Memory{ctx: c, n: n}
+	a := C.int(0)
+	if alloc {
+		a = 1
+	}
+	if err := statusErr("ucp_mem_map", C.ucxg_mem_map(c.p, addr, C.size_t(n), a, &m.memh, &m.base)); err != nil {
+		c.dropChild()
+		return nil, err
+	}
+	live.memory.Add(1)
+	return m, nil
+}
+
+// Bytes views the region; valid until Close.
+func (m *Memory) Bytes() []byte { return unsafe.Slice((*byte)(m.base), m.n) }
+
+// Addr is the region's base address, the one a peer puts to.
+func (m *Memory) Addr() uint64 { return uint64(uintptr(m.base)) }
+
+// Len is the region's length in bytes.
+func (m *Memory) Len() int { return m.n }
+
+// PackRkey returns the remote key a peer passes to Endpoint.UnpackRkey.
+func (m *Memory) PackRkey() ([]byte, error) {
+	if m.closed.Load() {
+		return nil, ErrClosed
+	}
+	var buf unsafe.Pointer
+	var size C.size_t
+	if err := statusErr("ucp_rkey_pack", C.ucp_rkey_pack(m.ctx.p, m.memh, &buf, &size)); err != nil {
+		return nil, err
+	}
+	defer C.ucp_rkey_buffer_release(buf)
+	return C.GoBytes(buf, C.int(size)), nil
+}
+
+// Close unregisters the region (and frees it if UCX allocated it).
+func (m *Memory) Close() error {
+	if !m.closed.CompareAndSwap(false, true) {
+		return ErrClosed
+	}
+	err := statusErr("ucp_mem_unmap", C.ucp_mem_unmap(m.ctx.p, m.memh))
+	live.memory.Add(-1)
+	m.ctx.dropChild()
+	return err
+}

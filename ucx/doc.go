@@ -1,0 +1,24 @@
+// Package ucx is a thin cgo binding to UCX's libucp (1.13+): contexts,
+// workers, listeners, endpoints, memory registration, remote keys, RMA
+// put/get (one call or a batch per cgo call), flush and active messages.
+//
+// Threading rules:
+//   - A Worker and everything created from it (Endpoint, Listener, Rkey,
+//     Request) belong to one owner goroutine locked to its OS thread
+//     (runtime.LockOSThread). Call their methods only from that goroutine;
+//     only Worker.Signal is safe from anywhere. Loop runs such a goroutine
+//     and executes closures on it.
+//   - Context and Memory are safe to share between goroutines.
+//   - Nothing moves unless the owner progresses its worker. Over tcp the
+//     target of a put must progress its worker too, or the put never
+//     completes.
+//
+// Memory rules: UCX never sees Go heap memory. Registered buffers come from
+// Context.Alloc (UCX-allocated, the fast path over shared memory) or
+// Context.Map of memory the caller obtained outside the Go heap (mmap,
+// C.malloc). Active-message payloads are copied into C memory before
+// sending. Errors carry UCX's status text (see Error).
+//
+// Without cgo the package compiles, and every constructor returns
+// ErrUnavailable.
+package ucx
