@@ -1,0 +1,43 @@
+// Command mockworker is a mock SGLang engine for tests and benchmarks; see
+// package internal/mockworker for its flags and endpoints. The first stdout
+// line is "listening on HOST:PORT".
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/pdrouter/pdrouter/internal/mockworker"
+)
+
+func main() {
+	cfg, err := mockworker.ParseFlags(os.Args[0], os.Args[1:], os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mockworker:", err)
+		os.Exit(2)
+	}
+	srv, err := mockworker.Start(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Printf("listening on %s\n", srv.Addr())
+
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	select {
+	case <-sig:
+	case <-srv.Done():
+	}
+	if err := srv.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, "mockworker:", err)
+		os.Exit(1)
+	}
+}

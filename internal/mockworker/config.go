@@ -1,0 +1,152 @@
+package mockworker
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"time"
+)
+
+// Role is the disaggregation role the mock plays.
+type Role string
+
+const (
+	RoleRegular Role = "regular"
+	RolePrefill Role = "prefill"
+	RoleDecode  Role = "decode"
+)
+
+// Defaults applied by New to zero fields of Config.
+const (
+	DefaultTokens        = 16
+	DefaultModel         = "mock"
+	DefaultHost          = "127.0.0.1"
+	DefaultBootstrapPort = 8998 // SGLang's --disaggregation-bootstrap-port default
+	DefaultRecordLimit   = 1000
+)
+
+// Config configures a mock worker. Zero values mean the documented defaults.
+type Config struct {
+	Role     Role   // "" = regular
+	Host     string // "" = 127.0.0.1
+	Port     int    // 0 = ephemeral
+	WorkerID string // "" = worker-PORT (the bound port)
+	Model    string // served model name; "" = mock
+
+	// APIKey, when set, must be presented as "Authorization: Bearer KEY".
+	// RequireAPIKey alone accepts any Bearer token.
+	APIKey        string
+	RequireAPIKey bool
+
+	Tokens       int           // completion tokens per request; 0 = 16. Requests may lower it.
+	TokenDelay   time.Duration // between two tokens
+	PrefillDelay time.Duration // before the first byte of a generation response
+
+	StatusCode     int     // non-zero and not 200: every generation request fails with it
+	FailFirstN     int     // the first N generation requests fail with 500
+	RandomFailRate float64 // probability in [0,1] of a 500
+	CrashOnRequest bool    // exit(1) on the first generation request
+	Hang           bool    // never answer generation requests; wait for the client to go
+
+	HealthFailAfter time.Duration // /health answers 503 once this much time has passed
+	HealthFlap      time.Duration // /health alternates 200 and 503 every period
+	Seed            int64         // random-fail-rate seed; 0 = time-based
+
+	// BootstrapPort is used for a JSON-null bootstrap_port, like SGLang's
+	// --disaggregation-bootstrap-port. 0 = 8998.
+	BootstrapPort int
+	// RecordLimit is how many generation requests /_mock/requests keeps;
+	// 0 = 1000, negative = record nothing (for benchmarks with big bodies).
+	RecordLimit int
+
+	KV KVTransfer // nil = no KV transfer
+
+	// Exit is called for CrashOnRequest; nil = os.Exit. Tests replace it.
+	Exit func(code int)
+}
+
+func (c Config) withDefaults() (Config, error) {
+	if c.Role == "" {
+		c.Role = RoleRegular
+	}
+	switch c.Role {
+	case RoleRegular, RolePrefill, RoleDecode:
+	default:
+		return c, fmt.Errorf("invalid role %q: want prefill, decode or regular", c.Role)
+	}
+	if c.Host == "" {
+		c.Host = DefaultHost
+	}
+	if c.Model == "" {
+		c.Model = DefaultModel
+	}
+	if c.Tokens == 0 {
+		c.Tokens = DefaultTokens
+	}
+	if c.BootstrapPort == 0 {
+		c.BootstrapPort = DefaultBootstrapPort
+	}
+	if c.RecordLimit == 0 {
+		c.RecordLimit = DefaultRecordLimit
+	}
+	if c.Exit == nil {
+		c.Exit = os.Exit
+	}
+	switch {
+	case c.Port < 0 || c.Port > 65535:
+		return c, fmt.Errorf("invalid port %d", c.Port)
+	case c.Tokens < 0:
+		return c, fmt.Errorf("invalid tokens %d", c.Tokens)
+	case c.TokenDelay < 0 || c.PrefillDelay < 0 || c.HealthFailAfter < 0 || c.HealthFlap < 0:
+		return c, errors.New("durations must not be negative")
+	case c.StatusCode != 0 && (c.StatusCode < 100 || c.StatusCode > 599):
+		return c, fmt.Errorf("invalid status code %d", c.StatusCode)
+	case c.FailFirstN < 0:
+		return c, fmt.Errorf("invalid fail-first-n %d", c.FailFirstN)
+	case c.RandomFailRate < 0 || c.RandomFailRate > 1:
+		return c, fmt.Errorf("invalid random-fail-rate %v: want [0,1]", c.RandomFailRate)
+	}
+	return c, nil
+}
+
+// ParseFlags parses the mockworker command line into a Config. It returns
+// flag.ErrHelp for -h/--help.
+func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
+	var c Config
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(output)
+	role := fs.String("role", string(RoleRegular), "prefill, decode or regular")
+	fs.StringVar(&c.Host, "host", DefaultHost, "listen host")
+	fs.IntVar(&c.Port, "port", -1, "listen port (required; 0 = ephemeral)")
+	fs.StringVar(&c.WorkerID, "worker-id", "", "worker id in X-Worker-Id and bodies (default worker-PORT)")
+	fs.StringVar(&c.Model, "model", DefaultModel, "served model name")
+	fs.StringVar(&c.APIKey, "api-key", "", "require this Bearer token")
+	fs.BoolVar(&c.RequireAPIKey, "require-api-key", false, "require a Bearer token")
+	fs.IntVar(&c.Tokens, "tokens", DefaultTokens, "completion tokens to emit (requests may lower it)")
+	fs.DurationVar(&c.TokenDelay, "token-delay", 0, "delay between tokens")
+	fs.DurationVar(&c.PrefillDelay, "prefill-delay", 0, "delay before the first byte of a generation response")
+	fs.IntVar(&c.StatusCode, "status-code", 0, "answer every generation request with this status and an SGLang error body")
+	fs.IntVar(&c.FailFirstN, "fail-first-n", 0, "fail the first N generation requests with 500")
+	fs.Float64Var(&c.RandomFailRate, "random-fail-rate", 0, "probability of a 500 per generation request")
+	fs.BoolVar(&c.CrashOnRequest, "crash-on-request", false, "exit(1) on the first generation request")
+	fs.BoolVar(&c.Hang, "hang", false, "never answer generation requests")
+	fs.DurationVar(&c.HealthFailAfter, "health-fail-after", 0, "/health returns 503 after this long")
+	fs.DurationVar(&c.HealthFlap, "health-flap", 0, "/health alternates 200/503 with this period")
+	fs.Int64Var(&c.Seed, "seed", 0, "random seed (0 = time-based)")
+	fs.IntVar(&c.BootstrapPort, "bootstrap-port", DefaultBootstrapPort, "bootstrap port assumed for a null bootstrap_port")
+	fs.IntVar(&c.RecordLimit, "record-requests", DefaultRecordLimit, "generation requests kept for /_mock/requests (negative = none)")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments: %v", fs.Args())
+	}
+	if c.Port < 0 {
+		return c, errors.New("--port is required")
+	}
+	c.Role = Role(*role)
+	_, err := c.withDefaults()
+	return c, err
+}

@@ -1,0 +1,144 @@
+package mockworker
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Outcomes of a generation request, as reported in RecordedRequest.Finished.
+const (
+	FinishedOK         = "ok"
+	FinishedError      = "error"       // answered with a non-2xx status
+	FinishedClientGone = "client_gone" // the client disconnected before the response finished
+)
+
+// RecordedRequest is one generation request as the mock received it.
+type RecordedRequest struct {
+	Path    string            `json:"path"`
+	Method  string            `json:"method"`
+	Headers map[string]string `json:"headers"` // lower-case names; repeated values joined with ", "
+	Body    string            `json:"body"`
+	// The bootstrap fields exactly as received (raw JSON); absent keys are omitted.
+	BootstrapHost    json.RawMessage `json:"bootstrap_host,omitempty"`
+	BootstrapPort    json.RawMessage `json:"bootstrap_port,omitempty"`
+	BootstrapRoom    json.RawMessage `json:"bootstrap_room,omitempty"`
+	Status           int             `json:"status,omitempty"` // 0 until answered
+	StartedUnixNano  int64           `json:"started_unix_nano"`
+	Finished         string          `json:"finished,omitempty"` // "" while in flight
+	FinishedUnixNano int64           `json:"finished_unix_nano,omitempty"`
+}
+
+// Stats counts generation requests since start or the last Reset.
+// InFlight is always the live count; Reset does not clear it.
+type Stats struct {
+	Requests   int64 `json:"requests"`
+	InFlight   int64 `json:"in_flight"`
+	ClientGone int64 `json:"client_gone"`
+	Completed  int64 `json:"completed"`
+	Errors     int64 `json:"errors"`
+}
+
+// recorder keeps a ring of the last records and the counters. One mutex is
+// plenty: it is taken three times per request, never across I/O.
+type recorder struct {
+	mu             sync.Mutex
+	limit          int
+	ring           []*RecordedRequest
+	next           int // ring slot to overwrite once full
+	stats          Stats
+	inFlightTokens int64 // for /get_load and /metrics
+	promptTokens   int64 // totals for /metrics, not reset
+	genTokens      int64
+}
+
+func newRecorder(limit int) *recorder { return &recorder{limit: max(limit, 0)} }
+
+func (rc *recorder) start(r *http.Request) *RecordedRequest {
+	rec := &RecordedRequest{
+		Path:            r.URL.Path,
+		Method:          r.Method,
+		Headers:         make(map[string]string, len(r.Header)+1),
+		StartedUnixNano: time.Now().UnixNano(),
+	}
+	for k, v := range r.Header {
+		rec.Headers[strings.ToLower(k)] = strings.Join(v, ", ")
+	}
+	rec.Headers["host"] = r.Host
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rc.stats.Requests++
+	rc.stats.InFlight++
+	if rc.limit == 0 {
+		return rec
+	}
+	if len(rc.ring) < rc.limit {
+		rc.ring = append(rc.ring, rec)
+	} else {
+		rc.ring[rc.next] = rec
+		rc.next = (rc.next + 1) % rc.limit
+	}
+	return rec
+}
+
+// setBody records what was read and parsed, as soon as it is known, so tests
+// can see a hanging request's body.
+func (rc *recorder) setBody(rec *RecordedRequest, body []byte, req *request) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rec.Body = string(body)
+	if req != nil {
+		rec.BootstrapHost, rec.BootstrapPort, rec.BootstrapRoom = req.bootHost, req.bootPort, req.bootRoom
+	}
+}
+
+// load adds (or with a negative delta removes) in-flight tokens.
+func (rc *recorder) load(tokens int64) {
+	rc.mu.Lock()
+	rc.inFlightTokens += tokens
+	rc.mu.Unlock()
+}
+
+func (rc *recorder) finish(rec *RecordedRequest, status int, outcome string, promptTokens, genTokens int64) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rec.Status = status
+	rec.Finished = outcome
+	rec.FinishedUnixNano = time.Now().UnixNano()
+	rc.stats.InFlight--
+	rc.promptTokens += promptTokens
+	rc.genTokens += genTokens
+	switch outcome {
+	case FinishedOK:
+		rc.stats.Completed++
+	case FinishedClientGone:
+		rc.stats.ClientGone++
+	default:
+		rc.stats.Errors++
+	}
+}
+
+func (rc *recorder) requests() []RecordedRequest {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	out := make([]RecordedRequest, 0, len(rc.ring))
+	for i := range rc.ring {
+		out = append(out, *rc.ring[(rc.next+i)%len(rc.ring)])
+	}
+	return out
+}
+
+func (rc *recorder) snapshot() (s Stats, inFlightTokens, promptTokens, genTokens int64) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	return rc.stats, rc.inFlightTokens, rc.promptTokens, rc.genTokens
+}
+
+func (rc *recorder) reset() {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rc.ring, rc.next = nil, 0
+	rc.stats = Stats{InFlight: rc.stats.InFlight}
+}
