@@ -1,7 +1,7 @@
 package balancer
 
 import (
-	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -14,7 +14,19 @@ const (
 	BreakerHalfOpen BreakerState = 2
 )
 
-// BreakerConfig mirrors the --cb-* flags.
+func (s BreakerState) String() string {
+	switch s {
+	case BreakerOpen:
+		return "open"
+	case BreakerHalfOpen:
+		return "half_open"
+	default:
+		return "closed"
+	}
+}
+
+// BreakerConfig mirrors the --cb-* flags (the window duration is parsed but
+// unused upstream, so it is absent here).
 type BreakerConfig struct {
 	FailureThreshold int
 	SuccessThreshold int
@@ -26,19 +38,36 @@ func DefaultBreakerConfig() BreakerConfig {
 	return BreakerConfig{FailureThreshold: 10, SuccessThreshold: 3, OpenDuration: 60 * time.Second}
 }
 
-// Breaker is a per-worker circuit breaker counting consecutive outcomes.
-// TODO(balancer issue): lock-free state and metrics hooks.
+// Breaker is a per-worker circuit breaker counting consecutive outcomes
+// (spec §5.3). State and both counters live in one word changed by CAS, so
+// Allow on a closed breaker is a single atomic load.
 type Breaker struct {
-	cfg BreakerConfig
+	cfg      BreakerConfig
+	now      func() time.Time // injectable clock
+	word     atomic.Uint64    // state<<62 | failures<<31 | successes
+	openedAt atomic.Int64     // unix nanos; written before the CAS that opens
+	okTotal  atomic.Uint64    // every success ever, read by passive health
 
-	mu        sync.Mutex
-	state     BreakerState
-	failures  int
-	successes int
-	openedAt  time.Time
+	// Set before the worker is published; nil means no metrics.
+	onTransition func(from, to BreakerState)
+	onOutcome    func(success bool)
 }
 
-func NewBreaker(cfg BreakerConfig) *Breaker { return &Breaker{cfg: cfg} }
+const counterMask = 1<<31 - 1
+
+func pack(s BreakerState, fails, oks uint64) uint64 {
+	return uint64(s)<<62 | min(fails, counterMask)<<31 | min(oks, counterMask)
+}
+
+func unpack(v uint64) (BreakerState, uint64, uint64) {
+	return BreakerState(v >> 62), v >> 31 & counterMask, v & counterMask
+}
+
+func NewBreaker(cfg BreakerConfig) *Breaker {
+	cfg.FailureThreshold = max(cfg.FailureThreshold, 1)
+	cfg.SuccessThreshold = max(cfg.SuccessThreshold, 1)
+	return &Breaker{cfg: cfg, now: time.Now}
+}
 
 // Allow reports whether a request may go to the worker, moving open to
 // half-open once the open duration has passed.
@@ -46,40 +75,83 @@ func (b *Breaker) Allow() bool {
 	if b.cfg.Disabled {
 		return true
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.state == BreakerOpen && time.Since(b.openedAt) >= b.cfg.OpenDuration {
-		b.state, b.failures, b.successes = BreakerHalfOpen, 0, 0
+	v := b.word.Load()
+	if st, _, _ := unpack(v); st != BreakerOpen {
+		return true
 	}
-	return b.state != BreakerOpen
+	if b.now().UnixNano()-b.openedAt.Load() < int64(b.cfg.OpenDuration) {
+		return false
+	}
+	if b.word.CompareAndSwap(v, pack(BreakerHalfOpen, 0, 0)) {
+		b.transition(BreakerOpen, BreakerHalfOpen)
+	}
+	return true
 }
 
-// Record feeds one request outcome into the breaker.
+// Record feeds one request outcome into the breaker. What counts as success
+// is the caller's call (PD: 2xx or 4xx; regular: 2xx).
 func (b *Breaker) Record(success bool) {
+	if success {
+		b.okTotal.Add(1)
+	}
+	if b.onOutcome != nil {
+		b.onOutcome(success)
+	}
 	if b.cfg.Disabled {
 		return
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if success {
-		b.failures = 0
-		if b.state == BreakerHalfOpen {
-			b.successes++
-			if b.successes >= b.cfg.SuccessThreshold {
-				b.state, b.successes = BreakerClosed, 0
+	for {
+		v := b.word.Load()
+		st, fails, oks := unpack(v)
+		next := st
+		var nv uint64
+		switch {
+		case st == BreakerOpen:
+			return // a late outcome of a request admitted before opening
+		case success && st == BreakerClosed:
+			if fails == 0 {
+				return // common case: no write, no contention
 			}
+			nv = pack(BreakerClosed, 0, 0)
+		case success: // half-open
+			if oks+1 >= uint64(b.cfg.SuccessThreshold) {
+				next, nv = BreakerClosed, pack(BreakerClosed, 0, 0)
+			} else {
+				nv = pack(BreakerHalfOpen, 0, oks+1)
+			}
+		case st == BreakerHalfOpen || fails+1 >= uint64(b.cfg.FailureThreshold):
+			next, nv = BreakerOpen, pack(BreakerOpen, 0, 0)
+			b.openedAt.Store(b.now().UnixNano())
+		default:
+			nv = pack(BreakerClosed, fails+1, 0)
 		}
-		return
-	}
-	b.successes = 0
-	b.failures++
-	if b.state == BreakerHalfOpen || b.failures >= b.cfg.FailureThreshold {
-		b.state, b.openedAt, b.failures = BreakerOpen, time.Now(), 0
+		if b.word.CompareAndSwap(v, nv) {
+			if next != st {
+				b.transition(st, next)
+			}
+			return
+		}
 	}
 }
 
+// State is the current state without the open → half-open move Allow makes.
 func (b *Breaker) State() BreakerState {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.state
+	st, _, _ := unpack(b.word.Load())
+	return st
+}
+
+// Counts returns the consecutive failures and successes.
+func (b *Breaker) Counts() (failures, successes int) {
+	_, f, s := unpack(b.word.Load())
+	return int(f), int(s)
+}
+
+// successes is the total of successful outcomes, used as a passive health
+// signal: a worker completing requests is alive even if its probe is slow.
+func (b *Breaker) successes() uint64 { return b.okTotal.Load() }
+
+func (b *Breaker) transition(from, to BreakerState) {
+	if b.onTransition != nil {
+		b.onTransition(from, to)
+	}
 }

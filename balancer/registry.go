@@ -42,8 +42,9 @@ func (s *Snapshot) Available(t WorkerType) []*Worker {
 // Registry owns the set of workers. Writers serialise on a mutex and publish
 // a fresh Snapshot.
 type Registry struct {
-	mu   sync.Mutex
-	snap atomic.Pointer[Snapshot]
+	mu        sync.Mutex
+	snap      atomic.Pointer[Snapshot]
+	listeners []func(*Snapshot)
 }
 
 func NewRegistry() *Registry {
@@ -53,6 +54,24 @@ func NewRegistry() *Registry {
 }
 
 func (r *Registry) Snapshot() *Snapshot { return r.snap.Load() }
+
+// OnChange registers fn to be called with every new snapshot, in order,
+// after it is published (policies keep per-worker state in step this way).
+// fn runs under the registry's write lock: it must not call Add or Remove.
+func (r *Registry) OnChange(fn func(*Snapshot)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.listeners = append(r.listeners, fn)
+	fn(r.snap.Load())
+}
+
+func (r *Registry) publish(all []*Worker) {
+	s := buildSnapshot(all)
+	r.snap.Store(s)
+	for _, fn := range r.listeners {
+		fn(s)
+	}
+}
 
 // Add registers a worker, assigning an ID when it has none. Adding a URL that
 // is already registered returns the existing worker and false.
@@ -66,7 +85,7 @@ func (r *Registry) Add(w *Worker) (*Worker, bool) {
 	if w.ID == "" {
 		w.ID = uuid.NewString()
 	}
-	r.snap.Store(buildSnapshot(append(slices.Clone(cur.All), w)))
+	r.publish(append(slices.Clone(cur.All), w))
 	return w, true
 }
 
@@ -80,9 +99,23 @@ func (r *Registry) Remove(url string) (*Worker, bool) {
 	if w == nil {
 		return nil, false
 	}
-	all := slices.DeleteFunc(slices.Clone(cur.All), func(x *Worker) bool { return x == w })
-	r.snap.Store(buildSnapshot(all))
+	r.publish(slices.DeleteFunc(slices.Clone(cur.All), func(x *Worker) bool { return x == w }))
 	return w, true
+}
+
+// replace swaps the worker with w's ID for w (an attribute update).
+func (r *Registry) replace(w *Worker) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cur := r.snap.Load()
+	i := slices.IndexFunc(cur.All, func(x *Worker) bool { return x.ID == w.ID })
+	if i < 0 {
+		return false
+	}
+	all := slices.Clone(cur.All)
+	all[i] = w
+	r.publish(all)
+	return true
 }
 
 func buildSnapshot(all []*Worker) *Snapshot {

@@ -4,6 +4,7 @@
 package balancer
 
 import (
+	"maps"
 	"net"
 	"net/url"
 	"strings"
@@ -47,22 +48,44 @@ func ParseWorkerType(s string) (WorkerType, bool) {
 // then sends JSON null and SGLang falls back to its own default.
 const NoBootstrapPort = -1
 
-// Worker is one upstream engine. Identity fields are immutable after
-// creation; mutable state is atomic so the hot path never locks.
+// Worker is one upstream engine. The exported fields are immutable once the
+// worker is published in a Snapshot: an update publishes a copy that shares
+// the mutable state (health, load, breaker), so in-flight requests holding
+// the old pointer still count against the same worker.
 type Worker struct {
-	ID            string
-	URL           string // base URL, no trailing slash
-	ModelID       string
-	Type          WorkerType
-	BootstrapPort int    // NoBootstrapPort when none
-	BootstrapHost string // host of URL as sglang-router injects it ([::1] for IPv6)
-	Priority      uint32
-	Cost          float32
-	Labels        map[string]string
+	ID                 string
+	URL                string // base URL, no trailing slash
+	ModelID            string
+	Type               WorkerType
+	BootstrapPort      int    // NoBootstrapPort when none
+	BootstrapHost      string // host of URL as sglang-router injects it ([::1] for IPv6)
+	Priority           uint32
+	Cost               float32
+	Labels             map[string]string
+	APIKey             string // sent as Bearer to this worker; empty = none
+	DisableHealthCheck bool
 
-	healthy atomic.Bool
-	load    atomic.Int64 // router-side in-flight requests
+	st      *workerState
 	Breaker *Breaker
+}
+
+// workerState is the part of a worker that changes while it serves traffic.
+type workerState struct {
+	healthy   atomic.Bool
+	load      atomic.Int64  // router-side in-flight requests
+	processed atomic.Uint64 // requests routed to the worker
+
+	// Owned by the health checker: consecutive probe results and the
+	// breaker's success total seen at the previous probe (passive health).
+	probeFails  atomic.Int32
+	probeOKs    atomic.Int32
+	passiveSeen atomic.Uint64
+
+	// Owned by the load monitor: the engine-reported load and the router's
+	// in-flight count when it was read; reportedOK says whether it is valid.
+	reported   atomic.Int64
+	loadAtPoll atomic.Int64
+	reportedOK atomic.Bool
 }
 
 // NewWorker builds a worker from its base URL. The worker starts healthy;
@@ -73,12 +96,21 @@ func NewWorker(rawURL string, typ WorkerType, bootstrapPort int) *Worker {
 		Type:          typ,
 		BootstrapPort: bootstrapPort,
 		ModelID:       "unknown",
+		Priority:      DefaultPriority,
+		Cost:          DefaultCost,
 		Breaker:       NewBreaker(DefaultBreakerConfig()),
+		st:            &workerState{},
 	}
 	w.BootstrapHost = BootstrapHost(w.URL)
-	w.healthy.Store(true)
+	w.st.healthy.Store(true)
 	return w
 }
+
+// Defaults of WorkerConfigRequest (spec §3.3).
+const (
+	DefaultPriority uint32  = 50
+	DefaultCost     float32 = 1.0
+)
 
 // BootstrapHost returns the host part of a worker URL the way sglang-router
 // 0.3.x does: no scheme, no port, IPv6 in brackets, "localhost" if unparsable.
@@ -97,15 +129,67 @@ func BootstrapHost(rawURL string) string {
 	return host
 }
 
-func (w *Worker) Healthy() bool     { return w.healthy.Load() }
-func (w *Worker) SetHealthy(h bool) { w.healthy.Store(h) }
+func (w *Worker) Healthy() bool     { return w.st.healthy.Load() }
+func (w *Worker) SetHealthy(h bool) { w.st.healthy.Store(h) }
 
 // Available reports whether the worker may take new traffic.
 func (w *Worker) Available() bool {
-	return w.healthy.Load() && (w.Breaker == nil || w.Breaker.Allow())
+	return w.st.healthy.Load() && (w.Breaker == nil || w.Breaker.Allow())
 }
 
 // Load is the router's in-flight request count for the worker.
-func (w *Worker) Load() int64 { return w.load.Load() }
-func (w *Worker) IncLoad()    { w.load.Add(1) }
-func (w *Worker) DecLoad()    { w.load.Add(-1) }
+func (w *Worker) Load() int64 { return w.st.load.Load() }
+func (w *Worker) IncLoad()    { w.st.load.Add(1); w.st.processed.Add(1) }
+func (w *Worker) DecLoad()    { w.st.load.Add(-1) }
+
+// Processed is the number of requests the router has routed to the worker.
+func (w *Worker) Processed() uint64 { return w.st.processed.Load() }
+
+// Record feeds one request outcome to the worker's breaker (and, through it,
+// to passive health). Same as w.Breaker.Record.
+func (w *Worker) Record(success bool) {
+	if w.Breaker != nil {
+		w.Breaker.Record(success)
+	}
+}
+
+// EstimatedLoad is the engine-reported load from the last /get_load poll plus
+// the requests the router has started since, so a burst between polls does
+// not herd onto the worker that looked idle. Without a report it is Load().
+func (w *Worker) EstimatedLoad() int64 {
+	if !w.st.reportedOK.Load() {
+		return w.Load()
+	}
+	return w.st.reported.Load() + max(0, w.Load()-w.st.loadAtPoll.Load())
+}
+
+// ReportedLoad is the load from the last successful /get_load poll.
+func (w *Worker) ReportedLoad() (int64, bool) {
+	return w.st.reported.Load(), w.st.reportedOK.Load()
+}
+
+func (w *Worker) setReportedLoad(n int64, ok bool) {
+	if ok {
+		w.st.reported.Store(n)
+		w.st.loadAtPoll.Store(w.Load())
+	}
+	w.st.reportedOK.Store(ok)
+}
+
+// withAttrs returns a copy sharing w's mutable state, for Update.
+func (w *Worker) withAttrs(u WorkerUpdate) *Worker {
+	c := *w
+	if u.Priority != nil {
+		c.Priority = *u.Priority
+	}
+	if u.Cost != nil {
+		c.Cost = *u.Cost
+	}
+	if u.Labels != nil {
+		c.Labels = maps.Clone(u.Labels)
+	}
+	if u.APIKey != nil {
+		c.APIKey = *u.APIKey
+	}
+	return &c
+}

@@ -1,0 +1,14 @@
+package balancer
+
+import "sync/atomic"
+
+// RoundRobin cycles through the available workers with one atomic counter;
+// the list is the available one, so a removal shifts the sequence (as upstream).
+type RoundRobin struct{ next atomic.Uint64 }
+
+func (*RoundRobin) Name() string    { return "round_robin" }
+func (*RoundRobin) NeedsText() bool { return false }
+func (r *RoundRobin) Select(workers []*Worker, _ *Request) (*Worker, error) {
+	n := r.next.Add(1) - 1
+	return workers[n%uint64(len(workers))], nil
+}
