@@ -120,7 +120,9 @@ const (
 	StatusFailed
 )
 
-// Done reports that chunk Chunk of Room is complete at the target.
+// Done reports that chunk Chunk of Room is complete at the target. Nanos is
+// the time the sender spent moving this chunk (post to flush), so the
+// receiver can report pure transfer time apart from waiting for prefill.
 type Done struct {
 	Room   uint64
 	Chunk  uint32
@@ -128,6 +130,7 @@ type Done struct {
 	Status Status
 	Pages  uint32
 	Bytes  uint64
+	Nanos  uint64
 }
 
 // Abort fails a room on the other side.
@@ -180,6 +183,7 @@ func (m *Done) encode(e *Enc) {
 	e.U8(uint8(m.Status))
 	e.U32(m.Pages)
 	e.U64(m.Bytes)
+	e.U64(m.Nanos)
 }
 
 func (m *Abort) encode(e *Enc) {
@@ -217,7 +221,7 @@ func Decode(t Type, p []byte) (Msg, error) {
 	case TXferReq:
 		m = &XferReq{Room: d.U64(), AuxSlot: d.I32(), DstPages: d.U32s()}
 	case TDone:
-		dn := &Done{Room: d.U64(), Chunk: d.U32(), Last: d.Bool(), Status: Status(d.U8()), Pages: d.U32(), Bytes: d.U64()}
+		dn := &Done{Room: d.U64(), Chunk: d.U32(), Last: d.Bool(), Status: Status(d.U8()), Pages: d.U32(), Bytes: d.U64(), Nanos: d.U64()}
 		if d.Err == nil && dn.Status > StatusFailed {
 			return nil, fmt.Errorf("%w: status %d", ErrMalformed, dn.Status)
 		}

@@ -15,7 +15,7 @@ func sample() []Msg {
 			Regions: []Region{{Kind: KindKV, Base: 0x7f00, Len: 1 << 20, ItemLen: 32 << 10, RKey: []byte{9}}, {Kind: KindAux, Base: 1, Len: 64, ItemLen: 8, RKey: []byte{}}}},
 		&XferReq{Room: 1<<63 - 1, AuxSlot: -1, DstPages: []uint32{4, 5, 6, 100}},
 		&XferReq{Room: 7, AuxSlot: 3, DstPages: []uint32{}},
-		&Done{Room: 7, Chunk: 2, Last: true, Status: StatusFailed, Pages: 3, Bytes: 1 << 40},
+		&Done{Room: 7, Chunk: 2, Last: true, Status: StatusFailed, Pages: 3, Bytes: 1 << 40, Nanos: 5},
 		&Abort{Room: 9, Reason: "client gone"},
 		&Heartbeat{Seq: 42},
 	}
