@@ -1,0 +1,81 @@
+package router
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// durationBuckets are sglang-router's buckets for *_duration_seconds.
+var durationBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 45, 60, 90, 120, 180, 240}
+
+// metrics are the smg_http_* and smg_router_* families of sglang-router
+// 0.3.x, plus pdrouter's own TTFT histogram (the Rust router has none over HTTP).
+type metrics struct {
+	httpRequests      *prometheus.CounterVec
+	httpDuration      *prometheus.HistogramVec
+	httpResponses     *prometheus.CounterVec
+	httpConnections   prometheus.Gauge
+	rateLimit         *prometheus.CounterVec
+	routerRequests    *prometheus.CounterVec
+	routerDuration    *prometheus.HistogramVec
+	routerErrors      *prometheus.CounterVec
+	upstreamResponses *prometheus.CounterVec
+	ttft              *prometheus.HistogramVec
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		httpRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_http_requests_total", Help: "HTTP requests received.",
+		}, []string{"method", "path"}),
+		httpDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "smg_http_request_duration_seconds", Help: "HTTP request duration.", Buckets: durationBuckets,
+		}, []string{"method", "path"}),
+		httpResponses: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_http_responses_total", Help: "HTTP responses sent.",
+		}, []string{"status_code", "error_code"}),
+		httpConnections: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "smg_http_connections_active", Help: "Open client connections.",
+		}),
+		rateLimit: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_http_rate_limit_total", Help: "Admission decisions.",
+		}, []string{"result"}),
+		routerRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_router_requests_total", Help: "Requests routed.",
+		}, []string{"router_type", "backend_type", "connection_mode", "model", "endpoint", "streaming"}),
+		routerDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "smg_router_request_duration_seconds", Help: "Duration of successful routed requests.", Buckets: durationBuckets,
+		}, []string{"router_type", "backend_type", "connection_mode", "model", "endpoint"}),
+		routerErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_router_request_errors_total", Help: "Routed requests that failed.",
+		}, []string{"router_type", "backend_type", "connection_mode", "model", "endpoint", "error_type"}),
+		upstreamResponses: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "smg_router_upstream_responses_total", Help: "Upstream responses by status.",
+		}, []string{"router_type", "status_code", "error_code"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "pdrouter_time_to_first_byte_seconds", Help: "Time from request to the first response byte sent to the client.", Buckets: durationBuckets,
+		}, []string{"backend_type", "endpoint"}),
+	}
+	reg.MustRegister(m.httpRequests, m.httpDuration, m.httpResponses, m.httpConnections, m.rateLimit,
+		m.routerRequests, m.routerDuration, m.routerErrors, m.upstreamResponses, m.ttft)
+	return m
+}
+
+// statusLabel avoids an allocation for the statuses that are nearly all traffic.
+func statusLabel(code int) string {
+	switch code {
+	case 200:
+		return "200"
+	case 400:
+		return "400"
+	case 500:
+		return "500"
+	case 503:
+		return "503"
+	}
+	return strconv.Itoa(code)
+}
+
+func since(t time.Time) float64 { return time.Since(t).Seconds() }

@@ -1,0 +1,184 @@
+package router
+
+import (
+	"context"
+	"io"
+	"net/http"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/balancer"
+)
+
+// The PD request path, top to bottom:
+//
+//  1. pick a prefill and a decode worker with each side's policy;
+//  2. splice bootstrap_host/port/room into the body bytes (inject.go);
+//  3. send the same body to both at once;
+//  4. relay decode's answer as it arrives, never waiting for prefill's body
+//     (unlike sglang-router, sgl-project/sglang#22853), while a goroutine
+//     watches prefill: if prefill fails, decode is cancelled and the client
+//     gets prefill's error (before the first byte) or an SSE error frame
+//     (after it);
+//  5. a client that goes away cancels both legs (connwatch.go, stream.go).
+
+// prefillLeg is the prefill request running beside decode.
+type prefillLeg struct {
+	done chan struct{}
+	err  *apiError // set before done closes when prefill failed
+	body []byte    // prefill's reply, kept only for logprob merging
+}
+
+// failure returns prefill's error if prefill is what ended ctx.
+func (p *prefillLeg) failure(ctx context.Context) *apiError {
+	if context.Cause(ctx) != errPrefillFailed {
+		return nil
+	}
+	<-p.done
+	return p.err
+}
+
+// wait blocks until prefill has answered or ctx ends.
+func (p *prefillLeg) wait(ctx context.Context) bool {
+	select {
+	case <-p.done:
+		return p.err == nil
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// mergeLogprobs reports whether prefill's input_token_logprobs must be
+// prepended to decode's: SGLang /generate with return_logprob (the OpenAI
+// routes carry no meta_info, so there is nothing to merge).
+func (r *request) mergeLogprobs() bool {
+	return r.route == routeGenerate && r.info.returnLogprob
+}
+
+// pdAttempt runs one try on a fresh pair and room. It returns the failure to
+// report (nil when a reply was written) and whether a stream writer now owns
+// the request.
+func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, bool) {
+	snap := s.reg.Snapshot()
+	pr := s.policyRequest(ctx, r)
+	pw, fail := s.pick(s.prefill, snap, balancer.Prefill, pr)
+	if fail != nil {
+		return fail, false
+	}
+	dw, fail := s.pick(s.decode, snap, balancer.Decode, pr)
+	if fail != nil {
+		return fail, false
+	}
+	body, _ := appendInjected(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw, batchSize(r.route, r.body, &r.info))
+
+	actx, cancel := context.WithCancelCause(r.ctx)
+	leg := &prefillLeg{done: make(chan struct{})}
+	pw.IncLoad()
+	dw.IncLoad()
+	r.hold()
+	go func() {
+		defer r.release()
+		defer pw.DecLoad()
+		defer close(leg.done)
+		leg.err, leg.body = s.runPrefill(actx, pw, r, body)
+		if leg.err != nil {
+			cancel(errPrefillFailed)
+		}
+	}()
+
+	resp, err := s.post(actx, dw, r.path, body, r.header)
+	if err != nil {
+		dw.DecLoad()
+		if f := leg.failure(actx); f != nil {
+			return f.forStream(r.info.stream), false
+		}
+		cancel(errAttemptOver)
+		if r.clientGone() {
+			return nil, false
+		}
+		dw.Breaker.Record(false)
+		s.bm.WorkerError(dw, "connect")
+		return &apiError{Status: 502, Code: "decode_server_error", Message: "Decode server error: " + err.Error()}, false
+	}
+	dw.Breaker.Record(isSuccess(resp.StatusCode, true))
+	if resp.StatusCode/100 != 2 {
+		eb := readError(resp)
+		resp.Body.Close()
+		dw.DecLoad()
+		cancel(errAttemptOver)
+		s.bm.WorkerError(dw, "status_"+statusLabel(resp.StatusCode))
+		e := upstreamError("decode", resp.StatusCode, eb)
+		if r.info.stream {
+			e.Status, e.sse = resp.StatusCode, true
+		}
+		return e, false
+	}
+	if r.info.stream {
+		return s.startStream(ctx, r, resp, dw, actx, leg)
+	}
+	defer dw.DecLoad()
+	out, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		if f := leg.failure(actx); f != nil {
+			return f, false
+		}
+		cancel(errAttemptOver)
+		if r.clientGone() {
+			return nil, false
+		}
+		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read decode response: " + err.Error()}, false
+	}
+	if r.mergeLogprobs() && leg.wait(actx) {
+		out = mergeLogprobsJSON(leg.body, out)
+	}
+	writeReply(ctx, resp, out)
+	s.observeFirstByte(r)
+	return nil, false
+}
+
+// runPrefill sends the prefill leg and reads its reply. An error caused by
+// the attempt ending for another reason is not a prefill failure.
+func (s *Server) runPrefill(ctx context.Context, pw *balancer.Worker, r *request, body []byte) (*apiError, []byte) {
+	resp, err := s.post(ctx, pw, r.path, body, r.header)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil, nil
+		}
+		pw.Breaker.Record(false)
+		s.bm.WorkerError(pw, "connect")
+		return &apiError{Status: 502, Code: "prefill_server_error",
+			Message: "Prefill server error: " + err.Error() + ". This will cause decode timeout."}, nil
+	}
+	defer resp.Body.Close()
+	pw.Breaker.Record(isSuccess(resp.StatusCode, true))
+	if resp.StatusCode/100 != 2 {
+		s.bm.WorkerError(pw, "status_"+statusLabel(resp.StatusCode))
+		return upstreamError("prefill", resp.StatusCode, readError(resp)), nil
+	}
+	var out []byte
+	if r.mergeLogprobs() {
+		out, err = io.ReadAll(resp.Body)
+	} else {
+		_, err = io.Copy(io.Discard, resp.Body)
+	}
+	if err != nil && ctx.Err() == nil {
+		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, nil
+	}
+	return nil, out
+}
+
+// forStream renders an error as an SSE frame when the client asked for a stream.
+func (e *apiError) forStream(stream bool) *apiError {
+	if stream {
+		e.sse = true
+	}
+	return e
+}
+
+// writeReply sends a complete upstream reply.
+func writeReply(ctx *fasthttp.RequestCtx, resp *http.Response, body []byte) {
+	ctx.SetStatusCode(resp.StatusCode)
+	copyHeaders(ctx, resp.Header)
+	ctx.SetBody(body)
+}

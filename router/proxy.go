@@ -1,0 +1,207 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/balancer"
+)
+
+// generation serves the routed endpoints: validation, admission, then
+// attempts (PD or regular) with retries before the first byte is sent.
+func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route routeKind) string {
+	if !s.requireMethod(ctx, method, "POST") || !s.authorized(ctx) {
+		return path
+	}
+	if s.cfg.PDDisaggregation && (route == routeEmbeddings || route == routeClassify || route == routeResponses) {
+		writeError(ctx, &apiError{Status: 400, Code: "pd_unsupported_" + route.String(),
+			Message: "/" + route.String() + " is not supported in PD disaggregation mode"})
+		return path
+	}
+	requestID := ctx.Response.Header.Peek("x-request-id")
+	r := s.newRequest(ctx, path, route, requestID)
+	if err := inspectBody(r.body, &r.info); err != nil {
+		r.finish()
+		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
+		return path
+	}
+	admit, err := s.admission.Acquire(r.ctx)
+	if err != nil {
+		r.finish()
+		s.metrics.rateLimit.WithLabelValues("rejected").Inc()
+		switch {
+		case errors.Is(err, balancer.ErrQueueTimeout):
+			writeError(ctx, &apiError{Status: 408, Code: "queue_timeout", Message: "request timed out waiting in the admission queue"})
+		case errors.Is(err, balancer.ErrQueueFull):
+			writeError(ctx, &apiError{Status: 429, Code: "rate_limited", Message: "too many requests: the admission queue is full"})
+		}
+		return path
+	}
+	s.metrics.rateLimit.WithLabelValues("allowed").Inc()
+	r.admit = admit
+	s.serve(ctx, r)
+	return path
+}
+
+func (s *Server) backendType() string {
+	if s.cfg.PDDisaggregation {
+		return "pd"
+	}
+	return "regular"
+}
+
+// serve runs attempts until one answers or the retry budget is spent.
+func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
+	endpoint := r.route.String()
+	model := "unknown"
+	if r.info.model.ok() {
+		model = string(firstString(r.body, r.info.model))
+	}
+	s.metrics.routerRequests.WithLabelValues("http", s.backendType(), "http", model, endpoint,
+		boolLabel(r.info.stream)).Inc()
+
+	var fail *apiError
+	attempts := s.cfg.Retry.Attempts()
+	for attempt := range attempts {
+		if attempt > 0 {
+			backoff := s.cfg.Retry.Backoff(attempt - 1)
+			for _, t := range s.sides() {
+				s.bm.Retry(t, endpoint, attempt, backoff)
+			}
+			t := time.NewTimer(backoff)
+			select {
+			case <-t.C:
+			case <-r.ctx.Done():
+				t.Stop()
+			}
+		}
+		if r.ctx.Err() != nil {
+			break
+		}
+		var streaming bool
+		if s.cfg.PDDisaggregation {
+			fail, streaming = s.pdAttempt(ctx, r)
+		} else {
+			fail, streaming = s.regularAttempt(ctx, r)
+		}
+		if streaming {
+			return // the stream writer finishes r
+		}
+		if fail == nil || !balancer.Retryable(fail.Status) {
+			break
+		}
+		if attempt == attempts-1 && attempts > 1 {
+			for _, t := range s.sides() {
+				s.bm.RetriesExhausted(t, endpoint)
+			}
+		}
+	}
+	defer r.finish()
+	if r.clientGone() {
+		s.log.Debug("client went away", zap.ByteString("request_id", r.requestID))
+		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, "client_disconnected").Inc()
+		return
+	}
+	if fail == nil && r.ctx.Err() != nil {
+		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
+	}
+	if fail != nil {
+		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, fail.Code).Inc()
+		fail.write(ctx)
+		return
+	}
+	s.metrics.routerDuration.WithLabelValues("http", s.backendType(), "http", model, endpoint).Observe(since(r.start))
+}
+
+// sides are the worker types a request touches.
+func (s *Server) sides() []balancer.WorkerType {
+	if s.cfg.PDDisaggregation {
+		return []balancer.WorkerType{balancer.Prefill, balancer.Decode}
+	}
+	return []balancer.WorkerType{balancer.Regular}
+}
+
+func boolLabel(b bool) string {
+	if b {
+		return "true"
+	}
+	return "false"
+}
+
+// policyRequest gives policies the request's routing text and headers.
+func (s *Server) policyRequest(ctx *fasthttp.RequestCtx, r *request) *balancer.Request {
+	pr := &balancer.Request{Header: func(name string) string { return string(ctx.Request.Header.Peek(name)) }}
+	if s.prefill.NeedsText() || s.decode.NeedsText() {
+		pr.Text = string(r.routingText())
+	}
+	return pr
+}
+
+// routingText is what text-aware policies see (spec §2.1).
+func (r *request) routingText() []byte {
+	switch r.route {
+	case routeGenerate:
+		return firstString(r.body, r.info.text)
+	case routeChat:
+		return chatRoutingText(r.body, r.info.messages)
+	case routeCompletions:
+		return firstString(r.body, r.info.prompt)
+	case routeRerank:
+		return firstString(r.body, r.info.query)
+	}
+	return firstString(r.body, r.info.text)
+}
+
+// selectionError is the 503 for an empty or unavailable pool.
+func selectionError(side string, total int) *apiError {
+	msg := "No available " + side + " workers (all circuits open or unhealthy)"
+	if total == 0 {
+		msg = "No " + side + " workers available. Please check if " + side + " servers are configured and healthy."
+	}
+	return &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + msg}
+}
+
+func (s *Server) pick(p balancer.Policy, snap *balancer.Snapshot, t balancer.WorkerType, pr *balancer.Request) (*balancer.Worker, *apiError) {
+	avail := snap.Available(t)
+	if len(avail) == 0 {
+		return nil, selectionError(t.String(), len(snap.ByType[t]))
+	}
+	w, err := p.Select(avail, pr)
+	if err != nil || w == nil {
+		return nil, &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + p.Name() + " policy made no selection"}
+	}
+	s.bm.Selected(w, p.Name())
+	return w, nil
+}
+
+// write sends a failure to the client: a router-made JSON error, an SSE
+// error frame for streams, or an upstream reply passed through.
+func (e *apiError) write(ctx *fasthttp.RequestCtx) {
+	switch {
+	case e.raw != nil:
+		ctx.SetStatusCode(e.Status)
+		if e.rawType != "" {
+			ctx.SetContentType(e.rawType)
+		}
+		ctx.SetBody(e.raw)
+	case e.sse:
+		ctx.SetStatusCode(e.Status)
+		ctx.SetContentType("text/event-stream")
+		ctx.Response.Header.Set("X-SMG-Error-Code", e.Code)
+		ctx.SetBody(e.sseFrame())
+	default:
+		writeError(ctx, e)
+	}
+}
+
+// attemptCause tells why an attempt's context ended.
+var (
+	errPrefillFailed = errors.New("prefill leg failed")
+	errAttemptOver   = errors.New("attempt abandoned")
+)
+
+func contextCause(ctx context.Context) error { return context.Cause(ctx) }

@@ -1,0 +1,57 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"io"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/balancer"
+)
+
+// regularAttempt sends the body unchanged to one worker (non-PD mode).
+func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, bool) {
+	w, fail := s.pick(s.prefill, s.reg.Snapshot(), balancer.Regular, s.policyRequest(ctx, r))
+	if fail != nil {
+		return fail, false
+	}
+	w.IncLoad()
+	resp, err := s.post(r.ctx, w, r.path, r.body, r.header)
+	if err != nil {
+		w.DecLoad()
+		if r.clientGone() {
+			return nil, false
+		}
+		w.Breaker.Record(false)
+		s.bm.WorkerError(w, "connect")
+		if errors.Is(err, context.DeadlineExceeded) {
+			return &apiError{Status: 504, Code: "call_upstream_timeout", Message: "Upstream request timed out: " + err.Error()}, false
+		}
+		return &apiError{Status: 502, Code: "call_upstream_connection_failed", Message: "Failed to reach worker: " + err.Error()}, false
+	}
+	w.Breaker.Record(isSuccess(resp.StatusCode, false))
+	if resp.StatusCode/100 != 2 {
+		// The worker's own error reply is passed through, as sglang-router does.
+		s.bm.WorkerError(w, "status_"+statusLabel(resp.StatusCode))
+		e := &apiError{Status: resp.StatusCode, Code: "upstream_" + statusLabel(resp.StatusCode), raw: readError(resp), rawType: resp.Header.Get("Content-Type")}
+		resp.Body.Close()
+		w.DecLoad()
+		return e, false
+	}
+	if r.info.stream {
+		return s.startStream(ctx, r, resp, w, r.ctx, nil)
+	}
+	defer w.DecLoad()
+	out, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		if r.clientGone() {
+			return nil, false
+		}
+		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read worker response: " + err.Error()}, false
+	}
+	writeReply(ctx, resp, out)
+	s.observeFirstByte(r)
+	return nil, false
+}

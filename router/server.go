@@ -1,0 +1,340 @@
+// Package router is pdrouter's HTTP front end: sglang-router's endpoints,
+// the PD request path (pd.go) and regular load balancing (regular.go).
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/balancer"
+)
+
+// routeKind names the generation endpoints; it is also the metrics label.
+type routeKind uint8
+
+const (
+	routeGenerate routeKind = iota
+	routeChat
+	routeCompletions
+	routeRerank
+	routeEmbeddings
+	routeClassify
+	routeResponses
+)
+
+var routeNames = [...]string{"generate", "chat", "completions", "rerank", "embeddings", "classify", "responses"}
+
+func (r routeKind) String() string { return routeNames[r] }
+
+// Server is the router. Create it with New, then Serve.
+type Server struct {
+	cfg       Config
+	log       *zap.Logger
+	reg       *balancer.Registry
+	manager   *balancer.Manager
+	prefill   balancer.Policy // PD prefill side, or the regular policy
+	decode    balancer.Policy
+	admission *balancer.Admission
+	upstream  *http.Client
+	metrics   *metrics
+	bm        *balancer.Metrics
+	srv       *fasthttp.Server
+
+	// base is cancelled on hard shutdown; upstream calls derive from it.
+	base       context.Context
+	cancelBase context.CancelFunc
+	background sync.WaitGroup // prefill legs that outlive their handler
+}
+
+// New builds a router from cfg. Metrics are registered on promReg.
+func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, error) {
+	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg)}
+	var err error
+	if s.bm, err = balancer.NewMetrics(promReg); err != nil {
+		return nil, err
+	}
+	cfg.PolicyOptions.Metrics = s.bm
+	prefillName, decodeName := cfg.Policy, cfg.Policy
+	if cfg.PDDisaggregation {
+		if cfg.PrefillPolicy != "" {
+			prefillName = cfg.PrefillPolicy
+		}
+		if cfg.DecodePolicy != "" {
+			decodeName = cfg.DecodePolicy
+		}
+	}
+	if s.prefill, err = balancer.NewPolicy(prefillName, cfg.PolicyOptions); err != nil {
+		return nil, err
+	}
+	if s.decode, err = balancer.NewPolicy(decodeName, cfg.PolicyOptions); err != nil {
+		return nil, err
+	}
+	s.admission = balancer.NewAdmission(cfg.Admission)
+	s.upstream = newUpstreamClient()
+	s.base, s.cancelBase = context.WithCancel(context.Background())
+	mcfg := cfg.Manager
+	mcfg.PD = cfg.PDDisaggregation
+	mcfg.Logger = log
+	mcfg.Metrics = s.bm
+	s.manager = balancer.NewManager(mcfg)
+	s.reg = s.manager.Registry()
+	s.manager.AttachPolicy(s.prefill)
+	if cfg.PDDisaggregation {
+		s.manager.AttachPolicy(s.decode)
+	}
+	s.srv = &fasthttp.Server{
+		Handler:                       s.handle,
+		Name:                          "pdrouter",
+		MaxRequestBodySize:            cfg.MaxPayloadSize,
+		ErrorHandler:                  s.transportError,
+		NoDefaultServerHeader:         true,
+		DisableHeaderNamesNormalizing: false,
+		CloseOnShutdown:               true,
+		ConnState: func(_ net.Conn, st fasthttp.ConnState) {
+			switch st {
+			case fasthttp.StateNew:
+				s.metrics.httpConnections.Inc()
+			case fasthttp.StateClosed, fasthttp.StateHijacked:
+				s.metrics.httpConnections.Dec()
+			}
+		},
+	}
+	return s, nil
+}
+
+// newUpstreamClient is net/http, not fasthttp: the PD path must cancel an
+// in-flight upstream request (client gone, other leg failed), and
+// fasthttp's client has no cancellation. Pool sizes follow sglang-router.
+func newUpstreamClient() *http.Client {
+	t := &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        0,
+		MaxIdleConnsPerHost: 500,
+		IdleConnTimeout:     50 * time.Second,
+		DisableCompression:  true,
+		ForceAttemptHTTP2:   false,
+	}
+	return &http.Client{Transport: t}
+}
+
+// Start registers the CLI workers in the background (the listener does not
+// wait for them, as in 0.3.x) and starts health checking.
+func (s *Server) Start() error {
+	if err := s.manager.Start(); err != nil {
+		return err
+	}
+	var specs []balancer.WorkerSpec
+	if s.cfg.PDDisaggregation {
+		for _, p := range s.cfg.Prefill {
+			specs = append(specs, balancer.WorkerSpec{URL: p.URL, WorkerType: "prefill", BootstrapPort: p.BootstrapPort})
+		}
+		for _, d := range s.cfg.Decode {
+			specs = append(specs, balancer.WorkerSpec{URL: d, WorkerType: "decode"})
+		}
+	} else {
+		for _, u := range s.cfg.WorkerURLs {
+			specs = append(specs, balancer.WorkerSpec{URL: u, WorkerType: "regular"})
+		}
+	}
+	for _, spec := range specs {
+		if _, err := s.manager.Add(spec); err != nil {
+			s.log.Warn("worker not registered", zap.String("url", spec.URL), zap.Error(err))
+		}
+	}
+	return nil
+}
+
+// Serve answers requests on ln until Shutdown.
+func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(ln) }
+
+// Shutdown stops accepting, lets in-flight requests and streams finish
+// until ctx ends, then cancels what is left.
+func (s *Server) Shutdown(ctx context.Context) error {
+	err := s.srv.ShutdownWithContext(ctx)
+	s.cancelBase()
+	s.background.Wait()
+	s.manager.Stop()
+	s.upstream.CloseIdleConnections()
+	return err
+}
+
+// Registry exposes the worker registry (tests, admin).
+func (s *Server) Registry() *balancer.Registry { return s.reg }
+
+func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
+	s.setRequestID(ctx)
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		writeError(ctx, &apiError{Status: 413, Code: "payload_too_large",
+			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.MaxPayloadSize)})
+		return
+	}
+	writeError(ctx, &apiError{Status: 400, Code: "bad_request", Message: err.Error()})
+}
+
+// handle is the outermost layer: CORS, request id, metrics, auth, routing.
+func (s *Server) handle(ctx *fasthttp.RequestCtx) {
+	start := time.Now()
+	path := string(ctx.Path())
+	method := string(ctx.Method())
+	s.setRequestID(ctx)
+	if s.cors(ctx) {
+		return
+	}
+	label := s.route(ctx, path, method)
+	s.metrics.httpRequests.WithLabelValues(method, label).Inc()
+	s.metrics.httpDuration.WithLabelValues(method, label).Observe(since(start))
+	s.metrics.httpResponses.WithLabelValues(statusLabel(ctx.Response.StatusCode()),
+		string(ctx.Response.Header.Peek("X-SMG-Error-Code"))).Inc()
+}
+
+// route dispatches and returns the path label for metrics (known routes
+// only, so label cardinality stays bounded).
+func (s *Server) route(ctx *fasthttp.RequestCtx, path, method string) string {
+	switch path {
+	case "/generate":
+		return s.generation(ctx, method, path, routeGenerate)
+	case "/v1/chat/completions":
+		return s.generation(ctx, method, path, routeChat)
+	case "/v1/completions":
+		return s.generation(ctx, method, path, routeCompletions)
+	case "/v1/rerank", "/rerank":
+		return s.generation(ctx, method, path, routeRerank)
+	case "/v1/embeddings":
+		return s.generation(ctx, method, path, routeEmbeddings)
+	case "/v1/classify":
+		return s.generation(ctx, method, path, routeClassify)
+	case "/v1/responses":
+		return s.generation(ctx, method, path, routeResponses)
+	case "/health", "/liveness":
+		ctx.SetContentType("text/plain; charset=utf-8")
+		ctx.SetBodyString("OK")
+	case "/readiness":
+		s.readiness(ctx)
+	case "/health_generate":
+		s.healthGenerate(ctx)
+	case "/v1/models":
+		s.models(ctx)
+	case "/get_model_info":
+		s.modelInfo(ctx)
+	case "/get_server_info", "/server_info":
+		s.serverInfo(ctx)
+	case "/flush_cache":
+		if s.requireMethod(ctx, method, "POST") && s.authorized(ctx) {
+			s.flushCache(ctx)
+		}
+	case "/get_loads":
+		if s.authorized(ctx) {
+			s.getLoads(ctx)
+		}
+	case "/engine_metrics":
+		s.engineMetrics(ctx)
+	default:
+		if s.admin(ctx, path, method) {
+			return "/workers"
+		}
+		ctx.SetStatusCode(fasthttp.StatusNotFound)
+		return "other"
+	}
+	return path
+}
+
+func (s *Server) requireMethod(ctx *fasthttp.RequestCtx, method, want string) bool {
+	if method == want {
+		return true
+	}
+	writeError(ctx, &apiError{Status: 405, Code: "method_not_allowed", Message: "method " + method + " not allowed; use " + want})
+	return false
+}
+
+// authorized enforces --api-key on protected and admin routes.
+func (s *Server) authorized(ctx *fasthttp.RequestCtx) bool {
+	if s.cfg.APIKey == "" {
+		return true
+	}
+	auth := ctx.Request.Header.Peek("Authorization")
+	if len(auth) > 7 && strings.EqualFold(bstr(auth[:7]), "Bearer ") && bstr(auth[7:]) == s.cfg.APIKey {
+		return true
+	}
+	writeError(ctx, &apiError{Status: 401, Code: "unauthorized", Message: "missing or invalid API key"})
+	return false
+}
+
+// cors applies the CORS policy; it answers preflights itself.
+func (s *Server) cors(ctx *fasthttp.RequestCtx) bool {
+	origin := ctx.Request.Header.Peek("Origin")
+	if len(origin) == 0 {
+		return false
+	}
+	allowed := len(s.cfg.CORSOrigins) == 0
+	for _, o := range s.cfg.CORSOrigins {
+		if o == "*" || o == string(origin) {
+			allowed = true
+		}
+	}
+	if !allowed {
+		return false
+	}
+	h := &ctx.Response.Header
+	if len(s.cfg.CORSOrigins) == 0 {
+		h.Set("Access-Control-Allow-Origin", "*")
+	} else {
+		h.SetBytesV("Access-Control-Allow-Origin", origin)
+		h.Set("Vary", "Origin")
+	}
+	h.Set("Access-Control-Expose-Headers", "x-request-id, x-smg-error-code")
+	if ctx.IsOptions() && len(ctx.Request.Header.Peek("Access-Control-Request-Method")) > 0 {
+		h.Set("Access-Control-Allow-Methods", "GET, POST, PUT, DELETE, OPTIONS")
+		if req := ctx.Request.Header.Peek("Access-Control-Request-Headers"); len(req) > 0 {
+			h.SetBytesV("Access-Control-Allow-Headers", req)
+		} else {
+			h.Set("Access-Control-Allow-Headers", "*")
+		}
+		h.Set("Access-Control-Max-Age", "3600")
+		ctx.SetStatusCode(fasthttp.StatusNoContent)
+		return true
+	}
+	return false
+}
+
+const requestIDAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+// setRequestID echoes the client's id (first of --request-id-headers) or
+// makes one with sglang-router's prefixes, and sets it on the response.
+func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) []byte {
+	for _, h := range s.cfg.RequestIDHeaders {
+		if v := ctx.Request.Header.Peek(h); len(v) > 0 {
+			ctx.Response.Header.SetBytesV("x-request-id", v)
+			return v
+		}
+	}
+	path := bstr(ctx.Path())
+	prefix := "req-"
+	switch {
+	case strings.Contains(path, "/chat/completions"):
+		prefix = "chatcmpl-"
+	case strings.Contains(path, "/completions"):
+		prefix = "cmpl-"
+	case strings.Contains(path, "/generate"):
+		prefix = "gnt-"
+	case strings.Contains(path, "/responses"):
+		prefix = "resp-"
+	}
+	id := make([]byte, len(prefix)+24)
+	copy(id, prefix)
+	for i := len(prefix); i < len(id); i++ {
+		id[i] = requestIDAlphabet[rand.IntN(len(requestIDAlphabet))]
+	}
+	ctx.Response.Header.SetBytesV("x-request-id", id)
+	return id
+}

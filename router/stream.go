@@ -1,0 +1,262 @@
+package router
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net/http"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/balancer"
+)
+
+// startStream waits for the worker's first body bytes, so that a failure
+// before them can still be answered with a proper status (and retried),
+// then hands the rest to a stream writer. leg is nil in regular mode.
+func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *http.Response, w *balancer.Worker,
+	actx context.Context, leg *prefillLeg) (*apiError, bool) {
+	bufp := chunkPool.Get().(*[]byte)
+	n, err := readSome(resp.Body, *bufp)
+	if n == 0 && err != nil && err != io.EOF {
+		resp.Body.Close()
+		w.DecLoad()
+		chunkPool.Put(bufp)
+		if leg != nil {
+			if f := leg.failure(actx); f != nil {
+				return f.forStream(true), false
+			}
+		}
+		if r.clientGone() {
+			return nil, false
+		}
+		return &apiError{Status: 502, Code: w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
+	}
+	var merge *logprobMerger
+	if leg != nil && r.mergeLogprobs() && leg.wait(actx) {
+		merge = newLogprobMerger(leg.body)
+	}
+	ctx.SetStatusCode(resp.StatusCode)
+	copyHeaders(ctx, resp.Header)
+	ctx.SetContentType("text/event-stream")
+	relay := &streamRelay{s: s, r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp, first: n, firstErr: err, merge: merge}
+	ctx.SetBodyStreamWriter(relay.run)
+	return nil, true
+}
+
+// readSome reads until it gets at least one byte or an error.
+func readSome(r io.Reader, buf []byte) (int, error) {
+	for {
+		n, err := r.Read(buf)
+		if n > 0 || err != nil {
+			return n, err
+		}
+	}
+}
+
+// streamRelay copies a worker's SSE body to the client chunk by chunk.
+type streamRelay struct {
+	s        *Server
+	r        *request
+	resp     *http.Response
+	w        *balancer.Worker
+	actx     context.Context
+	leg      *prefillLeg
+	bufp     *[]byte
+	first    int   // bytes already read into the buffer
+	firstErr error // error that came with them
+	merge    *logprobMerger
+}
+
+func (sr *streamRelay) run(out *bufio.Writer) {
+	defer func() {
+		sr.resp.Body.Close()
+		sr.w.DecLoad()
+		chunkPool.Put(sr.bufp)
+		sr.r.finish()
+	}()
+	buf := *sr.bufp
+	n, err := sr.first, sr.firstErr
+	firstByte := true
+	for {
+		if n > 0 {
+			if !sr.write(out, buf[:n]) {
+				sr.r.cancel(errClientGone) // both legs go with it
+				return
+			}
+			if firstByte {
+				sr.s.observeFirstByte(sr.r)
+				firstByte = false
+			}
+		}
+		if err != nil {
+			break
+		}
+		n, err = sr.resp.Body.Read(buf)
+	}
+	if err == io.EOF {
+		if sr.merge != nil {
+			sr.write(out, sr.merge.flush())
+		}
+		return
+	}
+	// The worker's stream broke: end the client's stream with one valid SSE
+	// error event, prefill's if prefill is what failed.
+	var e *apiError
+	if sr.leg != nil {
+		e = sr.leg.failure(sr.actx)
+	}
+	if e == nil {
+		if sr.r.clientGone() {
+			return
+		}
+		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + err.Error()}
+		if errors.Is(err, context.DeadlineExceeded) {
+			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
+		}
+	}
+	sr.write(out, e.sseFrame())
+}
+
+// write sends one chunk and flushes it so the client sees it now.
+func (sr *streamRelay) write(out *bufio.Writer, b []byte) bool {
+	if sr.merge != nil {
+		b = sr.merge.feed(b)
+		if len(b) == 0 {
+			return true
+		}
+	}
+	if _, err := out.Write(b); err != nil {
+		return false
+	}
+	return out.Flush() == nil
+}
+
+// observeFirstByte records the router-side time to first byte.
+func (s *Server) observeFirstByte(r *request) {
+	s.metrics.ttft.WithLabelValues(s.backendType(), r.route.String()).Observe(since(r.start))
+}
+
+// logprobMerger prepends prefill's input_token_logprobs to every decode SSE
+// event that carries meta_info.input_token_logprobs (what SGLang's mini load
+// balancer does and sglang-router never manages). Events are reassembled
+// across chunk boundaries.
+type logprobMerger struct {
+	prefix  []byte // prefill's array elements, without brackets
+	pending []byte // an incomplete event carried to the next chunk
+	out     []byte
+}
+
+func newLogprobMerger(prefillBody []byte) *logprobMerger {
+	doc := prefillBody
+	if ev := firstSSEData(prefillBody); ev != nil {
+		doc = ev
+	}
+	sp := logprobSpan(doc)
+	if !sp.ok() {
+		return nil
+	}
+	return &logprobMerger{prefix: bytes.TrimSpace(doc[sp.start+1 : sp.end-1])}
+}
+
+// feed returns the complete events of chunk, merged; a partial event is
+// held back until its end arrives.
+func (m *logprobMerger) feed(chunk []byte) []byte {
+	m.pending = append(m.pending, chunk...)
+	m.out = m.out[:0]
+	for {
+		i := bytes.Index(m.pending, []byte("\n\n"))
+		if i < 0 {
+			break
+		}
+		m.out = m.mergeEvent(m.out, m.pending[:i+2])
+		m.pending = m.pending[i+2:]
+	}
+	m.pending = append(m.pending[:0:0], m.pending...)
+	return m.out
+}
+
+// flush returns whatever incomplete event is left at the end of the stream.
+func (m *logprobMerger) flush() []byte {
+	b := m.pending
+	m.pending = nil
+	return b
+}
+
+func (m *logprobMerger) mergeEvent(dst, ev []byte) []byte {
+	data, ok := bytes.CutPrefix(ev, []byte("data: "))
+	if !ok {
+		data, ok = bytes.CutPrefix(ev, []byte("data:"))
+	}
+	data = bytes.TrimSpace(data)
+	if !ok || len(data) == 0 || data[0] != '{' {
+		return append(dst, ev...)
+	}
+	merged := spliceLogprobs(m.prefix, data)
+	dst = append(dst, "data: "...)
+	dst = append(dst, merged...)
+	return append(dst, "\n\n"...)
+}
+
+// mergeLogprobsJSON merges a non-streaming reply. A decode body that is not
+// an object with the array (a batch, an OpenAI reply) passes unchanged.
+func mergeLogprobsJSON(prefillBody, decodeBody []byte) []byte {
+	doc := prefillBody
+	if ev := firstSSEData(prefillBody); ev != nil {
+		doc = ev
+	}
+	sp := logprobSpan(doc)
+	if !sp.ok() {
+		return decodeBody
+	}
+	return spliceLogprobs(bytes.TrimSpace(doc[sp.start+1:sp.end-1]), decodeBody)
+}
+
+// spliceLogprobs returns doc with prefix's elements put at the front of its
+// meta_info.input_token_logprobs array; everything else is untouched.
+func spliceLogprobs(prefix, doc []byte) []byte {
+	sp := logprobSpan(doc)
+	if !sp.ok() || len(prefix) == 0 {
+		return doc
+	}
+	inner := bytes.TrimSpace(doc[sp.start+1 : sp.end-1])
+	out := make([]byte, 0, len(doc)+len(prefix)+1)
+	out = append(out, doc[:sp.start+1]...)
+	out = append(out, prefix...)
+	if len(inner) > 0 {
+		out = append(out, ',')
+	}
+	out = append(out, doc[sp.start+1:]...)
+	return out
+}
+
+// logprobSpan finds meta_info.input_token_logprobs when it is an array.
+func logprobSpan(doc []byte) span {
+	var info bodyInfo
+	if inspectBody(doc, &info) != nil {
+		return span{}
+	}
+	meta := objectField(doc, 0, len(doc), "meta_info")
+	if !meta.ok() {
+		return span{}
+	}
+	arr := objectField(doc, int(meta.start), int(meta.end), "input_token_logprobs")
+	if !arr.ok() || doc[arr.start] != '[' {
+		return span{}
+	}
+	return arr
+}
+
+// firstSSEData returns the JSON of the first `data:` event of an SSE body.
+func firstSSEData(body []byte) []byte {
+	rest, ok := bytes.CutPrefix(bytes.TrimLeft(body, " \r\n"), []byte("data:"))
+	if !ok {
+		return nil
+	}
+	if i := bytes.Index(rest, []byte("\n")); i >= 0 {
+		rest = rest[:i]
+	}
+	return bytes.TrimSpace(rest)
+}
