@@ -17,8 +17,8 @@ import (
 type nargs int
 
 const (
-	zero     nargs = iota // store_true
-	one                   // exactly one value
+	zero nargs = iota // store_true
+	one               // exactly one value
 	oneOrMore
 	anyCount
 )
