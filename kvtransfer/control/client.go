@@ -1,0 +1,189 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/pdrouter/pdrouter/kvtransfer"
+)
+
+// ErrClientClosed is returned for calls on a closed or broken connection.
+var ErrClientClosed = errors.New("kvproxy control connection closed")
+
+// Client is an engine's connection to its kvproxy. Safe for concurrent use;
+// calls are multiplexed on one socket.
+type Client struct {
+	c    *net.UnixConn
+	wmu  sync.Mutex
+	mu   sync.Mutex
+	next uint64
+	wait map[uint64]chan *Reply
+	err  error
+	done chan struct{}
+}
+
+// Dial connects to the kvproxy's control socket.
+func Dial(path string) (*Client, error) {
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("dial kvproxy %s: %w", path, err)
+	}
+	cl := &Client{c: c, wait: map[uint64]chan *Reply{}, done: make(chan struct{})}
+	go cl.readLoop()
+	return cl, nil
+}
+
+// Close closes the connection; the kvproxy aborts rooms still open on it.
+func (c *Client) Close() error {
+	err := c.c.Close()
+	<-c.done
+	return err
+}
+
+func (c *Client) readLoop() {
+	defer close(c.done)
+	var pending []byte
+	buf := make([]byte, 64<<10)
+	fail := func(err error) {
+		c.mu.Lock()
+		c.err = err
+		for id, ch := range c.wait {
+			close(ch)
+			delete(c.wait, id)
+		}
+		c.mu.Unlock()
+	}
+	for {
+		n, err := c.c.Read(buf)
+		if err != nil {
+			fail(fmt.Errorf("%w: %v", ErrClientClosed, err))
+			return
+		}
+		pending = append(pending, buf[:n]...)
+		for {
+			body, rest, err := splitFrame(pending)
+			if err != nil {
+				fail(err)
+				c.c.Close()
+				return
+			}
+			if body == nil {
+				break
+			}
+			r, err := DecodeReply(body)
+			if err != nil {
+				fail(err)
+				c.c.Close()
+				return
+			}
+			pending = append(pending[:0], rest...)
+			c.mu.Lock()
+			ch := c.wait[r.ID]
+			delete(c.wait, r.ID)
+			c.mu.Unlock()
+			if ch != nil {
+				ch <- r
+			}
+		}
+	}
+}
+
+// call sends req (with fd attached when fd >= 0) and waits for the reply.
+func (c *Client) call(ctx context.Context, req *Request, fd int) (*Reply, error) {
+	ch := make(chan *Reply, 1)
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return nil, c.err
+	}
+	c.next++
+	req.ID = c.next
+	c.wait[req.ID] = ch
+	c.mu.Unlock()
+	frame := EncodeRequest(req)
+	c.wmu.Lock()
+	var err error
+	if fd >= 0 {
+		_, _, err = c.c.WriteMsgUnix(frame, syscall.UnixRights(fd), nil)
+	} else {
+		_, err = c.c.Write(frame)
+	}
+	c.wmu.Unlock()
+	if err != nil {
+		c.forget(req.ID)
+		return nil, fmt.Errorf("%w: %v", ErrClientClosed, err)
+	}
+	select {
+	case r, ok := <-ch:
+		if !ok {
+			return nil, ErrClientClosed
+		}
+		if r.Err != "" {
+			return r, errors.New(r.Err)
+		}
+		return r, nil
+	case <-ctx.Done():
+		c.forget(req.ID)
+		return nil, ctx.Err()
+	}
+}
+
+func (c *Client) forget(id uint64) {
+	c.mu.Lock()
+	delete(c.wait, id)
+	c.mu.Unlock()
+}
+
+// Register hands the pool's memfd and layout to the kvproxy; it returns the
+// kvproxy's transport name.
+func (c *Client) Register(ctx context.Context, fd int, l Layout) (string, error) {
+	r, err := c.call(ctx, &Request{Op: OpRegister, Layout: l}, fd)
+	if err != nil {
+		return "", err
+	}
+	return r.Transport, nil
+}
+
+// Expect (decode) announces a room and where its pages must land.
+func (c *Client) Expect(ctx context.Context, room uint64, bootstrapAddr string, pages []uint32, aux int32) error {
+	_, err := c.call(ctx, &Request{Op: OpExpect, Room: room, Bootstrap: bootstrapAddr, Pages: pages, Aux: aux}, -1)
+	return err
+}
+
+// Send (prefill) queues a chunk of the room's pages.
+func (c *Client) Send(ctx context.Context, room uint64, pages []uint32, last bool, aux int32) error {
+	_, err := c.call(ctx, &Request{Op: OpSend, Room: room, Pages: pages, Last: last, Aux: aux}, -1)
+	return err
+}
+
+// Poll returns the room's status now.
+func (c *Client) Poll(ctx context.Context, room uint64) (kvtransfer.Status, error) {
+	return c.poll(ctx, room, false)
+}
+
+// Wait blocks until the room ends (or ctx does) and returns its status.
+func (c *Client) Wait(ctx context.Context, room uint64) (kvtransfer.Status, error) {
+	return c.poll(ctx, room, true)
+}
+
+func (c *Client) poll(ctx context.Context, room uint64, wait bool) (kvtransfer.Status, error) {
+	r, err := c.call(ctx, &Request{Op: OpPoll, Room: room, Wait: wait}, -1)
+	if err != nil {
+		return kvtransfer.Status{}, err
+	}
+	return kvtransfer.Status{
+		State: kvtransfer.State(r.State), Reason: r.Reason, Pages: r.Pages, Bytes: r.Bytes,
+		Transfer: time.Duration(r.TransferNs), Wall: time.Duration(r.WallNs),
+	}, nil
+}
+
+// Abort fails the room on both sides.
+func (c *Client) Abort(ctx context.Context, room uint64, reason string) error {
+	_, err := c.call(ctx, &Request{Op: OpAbort, Room: room, Reason: reason}, -1)
+	return err
+}

@@ -1,0 +1,207 @@
+package control
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+const (
+	pages = 32
+	item  = 512
+)
+
+// layout: 2 KV buffers of pages×item, then one aux buffer of 4 slots × 8 B.
+func layout() (Layout, int) {
+	l := Layout{PageSize: 16, Dtype: "bf16"}
+	off := uint64(0)
+	for i := 0; i < 2; i++ {
+		l.Regions = append(l.Regions, RegionSpec{Kind: KindKV, Offset: off, Len: pages * item, ItemLen: item})
+		off += pages * item
+	}
+	l.Regions = append(l.Regions, RegionSpec{Kind: KindAux, Offset: off, Len: 32, ItemLen: 8})
+	return l, int(off + 32)
+}
+
+type side struct {
+	eng *kvtransfer.Engine
+	srv *Server
+	cl  *Client
+	seg *shm.Segment
+}
+
+func startSide(t *testing.T, name string, peerLn net.Listener, resolve func(context.Context, string) (string, error)) *side {
+	t.Helper()
+	eng, err := kvtransfer.New(kvtransfer.Config{Name: name, Transport: &kvtransfer.TCP{}, Listener: peerLn, Resolve: resolve,
+		Heartbeat: 100 * time.Millisecond, WaitingTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), name+".sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &side{eng: eng, srv: &Server{Engine: eng}}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- s.srv.Serve(ctx, ln) }()
+	if s.cl, err = Dial(sock); err != nil {
+		t.Fatal(err)
+	}
+	l, size := layout()
+	if s.seg, err = shm.Create(name, size); err != nil {
+		t.Fatal(err)
+	}
+	tr, err := s.cl.Register(context.Background(), s.seg.Fd(), l)
+	if err != nil || tr != "tcp" {
+		t.Fatalf("register: %q %v", tr, err)
+	}
+	t.Cleanup(func() {
+		s.cl.Close()
+		cancel()
+		if err := <-served; err != nil {
+			t.Error(err)
+		}
+		eng.Close()
+		s.srv.Close()
+		s.seg.Close()
+	})
+	return s
+}
+
+func pair(t *testing.T) (p, d *side) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p = startSide(t, "p", ln, nil)
+	d = startSide(t, "d", nil, func(context.Context, string) (string, error) { return ln.Addr().String(), nil })
+	return p, d
+}
+
+func TestTransferThroughSharedMemory(t *testing.T) {
+	p, d := pair(t)
+	ctx := context.Background()
+	// The prefill engine writes pages 3 and 4 in its own mapping of the segment.
+	for i := 3 * item; i < 5*item; i++ {
+		p.seg.Mem[i] = byte(i * 7)
+		p.seg.Mem[pages*item+i] = byte(i * 11)
+	}
+	p.seg.Mem[2*pages*item+8] = 0xAB // aux slot 1
+	if err := d.cl.Expect(ctx, 42, "p:8998", []uint32{10, 20}, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cl.Send(ctx, 42, []uint32{3}, false, -1); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cl.Send(ctx, 42, []uint32{4}, true, 1); err != nil {
+		t.Fatal(err)
+	}
+	st, err := d.cl.Wait(ctx, 42)
+	if err != nil || st.State != kvtransfer.Success || st.Pages != 2 || st.Bytes != 4*item+8 {
+		t.Fatalf("decode: %+v %v", st, err)
+	}
+	for b, base := range []int{0, pages * item} {
+		if !bytes.Equal(d.seg.Mem[base+10*item:][:item], p.seg.Mem[base+3*item:][:item]) ||
+			!bytes.Equal(d.seg.Mem[base+20*item:][:item], p.seg.Mem[base+4*item:][:item]) {
+			t.Fatalf("buffer %d: pages did not land in the decode engine's mapping", b)
+		}
+	}
+	if d.seg.Mem[2*pages*item+16] != 0xAB {
+		t.Fatal("aux slot did not land")
+	}
+	if st, err := p.cl.Poll(ctx, 42); err != nil || st.State != kvtransfer.Success {
+		t.Fatalf("prefill: %+v %v", st, err)
+	}
+	if err := p.cl.Send(ctx, 42, nil, true, -1); err == nil || !strings.Contains(err.Error(), "finished") {
+		t.Fatalf("Send to finished room: %v", err)
+	}
+}
+
+func TestClientDisconnectAbortsItsRooms(t *testing.T) {
+	p, d := pair(t)
+	ctx := context.Background()
+	if err := d.cl.Expect(ctx, 7, "p:8998", []uint32{1}, -1); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for p.eng.ActiveRooms() == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	d.cl.Close()
+	for (p.eng.ActiveRooms() != 0 || d.eng.ActiveRooms() != 0) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	st, err := p.eng.Poll(7)
+	if err != nil || st.State != kvtransfer.Failed || !strings.Contains(st.Reason, "disconnected") {
+		t.Fatalf("prefill room after decode engine left: %+v %v", st, err)
+	}
+	if _, err := d.cl.Poll(ctx, 7); err == nil {
+		t.Fatal("call on a closed client succeeded")
+	}
+}
+
+func TestRegisterRejectsBadLayout(t *testing.T) {
+	_, d := pair(t)
+	l, _ := layout()
+	if _, err := d.cl.Register(context.Background(), d.seg.Fd(), l); err == nil || !strings.Contains(err.Error(), "already") {
+		t.Fatalf("second register: %v", err)
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	l, _ := layout()
+	for _, r := range []*Request{
+		{Op: OpRegister, ID: 1, Layout: l},
+		{Op: OpExpect, ID: 2, Room: 9, Bootstrap: "h:1", Pages: []uint32{1, 2}, Aux: -1},
+		{Op: OpSend, ID: 3, Room: 9, Pages: []uint32{5}, Last: true, Aux: 3},
+		{Op: OpPoll, ID: 4, Room: 9, Wait: true},
+		{Op: OpAbort, ID: 5, Room: 9, Reason: "x"},
+	} {
+		f := EncodeRequest(r)
+		body, rest, err := splitFrame(f)
+		if err != nil || len(rest) != 0 {
+			t.Fatal(err)
+		}
+		got, err := DecodeRequest(body)
+		if err != nil || !reflect.DeepEqual(got, r) {
+			t.Fatalf("%+v -> %+v %v", r, got, err)
+		}
+	}
+	rep := &Reply{Op: OpPoll, ID: 4, State: 4, Reason: "r", Pages: 1, Bytes: 2, TransferNs: 3, WallNs: 4}
+	body, _, _ := splitFrame(EncodeReply(rep))
+	if got, err := DecodeReply(body); err != nil || !reflect.DeepEqual(got, rep) {
+		t.Fatalf("reply %+v %v", got, err)
+	}
+}
+
+func FuzzDecodeRequest(f *testing.F) {
+	l, _ := layout()
+	f.Add(EncodeRequest(&Request{Op: OpRegister, Layout: l})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpExpect, Room: 1, Bootstrap: "a:1", Pages: []uint32{1}})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpSend, Room: 1, Pages: []uint32{1}, Last: true})[4:])
+	f.Add(EncodeReply(&Reply{Op: OpPoll, Reason: "x"})[4:])
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if r, err := DecodeRequest(b); err == nil {
+			body, _, _ := splitFrame(EncodeRequest(r))
+			again, err := DecodeRequest(body)
+			if err != nil || !reflect.DeepEqual(again, r) {
+				t.Fatalf("re-encode %+v: %+v %v", r, again, err)
+			}
+		}
+		_, _ = DecodeReply(b)
+	})
+}

@@ -1,0 +1,202 @@
+// Package control is the Unix-socket API between an engine and its kvproxy:
+// Register (the pool's memfd travels with SCM_RIGHTS), decode Expect, prefill
+// Send, Poll (optionally waiting for the end), Abort.
+//
+// Frame: u32 LE length, then op (u8), request id (u64), body. Replies echo
+// op and id and carry ok (bool), error text and a body. Requests on one
+// connection may be answered out of order (a waiting Poll does not hold up
+// the others).
+package control
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// Op is a control operation.
+type Op uint8
+
+const (
+	OpRegister Op = iota + 1
+	OpExpect
+	OpSend
+	OpPoll
+	OpAbort
+)
+
+const maxFrame = 1 << 20
+
+// RegionSpec places one pool region inside the shared segment.
+type RegionSpec struct {
+	Kind    wire.RegionKind
+	Offset  uint64
+	Len     uint64
+	ItemLen uint32
+}
+
+// Layout describes the pool inside the segment passed with Register.
+type Layout struct {
+	PageSize uint32
+	Dtype    string
+	Regions  []RegionSpec
+}
+
+// Request is one decoded request. Fields unused by Op are zero.
+type Request struct {
+	Op        Op
+	ID        uint64
+	Room      uint64
+	Bootstrap string // Expect: bootstrap host:port
+	Pages     []uint32
+	Aux       int32
+	Last      bool   // Send
+	Wait      bool   // Poll: block until the room ends
+	Reason    string // Abort
+	Layout    Layout // Register
+}
+
+// Reply answers a request.
+type Reply struct {
+	Op  Op
+	ID  uint64
+	Err string
+	// Register
+	Transport string
+	// Poll
+	State              uint8
+	Reason             string
+	Pages, Bytes       uint64
+	TransferNs, WallNs uint64
+}
+
+func frame(build func(e *wire.Enc)) []byte {
+	e := wire.Enc{B: make([]byte, 4, 64)}
+	build(&e)
+	binary.LittleEndian.PutUint32(e.B, uint32(len(e.B)-4))
+	return e.B
+}
+
+// EncodeRequest encodes r as one frame.
+func EncodeRequest(r *Request) []byte {
+	return frame(func(e *wire.Enc) {
+		e.U8(uint8(r.Op))
+		e.U64(r.ID)
+		switch r.Op {
+		case OpRegister:
+			e.U32(r.Layout.PageSize)
+			e.String(r.Layout.Dtype)
+			e.U32(uint32(len(r.Layout.Regions)))
+			for _, s := range r.Layout.Regions {
+				e.U8(uint8(s.Kind))
+				e.U64(s.Offset)
+				e.U64(s.Len)
+				e.U32(s.ItemLen)
+			}
+		case OpExpect:
+			e.U64(r.Room)
+			e.String(r.Bootstrap)
+			e.I32(r.Aux)
+			e.U32s(r.Pages)
+		case OpSend:
+			e.U64(r.Room)
+			e.Bool(r.Last)
+			e.I32(r.Aux)
+			e.U32s(r.Pages)
+		case OpPoll:
+			e.U64(r.Room)
+			e.Bool(r.Wait)
+		case OpAbort:
+			e.U64(r.Room)
+			e.String(r.Reason)
+		}
+	})
+}
+
+// DecodeRequest parses one frame body (without the length prefix).
+func DecodeRequest(b []byte) (*Request, error) {
+	d := wire.Dec{B: b}
+	r := &Request{Op: Op(d.U8()), ID: d.U64()}
+	switch r.Op {
+	case OpRegister:
+		r.Layout.PageSize = d.U32()
+		r.Layout.Dtype = d.String()
+		n := d.U32()
+		if n > 4096 {
+			return nil, fmt.Errorf("%w: %d regions", wire.ErrMalformed, n)
+		}
+		for i := uint32(0); i < n && d.Err == nil; i++ {
+			r.Layout.Regions = append(r.Layout.Regions, RegionSpec{Kind: wire.RegionKind(d.U8()), Offset: d.U64(), Len: d.U64(), ItemLen: d.U32()})
+		}
+	case OpExpect:
+		r.Room, r.Bootstrap, r.Aux, r.Pages = d.U64(), d.String(), d.I32(), d.U32s()
+	case OpSend:
+		r.Room, r.Last, r.Aux, r.Pages = d.U64(), d.Bool(), d.I32(), d.U32s()
+	case OpPoll:
+		r.Room, r.Wait = d.U64(), d.Bool()
+	case OpAbort:
+		r.Room, r.Reason = d.U64(), d.String()
+	default:
+		if d.Err == nil {
+			return nil, fmt.Errorf("%w: op %d", wire.ErrMalformed, r.Op)
+		}
+	}
+	if err := d.End(); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// EncodeReply encodes r as one frame.
+func EncodeReply(r *Reply) []byte {
+	return frame(func(e *wire.Enc) {
+		e.U8(uint8(r.Op))
+		e.U64(r.ID)
+		e.String(r.Err)
+		switch r.Op {
+		case OpRegister:
+			e.String(r.Transport)
+		case OpPoll:
+			e.U8(r.State)
+			e.String(r.Reason)
+			e.U64(r.Pages)
+			e.U64(r.Bytes)
+			e.U64(r.TransferNs)
+			e.U64(r.WallNs)
+		}
+	})
+}
+
+// DecodeReply parses one reply body.
+func DecodeReply(b []byte) (*Reply, error) {
+	d := wire.Dec{B: b}
+	r := &Reply{Op: Op(d.U8()), ID: d.U64(), Err: d.String()}
+	switch r.Op {
+	case OpRegister:
+		r.Transport = d.String()
+	case OpPoll:
+		r.State, r.Reason = d.U8(), d.String()
+		r.Pages, r.Bytes, r.TransferNs, r.WallNs = d.U64(), d.U64(), d.U64(), d.U64()
+	}
+	if err := d.End(); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// splitFrame returns the first complete frame body in b and the rest, or
+// nil if b holds no complete frame yet.
+func splitFrame(b []byte) (body, rest []byte, err error) {
+	if len(b) < 4 {
+		return nil, b, nil
+	}
+	n := binary.LittleEndian.Uint32(b)
+	if n > maxFrame {
+		return nil, nil, fmt.Errorf("%w: control frame of %d bytes", wire.ErrMalformed, n)
+	}
+	if uint32(len(b)-4) < n {
+		return nil, b, nil
+	}
+	return b[4 : 4+n], b[4+n:], nil
+}

@@ -1,0 +1,243 @@
+package control
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"syscall"
+
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// Server serves one engine's control connections.
+type Server struct {
+	Engine *kvtransfer.Engine
+	Log    *zap.Logger
+
+	mu  sync.Mutex
+	seg *shm.Segment
+	wg  sync.WaitGroup
+}
+
+// Serve accepts connections until ln is closed, then waits for every
+// connection handler to finish.
+func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
+	if s.Log == nil {
+		s.Log = zap.NewNop()
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer func() {
+		cancel()
+		s.wg.Wait()
+	}()
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	for {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return nil
+			}
+			return err
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(ctx, c)
+		}()
+	}
+}
+
+// Close unmaps the pool segment; call after the engine is closed.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.seg == nil {
+		return nil
+	}
+	err := s.seg.Close()
+	s.seg = nil
+	return err
+}
+
+type conn struct {
+	s     *Server
+	c     *net.UnixConn
+	wmu   sync.Mutex
+	fds   []int
+	rooms map[uint64]struct{} // rooms this client opened, aborted if it goes away
+	rmu   sync.Mutex
+}
+
+func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
+	ctx, cancel := context.WithCancel(ctx)
+	c := &conn{s: s, c: uc, rooms: map[uint64]struct{}{}}
+	var wg sync.WaitGroup
+	defer func() {
+		cancel()
+		uc.Close()
+		wg.Wait()
+		for _, fd := range c.fds {
+			syscall.Close(fd)
+		}
+		// The engine went away: its unfinished rooms would only time out.
+		c.rmu.Lock()
+		for room := range c.rooms {
+			if st, err := s.Engine.Poll(room); err == nil && !st.State.Terminal() {
+				_ = s.Engine.Abort(room, "engine disconnected from kvproxy")
+			}
+		}
+		c.rmu.Unlock()
+	}()
+	stop := context.AfterFunc(ctx, func() { uc.Close() })
+	defer stop()
+	var pending []byte
+	buf := make([]byte, 64<<10)
+	oob := make([]byte, syscall.CmsgSpace(4*4))
+	for {
+		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+		if oobn > 0 {
+			c.takeFds(oob[:oobn])
+		}
+		if err != nil {
+			return
+		}
+		pending = append(pending, buf[:n]...)
+		for {
+			body, rest, err := splitFrame(pending)
+			if err != nil {
+				s.Log.Warn("control: bad frame, closing", zap.Error(err))
+				return
+			}
+			if body == nil {
+				break
+			}
+			req, err := DecodeRequest(body)
+			if err != nil {
+				s.Log.Warn("control: bad request, closing", zap.Error(err))
+				return
+			}
+			pending = append(pending[:0], rest...)
+			if req.Op == OpPoll && req.Wait {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					c.reply(c.handle(ctx, req))
+				}()
+				continue
+			}
+			c.reply(c.handle(ctx, req))
+		}
+	}
+}
+
+func (c *conn) takeFds(oob []byte) {
+	msgs, err := syscall.ParseSocketControlMessage(oob)
+	if err != nil {
+		return
+	}
+	for _, m := range msgs {
+		if fds, err := syscall.ParseUnixRights(&m); err == nil {
+			c.fds = append(c.fds, fds...)
+		}
+	}
+}
+
+func (c *conn) reply(r *Reply) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	_, _ = c.c.Write(EncodeReply(r))
+}
+
+func (c *conn) handle(ctx context.Context, req *Request) *Reply {
+	e := c.s.Engine
+	r := &Reply{Op: req.Op, ID: req.ID}
+	var err error
+	switch req.Op {
+	case OpRegister:
+		r.Transport, err = c.register(req.Layout)
+	case OpExpect:
+		if err = e.Expect(req.Room, req.Bootstrap, req.Pages, req.Aux); err == nil {
+			c.track(req.Room)
+		}
+	case OpSend:
+		if err = e.Send(req.Room, req.Pages, req.Last, req.Aux); err == nil {
+			c.track(req.Room)
+		}
+	case OpPoll:
+		var st kvtransfer.Status
+		if req.Wait {
+			st, err = e.Wait(ctx, req.Room)
+		} else {
+			st, err = e.Poll(req.Room)
+		}
+		r.State, r.Reason = uint8(st.State), st.Reason
+		r.Pages, r.Bytes = st.Pages, st.Bytes
+		r.TransferNs, r.WallNs = uint64(st.Transfer), uint64(st.Wall)
+		if st.State.Terminal() {
+			c.rmu.Lock()
+			delete(c.rooms, req.Room)
+			c.rmu.Unlock()
+		}
+	case OpAbort:
+		err = e.Abort(req.Room, req.Reason)
+	}
+	if err != nil {
+		r.Err = err.Error()
+	}
+	return r
+}
+
+func (c *conn) track(room uint64) {
+	c.rmu.Lock()
+	c.rooms[room] = struct{}{}
+	c.rmu.Unlock()
+}
+
+// register maps the segment whose fd came with the request and registers
+// the pool it holds.
+func (c *conn) register(l Layout) (string, error) {
+	if len(c.fds) == 0 {
+		return "", errors.New("register: no file descriptor received")
+	}
+	fd := c.fds[0]
+	c.fds = c.fds[1:]
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	if c.s.seg != nil {
+		syscall.Close(fd)
+		return "", errors.New("register: a pool is already registered")
+	}
+	seg, err := shm.Map(fd)
+	if err != nil {
+		syscall.Close(fd)
+		return "", err
+	}
+	p := &kvtransfer.Pool{PageSize: l.PageSize, Dtype: l.Dtype}
+	for i, rs := range l.Regions {
+		if rs.Offset > uint64(len(seg.Mem)) || rs.Len > uint64(len(seg.Mem))-rs.Offset {
+			seg.Close()
+			return "", fmt.Errorf("register: region %d [%d,+%d) outside the %d-byte segment", i, rs.Offset, rs.Len, len(seg.Mem))
+		}
+		p.Regions = append(p.Regions, kvtransfer.Region{Kind: rs.Kind, ItemLen: rs.ItemLen, Mem: seg.Mem[rs.Offset : rs.Offset+rs.Len : rs.Offset+rs.Len]})
+	}
+	if err := c.s.Engine.RegisterPool(p); err != nil {
+		seg.Close()
+		return "", err
+	}
+	c.s.seg = seg
+	c.s.Log.Info("pool registered", zap.Int("bytes", len(seg.Mem)), zap.Int("regions", len(p.Regions)), zap.Int("pages", p.Pages()))
+	return c.s.Engine.TransportName(), nil
+}
+
+// KindKV and KindAux re-export the region kinds for clients.
+const (
+	KindKV  = wire.KindKV
+	KindAux = wire.KindAux
+)
