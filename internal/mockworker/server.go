@@ -1,8 +1,3 @@
-// Package mockworker is a mock SGLang engine for tests and benchmarks: it
-// speaks SGLang's HTTP API and shapes (/generate, the OpenAI routes, the info
-// and health endpoints) in the regular, prefill or decode role, with knobs for
-// latency and failures, a KVTransfer seam for PD KV movement, and an
-// introspection API (/_mock/*) recording what it received.
 package mockworker
 
 import (
