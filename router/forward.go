@@ -10,10 +10,12 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // errClientGone cancels upstream legs when the client disconnects.
@@ -25,7 +27,7 @@ type request struct {
 	route     routeKind
 	path      string
 	body      []byte // the client's body, owned by the request
-	info      bodyInfo
+	info      splice.Info
 	start     time.Time
 	requestID []byte
 	header    http.Header // forwarded to workers
@@ -126,6 +128,9 @@ func copyHeaders(ctx *fasthttp.RequestCtx, h http.Header) {
 		}
 	}
 }
+
+// bstr views bytes as a string without copying, for comparisons only.
+func bstr(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // chunkPool holds the buffers streams are relayed through.
 var chunkPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}

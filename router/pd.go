@@ -8,6 +8,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // The PD request path, top to bottom:
@@ -52,7 +53,7 @@ func (p *prefillLeg) wait(ctx context.Context) bool {
 // prepended to decode's: SGLang /generate with return_logprob (the OpenAI
 // routes carry no meta_info, so there is nothing to merge).
 func (r *request) mergeLogprobs() bool {
-	return r.route == routeGenerate && r.info.returnLogprob
+	return r.route == routeGenerate && r.info.ReturnLogprob
 }
 
 // pdAttempt runs one try on a fresh pair and room. It returns the failure to
@@ -69,7 +70,12 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	body, _ := appendInjected(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw, batchSize(r.route, r.body, &r.info))
+	port := pw.BootstrapPort
+	if port == balancer.NoBootstrapPort {
+		port = splice.NoPort
+	}
+	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port,
+		batchSize(r.route, r.body, &r.info))
 
 	actx, cancel := context.WithCancelCause(r.ctx)
 	leg := &prefillLeg{done: make(chan struct{})}
@@ -90,7 +96,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if err != nil {
 		dw.DecLoad()
 		if f := leg.failure(actx); f != nil {
-			return f.forStream(r.info.stream), false
+			return f.forStream(r.info.Stream), false
 		}
 		cancel(errAttemptOver)
 		if r.clientGone() {
@@ -108,12 +114,12 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		cancel(errAttemptOver)
 		s.bm.WorkerError(dw, "status_"+statusLabel(resp.StatusCode))
 		e := upstreamError("decode", resp.StatusCode, eb)
-		if r.info.stream {
+		if r.info.Stream {
 			e.Status, e.sse = resp.StatusCode, true
 		}
 		return e, false
 	}
-	if r.info.stream {
+	if r.info.Stream {
 		return s.startStream(ctx, r, resp, dw, actx, leg)
 	}
 	defer dw.DecLoad()
@@ -181,4 +187,35 @@ func writeReply(ctx *fasthttp.RequestCtx, resp *http.Response, body []byte) {
 	ctx.SetStatusCode(resp.StatusCode)
 	copyHeaders(ctx, resp.Header)
 	ctx.SetBody(body)
+}
+
+// batchSize is the number of prompts in a request for bootstrap purposes:
+// 1 unless the body is a batch (spec §2.2), improved where upstream is wrong:
+// a completions prompt that is one list of token ids is a single prompt.
+func batchSize(route routeKind, body []byte, info *splice.Info) int {
+	switch route {
+	case routeGenerate:
+		if info.InputIDs.OK() {
+			if n, allArrays := splice.ArrayLen(body, info.InputIDs); allArrays {
+				return n
+			}
+		}
+		if info.Text.OK() && body[info.Text.Start] == '[' {
+			if n, _ := splice.ArrayLen(body, info.Text); n > 0 {
+				return n
+			}
+		}
+	case routeChat:
+		if info.N > 1 {
+			return int(info.N)
+		}
+	case routeCompletions:
+		if info.Prompt.OK() && body[info.Prompt.Start] == '[' {
+			n, allArrays := splice.ArrayLen(body, info.Prompt)
+			if n > 0 && (allArrays || splice.FirstString(body, info.Prompt) != nil) {
+				return n
+			}
+		}
+	}
+	return 1
 }

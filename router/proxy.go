@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // generation serves the routed endpoints: validation, admission, then
@@ -24,7 +25,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	}
 	requestID := ctx.Response.Header.Peek("x-request-id")
 	r := s.newRequest(ctx, path, route, requestID)
-	if err := inspectBody(r.body, &r.info); err != nil {
+	if err := splice.Inspect(r.body, &r.info); err != nil {
 		r.finish()
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
 		return path
@@ -58,11 +59,11 @@ func (s *Server) backendType() string {
 func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	endpoint := r.route.String()
 	model := "unknown"
-	if r.info.model.ok() {
-		model = string(firstString(r.body, r.info.model))
+	if r.info.Model.OK() {
+		model = string(splice.FirstString(r.body, r.info.Model))
 	}
 	s.metrics.routerRequests.WithLabelValues("http", s.backendType(), "http", model, endpoint,
-		boolLabel(r.info.stream)).Inc()
+		boolLabel(r.info.Stream)).Inc()
 
 	var fail *apiError
 	attempts := s.cfg.Retry.Attempts()
@@ -145,15 +146,15 @@ func (s *Server) policyRequest(ctx *fasthttp.RequestCtx, r *request) *balancer.R
 func (r *request) routingText() []byte {
 	switch r.route {
 	case routeGenerate:
-		return firstString(r.body, r.info.text)
+		return splice.FirstString(r.body, r.info.Text)
 	case routeChat:
-		return chatRoutingText(r.body, r.info.messages)
+		return splice.ChatRoutingText(r.body, r.info.Messages)
 	case routeCompletions:
-		return firstString(r.body, r.info.prompt)
+		return splice.FirstString(r.body, r.info.Prompt)
 	case routeRerank:
-		return firstString(r.body, r.info.query)
+		return splice.FirstString(r.body, r.info.Query)
 	}
-	return firstString(r.body, r.info.text)
+	return splice.FirstString(r.body, r.info.Text)
 }
 
 // selectionError is the 503 for an empty or unavailable pool.

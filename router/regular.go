@@ -39,7 +39,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		w.DecLoad()
 		return e, false
 	}
-	if r.info.stream {
+	if r.info.Stream {
 		return s.startStream(ctx, r, resp, w, r.ctx, nil)
 	}
 	defer w.DecLoad()

@@ -11,6 +11,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // startStream waits for the worker's first body bytes, so that a failure
@@ -155,10 +156,10 @@ func newLogprobMerger(prefillBody []byte) *logprobMerger {
 		doc = ev
 	}
 	sp := logprobSpan(doc)
-	if !sp.ok() {
+	if !sp.OK() {
 		return nil
 	}
-	return &logprobMerger{prefix: bytes.TrimSpace(doc[sp.start+1 : sp.end-1])}
+	return &logprobMerger{prefix: bytes.TrimSpace(doc[sp.Start+1 : sp.End-1])}
 }
 
 // feed returns the complete events of chunk, merged; a partial event is
@@ -208,43 +209,43 @@ func mergeLogprobsJSON(prefillBody, decodeBody []byte) []byte {
 		doc = ev
 	}
 	sp := logprobSpan(doc)
-	if !sp.ok() {
+	if !sp.OK() {
 		return decodeBody
 	}
-	return spliceLogprobs(bytes.TrimSpace(doc[sp.start+1:sp.end-1]), decodeBody)
+	return spliceLogprobs(bytes.TrimSpace(doc[sp.Start+1:sp.End-1]), decodeBody)
 }
 
 // spliceLogprobs returns doc with prefix's elements put at the front of its
 // meta_info.input_token_logprobs array; everything else is untouched.
 func spliceLogprobs(prefix, doc []byte) []byte {
 	sp := logprobSpan(doc)
-	if !sp.ok() || len(prefix) == 0 {
+	if !sp.OK() || len(prefix) == 0 {
 		return doc
 	}
-	inner := bytes.TrimSpace(doc[sp.start+1 : sp.end-1])
+	inner := bytes.TrimSpace(doc[sp.Start+1 : sp.End-1])
 	out := make([]byte, 0, len(doc)+len(prefix)+1)
-	out = append(out, doc[:sp.start+1]...)
+	out = append(out, doc[:sp.Start+1]...)
 	out = append(out, prefix...)
 	if len(inner) > 0 {
 		out = append(out, ',')
 	}
-	out = append(out, doc[sp.start+1:]...)
+	out = append(out, doc[sp.Start+1:]...)
 	return out
 }
 
 // logprobSpan finds meta_info.input_token_logprobs when it is an array.
-func logprobSpan(doc []byte) span {
-	var info bodyInfo
-	if inspectBody(doc, &info) != nil {
-		return span{}
+func logprobSpan(doc []byte) splice.Span {
+	var info splice.Info
+	if splice.Inspect(doc, &info) != nil {
+		return splice.Span{}
 	}
-	meta := objectField(doc, 0, len(doc), "meta_info")
-	if !meta.ok() {
-		return span{}
+	meta := splice.ObjectField(doc, 0, len(doc), "meta_info")
+	if !meta.OK() {
+		return splice.Span{}
 	}
-	arr := objectField(doc, int(meta.start), int(meta.end), "input_token_logprobs")
-	if !arr.ok() || doc[arr.start] != '[' {
-		return span{}
+	arr := splice.ObjectField(doc, int(meta.Start), int(meta.End), "input_token_logprobs")
+	if !arr.OK() || doc[arr.Start] != '[' {
+		return splice.Span{}
 	}
 	return arr
 }

@@ -1,56 +1,60 @@
-package router
+// Package splice inspects and edits request bodies without unmarshalling
+// them: one validating pass records where the fields routing needs are, and
+// the bootstrap fields are spliced into the bytes, so unknown fields, key
+// order and number spellings reach the workers exactly as the client sent
+// them.
+package splice
 
 import (
+	"encoding/binary"
 	"errors"
 	"unsafe"
 )
 
-// Body inspection: one validating pass over the request JSON that records
-// only what routing needs, so the body is never unmarshalled.
-
 var (
-	errNotObject = errors.New("request body must be a JSON object")
-	errBadJSON   = errors.New("request body is not valid JSON")
-	errTooDeep   = errors.New("request body nests too deeply")
+	ErrNotObject = errors.New("request body must be a JSON object")
+	ErrBadJSON   = errors.New("request body is not valid JSON")
+	ErrTooDeep   = errors.New("request body nests too deeply")
 )
 
 // maxDepth bounds nesting so a hostile body cannot blow the scanner's stack.
 const maxDepth = 512
 
-// span is a half-open byte range [start, end) in the body; end == 0 means absent.
-type span struct{ start, end int32 }
+// Span is a half-open byte range [Start, End) in the body; End == 0 means absent.
+type Span struct{ Start, End int32 }
 
-func (s span) ok() bool { return s.end > 0 }
+func (s Span) OK() bool { return s.End > 0 }
 
-// bodyInfo is what routing reads from a request body.
-type bodyInfo struct {
-	stream        bool
-	returnLogprob bool // /generate return_logprob:true
-	logprobs      bool // OpenAI logprobs present and not false/null
-	n             int64
-	text          span // /generate "text" value (string or array)
-	prompt        span // /v1/completions "prompt" value
-	inputIDs      span // /generate "input_ids" value
-	messages      span // /v1/chat/completions "messages" value
-	query         span // /v1/rerank "query" value
-	model         span // "model" value
+// Info is what routing reads from a request body.
+type Info struct {
+	Stream        bool
+	ReturnLogprob bool // /generate return_logprob:true
+	Logprobs      bool // OpenAI logprobs present and not false/null
+	N             int64
+	Text          Span // /generate "text" value (string or array)
+	Prompt        Span // /v1/completions "prompt" value
+	InputIDs      Span // /generate "input_ids" value
+	Messages      Span // /v1/chat/completions "messages" value
+	Query         Span // /v1/rerank "query" value
+	Model         Span // "model" value
 	// values of the client's own bootstrap fields, to be overwritten, in
 	// bootstrapKeys order
-	bootstrap [3]span
+	Bootstrap [3]Span
 }
 
 var bootstrapKeys = [3]string{"bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
-// inspectBody validates that body is exactly one JSON object and fills info.
-func inspectBody(body []byte, info *bodyInfo) error {
-	*info = bodyInfo{n: 1}
+// Inspect validates that body is exactly one JSON object and fills info
+// with what routing needs.
+func Inspect(body []byte, info *Info) error {
+	*info = Info{N: 1}
 	s := scanner{b: body}
 	s.skipWS()
 	if s.i >= len(s.b) || s.b[s.i] != '{' {
 		if s.i < len(s.b) && s.value(0) == nil {
-			return errNotObject
+			return ErrNotObject
 		}
-		return errBadJSON
+		return ErrBadJSON
 	}
 	s.i++
 	s.skipWS()
@@ -62,7 +66,7 @@ func inspectBody(body []byte, info *bodyInfo) error {
 		s.skipWS()
 		keyStart := s.i
 		if s.i >= len(s.b) || s.b[s.i] != '"' {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		if err := s.str(); err != nil {
 			return err
@@ -70,7 +74,7 @@ func inspectBody(body []byte, info *bodyInfo) error {
 		key := s.b[keyStart+1 : s.i-1]
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != ':' {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		s.i++
 		s.skipWS()
@@ -81,7 +85,7 @@ func inspectBody(body []byte, info *bodyInfo) error {
 		info.record(key, valStart, s.i, s.b)
 		s.skipWS()
 		if s.i >= len(s.b) {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		switch s.b[s.i] {
 		case ',':
@@ -90,42 +94,42 @@ func inspectBody(body []byte, info *bodyInfo) error {
 			s.i++
 			return s.end()
 		default:
-			return errBadJSON
+			return ErrBadJSON
 		}
 	}
 }
 
-func (info *bodyInfo) record(key []byte, valStart, valEnd int, b []byte) {
+func (info *Info) record(key []byte, valStart, valEnd int, b []byte) {
 	val := b[valStart:valEnd]
-	sp := span{int32(valStart), int32(valEnd)}
+	sp := Span{int32(valStart), int32(valEnd)}
 	// A key with escapes never matches these plain names, which is what a
 	// decoder would do too only for unescaped spellings; escaped field names
 	// are vanishingly rare and routing then just ignores them.
 	switch bstr(key) {
 	case "stream":
-		info.stream = bstr(val) == "true"
+		info.Stream = bstr(val) == "true"
 	case "return_logprob":
-		info.returnLogprob = bstr(val) == "true"
+		info.ReturnLogprob = bstr(val) == "true"
 	case "logprobs":
-		info.logprobs = bstr(val) != "false" && bstr(val) != "null"
+		info.Logprobs = bstr(val) != "false" && bstr(val) != "null"
 	case "n":
-		info.n = parseSmallInt(val)
+		info.N = parseSmallInt(val)
 	case "text":
-		info.text = sp
+		info.Text = sp
 	case "prompt":
-		info.prompt = sp
+		info.Prompt = sp
 	case "input_ids":
-		info.inputIDs = sp
+		info.InputIDs = sp
 	case "messages":
-		info.messages = sp
+		info.Messages = sp
 	case "query":
-		info.query = sp
+		info.Query = sp
 	case "model":
-		info.model = sp
+		info.Model = sp
 	case "bootstrap_host", "bootstrap_port", "bootstrap_room":
 		for i, k := range bootstrapKeys {
 			if bstr(key) == k {
-				info.bootstrap[i] = sp
+				info.Bootstrap[i] = sp
 			}
 		}
 	}
@@ -157,7 +161,7 @@ type scanner struct {
 func (s *scanner) end() error {
 	s.skipWS()
 	if s.i != len(s.b) {
-		return errBadJSON
+		return ErrBadJSON
 	}
 	return nil
 }
@@ -176,10 +180,10 @@ func (s *scanner) skipWS() {
 // value skips one JSON value starting at s.i.
 func (s *scanner) value(depth int) error {
 	if depth > maxDepth {
-		return errTooDeep
+		return ErrTooDeep
 	}
 	if s.i >= len(s.b) {
-		return errBadJSON
+		return ErrBadJSON
 	}
 	switch c := s.b[s.i]; {
 	case c == '"':
@@ -197,12 +201,12 @@ func (s *scanner) value(depth int) error {
 	case c == '-' || (c >= '0' && c <= '9'):
 		return s.number()
 	}
-	return errBadJSON
+	return ErrBadJSON
 }
 
 func (s *scanner) lit(l string) error {
 	if len(s.b)-s.i < len(l) || string(s.b[s.i:s.i+len(l)]) != l {
-		return errBadJSON
+		return ErrBadJSON
 	}
 	s.i += len(l)
 	return nil
@@ -218,14 +222,14 @@ func (s *scanner) object(depth int) error {
 	for {
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != '"' {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		if err := s.str(); err != nil {
 			return err
 		}
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != ':' {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		s.i++
 		s.skipWS()
@@ -234,7 +238,7 @@ func (s *scanner) object(depth int) error {
 		}
 		s.skipWS()
 		if s.i >= len(s.b) {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		switch s.b[s.i] {
 		case ',':
@@ -243,7 +247,7 @@ func (s *scanner) object(depth int) error {
 			s.i++
 			return nil
 		default:
-			return errBadJSON
+			return ErrBadJSON
 		}
 	}
 }
@@ -262,7 +266,7 @@ func (s *scanner) array(depth int) error {
 		}
 		s.skipWS()
 		if s.i >= len(s.b) {
-			return errBadJSON
+			return ErrBadJSON
 		}
 		switch s.b[s.i] {
 		case ',':
@@ -271,15 +275,23 @@ func (s *scanner) array(depth int) error {
 			s.i++
 			return nil
 		default:
-			return errBadJSON
+			return ErrBadJSON
 		}
 	}
 }
 
 // str skips a string, validating escapes and rejecting control characters.
+// Plain runs are skipped 8 bytes at a time: string content is most of a
+// prompt-carrying body.
 func (s *scanner) str() error {
 	s.i++ // opening quote
 	for s.i < len(s.b) {
+		for s.i+8 <= len(s.b) && !hasSpecial(binary.LittleEndian.Uint64(s.b[s.i:])) {
+			s.i += 8
+		}
+		if s.i >= len(s.b) {
+			break
+		}
 		c := s.b[s.i]
 		switch {
 		case c == '"':
@@ -287,31 +299,44 @@ func (s *scanner) str() error {
 			return nil
 		case c == '\\':
 			if s.i+1 >= len(s.b) {
-				return errBadJSON
+				return ErrBadJSON
 			}
 			switch s.b[s.i+1] {
 			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
 				s.i += 2
 			case 'u':
 				if s.i+6 > len(s.b) {
-					return errBadJSON
+					return ErrBadJSON
 				}
 				for _, h := range s.b[s.i+2 : s.i+6] {
 					if !isHex(h) {
-						return errBadJSON
+						return ErrBadJSON
 					}
 				}
 				s.i += 6
 			default:
-				return errBadJSON
+				return ErrBadJSON
 			}
 		case c < 0x20:
-			return errBadJSON
+			return ErrBadJSON
 		default:
 			s.i++
 		}
 	}
-	return errBadJSON
+	return ErrBadJSON
+}
+
+const (
+	lsb = 0x0101010101010101
+	msb = 0x8080808080808080
+)
+
+// hasSpecial reports whether any byte of x is '"', '\\' or a control
+// character (the classic SWAR zero-byte tests).
+func hasSpecial(x uint64) bool {
+	q := x ^ (lsb * '"')
+	bs := x ^ (lsb * '\\')
+	return ((q-lsb)&^q|(bs-lsb)&^bs|(x-lsb*0x20)&^x)&msb != 0
 }
 
 func isHex(c byte) bool {
@@ -324,19 +349,19 @@ func (s *scanner) number() error {
 		s.i++
 	}
 	if s.i >= len(s.b) {
-		return errBadJSON
+		return ErrBadJSON
 	}
 	if s.b[s.i] == '0' {
 		s.i++
 	} else if s.b[s.i] >= '1' && s.b[s.i] <= '9' {
 		s.digits()
 	} else {
-		return errBadJSON
+		return ErrBadJSON
 	}
 	if s.i < len(s.b) && s.b[s.i] == '.' {
 		s.i++
 		if !s.digits() {
-			return errBadJSON
+			return ErrBadJSON
 		}
 	}
 	if s.i < len(s.b) && (s.b[s.i] == 'e' || s.b[s.i] == 'E') {
@@ -345,11 +370,11 @@ func (s *scanner) number() error {
 			s.i++
 		}
 		if !s.digits() {
-			return errBadJSON
+			return ErrBadJSON
 		}
 	}
 	if s.i == start {
-		return errBadJSON
+		return ErrBadJSON
 	}
 	return nil
 }
@@ -362,10 +387,10 @@ func (s *scanner) digits() bool {
 	return s.i > start
 }
 
-// arrayLen counts the elements of the JSON array at sp (already validated),
+// ArrayLen counts the elements of the JSON array at sp (already validated),
 // and whether every element is itself an array.
-func arrayLen(b []byte, sp span) (n int, allArrays bool) {
-	s := scanner{b: b[:sp.end], i: int(sp.start)}
+func ArrayLen(b []byte, sp Span) (n int, allArrays bool) {
+	s := scanner{b: b[:sp.End], i: int(sp.Start)}
 	if s.i >= len(s.b) || s.b[s.i] != '[' {
 		return 0, false
 	}
@@ -390,14 +415,14 @@ func arrayLen(b []byte, sp span) (n int, allArrays bool) {
 	}
 }
 
-// firstString returns the first string at sp: sp itself when it is a string,
+// FirstString returns the first string at sp: sp itself when it is a string,
 // or its first element when it is an array. Escapes are left as they are:
 // the text only feeds routing heuristics.
-func firstString(b []byte, sp span) []byte {
-	if !sp.ok() {
+func FirstString(b []byte, sp Span) []byte {
+	if !sp.OK() {
 		return nil
 	}
-	v := b[sp.start:sp.end]
+	v := b[sp.Start:sp.End]
 	if v[0] == '[' {
 		s := scanner{b: v, i: 1}
 		s.skipWS()
@@ -415,54 +440,54 @@ func firstString(b []byte, sp span) []byte {
 	return nil
 }
 
-// objectField finds key's value span inside the JSON object at [start,end).
-func objectField(b []byte, start, end int, key string) span {
+// ObjectField finds key's value Span inside the JSON object at [start,end).
+func ObjectField(b []byte, start, end int, key string) Span {
 	s := scanner{b: b[:end], i: start}
 	s.skipWS()
 	if s.i >= len(s.b) || s.b[s.i] != '{' {
-		return span{}
+		return Span{}
 	}
 	s.i++
 	for {
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != '"' {
-			return span{}
+			return Span{}
 		}
 		ks := s.i
 		if s.str() != nil {
-			return span{}
+			return Span{}
 		}
 		k := s.b[ks+1 : s.i-1]
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != ':' {
-			return span{}
+			return Span{}
 		}
 		s.i++
 		s.skipWS()
 		vs := s.i
 		if s.value(1) != nil {
-			return span{}
+			return Span{}
 		}
 		if bstr(k) == key {
-			return span{int32(vs), int32(s.i)}
+			return Span{int32(vs), int32(s.i)}
 		}
 		s.skipWS()
 		if s.i < len(s.b) && s.b[s.i] == ',' {
 			s.i++
 			continue
 		}
-		return span{}
+		return Span{}
 	}
 }
 
-// chatRoutingText is what text-aware policies see for a chat request: the
+// ChatRoutingText is what text-aware policies see for a chat request: the
 // content of the first message when it is a plain string from a user,
 // developer or system message (as sglang-router does).
-func chatRoutingText(b []byte, messages span) []byte {
-	if !messages.ok() || b[messages.start] != '[' {
+func ChatRoutingText(b []byte, messages Span) []byte {
+	if !messages.OK() || b[messages.Start] != '[' {
 		return nil
 	}
-	s := scanner{b: b[:messages.end], i: int(messages.start) + 1}
+	s := scanner{b: b[:messages.End], i: int(messages.Start) + 1}
 	s.skipWS()
 	if s.i >= len(s.b) || s.b[s.i] != '{' {
 		return nil
@@ -471,18 +496,18 @@ func chatRoutingText(b []byte, messages span) []byte {
 	if s.value(1) != nil {
 		return nil
 	}
-	role := objectField(b, first, s.i, "role")
-	if !role.ok() {
+	role := ObjectField(b, first, s.i, "role")
+	if !role.OK() {
 		return nil
 	}
-	switch bstr(b[role.start:role.end]) {
+	switch bstr(b[role.Start:role.End]) {
 	case `"user"`, `"developer"`, `"system"`:
 	default:
 		return nil
 	}
-	content := objectField(b, first, s.i, "content")
-	if !content.ok() || b[content.start] != '"' {
+	content := ObjectField(b, first, s.i, "content")
+	if !content.OK() || b[content.Start] != '"' {
 		return nil
 	}
-	return b[content.start+1 : content.end-1]
+	return b[content.Start+1 : content.End-1]
 }
