@@ -28,7 +28,7 @@ func (a *answer) embeddings() error {
 		v := make([]float64, embeddingDim)
 		var norm float64
 		for d := range v {
-			v[d] = float64(int64(outputIDs(seed, d+1)[d])-vocabSize/2) / vocabSize
+			v[d] = float64(int64(mix(seed+uint64(d))%vocabSize)-vocabSize/2) / vocabSize
 			norm += v[d] * v[d]
 		}
 		for d := range v {

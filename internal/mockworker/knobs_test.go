@@ -173,9 +173,6 @@ func TestTokenDelayPacing(t *testing.T) {
 			t.Errorf("token %d after %v, want >= %v", k, gap, time.Duration(k)*d)
 		}
 	}
-	if at[0] > d {
-		t.Errorf("first token after %v", at[0])
-	}
 	// Non-streaming takes the same total time.
 	t0 = time.Now()
 	h.postJSON("/v1/completions", `{"prompt":"x"}`)
@@ -226,11 +223,11 @@ func TestCrashOnRequest(t *testing.T) {
 }
 
 func TestHealthKnobs(t *testing.T) {
-	h := start(t, Config{HealthFailAfter: 100 * time.Millisecond})
+	h := start(t, Config{HealthFailAfter: 300 * time.Millisecond})
 	if code, _ := h.get("/health"); code != 200 {
 		t.Errorf("before: %d", code)
 	}
-	time.Sleep(120 * time.Millisecond)
+	time.Sleep(320 * time.Millisecond)
 	for _, p := range []string{"/health", "/health_generate"} {
 		if code, _ := h.get(p); code != 503 {
 			t.Errorf("%s after: %d", p, code)

@@ -211,7 +211,7 @@ func (r *request) parseChat(raw *rawBody) (int, *apiError) {
 		}
 		parts = append(parts, t)
 	}
-	n, err := r.parseOpenAICommon(raw)
+	n, err := parseN(raw)
 	if err != nil {
 		return 0, err
 	}
@@ -250,7 +250,7 @@ func (r *request) parseCompletions(raw *rawBody) (int, *apiError) {
 	if err != nil {
 		return 0, err
 	}
-	n, err := r.parseOpenAICommon(raw)
+	n, err := parseN(raw)
 	if err != nil {
 		return 0, err
 	}
@@ -277,8 +277,8 @@ func (r *request) parseCompletions(raw *rawBody) (int, *apiError) {
 	return len(prompts), nil
 }
 
-// parseOpenAICommon validates n and returns it.
-func (r *request) parseOpenAICommon(raw *rawBody) (int, *apiError) {
+// parseN validates the OpenAI n (choices per prompt).
+func parseN(raw *rawBody) (int, *apiError) {
 	n := 1
 	if raw.N != nil {
 		n = *raw.N
@@ -537,11 +537,11 @@ func samplingLimits(raw json.RawMessage, n int) ([]int, *apiError) {
 		return nil, badRequest("sampling_params has %d elements, want %d", len(sps), n)
 	}
 	for i := range limits {
-		if l, err := minLimit(sps[min(i, len(sps)-1)].MaxNewTokens, nil); err != nil {
+		l, err := minLimit(sps[min(i, len(sps)-1)].MaxNewTokens, nil)
+		if err != nil {
 			return nil, err
-		} else {
-			limits[i] = l
 		}
+		limits[i] = l
 	}
 	return limits, nil
 }

@@ -227,8 +227,8 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 // Unwrap lets http.ResponseController reach Flush.
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-// usage is what a generation request consumed, for /metrics.
-type usage struct{ prompt, completion int64 }
+// consumed is what a generation request used, for /metrics.
+type consumed struct{ prompt, completion int64 }
 
 // generation serves a model-work endpoint: record, authorize, parse, apply
 // the knobs, move KV in PD roles, then answer.
@@ -236,7 +236,7 @@ func (s *Server) generation(ep endpoint) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := s.rec.start(r)
 		sw := &statusWriter{ResponseWriter: w}
-		var used usage
+		var used consumed
 		outcome := FinishedError // stays so if the handler aborts (crash)
 		defer func() { s.rec.finish(rec, sw.status, outcome, used.prompt, used.completion) }()
 		err := s.serveGeneration(sw, r, ep, rec, &used)
@@ -251,7 +251,7 @@ func (s *Server) generation(ep endpoint) http.Handler {
 
 // serveGeneration returns errClientGone (or a write error) when the client
 // went away; any answer it managed to send is reported through w.
-func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, rec *RecordedRequest, used *usage) error {
+func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, rec *RecordedRequest, used *consumed) error {
 	ctx := r.Context()
 	w.Header().Set("X-Worker-Id", s.workerID)
 	if !s.authorized(r) {
