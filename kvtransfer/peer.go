@@ -36,6 +36,8 @@ type peer struct {
 
 	closeOnce sync.Once
 	closed    chan struct{}
+	ctx       context.Context // ends when the peer closes
+	cancel    context.CancelFunc
 }
 
 type item struct {
@@ -253,9 +255,11 @@ func (e *Engine) addPeer(p *peer) bool {
 	p.rooms = map[uint64]*room{}
 	p.wake = make(chan struct{}, 1)
 	p.closed = make(chan struct{})
+	p.ctx, p.cancel = context.WithCancel(e.ctx)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
+		p.cancel()
 		_ = p.conn.Close()
 		if p.w != nil {
 			p.w.Close()
@@ -280,6 +284,7 @@ func (p *peer) close(cause error) {
 	p.closeOnce.Do(func() {
 		_ = p.conn.Close()
 		close(p.closed)
+		p.cancel()
 		e := p.e
 		e.mu.Lock()
 		defer e.mu.Unlock()
@@ -460,7 +465,7 @@ func (p *peer) run(j *job) error {
 		bytes += r.Len
 	}
 	t0 := time.Now()
-	if err := p.w.Write(j.runs); err != nil {
+	if err := p.w.Write(p.ctx, j.runs); err != nil {
 		e.mu.Lock()
 		e.failLocked(j.r, "transfer: "+err.Error(), false)
 		e.mu.Unlock()

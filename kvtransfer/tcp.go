@@ -1,6 +1,7 @@
 package kvtransfer
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
@@ -37,7 +38,7 @@ type tcpWriter struct {
 	conn *wire.Conn
 }
 
-func (w *tcpWriter) Write(runs []Run) error {
+func (w *tcpWriter) Write(_ context.Context, runs []Run) error {
 	for _, r := range runs {
 		mem := w.pool.Regions[r.Region].Mem
 		for done := uint64(0); done < r.Len; {

@@ -1,6 +1,7 @@
 package kvtransfer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -94,7 +95,8 @@ type Transport interface {
 // Writer writes into one peer's pool.
 type Writer interface {
 	// Write posts all runs as one batch and returns once every byte is
-	// complete at the target (so a DONE sent afterwards is truthful).
-	Write(runs []Run) error
+	// complete at the target (so a DONE sent afterwards is truthful), or
+	// when ctx ends (the peer is gone).
+	Write(ctx context.Context, runs []Run) error
 	Close()
 }

@@ -19,6 +19,9 @@ import (
 type Server struct {
 	Engine *kvtransfer.Engine
 	Log    *zap.Logger
+	// OnRegister runs after the pool is registered (the prefill kvproxy
+	// then announces itself on its bootstrap server).
+	OnRegister func(*kvtransfer.Pool)
 
 	mu  sync.Mutex
 	seg *shm.Segment
@@ -232,6 +235,9 @@ func (c *conn) register(l Layout) (string, error) {
 		return "", err
 	}
 	c.s.seg = seg
+	if c.s.OnRegister != nil {
+		c.s.OnRegister(p)
+	}
 	c.s.Log.Info("pool registered", zap.Int("bytes", len(seg.Mem)), zap.Int("regions", len(p.Regions)), zap.Int("pages", p.Pages()))
 	return c.s.Engine.TransportName(), nil
 }
