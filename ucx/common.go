@@ -50,6 +50,13 @@ type Config struct {
 	// e.g. {"TLS": "tcp", "KEEPALIVE_INTERVAL": "1s"}. Unset keys come
 	// from the UCX_* environment.
 	Options map[string]string
+	// NoPeerErrorHandling makes ConnectAddress endpoints use error handling
+	// mode NONE instead of PEER (sockaddr endpoints always use PEER: UCX
+	// 1.13 fails to wire them up in mode NONE). UCX 1.13's posix and sysv transports do not support
+	// mode PEER, so shared memory is only used with this set; the price is
+	// that a dead peer may leave operations pending (bound every Wait and
+	// detect the peer's death another way, e.g. heartbeats).
+	NoPeerErrorHandling bool
 }
 
 // Live counts UCX objects currently alive in this process, for leak checks.

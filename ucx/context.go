@@ -47,8 +47,9 @@ func statusErr(op string, st C.ucs_status_t) error {
 // Context is a UCP context with the RMA, AM and wakeup features. It is safe
 // for concurrent use.
 type Context struct {
-	p   C.ucp_context_h
-	tls string // effective UCX_TLS, to check sockaddr support
+	p          C.ucp_context_h
+	tls        string // effective UCX_TLS, to check sockaddr support
+	peerErrors C.int  // 1: endpoints use error handling mode PEER
 
 	mu       sync.Mutex
 	children int // open workers and memory regions
@@ -79,7 +80,10 @@ func NewContext(cfg Config) (*Context, error) {
 	copy(unsafe.Slice(ck, n), keys)
 	copy(unsafe.Slice(cv, n), vals)
 
-	c := &Context{tls: tlsSetting(cfg)}
+	c := &Context{tls: tlsSetting(cfg), peerErrors: 1}
+	if cfg.NoPeerErrorHandling {
+		c.peerErrors = 0
+	}
 	if err := statusErr("ucp_init", C.ucxg_context_create(ck, cv, C.int(n), &c.p)); err != nil {
 		return nil, err
 	}

@@ -20,8 +20,11 @@ import (
 const closeFlushTimeout = 2 * time.Second
 
 // Endpoint is a connection to one peer worker, created with error handling
-// mode PEER: a dead peer fails pending and new operations instead of
-// hanging them. Owned by its worker's goroutine.
+// mode PEER unless Config.NoPeerErrorHandling: a dead peer fails pending and
+// new operations instead of hanging them. Note that UCX 1.13 never uses
+// shared memory for sockaddr (Connect/Accept) endpoints in mode PEER; use
+// ConnectAddress with NoPeerErrorHandling for that. Owned by its worker's
+// goroutine.
 type Endpoint struct {
 	w      *Worker
 	e      *C.ucxg_ep_t
@@ -51,7 +54,7 @@ func (w *Worker) Connect(addr string, timeout time.Duration) (*Endpoint, error) 
 	cip := C.CString(ip)
 	defer C.free(unsafe.Pointer(cip))
 	var e *C.ucxg_ep_t
-	if err := statusErr("ucp_ep_create(sockaddr)", C.ucxg_ep_connect(w.p, cip, C.uint16_t(port), &e)); err != nil {
+	if err := statusErr("ucp_ep_create(sockaddr)", C.ucxg_ep_connect(w.p, 1, cip, C.uint16_t(port), &e)); err != nil {
 		return nil, fmt.Errorf("ucx: connect %s: %w", addr, err)
 	}
 	ep := w.newEndpoint(e)
@@ -83,7 +86,7 @@ func (w *Worker) ConnectAddress(addr []byte) (*Endpoint, error) {
 	ca := C.CBytes(addr)
 	defer C.free(ca)
 	var e *C.ucxg_ep_t
-	if err := statusErr("ucp_ep_create(address)", C.ucxg_ep_by_address(w.p, ca, &e)); err != nil {
+	if err := statusErr("ucp_ep_create(address)", C.ucxg_ep_by_address(w.p, w.ctx.peerErrors, ca, &e)); err != nil {
 		return nil, fmt.Errorf("ucx: connect by worker address: %w", err)
 	}
 	return w.newEndpoint(e), nil

@@ -154,16 +154,20 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t st)
 	}
 }
 
-static ucs_status_t ep_create(ucp_worker_h w, ucp_ep_params_t *p, ucxg_ep_t **out)
+static ucs_status_t ep_create(ucp_worker_h w, int peer_errors, ucp_ep_params_t *p, ucxg_ep_t **out)
 {
 	ucxg_ep_t *e = calloc(1, sizeof(*e));
 	if (e == NULL) {
 		return UCS_ERR_NO_MEMORY;
 	}
-	p->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-	p->err_mode = UCP_ERR_HANDLING_MODE_PEER;
-	p->err_handler.cb = ep_err_cb;
-	p->err_handler.arg = e;
+	p->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+	p->err_mode = UCP_ERR_HANDLING_MODE_NONE;
+	if (peer_errors) {
+		p->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+		p->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+		p->err_handler.cb = ep_err_cb;
+		p->err_handler.arg = e;
+	}
 	ucs_status_t st = ucp_ep_create(w, p, &e->ep);
 	if (st != UCS_OK) {
 		free(e);
@@ -173,7 +177,7 @@ static ucs_status_t ep_create(ucp_worker_h w, ucp_ep_params_t *p, ucxg_ep_t **ou
 	return UCS_OK;
 }
 
-ucs_status_t ucxg_ep_connect(ucp_worker_h w, const char *ip, uint16_t port, ucxg_ep_t **out)
+ucs_status_t ucxg_ep_connect(ucp_worker_h w, int peer_errors, const char *ip, uint16_t port, ucxg_ep_t **out)
 {
 	struct sockaddr_storage ss;
 	int len = fill_sockaddr(&ss, ip, port);
@@ -186,25 +190,25 @@ ucs_status_t ucxg_ep_connect(ucp_worker_h w, const char *ip, uint16_t port, ucxg
 	p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
 	p.sockaddr.addr = (struct sockaddr *)&ss;
 	p.sockaddr.addrlen = len;
-	return ep_create(w, &p, out);
+	return ep_create(w, peer_errors, &p, out);
 }
 
-ucs_status_t ucxg_ep_accept(ucp_worker_h w, ucp_conn_request_h req, ucxg_ep_t **out)
+ucs_status_t ucxg_ep_accept(ucp_worker_h w, int peer_errors, ucp_conn_request_h req, ucxg_ep_t **out)
 {
 	ucp_ep_params_t p;
 	memset(&p, 0, sizeof(p));
 	p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
 	p.conn_request = req;
-	return ep_create(w, &p, out);
+	return ep_create(w, peer_errors, &p, out);
 }
 
-ucs_status_t ucxg_ep_by_address(ucp_worker_h w, const void *addr, ucxg_ep_t **out)
+ucs_status_t ucxg_ep_by_address(ucp_worker_h w, int peer_errors, const void *addr, ucxg_ep_t **out)
 {
 	ucp_ep_params_t p;
 	memset(&p, 0, sizeof(p));
 	p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
 	p.address = addr;
-	return ep_create(w, &p, out);
+	return ep_create(w, peer_errors, &p, out);
 }
 
 static void *status_ptr(ucs_status_ptr_t r, ucs_status_t *st)

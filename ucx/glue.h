@@ -38,9 +38,9 @@ ucs_status_t ucxg_listener_port(ucxg_listener_t *l, uint16_t *port);
 ucp_conn_request_h ucxg_listener_pop(ucxg_listener_t *l);
 void ucxg_listener_destroy(ucxg_listener_t *l);
 
-ucs_status_t ucxg_ep_connect(ucp_worker_h w, const char *ip, uint16_t port, ucxg_ep_t **out);
-ucs_status_t ucxg_ep_accept(ucp_worker_h w, ucp_conn_request_h req, ucxg_ep_t **out);
-ucs_status_t ucxg_ep_by_address(ucp_worker_h w, const void *addr, ucxg_ep_t **out);
+ucs_status_t ucxg_ep_connect(ucp_worker_h w, int peer_errors, const char *ip, uint16_t port, ucxg_ep_t **out);
+ucs_status_t ucxg_ep_accept(ucp_worker_h w, int peer_errors, ucp_conn_request_h req, ucxg_ep_t **out);
+ucs_status_t ucxg_ep_by_address(ucp_worker_h w, int peer_errors, const void *addr, ucxg_ep_t **out);
 void *ucxg_ep_close(ucxg_ep_t *e, int force, ucs_status_t *st);
 void ucxg_ep_free(ucxg_ep_t *e);
 

@@ -215,7 +215,7 @@ func (l *Listener) Accept(timeout time.Duration) (*Endpoint, error) {
 	for {
 		if r := C.ucxg_listener_pop(l.l); r != nil {
 			var e *C.ucxg_ep_t
-			if err := statusErr("ucp_ep_create(conn_request)", C.ucxg_ep_accept(l.w.p, r, &e)); err != nil {
+			if err := statusErr("ucp_ep_create(conn_request)", C.ucxg_ep_accept(l.w.p, 1, r, &e)); err != nil {
 				return nil, fmt.Errorf("ucx: accept on %s: %w", l.addr, err)
 			}
 			return l.w.newEndpoint(e), nil

@@ -60,9 +60,10 @@ func latIters(tls string, size int) int {
 type side struct {
 	ctx  *ucx.Context
 	w    *ucx.Worker
-	ep   *ucx.Endpoint
-	src  *ucx.Memory // what we put from
-	dst  *ucx.Memory // what the peer puts into
+	ep   *ucx.Endpoint // sockaddr connection: control messages
+	dep  *ucx.Endpoint // by worker address: puts (sockaddr eps in UCX 1.13 never use shared memory)
+	src  *ucx.Memory   // what we put from
+	dst  *ucx.Memory   // what the peer puts into
 	rk   *ucx.Rkey
 	radr uint64
 	msgs [][]byte
@@ -72,7 +73,7 @@ func newSide() (*side, error) {
 	runtime.LockOSThread()
 	s := &side{}
 	var err error
-	if s.ctx, err = ucx.NewContext(ucx.Config{}); err != nil {
+	if s.ctx, err = ucx.NewContext(ucx.Config{NoPeerErrorHandling: true}); err != nil { // as ucx_perftest without -e
 		return nil, err
 	}
 	if s.w, err = s.ctx.NewWorker(ucx.ThreadSingle); err != nil {
@@ -124,7 +125,13 @@ func (s *side) hello() error {
 	if err != nil {
 		return err
 	}
-	req, err := s.ep.SendAM(amHello, binary.LittleEndian.AppendUint64(nil, s.dst.Addr()), packed)
+	waddr, err := s.w.Address()
+	if err != nil {
+		return err
+	}
+	hdr := binary.LittleEndian.AppendUint64(nil, s.dst.Addr())
+	hdr = binary.LittleEndian.AppendUint64(hdr, uint64(len(packed)))
+	req, err := s.ep.SendAM(amHello, hdr, append(packed, waddr...))
 	if err != nil {
 		return err
 	}
@@ -139,7 +146,11 @@ func (s *side) hello() error {
 		return fmt.Errorf("expected hello, got message %d", m[0])
 	}
 	s.radr = binary.LittleEndian.Uint64(m[1:9])
-	s.rk, err = s.ep.UnpackRkey(m[9:])
+	n := binary.LittleEndian.Uint64(m[9:17])
+	if s.dep, err = s.w.ConnectAddress(m[17+n:]); err != nil {
+		return err
+	}
+	s.rk, err = s.dep.UnpackRkey(m[17 : 17+n])
 	return err
 }
 
@@ -150,7 +161,7 @@ func word(m *ucx.Memory, size int) *uint64 {
 
 // put sends the first size bytes of src to the peer's target.
 func (s *side) put(size int) error {
-	req, err := s.ep.Put(s.src, 0, s.rk, s.radr, uint64(size))
+	req, err := s.dep.Put(s.src, 0, s.rk, s.radr, uint64(size))
 	req.Free() // the echo proves delivery; the source is reused only after it
 	return err
 }
@@ -161,7 +172,7 @@ func (s *side) waitWord(size int, seq uint64) error {
 	for i := 0; atomic.LoadUint64(p) != seq; i++ {
 		s.w.Progress()
 		if i%4096 == 0 {
-			if err := s.ep.Err(); err != nil {
+			if err := s.dep.Err(); err != nil {
 				return err
 			}
 		}
@@ -260,7 +271,7 @@ func (s *side) bandwidth(size, iters int) (float64, error) {
 		if err := (*slot).Wait(-1); err != nil {
 			return 0, err
 		}
-		req, err := s.ep.Put(s.src, 0, s.rk, s.radr, uint64(size))
+		req, err := s.dep.Put(s.src, 0, s.rk, s.radr, uint64(size))
 		if err != nil {
 			return 0, err
 		}
@@ -271,7 +282,7 @@ func (s *side) bandwidth(size, iters int) (float64, error) {
 			return 0, err
 		}
 	}
-	f, err := s.ep.Flush()
+	f, err := s.dep.Flush()
 	if err == nil {
 		err = f.Wait(-1)
 	}
