@@ -23,7 +23,9 @@ func (r *Request) header(name string) string {
 }
 
 // Policy picks one worker out of the available ones. Implementations must be
-// safe for concurrent use; workers is never empty and must not be modified.
+// safe for concurrent use; workers is never empty and must not be modified,
+// by the policy or later by the caller: policies cache per-list state keyed
+// by the slice (Snapshot.Available's results qualify).
 type Policy interface {
 	Name() string
 	NeedsText() bool
@@ -100,14 +102,30 @@ func (o PolicyOptions) withDefaults() PolicyOptions {
 	return o
 }
 
+// PolicyNames lists what NewPolicy accepts.
+var PolicyNames = []string{"random", "round_robin", "power_of_two", "cache_aware", "consistent_hashing", "manual", "bucket", "prefix_hash"}
+
 // NewPolicy builds a policy by its CLI name. Call it once per PD side: each
-// side needs its own instance.
-func NewPolicy(name string, _ PolicyOptions) (Policy, error) {
+// side needs its own instance. Give it to Manager.AttachPolicy so policies
+// with state see worker changes and run their background work.
+func NewPolicy(name string, o PolicyOptions) (Policy, error) {
 	switch name {
 	case "random":
 		return Random{}, nil
 	case "round_robin":
 		return &RoundRobin{}, nil
+	case "power_of_two":
+		return PowerOfTwo{}, nil
+	case "cache_aware":
+		return NewCacheAware(o), nil
+	case "consistent_hashing":
+		return NewConsistentHashing(o), nil
+	case "manual":
+		return NewManual(o), nil
+	case "bucket":
+		return NewBucket(o), nil
+	case "prefix_hash":
+		return NewPrefixHash(o), nil
 	}
 	return nil, fmt.Errorf("unknown policy %q", name)
 }

@@ -83,6 +83,7 @@ type workerState struct {
 
 	// Owned by the load monitor: the engine-reported load and the router's
 	// in-flight count when it was read; reportedOK says whether it is valid.
+	// (Three separate atomics: a torn read only skews one pick slightly.)
 	reported   atomic.Int64
 	loadAtPoll atomic.Int64
 	reportedOK atomic.Bool
@@ -153,19 +154,14 @@ func (w *Worker) Record(success bool) {
 	}
 }
 
-// EstimatedLoad is the engine-reported load from the last /get_load poll plus
-// the requests the router has started since, so a burst between polls does
-// not herd onto the worker that looked idle. Without a report it is Load().
-func (w *Worker) EstimatedLoad() int64 {
-	if !w.st.reportedOK.Load() {
-		return w.Load()
-	}
-	return w.st.reported.Load() + max(0, w.Load()-w.st.loadAtPoll.Load())
-}
-
 // ReportedLoad is the load from the last successful /get_load poll.
 func (w *Worker) ReportedLoad() (int64, bool) {
 	return w.st.reported.Load(), w.st.reportedOK.Load()
+}
+
+// reportedSample is the last report and the in-flight count at that poll.
+func (w *Worker) reportedSample() (reported, atPoll int64, ok bool) {
+	return w.st.reported.Load(), w.st.loadAtPoll.Load(), w.st.reportedOK.Load()
 }
 
 func (w *Worker) setReportedLoad(n int64, ok bool) {

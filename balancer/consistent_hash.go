@@ -1,0 +1,56 @@
+package balancer
+
+import (
+	"math/rand/v2"
+	"strconv"
+)
+
+// ConsistentHashing routes by key on a hash ring (spec §4.6):
+// X-SMG-Target-Worker pins an index of the available list; otherwise
+// X-SMG-Routing-Key, else an implicit key (authorization, x-forwarded-for,
+// cookie) picks a ring position; with no key at all, random.
+type ConsistentHashing struct {
+	ring    ringCache
+	metrics *Metrics
+}
+
+func NewConsistentHashing(o PolicyOptions) *ConsistentHashing {
+	o = o.withDefaults()
+	return &ConsistentHashing{ring: ringCache{vnodes: o.VirtualNodes}, metrics: o.Metrics}
+}
+
+// Headers read by key-based policies.
+const (
+	HeaderTargetWorker = "X-SMG-Target-Worker"
+	HeaderRoutingKey   = "X-SMG-Routing-Key"
+)
+
+var implicitKeyHeaders = []string{"Authorization", "X-Forwarded-For", "Cookie"}
+
+func (*ConsistentHashing) Name() string    { return "consistent_hashing" }
+func (*ConsistentHashing) NeedsText() bool { return false }
+
+func (c *ConsistentHashing) Select(workers []*Worker, req *Request) (*Worker, error) {
+	if t := req.header(HeaderTargetWorker); t != "" {
+		i, err := strconv.Atoi(t)
+		if err != nil || i < 0 || i >= len(workers) {
+			c.metrics.branch("consistent_hashing", "target_worker_miss")
+			return nil, ErrNoSelection
+		}
+		c.metrics.branch("consistent_hashing", "target_worker")
+		return workers[i], nil
+	}
+	branch, key := "routing_key", req.header(HeaderRoutingKey)
+	for _, h := range implicitKeyHeaders {
+		if key != "" {
+			break
+		}
+		branch, key = "implicit_key", req.header(h)
+	}
+	if key == "" {
+		c.metrics.branch("consistent_hashing", "random")
+		return workers[rand.IntN(len(workers))], nil
+	}
+	c.metrics.branch("consistent_hashing", branch)
+	return c.ring.get(workers).lookup(hashString(key)), nil
+}
