@@ -83,8 +83,8 @@ func newPair(t testing.TB, transport string, tweak func(*Config)) *pair {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfgP := Config{Name: "P", Transport: newTransport(t, transport), Listener: ln, Heartbeat: 100 * time.Millisecond}
-	cfgD := Config{Name: "D", Transport: newTransport(t, transport), Heartbeat: 100 * time.Millisecond,
+	cfgP := Config{Name: "P", Transport: newTransport(t, transport), Listener: ln, Heartbeat: 500 * time.Millisecond}
+	cfgD := Config{Name: "D", Transport: newTransport(t, transport), Heartbeat: 500 * time.Millisecond,
 		Resolve: func(_ context.Context, boot string) (string, error) {
 			if boot != "boot:1" {
 				return "", fmt.Errorf("no bootstrap server at %s", boot)

@@ -4,6 +4,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -12,16 +13,33 @@ import (
 	"syscall"
 
 	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/kvtransfer/enginesim"
 )
 
 func main() {
-	cfg, err := mockworker.ParseFlags(os.Args[0], os.Args[1:], os.Stderr)
+	kvArgs, args := enginesim.SplitArgs(os.Args[1:])
+	cfg, err := mockworker.ParseFlags(os.Args[0], args, os.Stderr)
+	var kvOpts enginesim.Options
+	if err == nil {
+		kvFlags := flag.NewFlagSet(os.Args[0], flag.ContinueOnError)
+		kvOpts.RegisterFlags(kvFlags)
+		err = kvFlags.Parse(kvArgs)
+	}
 	if errors.Is(err, flag.ErrHelp) {
 		os.Exit(0)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "mockworker:", err)
 		os.Exit(2)
+	}
+	if kvOpts.Control != "" && cfg.Role != mockworker.RoleRegular {
+		kv, err := enginesim.New(context.Background(), kvOpts)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "mockworker:", err)
+			os.Exit(1)
+		}
+		defer kv.Close()
+		cfg.KV = kv
 	}
 	srv, err := mockworker.Start(cfg)
 	if err != nil {

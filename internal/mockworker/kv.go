@@ -14,7 +14,9 @@ import "context"
 //   - ctx is the HTTP request's context: it is cancelled when the client goes
 //     away, and implementations must then return promptly.
 //   - a non-nil error turns into a 500 for the whole request (a checksum
-//     mismatch must be reported as an error, never as ChecksumOK=false alone).
+//     mismatch must be reported as an error, never as ChecksumOK=false alone),
+//     or into the status of an error in its chain with an HTTPStatus() int
+//     method (KV pool exhausted: 503).
 //   - a non-nil result is reported in the response: meta_info.kv_transfer on
 //     /generate, a top-level kv_transfer on the OpenAI routes (in the last SSE
 //     chunk when streaming). nil means "nothing to report".

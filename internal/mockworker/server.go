@@ -300,7 +300,12 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 		if ctx.Err() != nil {
 			return errClientGone
 		}
-		return writeError(w, errorf(http.StatusInternalServerError, "KV transfer failed: %v", err))
+		status := http.StatusInternalServerError
+		var se interface{ HTTPStatus() int } // e.g. KV pool exhausted: 503
+		if errors.As(err, &se) {
+			status = se.HTTPStatus()
+		}
+		return writeError(w, errorf(status, "KV transfer failed: %v", err))
 	}
 	used.prompt = int64(promptTokens(seqs))
 	for _, sq := range seqs {

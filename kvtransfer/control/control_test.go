@@ -45,7 +45,7 @@ type side struct {
 func startSide(t *testing.T, name string, peerLn net.Listener, resolve func(context.Context, string) (string, error)) *side {
 	t.Helper()
 	eng, err := kvtransfer.New(kvtransfer.Config{Name: name, Transport: &kvtransfer.TCP{}, Listener: peerLn, Resolve: resolve,
-		Heartbeat: 100 * time.Millisecond, WaitingTimeout: 2 * time.Second})
+		Heartbeat: time.Second, WaitingTimeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,419 @@
+// Package enginesim is the KV side of the mock engine: a KV pool laid out
+// like SGLang's (K of every layer, then V of every layer, one page = page
+// size tokens of one buffer, plus an aux buffer) in a memfd shared with the
+// kvproxy, and mockworker's KVTransfer seam implemented as a client of the
+// kvproxy control socket.
+//
+// Prefill fills the prompt's pages with bytes derived from (prompt, room,
+// buffer, page) and sends them in chunks; decode allocates pages (waiting in
+// a FIFO queue when the pool is full, then 503), expects the room, waits for
+// Success and regenerates every page to verify it before any token goes out.
+package enginesim
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"hash/fnv"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
+)
+
+// auxItem is one aux slot: room, pages, and a digest of the prompt.
+const auxItem = 64
+
+// quarantine keeps a failed room's pages out of the free list for a while:
+// after an abort, a chunk already in flight may still land in them.
+const quarantine = 5 * time.Second
+
+// Options are the KV pool's layout and behaviour (flags --kvproxy, --kv-*).
+type Options struct {
+	Control       string        // kvproxy control socket; "" disables KV transfer
+	Layers        int           // default 32 (Llama-3.1-8B)
+	BuffersPerLay int           // K and V: 2
+	BytesPerToken int           // per token per buffer: 2048 (8 KV heads × 128 × bf16)
+	PageSize      int           // tokens per page: 16
+	PoolTokens    int           // pool capacity in tokens
+	ChunkTokens   int           // prefill sends this many tokens per chunk
+	AuxSlots      int           // concurrent requests the aux buffer holds
+	QueueTimeout  time.Duration // wait this long for free pages, then 503
+}
+
+// RegisterFlags adds the --kvproxy and --kv-* flags to fs.
+func (o *Options) RegisterFlags(fs *flag.FlagSet) {
+	fs.StringVar(&o.Control, "kvproxy", "", "kvproxy control socket; enables real KV transfer in PD roles")
+	fs.IntVar(&o.Layers, "kv-layers", 32, "KV layers")
+	fs.IntVar(&o.BuffersPerLay, "kv-buffers-per-layer", 2, "KV buffers per layer (K and V)")
+	fs.IntVar(&o.BytesPerToken, "kv-bytes-per-token", 2048, "bytes per token per buffer")
+	fs.IntVar(&o.PageSize, "kv-page-size", 16, "tokens per page")
+	fs.IntVar(&o.PoolTokens, "kv-pool-tokens", 16384, "KV pool capacity in tokens")
+	fs.IntVar(&o.ChunkTokens, "kv-chunk-tokens", 8192, "prefill chunk size in tokens")
+	fs.IntVar(&o.AuxSlots, "kv-aux-slots", 1024, "aux slots (concurrent requests)")
+	fs.DurationVar(&o.QueueTimeout, "kv-queue-timeout", 30*time.Second, "wait for free KV pages this long, then answer 503")
+}
+
+// SplitArgs separates --kvproxy / --kv-* flags (which all take a value)
+// from the others, so the mockworker's own parser never sees them.
+func SplitArgs(args []string) (kv, rest []string) {
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		name := strings.TrimLeft(a, "-")
+		if !strings.HasPrefix(a, "-") || !(strings.HasPrefix(name, "kv-") || strings.HasPrefix(name, "kvproxy")) {
+			rest = append(rest, a)
+			continue
+		}
+		kv = append(kv, a)
+		if !strings.Contains(a, "=") && i+1 < len(args) {
+			i++
+			kv = append(kv, args[i])
+		}
+	}
+	return kv, rest
+}
+
+// ErrPoolExhausted is returned when no pages freed up within QueueTimeout.
+// It carries HTTPStatus 503 for the mockworker to answer with.
+var ErrPoolExhausted error = statusError{http.StatusServiceUnavailable, "KV pool exhausted"}
+
+type statusError struct {
+	status int
+	msg    string
+}
+
+func (e statusError) Error() string   { return e.msg }
+func (e statusError) HTTPStatus() int { return e.status }
+
+// Sim implements mockworker.KVTransfer.
+type Sim struct {
+	o         Options
+	seg       *shm.Segment
+	cl        *control.Client
+	transport string
+	bufs      [][]byte // one per KV buffer
+	aux       []byte
+	item      int // bytes per page per buffer
+
+	mu       sync.Mutex
+	free     []uint32 // free pages
+	freeAux  []int32
+	waiters  []*waiter
+	wg       sync.WaitGroup
+	closing  chan struct{}
+	closeErr error
+}
+
+type waiter struct{ ready chan struct{} }
+
+var _ mockworker.KVTransfer = (*Sim)(nil)
+
+// New maps the pool, connects to the kvproxy and registers the pool there.
+func New(ctx context.Context, o Options) (*Sim, error) {
+	if o.Layers <= 0 || o.BuffersPerLay <= 0 || o.BytesPerToken <= 0 || o.PageSize <= 0 || o.PoolTokens < o.PageSize || o.ChunkTokens < o.PageSize || o.AuxSlots <= 0 {
+		return nil, fmt.Errorf("bad KV layout %+v", o)
+	}
+	if o.BytesPerToken%8 != 0 {
+		return nil, fmt.Errorf("--kv-bytes-per-token %d must be a multiple of 8", o.BytesPerToken)
+	}
+	s := &Sim{o: o, item: o.BytesPerToken * o.PageSize, closing: make(chan struct{})}
+	pages := o.PoolTokens / o.PageSize
+	nbuf := o.Layers * o.BuffersPerLay
+	size := nbuf*pages*s.item + o.AuxSlots*auxItem
+	var err error
+	if s.seg, err = shm.Create("kvpool", size); err != nil {
+		return nil, err
+	}
+	l := control.Layout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
+	for b := 0; b < nbuf; b++ {
+		off := b * pages * s.item
+		s.bufs = append(s.bufs, s.seg.Mem[off:off+pages*s.item])
+		l.Regions = append(l.Regions, control.RegionSpec{Kind: control.KindKV, Offset: uint64(off), Len: uint64(pages * s.item), ItemLen: uint32(s.item)})
+	}
+	auxOff := nbuf * pages * s.item
+	s.aux = s.seg.Mem[auxOff:]
+	l.Regions = append(l.Regions, control.RegionSpec{Kind: control.KindAux, Offset: uint64(auxOff), Len: uint64(o.AuxSlots * auxItem), ItemLen: auxItem})
+	for p := pages - 1; p >= 0; p-- {
+		s.free = append(s.free, uint32(p))
+	}
+	for a := o.AuxSlots - 1; a >= 0; a-- {
+		s.freeAux = append(s.freeAux, int32(a))
+	}
+	if s.cl, err = control.Dial(o.Control); err != nil {
+		s.seg.Close()
+		return nil, err
+	}
+	if s.transport, err = s.cl.Register(ctx, s.seg.Fd(), l); err != nil {
+		s.cl.Close()
+		s.seg.Close()
+		return nil, fmt.Errorf("register KV pool with kvproxy: %w", err)
+	}
+	return s, nil
+}
+
+// Close disconnects from the kvproxy (which aborts open rooms) and unmaps
+// the pool once quarantined pages are released.
+func (s *Sim) Close() error {
+	close(s.closing)
+	err := s.cl.Close()
+	s.wg.Wait()
+	return errors.Join(err, s.seg.Close())
+}
+
+// FreePages reports free pages (for tests: every request must give its pages back).
+func (s *Sim) FreePages() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.free)
+}
+
+// alloc takes n pages and an aux slot, waiting in FIFO order.
+func (s *Sim) alloc(ctx context.Context, n int) ([]uint32, int32, error) {
+	if n > s.o.PoolTokens/s.o.PageSize {
+		return nil, 0, fmt.Errorf("%w: %d pages needed, pool has %d", ErrPoolExhausted, n, s.o.PoolTokens/s.o.PageSize)
+	}
+	timer := time.NewTimer(s.o.QueueTimeout)
+	defer timer.Stop()
+	var w *waiter
+	s.mu.Lock()
+	for {
+		head := len(s.waiters) == 0 || s.waiters[0] == w
+		if head && len(s.free) >= n && len(s.freeAux) > 0 {
+			if w != nil {
+				s.waiters = s.waiters[1:]
+			}
+			pages := append([]uint32(nil), s.free[len(s.free)-n:]...)
+			s.free = s.free[:len(s.free)-n]
+			aux := s.freeAux[len(s.freeAux)-1]
+			s.freeAux = s.freeAux[:len(s.freeAux)-1]
+			s.wakeLocked() // the next in line may fit too
+			s.mu.Unlock()
+			// Freed pages come back in any order; sorted, they merge into runs.
+			slices.Sort(pages)
+			return pages, aux, nil
+		}
+		if w == nil {
+			w = &waiter{ready: make(chan struct{}, 1)}
+			s.waiters = append(s.waiters, w)
+		}
+		s.mu.Unlock()
+		select {
+		case <-w.ready:
+		case <-timer.C:
+			s.dropWaiter(w)
+			return nil, 0, fmt.Errorf("%w: no %d free pages within %v", ErrPoolExhausted, n, s.o.QueueTimeout)
+		case <-ctx.Done():
+			s.dropWaiter(w)
+			return nil, 0, ctx.Err()
+		}
+		s.mu.Lock()
+	}
+}
+
+func (s *Sim) dropWaiter(w *waiter) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, x := range s.waiters {
+		if x == w {
+			s.waiters = append(s.waiters[:i], s.waiters[i+1:]...)
+			break
+		}
+	}
+	s.wakeLocked()
+}
+
+// wakeLocked wakes the head of the queue.
+func (s *Sim) wakeLocked() {
+	if len(s.waiters) > 0 {
+		select {
+		case s.waiters[0].ready <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (s *Sim) release(pages []uint32, aux int32, failed bool) {
+	put := func() {
+		s.mu.Lock()
+		s.free = append(s.free, pages...)
+		s.freeAux = append(s.freeAux, aux)
+		s.wakeLocked()
+		s.mu.Unlock()
+	}
+	if !failed {
+		put()
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		t := time.NewTimer(quarantine)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-s.closing:
+		}
+		put()
+	}()
+}
+
+func (s *Sim) pagesFor(tokens int) int { return (tokens + s.o.PageSize - 1) / s.o.PageSize }
+
+func bootstrapAddr(r mockworker.KVRequest) string {
+	return net.JoinHostPort(r.BootstrapHost, strconv.Itoa(r.BootstrapPort))
+}
+
+func seedOf(r mockworker.KVRequest) uint64 {
+	h := fnv.New64a()
+	h.Write(r.Prompt)
+	return h.Sum64() ^ r.Room*0x9E3779B97F4A7C15
+}
+
+func mix(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
+}
+
+// pageSeed makes every (prompt, room, buffer, page) distinct, so a page that
+// lands in the wrong place fails the check.
+func (s *Sim) pageSeed(seed uint64, b, i int) uint64 {
+	return mix(seed ^ uint64(b)<<40 ^ uint64(i))
+}
+
+// fill writes page i of the prompt (stored at pool page p) of buffer b;
+// check compares instead.
+func (s *Sim) fill(seed uint64, b, i int, p uint32) {
+	dst := s.bufs[b][int(p)*s.item:][:s.item]
+	x := s.pageSeed(seed, b, i)
+	for k := 0; k < len(dst); k += 8 {
+		binary.LittleEndian.PutUint64(dst[k:], x+uint64(k)*0x9E3779B97F4A7C15)
+	}
+}
+
+func (s *Sim) check(seed uint64, b, i int, p uint32) bool {
+	src := s.bufs[b][int(p)*s.item:][:s.item]
+	x := s.pageSeed(seed, b, i)
+	for k := 0; k < len(src); k += 8 {
+		if binary.LittleEndian.Uint64(src[k:]) != x+uint64(k)*0x9E3779B97F4A7C15 {
+			return false
+		}
+	}
+	return true
+}
+
+func (s *Sim) auxSlot(a int32) []byte { return s.aux[int(a)*auxItem:][:auxItem] }
+
+func (s *Sim) result(st kvtransfer.Status) *mockworker.KVResult {
+	return &mockworker.KVResult{Bytes: int64(st.Bytes), Pages: int64(st.Pages), Transport: s.transport,
+		ChecksumOK: true, TransferMS: float64(st.Transfer.Microseconds()) / 1000}
+}
+
+// Prefill fills the prompt's pages and sends them chunk by chunk, then waits
+// for the transfer to end.
+func (s *Sim) Prefill(ctx context.Context, r mockworker.KVRequest) (*mockworker.KVResult, error) {
+	n := s.pagesFor(r.PromptTokens)
+	pages, aux, err := s.alloc(ctx, n)
+	if err != nil {
+		return nil, err
+	}
+	st, err := s.prefill(ctx, r, pages, aux)
+	s.release(pages, aux, err != nil)
+	if err != nil {
+		return nil, err
+	}
+	return s.result(st), nil
+}
+
+func (s *Sim) prefill(ctx context.Context, r mockworker.KVRequest, pages []uint32, aux int32) (kvtransfer.Status, error) {
+	seed := seedOf(r)
+	a := s.auxSlot(aux)
+	binary.LittleEndian.PutUint64(a, r.Room)
+	binary.LittleEndian.PutUint64(a[8:], uint64(len(pages)))
+	binary.LittleEndian.PutUint64(a[16:], seed)
+	chunk := s.o.ChunkTokens / s.o.PageSize
+	for start := 0; start < len(pages) || start == 0; start += chunk {
+		end := min(start+chunk, len(pages))
+		for b := range s.bufs {
+			for i := start; i < end; i++ {
+				s.fill(seed, b, i, pages[i])
+			}
+		}
+		if err := s.cl.Send(ctx, r.Room, pages[start:end], end == len(pages), aux); err != nil {
+			s.abort(r.Room, "send failed")
+			return kvtransfer.Status{}, fmt.Errorf("kvproxy send: %w", err)
+		}
+		if end == len(pages) {
+			break
+		}
+	}
+	return s.wait(ctx, r.Room)
+}
+
+// wait waits for the room's end; if ctx ends first (the client went away),
+// the room is aborted on both sides.
+func (s *Sim) wait(ctx context.Context, room uint64) (kvtransfer.Status, error) {
+	st, err := s.cl.Wait(ctx, room)
+	if err != nil {
+		if ctx.Err() != nil {
+			s.abort(room, "client disconnected")
+		}
+		return st, err
+	}
+	if st.State != kvtransfer.Success {
+		return st, fmt.Errorf("KV transfer %v: %s", st.State, st.Reason)
+	}
+	return st, nil
+}
+
+func (s *Sim) abort(room uint64, reason string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = s.cl.Abort(ctx, room, reason)
+}
+
+// Decode allocates the prompt's pages, expects the room, waits for it and
+// verifies every page before returning.
+func (s *Sim) Decode(ctx context.Context, r mockworker.KVRequest) (*mockworker.KVResult, error) {
+	n := s.pagesFor(r.PromptTokens)
+	pages, aux, err := s.alloc(ctx, n)
+	if err != nil {
+		return nil, err
+	}
+	a := s.auxSlot(aux)
+	clear(a)
+	if err := s.cl.Expect(ctx, r.Room, bootstrapAddr(r), pages, aux); err != nil {
+		s.release(pages, aux, false)
+		return nil, fmt.Errorf("kvproxy expect: %w", err)
+	}
+	st, err := s.wait(ctx, r.Room)
+	if err != nil {
+		s.release(pages, aux, true)
+		return nil, err
+	}
+	defer s.release(pages, aux, false)
+	seed := seedOf(r)
+	if binary.LittleEndian.Uint64(a) != r.Room || binary.LittleEndian.Uint64(a[8:]) != uint64(n) || binary.LittleEndian.Uint64(a[16:]) != seed {
+		return nil, fmt.Errorf("KV checksum mismatch: aux slot does not match room %d", r.Room)
+	}
+	for b := range s.bufs {
+		for i, p := range pages {
+			if !s.check(seed, b, i, p) {
+				return nil, fmt.Errorf("KV checksum mismatch: room %d buffer %d page %d", r.Room, b, i)
+			}
+		}
+	}
+	return s.result(st), nil
+}
