@@ -22,9 +22,9 @@ import (
 // bounded in bytes by MaxTreeSize; removed workers are swept out every
 // EvictionInterval (Run).
 type CacheAware struct {
-	opts    PolicyOptions
-	metrics *Metrics
-	rot     atomic.Uint64 // rotates ties between least-loaded workers
+	opts     PolicyOptions
+	branches branchCounters
+	rot      atomic.Uint64 // rotates ties between least-loaded workers
 
 	trees atomic.Pointer[map[string]*cacheTree] // copy on write; one per model
 	newMu sync.Mutex                            // serialises tree creation
@@ -50,7 +50,7 @@ type candidates struct {
 
 func NewCacheAware(o PolicyOptions) *CacheAware {
 	o = o.withDefaults()
-	c := &CacheAware{opts: o, metrics: o.Metrics, ids: map[string]uint32{}, dead: map[uint32]bool{}}
+	c := &CacheAware{opts: o, branches: o.Metrics.branchCounters("cache_aware", "balance", "hit", "miss"), ids: map[string]uint32{}, dead: map[uint32]bool{}}
 	c.trees.Store(&map[string]*cacheTree{})
 	return c
 }
@@ -72,17 +72,17 @@ func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 	switch {
 	case maxL-minL > c.opts.BalanceAbsThreshold && float64(maxL) > float64(minL)*c.opts.BalanceRelThreshold:
 		pick = c.leastLoaded(workers, minL, ties)
-		c.metrics.branch("cache_aware", "balance")
+		c.branches.inc("balance")
 	default:
 		pick = -1
 		if matched, n := t.tree.match(text); len(text) > 0 && float64(matched)/float64(len(text)) > c.opts.CacheThreshold {
 			pick = cand.bestTenant(workers, n.tenants)
 		}
 		if pick >= 0 {
-			c.metrics.branch("cache_aware", "hit")
+			c.branches.inc("hit")
 		} else {
 			pick = c.leastLoaded(workers, minL, ties)
-			c.metrics.branch("cache_aware", "miss")
+			c.branches.inc("miss")
 		}
 	}
 	if text != "" {

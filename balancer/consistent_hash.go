@@ -10,13 +10,14 @@ import (
 // X-SMG-Routing-Key, else an implicit key (authorization, x-forwarded-for,
 // cookie) picks a ring position; with no key at all, random.
 type ConsistentHashing struct {
-	ring    ringCache
-	metrics *Metrics
+	ring     ringCache
+	branches branchCounters
 }
 
 func NewConsistentHashing(o PolicyOptions) *ConsistentHashing {
 	o = o.withDefaults()
-	return &ConsistentHashing{ring: ringCache{vnodes: o.VirtualNodes}, metrics: o.Metrics}
+	return &ConsistentHashing{ring: ringCache{vnodes: o.VirtualNodes},
+		branches: o.Metrics.branchCounters("consistent_hashing", "target_worker", "target_worker_miss", "routing_key", "implicit_key", "random")}
 }
 
 // Headers read by key-based policies.
@@ -34,10 +35,10 @@ func (c *ConsistentHashing) Select(workers []*Worker, req *Request) (*Worker, er
 	if t := req.header(HeaderTargetWorker); t != "" {
 		i, err := strconv.Atoi(t)
 		if err != nil || i < 0 || i >= len(workers) {
-			c.metrics.branch("consistent_hashing", "target_worker_miss")
+			c.branches.inc("target_worker_miss")
 			return nil, ErrNoSelection
 		}
-		c.metrics.branch("consistent_hashing", "target_worker")
+		c.branches.inc("target_worker")
 		return workers[i], nil
 	}
 	branch, key := "routing_key", req.header(HeaderRoutingKey)
@@ -48,9 +49,9 @@ func (c *ConsistentHashing) Select(workers []*Worker, req *Request) (*Worker, er
 		branch, key = "implicit_key", req.header(h)
 	}
 	if key == "" {
-		c.metrics.branch("consistent_hashing", "random")
+		c.branches.inc("random")
 		return workers[rand.IntN(len(workers))], nil
 	}
-	c.metrics.branch("consistent_hashing", branch)
+	c.branches.inc(branch)
 	return c.ring.get(workers).lookup(hashString(key)), nil
 }

@@ -15,10 +15,11 @@ import (
 // Requests without a key go to a random worker. Keys idle for MaxIdle are
 // evicted by Run.
 type Manual struct {
-	mode    string
-	maxIdle time.Duration
-	metrics *Metrics
-	now     func() time.Time
+	mode     string
+	maxIdle  time.Duration
+	metrics  *Metrics
+	branches branchCounters
+	now      func() time.Time
 
 	mu     sync.Mutex
 	keys   map[string]*manualEntry
@@ -34,7 +35,8 @@ type manualEntry struct {
 func NewManual(o PolicyOptions) *Manual {
 	o = o.withDefaults()
 	return &Manual{mode: o.AssignmentMode, maxIdle: o.MaxIdle, metrics: o.Metrics, now: time.Now,
-		keys: map[string]*manualEntry{}, groups: map[string]int{}}
+		branches: o.Metrics.branchCounters("manual", "no_routing_key", "hit", "new_key", "reassigned"),
+		keys:     map[string]*manualEntry{}, groups: map[string]int{}}
 }
 
 func (*Manual) Name() string    { return "manual" }
@@ -43,7 +45,7 @@ func (*Manual) NeedsText() bool { return false }
 func (m *Manual) Select(workers []*Worker, req *Request) (*Worker, error) {
 	key := req.header(HeaderRoutingKey)
 	if key == "" {
-		m.metrics.branch("manual", "no_routing_key")
+		m.branches.inc("no_routing_key")
 		return workers[rand.IntN(len(workers))], nil
 	}
 	now := m.now()
@@ -53,12 +55,12 @@ func (m *Manual) Select(workers []*Worker, req *Request) (*Worker, error) {
 	if e != nil {
 		e.last = now
 		if slices.Contains(workers, e.cur) {
-			m.metrics.branch("manual", "hit")
+			m.branches.inc("hit")
 			return e.cur, nil
 		}
 		for _, u := range e.urls {
 			if w := findURL(workers, u); w != nil {
-				m.metrics.branch("manual", "hit")
+				m.branches.inc("hit")
 				return w, nil
 			}
 		}
@@ -67,10 +69,10 @@ func (m *Manual) Select(workers []*Worker, req *Request) (*Worker, error) {
 	if e == nil {
 		e = &manualEntry{last: now}
 		m.keys[key] = e
-		m.metrics.branch("manual", "new_key")
+		m.branches.inc("new_key")
 		m.metrics.setManualEntries(len(m.keys))
 	} else {
-		m.metrics.branch("manual", "reassigned")
+		m.branches.inc("reassigned")
 		m.ungroup(e.urls[0])
 	}
 	e.urls[0], e.urls[1], e.cur = w.URL, e.urls[0], w

@@ -2,6 +2,7 @@ package balancer
 
 import (
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -23,6 +24,14 @@ type Metrics struct {
 	retryBackoff     *prometheus.HistogramVec
 	manualEntries    prometheus.Gauge
 	branches         map[string]*prometheus.CounterVec // by policy name
+	selected         sync.Map                          // selectionKey → prometheus.Counter
+}
+
+// selectionKey caches resolved selection counters: resolving four labels
+// costs more than the rest of a round-robin pick.
+type selectionKey struct {
+	typ           WorkerType
+	model, policy string
 }
 
 // NewMetrics registers the series on reg.
@@ -66,9 +75,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 
 // Selected counts a worker chosen by the named policy.
 func (m *Metrics) Selected(w *Worker, policy string) {
-	if m != nil {
-		m.selection.WithLabelValues(w.Type.String(), connectionMode, w.ModelID, policy).Inc()
+	if m == nil {
+		return
 	}
+	k := selectionKey{w.Type, w.ModelID, policy}
+	c, ok := m.selected.Load(k)
+	if !ok {
+		c, _ = m.selected.LoadOrStore(k, m.selection.WithLabelValues(w.Type.String(), connectionMode, w.ModelID, policy))
+	}
+	c.(prometheus.Counter).Inc()
 }
 
 // WorkerError counts a failed attempt on w (errorType e.g. "status_5xx", "connect").
@@ -93,9 +108,24 @@ func (m *Metrics) RetriesExhausted(t WorkerType, endpoint string) {
 	}
 }
 
-func (m *Metrics) branch(policy, branch string) {
-	if m != nil {
-		m.branches[policy].WithLabelValues(branch).Inc()
+// branchCounters resolves a policy's decision counters once, so counting a
+// decision is a map lookup and an atomic add. Nil (no metrics) counts nothing.
+type branchCounters map[string]prometheus.Counter
+
+func (m *Metrics) branchCounters(policy string, names ...string) branchCounters {
+	if m == nil {
+		return nil
+	}
+	bc := branchCounters{}
+	for _, n := range names {
+		bc[n] = m.branches[policy].WithLabelValues(n)
+	}
+	return bc
+}
+
+func (b branchCounters) inc(name string) {
+	if c := b[name]; c != nil {
+		c.Inc()
 	}
 }
 
@@ -107,7 +137,11 @@ func (m *Metrics) setManualEntries(n int) {
 
 func (m *Metrics) healthCheck(w *Worker, ok bool) {
 	if m != nil {
-		m.healthChecks.WithLabelValues(w.Type.String(), map[bool]string{true: "success", false: "failure"}[ok]).Inc()
+		result := "failure"
+		if ok {
+			result = "success"
+		}
+		m.healthChecks.WithLabelValues(w.Type.String(), result).Inc()
 	}
 }
 
@@ -174,7 +208,11 @@ func (c workerCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, w := range c.reg.Snapshot().All {
 		pools[pool{w.Type.String(), w.ModelID}]++
 		gauge(descActive, float64(w.Load()), w.URL)
-		gauge(descHealth, map[bool]float64{true: 1}[w.Healthy()], w.URL)
+		health := 0.0
+		if w.Healthy() {
+			health = 1
+		}
+		gauge(descHealth, health, w.URL)
 		if w.Breaker != nil {
 			f, s := w.Breaker.Counts()
 			gauge(descCBState, float64(w.Breaker.State()), w.URL)

@@ -113,3 +113,33 @@ func TestMetricsNilSafe(t *testing.T) {
 		t.Fatal("nil metrics watch failed")
 	}
 }
+
+func TestMetricsPolicyBranches(t *testing.T) {
+	pr := prometheus.NewRegistry()
+	met, err := NewMetrics(pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ws := testWorkers(2)
+	o := PolicyOptions{Metrics: met}
+	NewConsistentHashing(o).Select(ws, withHeaders(HeaderRoutingKey, "k"))
+	man := NewManual(o)
+	man.Select(ws, withHeaders(HeaderRoutingKey, "k"))
+	man.Select(ws, withHeaders(HeaderRoutingKey, "k"))
+	NewPrefixHash(o).Select(ws, &Request{Text: "hello"})
+	NewCacheAware(o).Select(ws, &Request{Text: "hello"})
+	for _, c := range []struct{ name, branch string }{
+		{"smg_consistent_hashing_policy_branch_total", "routing_key"},
+		{"smg_manual_policy_branch_total", "new_key"},
+		{"smg_manual_policy_branch_total", "hit"},
+		{"smg_prefix_hash_policy_branch_total", "hash"},
+		{"smg_cache_aware_policy_branch_total", "miss"},
+	} {
+		if v, ok := gauge(t, pr, c.name, map[string]string{"branch": c.branch}); !ok || v != 1 {
+			t.Errorf("%s{branch=%q} = %v (found %v), want 1", c.name, c.branch, v, ok)
+		}
+	}
+	if v, _ := gauge(t, pr, "smg_manual_policy_cache_entries", map[string]string{}); v != 1 {
+		t.Errorf("manual cache entries = %v, want 1", v)
+	}
+}

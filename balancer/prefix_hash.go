@@ -12,15 +12,16 @@ import (
 // would exceed LoadFactor × the mean passes the request clockwise to the
 // next one, so a hot prefix cannot swamp a single worker.
 type PrefixHash struct {
-	ring    ringCache
-	prefix  int
-	factor  float64
-	metrics *Metrics
+	ring     ringCache
+	prefix   int
+	factor   float64
+	branches branchCounters
 }
 
 func NewPrefixHash(o PolicyOptions) *PrefixHash {
 	o = o.withDefaults()
-	return &PrefixHash{ring: ringCache{vnodes: o.VirtualNodes}, prefix: o.PrefixBytes, factor: o.LoadFactor, metrics: o.Metrics}
+	return &PrefixHash{ring: ringCache{vnodes: o.VirtualNodes}, prefix: o.PrefixBytes, factor: o.LoadFactor,
+		branches: o.Metrics.branchCounters("prefix_hash", "no_text", "hash", "load_spill", "least_loaded")}
 }
 
 func (*PrefixHash) Name() string    { return "prefix_hash" }
@@ -28,7 +29,7 @@ func (*PrefixHash) NeedsText() bool { return true }
 
 func (p *PrefixHash) Select(workers []*Worker, req *Request) (*Worker, error) {
 	if req == nil || req.Text == "" {
-		p.metrics.branch("prefix_hash", "no_text")
+		p.branches.inc("no_text")
 		return workers[rand.IntN(len(workers))], nil
 	}
 	text := req.Text[:min(len(req.Text), p.prefix)]
@@ -41,13 +42,17 @@ func (p *PrefixHash) Select(workers []*Worker, req *Request) (*Worker, error) {
 	i := r.first(hashString(text))
 	for step := range len(r.points) {
 		if w := r.workers[r.owners[i]]; w.Load() < limit {
-			p.metrics.branch("prefix_hash", map[bool]string{true: "hash", false: "load_spill"}[step == 0])
+			if step == 0 {
+				p.branches.inc("hash")
+			} else {
+				p.branches.inc("load_spill")
+			}
 			return w, nil
 		}
 		if i++; i == len(r.points) {
 			i = 0
 		}
 	}
-	p.metrics.branch("prefix_hash", "least_loaded")
+	p.branches.inc("least_loaded")
 	return minBy(workers, (*Worker).Load), nil
 }
