@@ -26,13 +26,25 @@ func benchRequests(n int) []*Request {
 	return reqs
 }
 
+// firstPolicy is the baseline: the cost of the harness and an interface call.
+type firstPolicy struct{}
+
+func (firstPolicy) Name() string    { return "baseline" }
+func (firstPolicy) NeedsText() bool { return false }
+func (firstPolicy) Select(ws []*Worker, _ *Request) (*Worker, error) {
+	return ws[0], nil
+}
+
 // BenchmarkSelect is selection alone (no metrics) per policy and pool size.
 func BenchmarkSelect(b *testing.B) {
 	reqs := benchRequests(1024)
-	for _, name := range PolicyNames {
+	for _, name := range append([]string{"baseline"}, PolicyNames...) {
 		for _, n := range []int{4, 64, 256} {
 			b.Run(fmt.Sprintf("%s/workers=%d", name, n), func(b *testing.B) {
-				p, _ := NewPolicy(name, PolicyOptions{})
+				var p Policy = firstPolicy{}
+				if name != "baseline" {
+					p, _ = NewPolicy(name, PolicyOptions{})
+				}
 				ws := testWorkers(n)
 				for i, r := range reqs { // warm trees, rings and key maps
 					p.Select(ws, r)

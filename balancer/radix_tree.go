@@ -31,10 +31,36 @@ type radixNode struct {
 }
 
 // nodeSize is what a node costs besides its edge and slice backing arrays.
-const nodeSize = int64(unsafe.Sizeof(radixNode{}))
+var nodeSize = allocSize(int(unsafe.Sizeof(radixNode{})))
 
+// cost is the node's heap footprint: each allocation rounded up the way
+// Go's allocator rounds it, so the bound holds for real memory.
 func (n *radixNode) cost() int64 {
-	return nodeSize + int64(len(n.edge)) + int64(cap(n.keys)) + 8*int64(cap(n.children)) + 4*int64(cap(n.tenants))
+	return nodeSize + allocSize(len(n.edge)) + allocSize(cap(n.keys)) + allocSize(8*cap(n.children)) + allocSize(4*cap(n.tenants))
+}
+
+// allocSize approximates (from above, for the sizes nodes use) Go's size
+// classes: 8, then steps of 16 to 256, 32 to 512, 64 to 1 KiB, 256 to 2 KiB,
+// 1 KiB to 32 KiB, then whole 8 KiB pages.
+func allocSize(n int) int64 {
+	step := 8192
+	switch {
+	case n == 0:
+		return 0
+	case n <= 8:
+		return 8
+	case n <= 256:
+		step = 16
+	case n <= 512:
+		step = 32
+	case n <= 1024:
+		step = 64
+	case n <= 2048:
+		step = 256
+	case n <= 32768:
+		step = 1024
+	}
+	return int64((n + step - 1) / step * step)
 }
 
 func newRadixTree(limit int64) *radixTree {
