@@ -32,7 +32,10 @@ func (s *Server) admin(ctx *fasthttp.RequestCtx, path, method string) bool {
 		}
 	case strings.HasPrefix(path, "/workers/"):
 		if s.authorized(ctx) {
-			s.workerByID(ctx, method, strings.TrimPrefix(path, "/workers/"))
+			// The original path: fasthttp's normalised one collapses the
+			// "//" of a URL-encoded worker URL.
+			raw := string(ctx.Request.URI().PathOriginal())
+			s.workerByID(ctx, method, raw[strings.Index(raw, "/workers/")+len("/workers/"):])
 		}
 	case path == "/add_worker":
 		if s.requireMethod(ctx, method, "POST") && s.authorized(ctx) {
