@@ -71,9 +71,8 @@ type Worker struct {
 
 // workerState is the part of a worker that changes while it serves traffic.
 type workerState struct {
-	healthy   atomic.Bool
-	load      atomic.Int64  // router-side in-flight requests
-	processed atomic.Uint64 // requests routed to the worker
+	healthy atomic.Bool
+	load    atomic.Int64 // router-side in-flight requests
 
 	// Owned by the health checker: consecutive probe results and the
 	// breaker's success total seen at the previous probe (passive health).
@@ -140,11 +139,8 @@ func (w *Worker) Available() bool {
 
 // Load is the router's in-flight request count for the worker.
 func (w *Worker) Load() int64 { return w.st.load.Load() }
-func (w *Worker) IncLoad()    { w.st.load.Add(1); w.st.processed.Add(1) }
+func (w *Worker) IncLoad()    { w.st.load.Add(1) }
 func (w *Worker) DecLoad()    { w.st.load.Add(-1) }
-
-// Processed is the number of requests the router has routed to the worker.
-func (w *Worker) Processed() uint64 { return w.st.processed.Load() }
 
 // Record feeds one request outcome to the worker's breaker (and, through it,
 // to passive health). Same as w.Breaker.Record.
