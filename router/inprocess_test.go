@@ -1,0 +1,166 @@
+package router
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/internal/mockworker"
+)
+
+// inProcess runs a PD router and its mock workers inside the test, so
+// goroutine leaks can be checked after a mix of finished, failed and
+// abandoned requests.
+func inProcess(t *testing.T, prefill, decode mockworker.Config) (string, *Server, *mockworker.Server, *mockworker.Server) {
+	t.Helper()
+	prefill.Role, decode.Role = mockworker.RolePrefill, mockworker.RoleDecode
+	p, err := mockworker.Start(prefill)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := mockworker.Start(decode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultConfig()
+	cfg.PDDisaggregation = true
+	cfg.Policy = "round_robin"
+	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
+	cfg.Decode = []string{d.URL()}
+	cfg.Retry.MaxRetries = 1
+	cfg.Manager.Health.Disabled = true
+	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	base := "http://" + ln.Addr().String()
+	deadline := time.Now().Add(10 * time.Second)
+	for !srv.manager.Ready() {
+		if time.Now().After(deadline) {
+			t.Fatal("workers never registered")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return base, srv, p, d
+}
+
+func TestNoGoroutineLeaks(t *testing.T) {
+	// fasthttp keeps a process-wide date updater, and its worker pool's
+	// cleaner finishes its sleep after Shutdown: neither is ours.
+	defer goleak.VerifyNone(t,
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"))
+	base, srv, p, d := inProcess(t, mockworker.Config{}, mockworker.Config{Tokens: 50, TokenDelay: 10 * time.Millisecond})
+	tr := &http.Transport{}
+	c := &http.Client{Transport: tr}
+	do := func(ctx context.Context, path, body string) (*http.Response, error) {
+		req, _ := http.NewRequestWithContext(ctx, "POST", base+path, strings.NewReader(body))
+		return c.Do(req)
+	}
+
+	// A finished non-streaming request and a finished stream.
+	for _, body := range []string{`{"text":"a b c","return_logprob":true}`, `{"text":"a","stream":true,"sampling_params":{"max_new_tokens":3}}`} {
+		resp, err := do(context.Background(), "/generate", body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d: %s", resp.StatusCode, b)
+		}
+	}
+	// A stream abandoned after its first chunk.
+	resp, err := do(context.Background(), "/v1/completions", `{"model":"mock","prompt":"x","stream":true}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	// A request abandoned before the first byte.
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	if _, err := do(ctx, "/generate", `{"text":"slow","sampling_params":{"max_new_tokens":50}}`); err == nil {
+		t.Error("request should have timed out")
+	}
+	cancel()
+	// Bad input.
+	if resp, err := do(context.Background(), "/generate", `{"text":`); err != nil || resp.StatusCode != 400 {
+		t.Errorf("bad JSON: %v %v", err, resp)
+	} else {
+		resp.Body.Close()
+	}
+	waitFor(t, func() bool { return d.Stats().InFlight == 0 && p.Stats().InFlight == 0 })
+	tr.CloseIdleConnections()
+	shutdown, stop := context.WithTimeout(context.Background(), 10*time.Second)
+	defer stop()
+	if err := srv.Shutdown(shutdown); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range srv.reg.Snapshot().All {
+		if s.Load() != 0 {
+			t.Errorf("%s %s: load %d after all requests ended", s.Type, s.URL, s.Load())
+		}
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not reached")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// BenchmarkConnWatcher is what detecting client disconnects costs per
+// request: arm the watcher on a live socket, then stop it.
+func BenchmarkConnWatcher(b *testing.B) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	client, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer client.Close()
+	server, err := ln.Accept()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer server.Close()
+	b.ReportAllocs()
+	for b.Loop() {
+		w := watchConn(server, func() { b.Fatal("live client reported gone") })
+		w.stop()
+	}
+}
+
