@@ -1,0 +1,295 @@
+#!/usr/bin/env bash
+# make bench: pdrouter against going straight to the backend and against nginx as a keep-alive
+# reverse proxy, on zero-delay mockworkers, side by side in one run on this machine.
+#
+#   regular mode: wrk and pdbench → mockworker directly, → pdrouter, → nginx
+#   PD mode:      pdrouter with 1 prefill + 1 decode and 2 + 2, against the decode worker directly
+#   streams:      1,000 concurrent streams of 256 tokens through pdrouter (PD 1+1), no errors allowed
+#
+# Writes bench/out/router.json and the router section of bench/RESULTS.md.
+# Knobs (environment): BIN (bin), WRK_SECS (10), LAT_SECS (8), STREAMS (1000), STREAM_TOKENS (256).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-bin}
+WRK_SECS=${WRK_SECS:-10}
+LAT_SECS=${LAT_SECS:-8}
+STREAMS=${STREAMS:-1000}
+STREAM_TOKENS=${STREAM_TOKENS:-256}
+OUT=bench/out
+for b in pdrouter mockworker pdbench; do
+	[ -x "$BIN/$b" ] || { echo "bench-router: $BIN/$b missing; run make build" >&2; exit 1; }
+done
+for c in nginx wrk; do
+	command -v "$c" >/dev/null || { echo "bench-router: $c missing; run scripts/install-deps.sh bench" >&2; exit 1; }
+done
+mkdir -p "$OUT"
+T=$(mktemp -d /tmp/bench-router.XXXXXX)
+pids=()
+cleanup() {
+	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+	for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+	rm -rf "$T"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+log() { echo "bench-router: $*" >&2; }
+
+# free_port prints a loopback port nobody listens on.
+free_port() {
+	local p
+	while :; do
+		p=$((20000 + RANDOM % 40000))
+		{ (exec 3<>"/dev/tcp/127.0.0.1/$p"); } 2>/dev/null || { echo "$p"; return; }
+	done
+}
+
+# http_ok PORT PATH: a GET answered 200 (bash only, no curl needed).
+http_ok() {
+	{ exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
+	printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$2" >&3
+	local status
+	read -r -t 2 status <&3 || true
+	exec 3<&-
+	[[ $status == *" 200"* ]]
+}
+
+wait_ok() { # PORT PATH NAME
+	for _ in $(seq 200); do http_ok "$1" "$2" && return 0; sleep 0.05; done
+	log "$3 on :$1 never answered $2"; exit 1
+}
+
+# start_worker VAR ROLE [flags...]: starts a mockworker and sets VAR to its port. (Functions that
+# start processes set variables instead of printing, since $(...) would run them in a subshell and
+# lose their pids.)
+start_worker() {
+	local var=$1 role=$2 port
+	shift 2
+	port=$(free_port)
+	"$BIN/mockworker" --role "$role" --port "$port" --tokens 8 --token-delay 0 "$@" >"$T/mw-$port.log" 2>&1 &
+	pids+=($!)
+	wait_ok "$port" /health "mockworker $role"
+	printf -v "$var" %s "$port"
+}
+
+# start_router VAR ARGS...: starts pdrouter, waits until it is ready, sets VAR to its port and
+# VAR_PID to its pid.
+start_router() {
+	local var=$1 port prom
+	shift
+	port=$(free_port)
+	prom=$(free_port)
+	"$BIN/pdrouter" --host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin \
+		--log-level warn "$@" >"$T/router-$port.log" 2>&1 &
+	pids+=($!)
+	printf -v "${var}_PID" %s "$!"
+	wait_ok "$port" /readiness pdrouter
+	printf -v "$var" %s "$port"
+}
+
+# cpu_ticks PID...: user+system clock ticks of those processes.
+cpu_ticks() {
+	local sum=0 p
+	for p in "$@"; do sum=$((sum + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done
+	echo "$sum"
+}
+hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
+TICKS=$(getconf CLK_TCK)
+
+# wrk_run URL BODY PID...: wrk's req/s and the CPU seconds the given processes spent per 1,000 requests.
+wrk_run() {
+	local url=$1 body=$2
+	shift 2
+	cat >"$T/post.lua" <<-EOF
+		wrk.method = "POST"
+		wrk.headers["Content-Type"] = "application/json"
+		wrk.body = '$body'
+	EOF
+	local before after out reqs rps errs
+	before=$(cpu_ticks "$@")
+	out=$(wrk -t1 -c64 -d"${WRK_SECS}s" -s "$T/post.lua" "$url")
+	after=$(cpu_ticks "$@")
+	reqs=$(awk '/requests in/ {print $1}' <<<"$out")
+	rps=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
+	errs=$(awk '/Non-2xx|Socket errors/ {n++} END {print n + 0}' <<<"$out")
+	[ "$errs" = 0 ] || log "wrk $url: $(grep -E 'Non-2xx|Socket errors' <<<"$out")"
+	awk -v r="$rps" -v n="$reqs" -v t=$((after - before)) -v hz="$TICKS" \
+		'BEGIN {printf "%.0f %.3f\n", r, (n > 0 ? t / hz / n * 1000 : 0)}'
+}
+
+# jnum FILE KEY: a number from the last JSON line of a pdbench --output-file, to 3 decimals.
+jnum() { tail -n1 "$1" | grep -o "\"$2\":[^,}]*" | cut -d: -f2 | awk '{printf "%.3f", $1}' | sed 's/\.000$//'; }
+
+# latency NAME URL RATE [extra body]: a Poisson pdbench run, /generate streaming 8 tokens.
+latency() {
+	local name=$1 url=$2 rate=$3 extra=${4:-}
+	local n
+	n=$(awk -v r="$rate" -v s="$LAT_SECS" 'BEGIN {printf "%d", r * s}')
+	"$BIN/pdbench" --backend sglang --base-url "$url" --model mock --dataset-name random \
+		--random-input-len 16 --random-output-len 8 --random-range-ratio 1 --num-prompts "$n" \
+		--request-rate "$rate" --warmup-requests 64 --seed 1 ${extra:+--extra-request-body "$extra"} \
+		--output-file "$T/lat-$name.jsonl" >"$T/lat-$name.txt" 2>"$T/lat-$name.err" ||
+		{ cat "$T/lat-$name.err" >&2; exit 1; }
+	local failed
+	failed=$(jnum "$T/lat-$name.jsonl" failed)
+	[ "$failed" = 0 ] || log "pdbench $name: $failed failed requests"
+}
+
+GEN='{"text":"the quick brown fox jumps over the lazy dog","sampling_params":{"max_new_tokens":8},"stream":false}'
+BOOT='"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":1'
+GEN_BOOT="${GEN%\}},$BOOT}"
+
+log "starting mockworkers"
+start_worker W regular
+start_worker P1 prefill
+start_worker D1 decode
+start_worker P2 prefill
+start_worker D2 decode
+
+log "starting nginx and the routers"
+NG=$(free_port)
+mkdir -p "$T/nginx"
+cat >"$T/nginx/nginx.conf" <<EOF
+user $(id -un);
+daemon off;
+worker_processes auto;
+pid $T/nginx/nginx.pid;
+error_log $T/nginx/error.log warn;
+events { worker_connections 8192; }
+http {
+	access_log off;
+	client_body_temp_path $T/nginx/body;
+	proxy_temp_path $T/nginx/proxy;
+	fastcgi_temp_path $T/nginx/fastcgi;
+	uwsgi_temp_path $T/nginx/uwsgi;
+	scgi_temp_path $T/nginx/scgi;
+	upstream backend { server 127.0.0.1:$W; keepalive 256; }
+	server {
+		listen 127.0.0.1:$NG;
+		location / {
+			proxy_pass http://backend;
+			proxy_http_version 1.1;
+			proxy_set_header Connection "";
+			proxy_buffering off;
+		}
+	}
+}
+EOF
+nginx -p "$T/nginx" -c "$T/nginx/nginx.conf" >"$T/nginx/stdout.log" 2>&1 &
+NGINX_PID=$!
+pids+=("$NGINX_PID")
+wait_ok "$NG" /health nginx
+NGINX_ALL=("$NGINX_PID" $(pgrep -P "$NGINX_PID"))
+
+start_router RR --worker-urls "http://127.0.0.1:$W"
+start_router PD1 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --decode "http://127.0.0.1:$D1"
+start_router PD2 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 \
+	--prefill "http://127.0.0.1:$P2" 8998 --decode "http://127.0.0.1:$D1" --decode "http://127.0.0.1:$D2"
+
+log "wrk -t1 -c64 -d${WRK_SECS}s, /generate, 8 tokens, not streamed"
+read -r WRK_DIRECT _ < <(wrk_run "http://127.0.0.1:$W/generate" "$GEN")
+read -r WRK_ROUTER CPU_ROUTER < <(wrk_run "http://127.0.0.1:$RR/generate" "$GEN" "$RR_PID")
+read -r WRK_NGINX CPU_NGINX < <(wrk_run "http://127.0.0.1:$NG/generate" "$GEN" "${NGINX_ALL[@]}")
+read -r WRK_DECODE _ < <(wrk_run "http://127.0.0.1:$D1/generate" "$GEN_BOOT")
+read -r WRK_PD1 CPU_PD1 < <(wrk_run "http://127.0.0.1:$PD1/generate" "$GEN" "$PD1_PID")
+read -r WRK_PD2 CPU_PD2 < <(wrk_run "http://127.0.0.1:$PD2/generate" "$GEN" "$PD2_PID")
+log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX; decode direct $WRK_DECODE, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
+
+# Latency at half the saturating rate: the lower of PD 1+1's wrk rate and what pdbench itself can
+# drive (its closed-loop rate against the bare backend), so the client never saturates first.
+"$BIN/pdbench" --backend sglang --base-url "http://127.0.0.1:$W" --model mock --random-input-len 16 \
+	--random-output-len 8 --random-range-ratio 1 --num-prompts 20000 --max-concurrency 64 \
+	--output-file "$T/cap.jsonl" >/dev/null 2>&1
+CAP=$(jnum "$T/cap.jsonl" request_throughput)
+RATE=$(awk -v a="$WRK_PD1" -v b="$CAP" 'BEGIN {printf "%.0f", (a < b ? a : b) / 2}')
+log "pdbench latency at $RATE req/s (pdbench saturates at ${CAP%.*}), ${LAT_SECS}s per target"
+latency direct "http://127.0.0.1:$W" "$RATE"
+latency router "http://127.0.0.1:$RR" "$RATE"
+latency nginx "http://127.0.0.1:$NG" "$RATE"
+latency decode "http://127.0.0.1:$D1" "$RATE" "{$BOOT}"
+latency pd1 "http://127.0.0.1:$PD1" "$RATE"
+latency pd2 "http://127.0.0.1:$PD2" "$RATE"
+
+log "$STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter (PD 1+1)"
+start_worker SP prefill
+start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 5ms
+start_router SR --pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SD"
+"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:$SR" --model mock --random-input-len 32 \
+	--random-output-len "$STREAM_TOKENS" --random-range-ratio 1 --num-prompts "$STREAMS" \
+	--max-concurrency "$STREAMS" --output-file "$T/streams.jsonl" >"$T/streams.txt" 2>&1
+ST_DONE=$(jnum "$T/streams.jsonl" completed)
+ST_FAILED=$(jnum "$T/streams.jsonl" failed)
+ST_TOKENS=$(jnum "$T/streams.jsonl" total_output_tokens)
+ST_CONC=$(jnum "$T/streams.jsonl" concurrency)
+ST_RSS=$(hwm_kib "$SR_PID")
+RSS_ROUTER=$(hwm_kib "$RR_PID")
+RSS_PD1=$(hwm_kib "$PD1_PID")
+RSS_PD2=$(hwm_kib "$PD2_PID")
+RSS_NGINX=0
+for p in "${NGINX_ALL[@]}"; do RSS_NGINX=$((RSS_NGINX + $(hwm_kib "$p"))); done
+
+# Everything measured; write bench/out/router.json and the RESULTS.md section.
+lat() { jnum "$T/lat-$1.jsonl" "$2"; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}'; }
+added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
+{
+	echo "{"
+	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pdbench_capacity\": $CAP,"
+	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"decode_direct\": $WRK_DECODE, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
+	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
+	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
+	echo "  \"latency_ms\": {"
+	sep=""
+	for n in direct router nginx decode pd1 pd2; do
+		printf '%s    "%s": {"p50_e2e": %s, "p99_e2e": %s, "p50_ttft": %s, "p99_ttft": %s, "completed": %s, "failed": %s}' \
+			"$sep" "$n" "$(lat $n median_e2e_latency_ms)" "$(lat $n p99_e2e_latency_ms)" "$(lat $n median_ttft_ms)" \
+			"$(lat $n p99_ttft_ms)" "$(lat $n completed)" "$(lat $n failed)"
+		sep=$',\n'
+	done
+	echo
+	echo "  },"
+	echo "  \"streams\": {\"streams\": $STREAMS, \"tokens\": $STREAM_TOKENS, \"completed\": $ST_DONE, \"failed\": $ST_FAILED, \"output_tokens\": $ST_TOKENS, \"achieved_concurrency\": $ST_CONC, \"router_peak_rss_kib\": $ST_RSS}"
+	echo "}"
+} >"$OUT/router.json"
+
+row() { # name, rps, cpu, rss, base-for-latency, target-for-latency
+	printf '| %s | %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$2" "$3" "$(awk -v k="$4" 'BEGIN {printf "%.1f", k / 1024}')" \
+		"$(lat "$6" median_e2e_latency_ms)" "$(lat "$6" p99_e2e_latency_ms)" \
+		"$(added_us "$(lat "$6" median_e2e_latency_ms)" "$(lat "$5" median_e2e_latency_ms)")" \
+		"$(added_us "$(lat "$6" p99_e2e_latency_ms)" "$(lat "$5" p99_e2e_latency_ms)")"
+}
+SECTION=$(
+	cat <<EOF
+Run $(date -u +%Y-%m-%d) on $(nproc) cores, mockworkers with zero token delay. Requests/s from
+\`wrk -t1 -c64 -d${WRK_SECS}s\` posting a non-streamed 8-token \`/generate\`; latency from pdbench (Poisson,
+streamed 8-token \`/generate\`, ${LAT_SECS} s) at $RATE req/s, half the saturating rate; added latency is
+over the same backend reached directly (regular mode: the worker; PD mode: the decode worker).
+CPU is the proxy process's user+system time per 1,000 wrk requests; RSS is its peak (VmHWM).
+
+| path | req/s | CPU s / 1k req | peak RSS MiB | p50 ms | p99 ms | added p50 µs | added p99 µs |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| direct → worker | $WRK_DIRECT | – | – | $(lat direct median_e2e_latency_ms) | $(lat direct p99_e2e_latency_ms) | – | – |
+$(row "pdrouter (regular)" "$WRK_ROUTER" "$CPU_ROUTER" "$RSS_ROUTER" direct router)
+$(row "nginx (keep-alive proxy)" "$WRK_NGINX" "$CPU_NGINX" "$RSS_NGINX" direct nginx)
+| direct → decode worker | $WRK_DECODE | – | – | $(lat decode median_e2e_latency_ms) | $(lat decode p99_e2e_latency_ms) | – | – |
+$(row "pdrouter PD 1P+1D" "$WRK_PD1" "$CPU_PD1" "$RSS_PD1" decode pd1)
+$(row "pdrouter PD 2P+2D" "$WRK_PD2" "$CPU_PD2" "$RSS_PD2" decode pd2)
+
+Ratios: requests/s pdrouter / nginx **$(ratio "$WRK_ROUTER" "$WRK_NGINX")**, pdrouter / direct **$(ratio "$WRK_ROUTER" "$WRK_DIRECT")**,
+PD 1P+1D / direct decode **$(ratio "$WRK_PD1" "$WRK_DECODE")**; CPU per request pdrouter / nginx **$(ratio "$CPU_ROUTER" "$CPU_NGINX")**.
+
+Streams: $STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter PD 1P+1D: $ST_DONE completed,
+**$ST_FAILED errors**, $ST_TOKENS tokens, achieved concurrency $ST_CONC, router peak RSS
+**$(awk -v k="$ST_RSS" 'BEGIN {printf "%.1f", k / 1024}') MiB**.
+EOF
+)
+# Replace what lies between the router markers, leaving the rest of the file alone.
+printf '%s\n' "$SECTION" >"$T/section.md"
+awk -v section="$T/section.md" '
+	/<!-- BEGIN router -->/ {print; while ((getline line <section) > 0) print line; skip = 1; next}
+	/<!-- END router -->/ {skip = 0}
+	!skip {print}
+' bench/RESULTS.md >"$T/RESULTS.md"
+cp "$T/RESULTS.md" bench/RESULTS.md
+echo "$SECTION"
+log "wrote $OUT/router.json and bench/RESULTS.md"
+[ "$ST_FAILED" = 0 ] && [ "$ST_DONE" = "$STREAMS" ] || { log "streams: $ST_FAILED failed, $ST_DONE of $STREAMS completed"; exit 1; }
