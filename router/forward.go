@@ -89,6 +89,7 @@ func forwardHeaders(ctx *fasthttp.RequestCtx) http.Header {
 		}
 	}
 	h.Set("X-Request-Id", string(ctx.Response.Header.Peek("x-request-id")))
+	h.Set("User-Agent", "") // send none, as sglang-router sends only whitelisted headers
 	return h
 }
 

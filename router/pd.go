@@ -82,7 +82,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	pw.IncLoad()
 	dw.IncLoad()
 	r.hold()
-	go func() {
+	s.background.Go(func() {
 		defer r.release()
 		defer pw.DecLoad()
 		defer close(leg.done)
@@ -90,7 +90,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		if leg.err != nil {
 			cancel(errPrefillFailed)
 		}
-	}()
+	})
 
 	resp, err := s.post(actx, dw, r.path, body, r.header)
 	if err != nil {

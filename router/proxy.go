@@ -58,10 +58,7 @@ func (s *Server) backendType() string {
 // serve runs attempts until one answers or the retry budget is spent.
 func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	endpoint := r.route.String()
-	model := "unknown"
-	if r.info.Model.OK() {
-		model = string(splice.FirstString(r.body, r.info.Model))
-	}
+	model := s.modelLabel(r)
 	s.metrics.routerRequests.WithLabelValues("http", s.backendType(), "http", model, endpoint,
 		boolLabel(r.info.Stream)).Inc()
 
@@ -118,6 +115,21 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	s.metrics.routerDuration.WithLabelValues("http", s.backendType(), "http", model, endpoint).Observe(since(r.start))
 }
 
+// modelLabel is the request's model when a worker serves it: the label is
+// client input, so anything else is "unknown" to keep series bounded.
+func (s *Server) modelLabel(r *request) string {
+	if !r.info.Model.OK() {
+		return "unknown"
+	}
+	m := splice.FirstString(r.body, r.info.Model)
+	for _, w := range s.reg.Snapshot().All {
+		if w.ModelID == bstr(m) {
+			return w.ModelID
+		}
+	}
+	return "unknown"
+}
+
 // sides are the worker types a request touches.
 func (s *Server) sides() []balancer.WorkerType {
 	if s.cfg.PDDisaggregation {
@@ -138,6 +150,7 @@ func (s *Server) policyRequest(ctx *fasthttp.RequestCtx, r *request) *balancer.R
 	pr := &balancer.Request{Header: func(name string) string { return string(ctx.Request.Header.Peek(name)) }}
 	if s.prefill.NeedsText() || s.decode.NeedsText() {
 		pr.Text = string(r.routingText())
+		pr.Model = string(splice.FirstString(r.body, r.info.Model))
 	}
 	return pr
 }

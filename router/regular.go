@@ -16,8 +16,13 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	if fail != nil {
 		return fail, false
 	}
+	header := r.header
+	if w.APIKey != "" { // regular mode authenticates to the worker with its own key
+		header = header.Clone()
+		header.Set("Authorization", "Bearer "+w.APIKey)
+	}
 	w.IncLoad()
-	resp, err := s.post(r.ctx, w, r.path, r.body, r.header)
+	resp, err := s.post(r.ctx, w, r.path, r.body, header)
 	if err != nil {
 		w.DecLoad()
 		if r.clientGone() {
