@@ -163,6 +163,7 @@ type opts struct {
 	prefills, decodes int
 	timeouts          string // bootstrap and waiting timeout
 	prefillDelay      string
+	heartbeat         string // default 500ms
 	router            bool
 }
 
@@ -173,12 +174,15 @@ func startCluster(t *testing.T, o opts) *cluster {
 	if o.tls != "" {
 		env = append(env, "UCX_TLS="+o.tls, "UCX_NET_DEVICES=lo")
 	}
+	if o.heartbeat == "" {
+		o.heartbeat = "500ms"
+	}
 	c := &cluster{}
 	add := func(role string, i int) worker {
 		sock := filepath.Join(dir, fmt.Sprintf("%s%d.sock", role, i))
 		mport := freePort(t)
 		args := []string{"--role", role, "--transport", o.transport, "--control", sock, "--metrics-port", strconv.Itoa(mport),
-			"--bootstrap-timeout", o.timeouts, "--waiting-timeout", o.timeouts, "--heartbeat-interval", "500ms", "--log-level", "warn"}
+			"--bootstrap-timeout", o.timeouts, "--waiting-timeout", o.timeouts, "--heartbeat-interval", o.heartbeat, "--log-level", "warn"}
 		w := worker{metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", mport)}
 		if role == "prefill" {
 			w.boot = freePort(t)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# KV transfer benchmark: default Llama-3.1-8B layout, 128/1k/4k/32k-token
+# prompts over tcp and ucx, next to ucx_perftest in the same run. Writes
+# bench/out/kv.json and the kv section of bench/RESULTS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p bench/out
+rm -f bench/out/kv.md
+KV_BENCH_OUT="$PWD/bench/out/kv.json" go test -count=1 -timeout 20m -run '^TestBenchKV$' -v ./kvtransfer/e2e | grep -E '^(---|ok|FAIL|\s+bench_test)' || true
+test -s bench/out/kv.md || { echo "bench-kv: no results" >&2; exit 1; }
+{
+	echo "Run $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores. MiB/s = KV bytes / transfer time (post to flush, as the sender measures it);"
+	echo "ratio = that over ucx_perftest ucp_put_bw with the same UCX_TLS and the prompt's per-buffer run length (tcp transport compared with UCX_TLS=tcp)."
+	echo "TTFT = decode request time with max_new_tokens=1 (includes prefill filling the pages and decode verifying them)."
+	echo
+	cat bench/out/kv.md
+} > bench/out/kv.section
+python3 - <<'PY'
+import re
+p = "bench/RESULTS.md"
+s = open(p).read()
+sec = open("bench/out/kv.section").read()
+s = re.sub(r"(<!-- BEGIN kv -->\n).*?(<!-- END kv -->)", lambda m: m.group(1) + sec + m.group(2), s, flags=re.S)
+open(p, "w").write(s)
+PY
+echo "bench-kv: wrote bench/out/kv.json and bench/RESULTS.md"
