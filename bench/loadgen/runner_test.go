@@ -8,6 +8,8 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -91,26 +93,37 @@ func TestScheduleIsPoissonAtTheAskedRate(t *testing.T) {
 	}
 }
 
-// TestRunKeepsTheScheduleInRealTime is the one wall-clock check: 100 requests at 100 req/s must
-// start within 5 % of their scheduled times.
+// TestRunKeepsTheScheduleInRealTime is the one wall-clock check: requests must go out within 5 %
+// of the asked rate.
 func TestRunKeepsTheScheduleInRealTime(t *testing.T) {
 	e := newFakeEngine(t, 0)
 	s := NewSender(SenderConfig{BaseURL: e.URL, Backend: OpenAIChat})
 	defer s.Close()
-	at := Schedule(rand.New(rand.NewPCG(3, 4)), 100, 100)
-	o, err := Run(context.Background(), RunConfig{Sender: s, Requests: requests(100), At: at})
+	// Four seconds of sending, so that a late wake-up of tens of ms on a loaded machine stays
+	// well inside 5 %.
+	const n, rate = 100, 25
+	at := Schedule(rand.New(rand.NewPCG(3, 4)), n, rate)
+	o, err := Run(context.Background(), RunConfig{Sender: s, Requests: requests(n), At: at})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(o.Results) != 100 || o.Partial || o.Sent != 100 {
+	if len(o.Results) != n || o.Partial || o.Sent != n {
 		t.Fatalf("%d results, partial %v, sent %d", len(o.Results), o.Partial, o.Sent)
 	}
-	span := o.Results[99].Start.Sub(o.Results[0].Start)
-	if want := at[99] - at[0]; math.Abs(float64(span-want))/float64(want) > 0.05 {
-		t.Errorf("last request started %v after the first, scheduled %v", span, want)
+	// The achieved rate is the slope of actual send times over scheduled ones. A fit over every
+	// request, rather than the last one alone, does not let one late wake-up on a loaded machine
+	// decide the result.
+	var sx, sy, sxx, sxy float64
+	for i, r := range o.Results {
+		x, y := at[i].Seconds(), r.Start.Sub(o.Results[0].Start).Seconds()
+		sx, sy, sxx, sxy = sx+x, sy+y, sxx+x*x, sxy+x*y
 	}
-	if o.Duration < at[99] {
-		t.Errorf("duration %v shorter than the schedule %v", o.Duration, at[99])
+	slope := (n*sxy - sx*sy) / (n*sxx - sx*sx)
+	if got := rate / slope; math.Abs(got-rate)/rate > 0.05 {
+		t.Errorf("sent at %.1f req/s, asked for %d", got, rate)
+	}
+	if o.Duration < at[n-1] {
+		t.Errorf("duration %v shorter than the schedule %v", o.Duration, at[n-1])
 	}
 }
 
@@ -122,8 +135,9 @@ func TestRunCapsConcurrency(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p := e.peak.Load(); p != 4 {
-		t.Errorf("peak concurrency at the server %d, want 4", p)
+	// Never above the cap; reaching it exactly depends on the scheduler of a loaded machine.
+	if p := e.peak.Load(); p > 4 || p < 2 {
+		t.Errorf("peak concurrency at the server %d, want at most 4", p)
 	}
 	m := Compute(o.Results, o.Duration, SLO{})
 	if m.Completed != 24 || m.Concurrency > 4.01 || m.Concurrency < 2 {
@@ -183,5 +197,36 @@ func TestRunStopsOnCancel(t *testing.T) {
 	}
 	if m := Compute(o.Results, o.Duration, SLO{}); m.Completed != len(o.Results) || m.Failed != 0 {
 		t.Errorf("partial metrics: %+v", m)
+	}
+}
+
+func TestRunReplaysATraceAtItsTimestamps(t *testing.T) {
+	ps, err := ReadTrace(seeded(), strings.NewReader(`{"timestamp":500,"input_len":2,"output_len":2}
+{"timestamp":800,"input_len":2,"output_len":2}
+{"timestamp":1100,"input_len":2,"output_len":2}`), 10, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rs, err := BuildRequests(OpenAIChat, ps, BodyOptions{Model: "m", Stream: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := TraceSchedule(rs)
+	if !slices.Equal(at, msList(0, 150, 300)) {
+		t.Fatalf("schedule %v, want the timestamps halved", at)
+	}
+	e := newFakeEngine(t, 0)
+	s := NewSender(SenderConfig{BaseURL: e.URL, Backend: OpenAIChat})
+	defer s.Close()
+	o, err := Run(context.Background(), RunConfig{Sender: s, Requests: rs, At: at})
+	if err != nil || len(o.Results) != 3 {
+		t.Fatalf("%v, %d results", err, len(o.Results))
+	}
+	// Only a lower bound: a loaded machine may send late, but never early. The slack covers the
+	// first request's own dispatch delay, since offsets are measured from its start.
+	for i, r := range o.Results {
+		if off := r.Start.Sub(o.Results[0].Start); off < at[i]-50*time.Millisecond {
+			t.Errorf("request %d sent at +%v, before its time +%v", i, off, at[i])
+		}
 	}
 }

@@ -281,7 +281,11 @@ func TestSendClassifiesErrors(t *testing.T) {
 		{deadURL, ErrTransport, ""},
 	}
 	for _, c := range cases {
-		s := NewSender(SenderConfig{BaseURL: c.base, Backend: OpenAIChat, Timeout: 200 * time.Millisecond})
+		timeout := 10 * time.Second // generous: a loaded machine must not turn the other cases into timeouts
+		if c.want == ErrTimeout {
+			timeout = 200 * time.Millisecond
+		}
+		s := NewSender(SenderConfig{BaseURL: c.base, Backend: OpenAIChat, Timeout: timeout})
 		got := s.Send(context.Background(), &Request{Body: []byte("{}")})
 		s.Close()
 		if got.Err != c.want || !strings.Contains(got.Msg, c.msg) {
@@ -340,5 +344,31 @@ func TestDiscoverModel(t *testing.T) {
 	}
 	if _, err := DiscoverModel(ctx, srv.URL+"/missing", ""); err == nil || !strings.Contains(err.Error(), "404") {
 		t.Errorf("a 404 should fail with its status, got %v", err)
+	}
+}
+
+// BenchmarkSendStream measures the client's cost per streamed request (256 chunks): allocations
+// must not grow with the number of chunks beyond the ITL slice.
+func BenchmarkSendStream(b *testing.B) {
+	var body strings.Builder
+	for range 256 {
+		body.WriteString(sse(`{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}`))
+	}
+	body.WriteString(sse(`{"choices":[],"usage":{"prompt_tokens":8,"completion_tokens":256}}`) + "data: [DONE]\n\n")
+	reply := body.String()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		io.WriteString(w, reply)
+	}))
+	defer srv.Close()
+	s := NewSender(SenderConfig{BaseURL: srv.URL, Backend: OpenAIChat})
+	defer s.Close()
+	req := &Request{Prompt: Prompt{OutputLen: 256}, Body: []byte(`{"stream":true}`)}
+	b.ReportAllocs()
+	for b.Loop() {
+		if r := s.Send(context.Background(), req); r.Err != "" || r.OutputLen != 256 {
+			b.Fatalf("%s %s", r.Err, r.Msg)
+		}
 	}
 }

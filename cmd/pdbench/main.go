@@ -48,7 +48,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 		backend     = fs.String("backend", "sglang", "API: openai-chat (/v1/chat/completions), openai (/v1/completions) or sglang (/generate)")
 		baseURL     = fs.String("base-url", "http://127.0.0.1:30000", "server to load")
 		model       = fs.String("model", "", "model name; read from GET /v1/models when empty")
-		rate        = fs.Float64("request-rate", math.Inf(1), "Poisson arrivals per second; inf sends all at once")
+		rate        = fs.Float64("request-rate", math.Inf(1), "Poisson arrivals per second; inf sends all at once (ignored by trace, which keeps its timestamps)")
 		maxConc     = fs.Int("max-concurrency", 0, "cap on requests in flight (a closed loop with --request-rate inf); 0 = none")
 		warmupN     = fs.Int("warmup-requests", 1, "unmeasured requests sent before the run")
 		seed        = fs.Uint64("seed", 1, "seed for datasets and arrival times")
@@ -65,7 +65,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 	)
 	fs.StringVar(&ds.Name, "dataset-name", "random", "random, generated-shared-prefix, sharegpt or trace")
 	fs.StringVar(&ds.Path, "dataset-path", "", "ShareGPT JSON file, or trace JSONL (timestamp in ms, input_len, output_len)")
-	fs.IntVar(&ds.NumPrompts, "num-prompts", 1000, "requests to send")
+	fs.IntVar(&ds.NumPrompts, "num-prompts", 1000, "requests to send (generated-shared-prefix sends groups × prompts per group; a trace at most this many)")
 	fs.IntVar(&ds.RandomInputLen, "random-input-len", 1024, "random: input tokens (words)")
 	fs.IntVar(&ds.RandomOutputLen, "random-output-len", 1024, "random: output tokens")
 	fs.Float64Var(&ds.RandomRangeRatio, "random-range-ratio", 0, "random: lengths are uniform in [len*ratio, len]")
@@ -109,9 +109,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 	if err != nil {
 		return err
 	}
-	at := loadgen.Schedule(rand.New(rand.NewPCG(*seed, 2)), len(reqs), *rate)
+	var at []time.Duration
 	if ds.Name == "trace" {
 		at = loadgen.TraceSchedule(reqs)
+	} else {
+		at = loadgen.Schedule(rand.New(rand.NewPCG(*seed, 2)), len(reqs), *rate)
 	}
 	sender := loadgen.NewSender(loadgen.SenderConfig{BaseURL: *baseURL, Backend: be, APIKey: apiKey,
 		Timeout: *timeout, MaxConns: max(*maxConc, min(len(reqs), 1024))})
