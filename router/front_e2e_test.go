@@ -7,7 +7,9 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"syscall"
@@ -338,11 +340,21 @@ func TestCLI(t *testing.T) {
 			t.Errorf("%v: exit %d output %q; want exit %d containing %q", c.args, code, out, c.code, c.out)
 		}
 	}
-	// An accepted but unimplemented flag is logged once, not fatal.
+	// An accepted but unimplemented flag is logged once, not fatal; with
+	// --log-dir the log also goes to DIR/smg.log.
 	w := startWorker(t, "regular")
-	r := startRouter(t, "--worker-urls", w.URL(), "--enable-trace", "--log-level", "info")
+	dir := t.TempDir()
+	r := startRouter(t, "--worker-urls", w.URL(), "--enable-trace", "--log-level", "info", "--log-dir", dir)
 	if !strings.Contains(r.Output(), "--enable-trace") || !strings.Contains(r.Output(), "ignored") {
 		t.Errorf("ignored flag not logged:\n%s", r.Output())
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "smg.log")); err != nil || !strings.Contains(string(b), "pdrouter listening") {
+		t.Errorf("log file: %v %q", err, b)
+	}
+	// --log-level warn hides info lines.
+	quiet := startRouter(t, "--worker-urls", w.URL())
+	if strings.Contains(quiet.Output(), "pdrouter listening") {
+		t.Errorf("info logged at --log-level warn:\n%s", quiet.Output())
 	}
 }
 

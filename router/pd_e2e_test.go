@@ -137,7 +137,8 @@ func TestPDStreamsBeforeSlowPrefillFinishes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	br := bufio.NewReader(resp.Body)
+	line, err := br.ReadString('\n')
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -151,7 +152,7 @@ func TestPDStreamsBeforeSlowPrefillFinishes(t *testing.T) {
 	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/event-stream") {
 		t.Errorf("content type %q", ct)
 	}
-	rest, _ := io.ReadAll(resp.Body)
+	rest, _ := io.ReadAll(br)
 	if !strings.Contains(string(rest), "data: [DONE]") {
 		t.Errorf("stream did not finish: %s", rest)
 	}

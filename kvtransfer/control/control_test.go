@@ -123,7 +123,9 @@ func TestTransferThroughSharedMemory(t *testing.T) {
 	if d.seg.Mem[2*pages*item+16] != 0xAB {
 		t.Fatal("aux slot did not land")
 	}
-	if st, err := p.cl.Poll(ctx, 42); err != nil || st.State != kvtransfer.Success {
+	// The prefill side reaches Success after it has sent DONE, which can be
+	// a moment after decode saw it: wait rather than poll once.
+	if st, err := p.cl.Wait(ctx, 42); err != nil || st.State != kvtransfer.Success {
 		t.Fatalf("prefill: %+v %v", st, err)
 	}
 	if err := p.cl.Send(ctx, 42, nil, true, -1); err == nil || !strings.Contains(err.Error(), "finished") {
