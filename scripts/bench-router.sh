@@ -7,12 +7,14 @@
 #   streams:      1,000 concurrent streams of 256 tokens through pdrouter (PD 1+1), no errors allowed
 #
 # Writes bench/out/router.json and the router section of bench/RESULTS.md.
-# Knobs (environment): BIN (bin), WRK_SECS (10), LAT_SECS (8), STREAMS (1000), STREAM_TOKENS (256).
+# Knobs (environment): BIN (bin), WRK_SECS (10) and LAT_SECS (8) per target, split in ROUNDS (2),
+# STREAMS (1000), STREAM_TOKENS (256).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-bin}
 WRK_SECS=${WRK_SECS:-10}
 LAT_SECS=${LAT_SECS:-8}
+ROUNDS=${ROUNDS:-2}
 STREAMS=${STREAMS:-1000}
 STREAM_TOKENS=${STREAM_TOKENS:-256}
 OUT=bench/out
@@ -34,11 +36,13 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 log() { echo "bench-router: $*" >&2; }
 
-# free_port prints a loopback port nobody listens on.
+# free_port prints a loopback port nobody listens on, below the ephemeral range so that none of
+# the benchmark's own client sockets can hold it.
 free_port() {
-	local p
+	local p lo
+	read -r lo _ </proc/sys/net/ipv4/ip_local_port_range
 	while :; do
-		p=$((20000 + RANDOM % 40000))
+		p=$((10000 + RANDOM % (lo - 10000)))
 		{ (exec 3<>"/dev/tcp/127.0.0.1/$p"); } 2>/dev/null || { echo "$p"; return; }
 	done
 }
@@ -53,9 +57,11 @@ http_ok() {
 	[[ $status == *" 200"* ]]
 }
 
-wait_ok() { # PORT PATH NAME
+wait_ok() { # PORT PATH NAME LOG
 	for _ in $(seq 200); do http_ok "$1" "$2" && return 0; sleep 0.05; done
-	log "$3 on :$1 never answered $2"; exit 1
+	log "$3 on :$1 never answered $2; its log:"
+	tail -n 20 "$4" >&2
+	exit 1
 }
 
 # start_worker VAR ROLE [flags...]: starts a mockworker and sets VAR to its port. (Functions that
@@ -67,7 +73,7 @@ start_worker() {
 	port=$(free_port)
 	"$BIN/mockworker" --role "$role" --port "$port" --tokens 8 --token-delay 0 "$@" >"$T/mw-$port.log" 2>&1 &
 	pids+=($!)
-	wait_ok "$port" /health "mockworker $role"
+	wait_ok "$port" /health "mockworker $role" "$T/mw-$port.log"
 	printf -v "$var" %s "$port"
 }
 
@@ -82,7 +88,7 @@ start_router() {
 		--log-level warn "$@" >"$T/router-$port.log" 2>&1 &
 	pids+=($!)
 	printf -v "${var}_PID" %s "$!"
-	wait_ok "$port" /readiness pdrouter
+	wait_ok "$port" /readiness pdrouter "$T/router-$port.log"
 	printf -v "$var" %s "$port"
 }
 
@@ -95,43 +101,46 @@ cpu_ticks() {
 hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
 TICKS=$(getconf CLK_TCK)
 
-# wrk_run URL BODY PID...: wrk's req/s and the CPU seconds the given processes spent per 1,000 requests.
+# wrk_run SECS URL BODY PID...: one wrk run; prints its req/s, its request count and the CPU
+# clock ticks the given processes spent meanwhile.
 wrk_run() {
-	local url=$1 body=$2
-	shift 2
+	local secs=$1 url=$2 body=$3
+	shift 3
 	cat >"$T/post.lua" <<-EOF
 		wrk.method = "POST"
 		wrk.headers["Content-Type"] = "application/json"
 		wrk.body = '$body'
 	EOF
-	local before after out reqs rps errs
+	local before after out
 	before=$(cpu_ticks "$@")
-	out=$(wrk -t1 -c64 -d"${WRK_SECS}s" -s "$T/post.lua" "$url")
+	out=$(wrk -t1 -c64 -d"${secs}s" -s "$T/post.lua" "$url")
 	after=$(cpu_ticks "$@")
-	reqs=$(awk '/requests in/ {print $1}' <<<"$out")
-	rps=$(awk '/^Requests\/sec/ {print $2}' <<<"$out")
-	errs=$(awk '/Non-2xx|Socket errors/ {n++} END {print n + 0}' <<<"$out")
-	[ "$errs" = 0 ] || log "wrk $url: $(grep -E 'Non-2xx|Socket errors' <<<"$out")"
-	awk -v r="$rps" -v n="$reqs" -v t=$((after - before)) -v hz="$TICKS" \
-		'BEGIN {printf "%.0f %.3f\n", r, (n > 0 ? t / hz / n * 1000 : 0)}'
+	grep -qE 'Non-2xx|Socket errors' <<<"$out" && log "wrk $url: $(grep -E 'Non-2xx|Socket errors' <<<"$out")"
+	echo "$(awk '/^Requests\/sec/ {printf "%.0f", $2}' <<<"$out") $(awk '/requests in/ {print $1}' <<<"$out") $((after - before))"
 }
 
 # jnum FILE KEY: a number from the last JSON line of a pdbench --output-file, to 3 decimals.
 jnum() { tail -n1 "$1" | grep -o "\"$2\":[^,}]*" | cut -d: -f2 | awk '{printf "%.3f", $1}' | sed 's/\.000$//'; }
 
-# latency NAME URL RATE [extra body]: a Poisson pdbench run, /generate streaming 8 tokens.
+# jmed FILE KEY: the median of KEY over every line (round) of a pdbench --output-file.
+jmed() {
+	grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | sort -g |
+		awk '{v[NR] = $1} END {printf "%.3f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'
+}
+
+# jsum FILE KEY: the sum of KEY over every line.
+jsum() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | awk '{s += $1} END {print s + 0}'; }
+
+# latency NAME URL RATE SECS [extra body]: one Poisson pdbench round, /generate streaming 8 tokens,
+# appended to lat-NAME.jsonl.
 latency() {
-	local name=$1 url=$2 rate=$3 extra=${4:-}
-	local n
-	n=$(awk -v r="$rate" -v s="$LAT_SECS" 'BEGIN {printf "%d", r * s}')
+	local name=$1 url=$2 rate=$3 secs=$4 extra=${5:-}
 	"$BIN/pdbench" --backend sglang --base-url "$url" --model mock --dataset-name random \
-		--random-input-len 16 --random-output-len 8 --random-range-ratio 1 --num-prompts "$n" \
-		--request-rate "$rate" --warmup-requests 64 --seed 1 ${extra:+--extra-request-body "$extra"} \
+		--random-input-len 16 --random-output-len 8 --random-range-ratio 1 \
+		--num-prompts "$(awk -v r="$rate" -v s="$secs" 'BEGIN {printf "%d", r * s}')" \
+		--request-rate "$rate" --warmup-requests 64 --seed "$RANDOM" ${extra:+--extra-request-body "$extra"} \
 		--output-file "$T/lat-$name.jsonl" >"$T/lat-$name.txt" 2>"$T/lat-$name.err" ||
 		{ cat "$T/lat-$name.err" >&2; exit 1; }
-	local failed
-	failed=$(jnum "$T/lat-$name.jsonl" failed)
-	[ "$failed" = 0 ] || log "pdbench $name: $failed failed requests"
 }
 
 GEN='{"text":"the quick brown fox jumps over the lazy dog","sampling_params":{"max_new_tokens":8},"stream":false}'
@@ -177,7 +186,7 @@ EOF
 nginx -p "$T/nginx" -c "$T/nginx/nginx.conf" >"$T/nginx/stdout.log" 2>&1 &
 NGINX_PID=$!
 pids+=("$NGINX_PID")
-wait_ok "$NG" /health nginx
+wait_ok "$NG" /health nginx "$T/nginx/error.log"
 NGINX_ALL=("$NGINX_PID" $(pgrep -P "$NGINX_PID"))
 
 start_router RR --worker-urls "http://127.0.0.1:$W"
@@ -185,33 +194,55 @@ start_router PD1 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --dec
 start_router PD2 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 \
 	--prefill "http://127.0.0.1:$P2" 8998 --decode "http://127.0.0.1:$D1" --decode "http://127.0.0.1:$D2"
 
-log "wrk -t1 -c64 -d${WRK_SECS}s, /generate, 8 tokens, not streamed"
-read -r WRK_DIRECT _ < <(wrk_run "http://127.0.0.1:$W/generate" "$GEN")
-read -r WRK_ROUTER CPU_ROUTER < <(wrk_run "http://127.0.0.1:$RR/generate" "$GEN" "$RR_PID")
-read -r WRK_NGINX CPU_NGINX < <(wrk_run "http://127.0.0.1:$NG/generate" "$GEN" "${NGINX_ALL[@]}")
-read -r WRK_DECODE _ < <(wrk_run "http://127.0.0.1:$D1/generate" "$GEN_BOOT")
-read -r WRK_PD1 CPU_PD1 < <(wrk_run "http://127.0.0.1:$PD1/generate" "$GEN" "$PD1_PID")
-read -r WRK_PD2 CPU_PD2 < <(wrk_run "http://127.0.0.1:$PD2/generate" "$GEN" "$PD2_PID")
+# The machine is shared and noisy, so every measurement runs in rounds that visit the targets in
+# turn: a burst of load from elsewhere then hits all of them alike instead of one.
+NAMES=(direct router nginx decode pd1 pd2)
+declare -A URL=([direct]=$W [router]=$RR [nginx]=$NG [decode]=$D1 [pd1]=$PD1 [pd2]=$PD2)
+declare -A PROCS=([direct]="" [router]=$RR_PID [nginx]="${NGINX_ALL[*]}" [decode]="" [pd1]=$PD1_PID [pd2]=$PD2_PID)
+declare -A RPS REQS TICKS_USED
+for n in "${NAMES[@]}"; do RPS[$n]=0 REQS[$n]=0 TICKS_USED[$n]=0; done
+for round in $(seq "$ROUNDS"); do
+	log "wrk round $round/$ROUNDS: -t1 -c64, $((WRK_SECS / ROUNDS))s per target, non-streamed 8-token /generate"
+	for n in "${NAMES[@]}"; do
+		body=$GEN
+		[ "$n" = decode ] && body=$GEN_BOOT
+		# shellcheck disable=SC2086 # PROCS holds a list of pids
+		read -r rps reqs ticks < <(wrk_run $((WRK_SECS / ROUNDS)) "http://127.0.0.1:${URL[$n]}/generate" "$body" ${PROCS[$n]})
+		# Noise only ever slows a run down, so the best round is the closest to the truth.
+		((rps > RPS[$n])) && RPS[$n]=$rps
+		REQS[$n]=$((REQS[$n] + reqs)) TICKS_USED[$n]=$((TICKS_USED[$n] + ticks))
+	done
+done
+cpu_per_1k() { awk -v t="${TICKS_USED[$1]}" -v n="${REQS[$1]}" -v hz="$TICKS" 'BEGIN {printf "%.3f", (n > 0 ? t / hz / n * 1000 : 0)}'; }
+WRK_DIRECT=${RPS[direct]} WRK_ROUTER=${RPS[router]} WRK_NGINX=${RPS[nginx]}
+WRK_DECODE=${RPS[decode]} WRK_PD1=${RPS[pd1]} WRK_PD2=${RPS[pd2]}
+CPU_ROUTER=$(cpu_per_1k router) CPU_NGINX=$(cpu_per_1k nginx) CPU_PD1=$(cpu_per_1k pd1) CPU_PD2=$(cpu_per_1k pd2)
 log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX; decode direct $WRK_DECODE, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
 
-# Latency at half the saturating rate: the lower of PD 1+1's wrk rate and what pdbench itself can
-# drive (its closed-loop rate against the bare backend), so the client never saturates first.
-"$BIN/pdbench" --backend sglang --base-url "http://127.0.0.1:$W" --model mock --random-input-len 16 \
+# Latency at half the saturating rate. Saturation is measured as pdbench drives it (a closed loop
+# of 64 against PD 1+1, the slowest path), not as wrk does: pdbench's client costs more CPU than
+# wrk's and shares the same cores, so half of wrk's rate could already overload the machine.
+"$BIN/pdbench" --backend sglang --base-url "http://127.0.0.1:$PD1" --model mock --random-input-len 16 \
 	--random-output-len 8 --random-range-ratio 1 --num-prompts 20000 --max-concurrency 64 \
 	--output-file "$T/cap.jsonl" >/dev/null 2>&1
 CAP=$(jnum "$T/cap.jsonl" request_throughput)
-RATE=$(awk -v a="$WRK_PD1" -v b="$CAP" 'BEGIN {printf "%.0f", (a < b ? a : b) / 2}')
-log "pdbench latency at $RATE req/s (pdbench saturates at ${CAP%.*}), ${LAT_SECS}s per target"
-latency direct "http://127.0.0.1:$W" "$RATE"
-latency router "http://127.0.0.1:$RR" "$RATE"
-latency nginx "http://127.0.0.1:$NG" "$RATE"
-latency decode "http://127.0.0.1:$D1" "$RATE" "{$BOOT}"
-latency pd1 "http://127.0.0.1:$PD1" "$RATE"
-latency pd2 "http://127.0.0.1:$PD2" "$RATE"
+RATE=$(awk -v c="$CAP" 'BEGIN {printf "%.0f", c / 2}')
+for round in $(seq "$ROUNDS"); do
+	log "pdbench round $round/$ROUNDS: Poisson $RATE req/s (PD 1+1 saturates at ${CAP%.*} under pdbench), $((LAT_SECS / ROUNDS))s per target"
+	for n in "${NAMES[@]}"; do
+		extra=""
+		[ "$n" = decode ] && extra="{$BOOT}"
+		latency "$n" "http://127.0.0.1:${URL[$n]}" "$RATE" $((LAT_SECS / ROUNDS)) "$extra"
+	done
+done
+for n in "${NAMES[@]}"; do
+	failed=$(jsum "$T/lat-$n.jsonl" failed)
+	[ "$failed" = 0 ] || log "pdbench $n: $failed failed requests"
+done
 
 log "$STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter (PD 1+1)"
 start_worker SP prefill
-start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 5ms
+start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 10ms
 start_router SR --pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SD"
 "$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:$SR" --model mock --random-input-len 32 \
 	--random-output-len "$STREAM_TOKENS" --random-range-ratio 1 --num-prompts "$STREAMS" \
@@ -228,12 +259,18 @@ RSS_NGINX=0
 for p in "${NGINX_ALL[@]}"; do RSS_NGINX=$((RSS_NGINX + $(hwm_kib "$p"))); done
 
 # Everything measured; write bench/out/router.json and the RESULTS.md section.
-lat() { jnum "$T/lat-$1.jsonl" "$2"; }
+# lat NAME KEY: the median over rounds; counts are summed.
+lat() {
+	case $2 in
+	completed | failed) jsum "$T/lat-$1.jsonl" "$2" ;;
+	*) jmed "$T/lat-$1.jsonl" "$2" ;;
+	esac
+}
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}'; }
 added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
 {
 	echo "{"
-	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pdbench_capacity\": $CAP,"
+	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pd_1p1d_pdbench_saturation\": $CAP,"
 	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"decode_direct\": $WRK_DECODE, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
 	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
 	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
@@ -260,10 +297,13 @@ row() { # name, rps, cpu, rss, base-for-latency, target-for-latency
 SECTION=$(
 	cat <<EOF
 Run $(date -u +%Y-%m-%d) on $(nproc) cores, mockworkers with zero token delay. Requests/s from
-\`wrk -t1 -c64 -d${WRK_SECS}s\` posting a non-streamed 8-token \`/generate\`; latency from pdbench (Poisson,
-streamed 8-token \`/generate\`, ${LAT_SECS} s) at $RATE req/s, half the saturating rate; added latency is
-over the same backend reached directly (regular mode: the worker; PD mode: the decode worker).
-CPU is the proxy process's user+system time per 1,000 wrk requests; RSS is its peak (VmHWM).
+\`wrk -t1 -c64\` posting a non-streamed 8-token \`/generate\` (${WRK_SECS} s per path, best of $ROUNDS rounds);
+latency from pdbench (Poisson, streamed 8-token \`/generate\`, ${LAT_SECS} s per path, median of $ROUNDS
+rounds' percentiles) at $RATE req/s, half the rate at which a closed loop of 64 saturates PD 1P+1D
+through pdbench. Rounds visit every path in turn so
+that noise from the shared machine falls on all alike. Added latency is over the same backend
+reached directly (regular mode: the worker; PD mode: the decode worker). CPU is the proxy's
+user+system time per 1,000 wrk requests (all nginx processes); RSS is its peak (VmHWM).
 
 | path | req/s | CPU s / 1k req | peak RSS MiB | p50 ms | p99 ms | added p50 µs | added p99 µs |
 | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
