@@ -301,6 +301,7 @@ func DiscoverModel(ctx context.Context, baseURL, apiKey string) (string, error) 
 	if apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+apiKey)
 	}
+	req.Close = true // a one-off: leave no idle connection behind
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return "", fmt.Errorf("model discovery: %w", err)
