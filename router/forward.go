@@ -1,11 +1,9 @@
 package router
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
-	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,7 +28,7 @@ type request struct {
 	info      splice.Info
 	start     time.Time
 	requestID []byte
-	header    http.Header // forwarded to workers
+	header    []byte // forwarded header lines, "Name: value\r\n" each
 
 	// ctx ends when the client goes away, at the request timeout or at hard
 	// shutdown. It lives until the handler and every leg it started are
@@ -47,7 +45,7 @@ type request struct {
 func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
 	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
 	r.body = append([]byte(nil), ctx.PostBody()...)
-	r.header = forwardHeaders(ctx)
+	r.header = forwardHeaders(ctx, false)
 	base, cancelTimeout := context.WithTimeout(s.base, s.cfg.RequestTimeout)
 	r.ctx, r.cancel = context.WithCancelCause(base)
 	context.AfterFunc(r.ctx, cancelTimeout)
@@ -76,38 +74,47 @@ func (r *request) finish() {
 
 func (r *request) clientGone() bool { return context.Cause(r.ctx) == errClientGone }
 
-// forwardHeaders keeps sglang-router's whitelist of client headers.
-func forwardHeaders(ctx *fasthttp.RequestCtx) http.Header {
-	h := make(http.Header, 4)
-	h.Set("Content-Type", "application/json")
+// forwardHeaders renders sglang-router's whitelist of client headers as
+// header lines, once per request (both legs and retries reuse them).
+// skipAuth leaves out the client's Authorization (regular mode sends the
+// worker's own key instead).
+func forwardHeaders(ctx *fasthttp.RequestCtx, skipAuth bool) []byte {
+	var b []byte
 	for k, v := range ctx.Request.Header.All() {
-		name := strings.ToLower(bstr(k))
+		name := bstr(k)
 		switch {
-		case name == "authorization", name == "x-correlation-id", name == "traceparent",
-			name == "tracestate", name == "x-smg-routing-key", strings.HasPrefix(name, "x-request-id-"):
-			h.Set(name, string(v))
+		case strings.EqualFold(name, "authorization"):
+			if skipAuth {
+				continue
+			}
+		case strings.EqualFold(name, "x-correlation-id"), strings.EqualFold(name, "traceparent"),
+			strings.EqualFold(name, "tracestate"), strings.EqualFold(name, "x-smg-routing-key"),
+			len(name) > 13 && strings.EqualFold(name[:13], "x-request-id-"):
+		default:
+			continue
 		}
+		b = appendHeader(b, k, v)
 	}
-	h.Set("X-Request-Id", string(ctx.Response.Header.Peek("x-request-id")))
-	h.Set("User-Agent", "") // send none, as sglang-router sends only whitelisted headers
-	return h
+	return appendHeader(b, []byte("X-Request-Id"), ctx.Response.Header.Peek("x-request-id"))
 }
 
-// post sends body to w. The caller closes the response body.
-func (s *Server) post(ctx context.Context, w *balancer.Worker, path string, body []byte, header http.Header) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+path, bytes.NewReader(body))
-	if err != nil {
-		return nil, err
-	}
-	req.Header = header
-	return s.upstream.Do(req)
+func appendHeader(b, name, value []byte) []byte {
+	b = append(b, name...)
+	b = append(b, ": "...)
+	b = append(b, value...)
+	return append(b, "\r\n"...)
+}
+
+// post sends body to w. The caller closes the response.
+func (s *Server) post(ctx context.Context, w *balancer.Worker, path string, body, header []byte) (*upstreamResponse, error) {
+	return s.hot.post(ctx, w.URL, path, body, header)
 }
 
 // maxErrorBody bounds what is read of an upstream error reply.
 const maxErrorBody = 64 << 10
 
-func readError(resp *http.Response) []byte {
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+func readError(resp *upstreamResponse) []byte {
+	b, _ := io.ReadAll(io.LimitReader(resp, maxErrorBody))
 	return b
 }
 
@@ -117,15 +124,13 @@ var hopHeaders = map[string]bool{
 	"Connection": true, "Keep-Alive": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
 	"Te": true, "Trailer": true, "Trailers": true, "Transfer-Encoding": true, "Upgrade": true,
 	"Content-Encoding": true, "Host": true, "Content-Length": true, "Date": true, "Server": true,
+	"X-Request-Id": true,
 }
 
-func copyHeaders(ctx *fasthttp.RequestCtx, h http.Header) {
-	for k, vs := range h {
-		if hopHeaders[k] || k == "X-Request-Id" {
-			continue
-		}
-		for _, v := range vs {
-			ctx.Response.Header.Add(k, v)
+func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
+	for k, v := range resp.Header.All() {
+		if !hopHeaders[bstr(k)] {
+			ctx.Response.Header.AddBytesKV(k, v)
 		}
 	}
 }

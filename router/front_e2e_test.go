@@ -56,7 +56,9 @@ func TestFrontEndpoints(t *testing.T) {
 		"/get_server_info": func(resp *http.Response, b []byte) string {
 			return want(string(b) == `{"router_manager":true,"routers_count":1,"workers_count":2}`, b)
 		},
-		"/server_info": func(_ *http.Response, b []byte) string { return want(strings.Contains(string(b), `"workers_count":2`), b) },
+		"/server_info": func(_ *http.Response, b []byte) string {
+			return want(strings.Contains(string(b), `"workers_count":2`), b)
+		},
 		"/get_loads": func(_ *http.Response, b []byte) string {
 			var v struct {
 				Loads []struct {

@@ -110,7 +110,8 @@ func (s *Server) modelInfo(ctx *fasthttp.RequestCtx) {
 		writeError(ctx, upstreamError("server", resp.StatusCode, body))
 		return
 	}
-	writeReply(ctx, resp, body)
+	ctx.SetContentType(resp.Header.Get("Content-Type"))
+	ctx.SetBody(body)
 }
 
 // get fetches path from a worker with a timeout.

@@ -163,4 +163,3 @@ func BenchmarkConnWatcher(b *testing.B) {
 		w.stop()
 	}
 }
-

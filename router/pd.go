@@ -3,7 +3,6 @@ package router
 import (
 	"context"
 	"io"
-	"net/http"
 
 	"github.com/valyala/fasthttp"
 
@@ -109,7 +108,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	dw.Breaker.Record(isSuccess(resp.StatusCode, true))
 	if resp.StatusCode/100 != 2 {
 		eb := readError(resp)
-		resp.Body.Close()
+		resp.Close()
 		dw.DecLoad()
 		cancel(errAttemptOver)
 		s.bm.WorkerError(dw, "status_"+statusLabel(resp.StatusCode))
@@ -123,8 +122,8 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		return s.startStream(ctx, r, resp, dw, actx, leg)
 	}
 	defer dw.DecLoad()
-	out, err := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	defer resp.Close()
+	out, err := io.ReadAll(resp)
 	if err != nil {
 		if f := leg.failure(actx); f != nil {
 			return f, false
@@ -156,7 +155,7 @@ func (s *Server) runPrefill(ctx context.Context, pw *balancer.Worker, r *request
 		return &apiError{Status: 502, Code: "prefill_server_error",
 			Message: "Prefill server error: " + err.Error() + ". This will cause decode timeout."}, nil
 	}
-	defer resp.Body.Close()
+	defer resp.Close()
 	pw.Breaker.Record(isSuccess(resp.StatusCode, true))
 	if resp.StatusCode/100 != 2 {
 		s.bm.WorkerError(pw, "status_"+statusLabel(resp.StatusCode))
@@ -164,9 +163,9 @@ func (s *Server) runPrefill(ctx context.Context, pw *balancer.Worker, r *request
 	}
 	var out []byte
 	if r.mergeLogprobs() {
-		out, err = io.ReadAll(resp.Body)
+		out, err = io.ReadAll(resp)
 	} else {
-		_, err = io.Copy(io.Discard, resp.Body)
+		_, err = io.Copy(io.Discard, resp)
 	}
 	if err != nil && ctx.Err() == nil {
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, nil
@@ -183,9 +182,9 @@ func (e *apiError) forStream(stream bool) *apiError {
 }
 
 // writeReply sends a complete upstream reply.
-func writeReply(ctx *fasthttp.RequestCtx, resp *http.Response, body []byte) {
+func writeReply(ctx *fasthttp.RequestCtx, resp *upstreamResponse, body []byte) {
 	ctx.SetStatusCode(resp.StatusCode)
-	copyHeaders(ctx, resp.Header)
+	copyHeaders(ctx, resp)
 	ctx.SetBody(body)
 }
 

@@ -183,7 +183,10 @@ func TestPDPrefillErrorCancelsDecode(t *testing.T) {
 		if e := decodeError(t, body); !strings.Contains(e.Error.Message, "Prefill server error (400)") {
 			t.Errorf("message %q", e.Error.Message)
 		}
-		d.waitStats(t, 3*time.Second, "decode leg cancelled", func(s mockworker.Stats) bool { return s.ClientGone > before })
+		// Decode was cancelled, or never reached when prefill failed first.
+		d.waitStats(t, 3*time.Second, "decode leg cancelled", func(s mockworker.Stats) bool {
+			return s.InFlight == 0 && s.Completed == 0 && s.ClientGone >= before
+		})
 	}
 }
 

@@ -18,8 +18,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	}
 	header := r.header
 	if w.APIKey != "" { // regular mode authenticates to the worker with its own key
-		header = header.Clone()
-		header.Set("Authorization", "Bearer "+w.APIKey)
+		header = appendHeader(forwardHeaders(ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
 	w.IncLoad()
 	resp, err := s.post(r.ctx, w, r.path, r.body, header)
@@ -39,8 +38,8 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	if resp.StatusCode/100 != 2 {
 		// The worker's own error reply is passed through, as sglang-router does.
 		s.bm.WorkerError(w, "status_"+statusLabel(resp.StatusCode))
-		e := &apiError{Status: resp.StatusCode, Code: "upstream_" + statusLabel(resp.StatusCode), raw: readError(resp), rawType: resp.Header.Get("Content-Type")}
-		resp.Body.Close()
+		e := &apiError{Status: resp.StatusCode, Code: "upstream_" + statusLabel(resp.StatusCode), raw: readError(resp), rawType: resp.ContentType()}
+		resp.Close()
 		w.DecLoad()
 		return e, false
 	}
@@ -48,8 +47,8 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		return s.startStream(ctx, r, resp, w, r.ctx, nil)
 	}
 	defer w.DecLoad()
-	out, err := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	defer resp.Close()
+	out, err := io.ReadAll(resp)
 	if err != nil {
 		if r.clientGone() {
 			return nil, false

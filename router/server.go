@@ -46,7 +46,8 @@ type Server struct {
 	prefill   balancer.Policy // PD prefill side, or the regular policy
 	decode    balancer.Policy
 	admission *balancer.Admission
-	upstream  *http.Client
+	hot       *upstream    // generation requests
+	upstream  *http.Client // info and fan-out calls
 	metrics   *metrics
 	bm        *balancer.Metrics
 	srv       *fasthttp.Server
@@ -81,6 +82,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		return nil, err
 	}
 	s.admission = balancer.NewAdmission(cfg.Admission)
+	s.hot = newUpstream()
 	s.upstream = newUpstreamClient()
 	s.base, s.cancelBase = context.WithCancel(context.Background())
 	mcfg := cfg.Manager
@@ -113,19 +115,10 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	return s, nil
 }
 
-// newUpstreamClient is net/http, not fasthttp: the PD path must cancel an
-// in-flight upstream request (client gone, other leg failed), and
-// fasthttp's client has no cancellation. Pool sizes follow sglang-router.
+// newUpstreamClient serves the info endpoints' fan-out calls, where
+// convenience matters more than speed.
 func newUpstreamClient() *http.Client {
-	t := &http.Transport{
-		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:        0,
-		MaxIdleConnsPerHost: 500,
-		IdleConnTimeout:     50 * time.Second,
-		DisableCompression:  true,
-		ForceAttemptHTTP2:   false,
-	}
-	return &http.Client{Transport: t}
+	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: 50 * time.Second}}
 }
 
 // Start registers the CLI workers in the background (the listener does not
@@ -166,6 +159,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.background.Wait()
 	s.manager.Stop()
 	s.upstream.CloseIdleConnections()
+	s.hot.closeIdle()
 	return err
 }
 

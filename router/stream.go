@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"net/http"
 
 	"github.com/valyala/fasthttp"
 
@@ -17,12 +16,12 @@ import (
 // startStream waits for the worker's first body bytes, so that a failure
 // before them can still be answered with a proper status (and retried),
 // then hands the rest to a stream writer. leg is nil in regular mode.
-func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *http.Response, w *balancer.Worker,
+func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstreamResponse, w *balancer.Worker,
 	actx context.Context, leg *prefillLeg) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
-	n, err := readSome(resp.Body, *bufp)
+	n, err := readSome(resp, *bufp)
 	if n == 0 && err != nil && err != io.EOF {
-		resp.Body.Close()
+		resp.Close()
 		w.DecLoad()
 		chunkPool.Put(bufp)
 		if leg != nil {
@@ -40,7 +39,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *http.Re
 		merge = newLogprobMerger(leg.body)
 	}
 	ctx.SetStatusCode(resp.StatusCode)
-	copyHeaders(ctx, resp.Header)
+	copyHeaders(ctx, resp)
 	ctx.SetContentType("text/event-stream")
 	relay := &streamRelay{s: s, r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp, first: n, firstErr: err, merge: merge}
 	ctx.SetBodyStreamWriter(relay.run)
@@ -61,7 +60,7 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 type streamRelay struct {
 	s        *Server
 	r        *request
-	resp     *http.Response
+	resp     *upstreamResponse
 	w        *balancer.Worker
 	actx     context.Context
 	leg      *prefillLeg
@@ -73,7 +72,7 @@ type streamRelay struct {
 
 func (sr *streamRelay) run(out *bufio.Writer) {
 	defer func() {
-		sr.resp.Body.Close()
+		sr.resp.Close()
 		sr.w.DecLoad()
 		chunkPool.Put(sr.bufp)
 		sr.r.finish()
@@ -95,7 +94,7 @@ func (sr *streamRelay) run(out *bufio.Writer) {
 		if err != nil {
 			break
 		}
-		n, err = sr.resp.Body.Read(buf)
+		n, err = sr.resp.Read(buf)
 	}
 	if err == io.EOF {
 		if sr.merge != nil {

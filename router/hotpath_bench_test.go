@@ -1,0 +1,98 @@
+package router
+
+import (
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+)
+
+// cannedBackend answers every POST at once with a fixed reply: it stands in
+// for an engine so the benchmarks measure the router's own cost.
+func cannedBackend(b *testing.B, stream bool) string {
+	b.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	reply := []byte(`{"text":" tok1 tok2 tok3 tok4","meta_info":{"id":"x","prompt_tokens":3,"completion_tokens":4}}`)
+	srv := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
+		switch string(ctx.Path()) {
+		case "/health":
+		case "/get_server_info", "/server_info":
+			ctx.SetBodyString(`{"served_model_name":"mock"}`)
+		default:
+			if stream {
+				ctx.SetContentType("text/event-stream")
+				for i := range 8 {
+					ctx.WriteString(`data: {"text":"tok` + strconv.Itoa(i) + `"}` + "\n\n")
+				}
+				ctx.WriteString("data: [DONE]\n\n")
+				return
+			}
+			ctx.SetContentType("application/json")
+			ctx.SetBody(reply)
+		}
+	}}
+	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	b.Cleanup(func() { _ = srv.Shutdown() })
+	return "http://" + ln.Addr().String()
+}
+
+func benchRouter(b *testing.B, pd, stream bool) {
+	cfg := DefaultConfig()
+	cfg.Policy = "round_robin"
+	cfg.Manager.Health.Disabled = true
+	if pd {
+		cfg.PDDisaggregation = true
+		cfg.Prefill = []PrefillSpec{{URL: cannedBackend(b, stream), BootstrapPort: 8998}}
+		cfg.Decode = []string{cannedBackend(b, stream)}
+	} else {
+		cfg.WorkerURLs = []string{cannedBackend(b, stream)}
+	}
+	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		b.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		b.Fatal(err)
+	}
+	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	for !srv.manager.Ready() {
+		time.Sleep(time.Millisecond)
+	}
+	url := "http://" + ln.Addr().String() + "/generate"
+	body := []byte(`{"text":"The quick brown fox jumps over the lazy dog","sampling_params":{"max_new_tokens":4},"stream":` + strconv.FormatBool(stream) + `}`)
+	c := &fasthttp.Client{}
+	b.ReportAllocs()
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
+		defer fasthttp.ReleaseRequest(req)
+		defer fasthttp.ReleaseResponse(resp)
+		for pb.Next() {
+			req.SetRequestURI(url)
+			req.Header.SetMethod("POST")
+			req.SetBody(body)
+			if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
+				b.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
+			}
+		}
+	})
+	b.StopTimer()
+	_ = srv.Shutdown(b.Context())
+}
+
+// The router's whole per-request cost (client, router and canned backends
+// share the process, so compare runs, not absolute figures).
+func BenchmarkRegular(b *testing.B)  { benchRouter(b, false, false) }
+func BenchmarkPD(b *testing.B)       { benchRouter(b, true, false) }
+func BenchmarkPDStream(b *testing.B) { benchRouter(b, true, true) }

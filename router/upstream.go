@@ -1,0 +1,247 @@
+package router
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// upstream is the router's HTTP/1.1 client towards workers. It is our own
+// because neither stock client fits the PD path: fasthttp's cannot cancel a
+// request in flight (a leg must die when the client leaves or the other leg
+// fails), and net/http hands every request across two goroutines per
+// connection, which costs more than the rest of the router together. Here a
+// request is written and its head read by the calling goroutine on a pooled
+// keep-alive connection, with fasthttp's parsers; cancelling the context
+// expires the connection's deadline, which ends any read or write at once.
+type upstream struct {
+	dialer      net.Dialer
+	maxIdle     int           // idle connections kept per worker
+	idleTimeout time.Duration // a connection idle longer is not reused
+
+	mu   sync.Mutex
+	idle map[string][]*upConn // by host:port, most recent last
+}
+
+func newUpstream() *upstream {
+	return &upstream{
+		dialer:      net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second},
+		maxIdle:     500,
+		idleTimeout: 50 * time.Second,
+		idle:        map[string][]*upConn{},
+	}
+}
+
+type upConn struct {
+	c        net.Conn
+	br       *bufio.Reader
+	bw       *bufio.Writer
+	addr     string
+	lastUsed time.Time
+}
+
+// upstreamResponse is a worker's reply: status and headers are read, the
+// body streams from the connection. Close must be called; the connection
+// goes back to the pool only if the body was read to its end.
+type upstreamResponse struct {
+	StatusCode int
+	Header     *fasthttp.ResponseHeader
+	body       io.Reader
+	resp       *fasthttp.Response
+	conn       *upConn
+	u          *upstream
+	stop       func() bool // unregisters the cancellation hook
+	eof        bool
+	failed     bool
+}
+
+func (r *upstreamResponse) Read(p []byte) (int, error) {
+	n, err := r.body.Read(p)
+	if err == io.EOF {
+		r.eof = true
+	} else if err != nil {
+		r.failed = true
+	}
+	return n, err
+}
+
+// ContentType is the reply's Content-Type.
+func (r *upstreamResponse) ContentType() string { return string(r.Header.ContentType()) }
+
+func (r *upstreamResponse) Close() error {
+	if r.conn == nil {
+		return nil
+	}
+	cancelled := !r.stop()
+	reusable := r.eof && !r.failed && !cancelled && !r.Header.ConnectionClose()
+	_ = r.resp.CloseBodyStream()
+	fasthttp.ReleaseResponse(r.resp)
+	if reusable {
+		r.u.put(r.conn)
+	} else {
+		r.conn.c.Close()
+	}
+	r.conn = nil
+	return nil
+}
+
+// errUpstreamClosed is a keep-alive connection the worker had closed.
+var errUpstreamClosed = errors.New("worker closed the connection")
+
+// post sends body to baseURL+path with the given extra header lines
+// ("Name: value\r\n" each) and returns once the reply's head has arrived.
+func (u *upstream) post(ctx context.Context, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {
+	addr, host, tlsHost, err := hostPort(baseURL)
+	if err != nil {
+		return nil, err
+	}
+	for attempt := 0; ; attempt++ {
+		conn, reused := u.get(addr)
+		if conn == nil {
+			c, err := u.dial(ctx, addr, tlsHost)
+			if err != nil {
+				return nil, err
+			}
+			conn = &upConn{c: c, br: bufio.NewReaderSize(c, 16<<10), bw: bufio.NewWriterSize(c, 16<<10), addr: addr}
+		}
+		resp, err := u.roundTrip(ctx, conn, host, path, body, extra)
+		// A reused connection the worker closed while idle fails before any
+		// reply byte: send again on a fresh one, as net/http does.
+		if err != nil && reused && attempt == 0 && ctx.Err() == nil && errors.Is(err, errUpstreamClosed) {
+			continue
+		}
+		return resp, err
+	}
+}
+
+func (u *upstream) roundTrip(ctx context.Context, conn *upConn, host, path string, body, extra []byte) (*upstreamResponse, error) {
+	stop := context.AfterFunc(ctx, func() { _ = conn.c.SetDeadline(time.Unix(1, 0)) })
+	fail := func(err error) (*upstreamResponse, error) {
+		stop()
+		conn.c.Close()
+		if ctx.Err() != nil {
+			return nil, context.Cause(ctx)
+		}
+		return nil, err
+	}
+	bw := conn.bw
+	bw.WriteString("POST ")
+	bw.WriteString(path)
+	bw.WriteString(" HTTP/1.1\r\nHost: ")
+	bw.WriteString(host)
+	bw.WriteString("\r\nContent-Type: application/json\r\nContent-Length: ")
+	bw.WriteString(strconv.Itoa(len(body)))
+	bw.WriteString("\r\n")
+	bw.Write(extra)
+	bw.WriteString("\r\n")
+	bw.Write(body)
+	if err := bw.Flush(); err != nil {
+		return fail(fmt.Errorf("%w: %v", errUpstreamClosed, err))
+	}
+	resp := fasthttp.AcquireResponse()
+	resp.StreamBody = true
+	if err := resp.Read(conn.br); err != nil {
+		fasthttp.ReleaseResponse(resp)
+		if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || isReset(err) {
+			err = fmt.Errorf("%w: %v", errUpstreamClosed, err)
+		}
+		return fail(err)
+	}
+	r := &upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, stop: stop}
+	r.body = resp.BodyStream()
+	if r.body == nil { // no body (e.g. 204)
+		r.body = strings.NewReader("")
+	}
+	return r, nil
+}
+
+func isReset(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && !op.Timeout()
+}
+
+func (u *upstream) get(addr string) (*upConn, bool) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	conns := u.idle[addr]
+	for len(conns) > 0 {
+		c := conns[len(conns)-1]
+		conns = conns[:len(conns)-1]
+		if time.Since(c.lastUsed) < u.idleTimeout {
+			u.idle[addr] = conns
+			_ = c.c.SetDeadline(time.Time{})
+			return c, true
+		}
+		c.c.Close()
+	}
+	u.idle[addr] = conns
+	return nil, false
+}
+
+func (u *upstream) put(c *upConn) {
+	c.lastUsed = time.Now()
+	u.mu.Lock()
+	if len(u.idle[c.addr]) < u.maxIdle {
+		u.idle[c.addr] = append(u.idle[c.addr], c)
+		c = nil
+	}
+	u.mu.Unlock()
+	if c != nil {
+		c.c.Close()
+	}
+}
+
+// closeIdle closes every pooled connection (at shutdown).
+func (u *upstream) closeIdle() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for addr, conns := range u.idle {
+		for _, c := range conns {
+			c.c.Close()
+		}
+		delete(u.idle, addr)
+	}
+}
+
+// hostPort splits a worker base URL into a dial address, a Host header and,
+// for https, the TLS server name.
+func hostPort(baseURL string) (addr, host, tlsHost string, err error) {
+	rest, secure := strings.CutPrefix(baseURL, "https://")
+	if !secure {
+		var ok bool
+		if rest, ok = strings.CutPrefix(baseURL, "http://"); !ok {
+			return "", "", "", errors.New("unsupported worker URL " + baseURL)
+		}
+	}
+	host, _, _ = strings.Cut(rest, "/")
+	addr = host
+	if _, _, err := net.SplitHostPort(host); err != nil {
+		port := "80"
+		if secure {
+			port = "443"
+		}
+		addr = net.JoinHostPort(strings.Trim(host, "[]"), port)
+	}
+	if secure {
+		tlsHost, _, _ = net.SplitHostPort(addr)
+	}
+	return addr, host, tlsHost, nil
+}
+
+func (u *upstream) dial(ctx context.Context, addr, tlsHost string) (net.Conn, error) {
+	if tlsHost == "" {
+		return u.dialer.DialContext(ctx, "tcp", addr)
+	}
+	d := tls.Dialer{NetDialer: &u.dialer, Config: &tls.Config{ServerName: tlsHost, MinVersion: tls.VersionTLS12}}
+	return d.DialContext(ctx, "tcp", addr)
+}
