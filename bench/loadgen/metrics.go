@@ -62,7 +62,9 @@ type Metrics struct {
 	RequestThroughput, InputThroughput, OutputThroughput, TotalThroughput float64
 	// Concurrency is the achieved concurrency: the sum of E2E latencies over Duration.
 	Concurrency float64
-	TTFT, ITL   Summary
+	// PeakConcurrency is the most completed requests that were in flight at one instant.
+	PeakConcurrency int
+	TTFT, ITL       Summary
 	// TPOT is (E2E − TTFT) / (output tokens − 1), over requests with more than one output token.
 	TPOT, E2E Summary
 	// Good counts completed requests within every SLO set; Goodput is Good per second.
@@ -104,6 +106,7 @@ func Compute(results []Result, duration time.Duration, slo SLO) Metrics {
 		}
 	}
 	m.TTFT, m.ITL, m.TPOT, m.E2E = summarize(ttfts), summarize(itls), summarize(tpots), summarize(e2es)
+	m.PeakConcurrency = peakInFlight(results)
 	if sec := duration.Seconds(); sec > 0 {
 		m.RequestThroughput = float64(m.Completed) / sec
 		m.InputThroughput = float64(m.TotalInput) / sec
@@ -121,4 +124,31 @@ func tpotOf(r *Result) time.Duration {
 		return 0
 	}
 	return (r.Latency - r.TTFT) / time.Duration(r.OutputLen-1)
+}
+
+// peakInFlight sweeps the successful requests' [start, end) intervals for the largest overlap.
+func peakInFlight(results []Result) int {
+	type edge struct {
+		t     time.Time
+		delta int
+	}
+	edges := make([]edge, 0, 2*len(results))
+	for i := range results {
+		if r := &results[i]; r.Err == "" {
+			edges = append(edges, edge{r.Start, 1}, edge{r.Start.Add(r.Latency), -1})
+		}
+	}
+	// Ends sort before starts at the same instant: back-to-back requests do not overlap.
+	slices.SortFunc(edges, func(a, b edge) int {
+		if c := a.t.Compare(b.t); c != 0 {
+			return c
+		}
+		return a.delta - b.delta
+	})
+	peak, n := 0, 0
+	for _, e := range edges {
+		n += e.delta
+		peak = max(peak, n)
+	}
+	return peak
 }

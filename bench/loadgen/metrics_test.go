@@ -58,3 +58,20 @@ func TestComputeCountsErrorsAndSkipsCancelled(t *testing.T) {
 		t.Errorf("zero duration or no SLO: %+v", z)
 	}
 }
+
+func TestPeakConcurrency(t *testing.T) {
+	at := func(startMs, e2eMs float64) Result {
+		return Result{Start: epoch.Add(msd(startMs)), Latency: msd(e2eMs)}
+	}
+	rs := []Result{
+		at(0, 10), // [0, 10)
+		at(5, 10), // [5, 15)
+		at(10, 5), // [10, 15): starts as the first ends, so still 2 in flight
+		at(12, 1), // [12, 13): 3 in flight
+		at(50, 1), // alone
+		{Start: epoch.Add(msd(11)), Err: "http_500"}, // failures are not counted
+	}
+	if got := Compute(rs, time.Second, SLO{}).PeakConcurrency; got != 3 {
+		t.Errorf("peak %d, want 3", got)
+	}
+}

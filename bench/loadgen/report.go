@@ -50,6 +50,7 @@ func Record(info Info, o *Outcome, m Metrics, details bool) map[string]any {
 		"output_throughput":   m.OutputThroughput,
 		"total_throughput":    m.TotalThroughput,
 		"concurrency":         m.Concurrency,
+		"peak_concurrency":    m.PeakConcurrency,
 	}
 	for k, v := range info.DatasetArgs {
 		rec[k] = v
@@ -166,6 +167,7 @@ func PrintTable(w io.Writer, info Info, o *Outcome, m Metrics) {
 	line("Output token throughput (tok/s)", m.OutputThroughput)
 	line("Total token throughput (tok/s)", m.TotalThroughput)
 	line("Concurrency", m.Concurrency)
+	line("Peak concurrency", m.PeakConcurrency)
 	for _, sec := range []struct {
 		title, short string
 		s            Summary

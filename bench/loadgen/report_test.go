@@ -52,7 +52,7 @@ func TestRecordUsesBenchServingKeys(t *testing.T) {
 	rec := lines[0]
 	for _, k := range []string{"backend", "dataset_name", "request_rate", "max_concurrency", "duration", "completed",
 		"total_input_tokens", "total_output_tokens", "request_throughput", "input_throughput", "output_throughput",
-		"total_throughput", "concurrency", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+		"total_throughput", "concurrency", "peak_concurrency", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
 		"max_ttft_ms", "mean_itl_ms", "median_itl_ms", "p95_itl_ms", "p99_itl_ms", "mean_tpot_ms", "median_tpot_ms",
 		"p99_tpot_ms", "mean_e2e_latency_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms", "request_goodput",
 		"random_input_len", "errors_by_kind", "failed", "partial", "model_id"} {
