@@ -7,14 +7,14 @@
 #   streams:      1,000 concurrent streams of 256 tokens through pdrouter (PD 1+1), no errors allowed
 #
 # Writes bench/out/router.json and the router section of bench/RESULTS.md.
-# Knobs (environment): BIN (bin), WRK_SECS (10) and LAT_SECS (8) per target, split in ROUNDS (2),
+# Knobs (environment): BIN (bin), WRK_SECS (9) and LAT_SECS (9) per target, split in ROUNDS (3),
 # STREAMS (1000), STREAM_TOKENS (256).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-bin}
-WRK_SECS=${WRK_SECS:-10}
-LAT_SECS=${LAT_SECS:-8}
-ROUNDS=${ROUNDS:-2}
+WRK_SECS=${WRK_SECS:-9}
+LAT_SECS=${LAT_SECS:-9}
+ROUNDS=${ROUNDS:-3}
 STREAMS=${STREAMS:-1000}
 STREAM_TOKENS=${STREAM_TOKENS:-256}
 OUT=bench/out
@@ -122,11 +122,8 @@ wrk_run() {
 # jnum FILE KEY: a number from the last JSON line of a pdbench --output-file, to 3 decimals.
 jnum() { tail -n1 "$1" | grep -o "\"$2\":[^,}]*" | cut -d: -f2 | awk '{printf "%.3f", $1}' | sed 's/\.000$//'; }
 
-# jmed FILE KEY: the median of KEY over every line (round) of a pdbench --output-file.
-jmed() {
-	grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | sort -g |
-		awk '{v[NR] = $1} END {printf "%.3f", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'
-}
+# jmin FILE KEY: the smallest KEY over every line (round) of a pdbench --output-file.
+jmin() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | sort -g | head -n1 | awk '{printf "%.3f", $1}'; }
 
 # jsum FILE KEY: the sum of KEY over every line.
 jsum() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | awk '{s += $1} END {print s + 0}'; }
@@ -147,6 +144,7 @@ GEN='{"text":"the quick brown fox jumps over the lazy dog","sampling_params":{"m
 BOOT='"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":1'
 GEN_BOOT="${GEN%\}},$BOOT}"
 
+LOAD_START=$(cut -d' ' -f1 /proc/loadavg)
 log "starting mockworkers"
 start_worker W regular
 start_worker P1 prefill
@@ -251,6 +249,7 @@ ST_DONE=$(jnum "$T/streams.jsonl" completed)
 ST_FAILED=$(jnum "$T/streams.jsonl" failed)
 ST_TOKENS=$(jnum "$T/streams.jsonl" total_output_tokens)
 ST_CONC=$(jnum "$T/streams.jsonl" concurrency)
+ST_PEAK=$(jnum "$T/streams.jsonl" peak_concurrency)
 ST_RSS=$(hwm_kib "$SR_PID")
 RSS_ROUTER=$(hwm_kib "$RR_PID")
 RSS_PD1=$(hwm_kib "$PD1_PID")
@@ -259,18 +258,19 @@ RSS_NGINX=0
 for p in "${NGINX_ALL[@]}"; do RSS_NGINX=$((RSS_NGINX + $(hwm_kib "$p"))); done
 
 # Everything measured; write bench/out/router.json and the RESULTS.md section.
-# lat NAME KEY: the median over rounds; counts are summed.
+LOAD_END=$(cut -d' ' -f1 /proc/loadavg)
+# lat NAME KEY: the best round, since outside load only ever adds latency; counts are summed.
 lat() {
 	case $2 in
 	completed | failed) jsum "$T/lat-$1.jsonl" "$2" ;;
-	*) jmed "$T/lat-$1.jsonl" "$2" ;;
+	*) jmin "$T/lat-$1.jsonl" "$2" ;;
 	esac
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}'; }
 added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
 {
 	echo "{"
-	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pd_1p1d_pdbench_saturation\": $CAP,"
+	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"load_average\": [$LOAD_START, $LOAD_END], \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pd_1p1d_pdbench_saturation\": $CAP,"
 	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"decode_direct\": $WRK_DECODE, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
 	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
 	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
@@ -284,7 +284,7 @@ added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
 	done
 	echo
 	echo "  },"
-	echo "  \"streams\": {\"streams\": $STREAMS, \"tokens\": $STREAM_TOKENS, \"completed\": $ST_DONE, \"failed\": $ST_FAILED, \"output_tokens\": $ST_TOKENS, \"achieved_concurrency\": $ST_CONC, \"router_peak_rss_kib\": $ST_RSS}"
+	echo "  \"streams\": {\"streams\": $STREAMS, \"tokens\": $STREAM_TOKENS, \"completed\": $ST_DONE, \"failed\": $ST_FAILED, \"output_tokens\": $ST_TOKENS, \"achieved_concurrency\": $ST_CONC, \"peak_concurrency\": $ST_PEAK, \"router_peak_rss_kib\": $ST_RSS}"
 	echo "}"
 } >"$OUT/router.json"
 
@@ -296,14 +296,15 @@ row() { # name, rps, cpu, rss, base-for-latency, target-for-latency
 }
 SECTION=$(
 	cat <<EOF
-Run $(date -u +%Y-%m-%d) on $(nproc) cores, mockworkers with zero token delay. Requests/s from
-\`wrk -t1 -c64\` posting a non-streamed 8-token \`/generate\` (${WRK_SECS} s per path, best of $ROUNDS rounds);
-latency from pdbench (Poisson, streamed 8-token \`/generate\`, ${LAT_SECS} s per path, median of $ROUNDS
-rounds' percentiles) at $RATE req/s, half the rate at which a closed loop of 64 saturates PD 1P+1D
-through pdbench. Rounds visit every path in turn so
-that noise from the shared machine falls on all alike. Added latency is over the same backend
-reached directly (regular mode: the worker; PD mode: the decode worker). CPU is the proxy's
-user+system time per 1,000 wrk requests (all nginx processes); RSS is its peak (VmHWM).
+Run $(date -u +%Y-%m-%d) on $(nproc) cores, mockworkers with zero token delay. Requests/s from \`wrk -t1 -c64\`
+posting a non-streamed 8-token \`/generate\`, ${WRK_SECS} s per path; latency from pdbench, Poisson
+arrivals of streamed 8-token \`/generate\` requests, ${LAT_SECS} s per path, at $RATE req/s: half the rate
+at which a closed loop of 64 pdbench clients saturates PD 1P+1D. Each measurement runs in $ROUNDS rounds
+that visit every path in turn, and the table shows each path's best round, since load from other
+work on these shared cores only ever slows a round down (1-minute load average $LOAD_START at the
+start, $LOAD_END at the end). Added latency is over the same backend reached directly (regular mode:
+the worker; PD mode: the decode worker). CPU is the proxy's user+system time per 1,000 wrk
+requests (for nginx, all its processes); RSS is its peak (VmHWM).
 
 | path | req/s | CPU s / 1k req | peak RSS MiB | p50 ms | p99 ms | added p50 µs | added p99 µs |
 | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
@@ -318,8 +319,8 @@ Ratios: requests/s pdrouter / nginx **$(ratio "$WRK_ROUTER" "$WRK_NGINX")**, pdr
 PD 1P+1D / direct decode **$(ratio "$WRK_PD1" "$WRK_DECODE")**; CPU per request pdrouter / nginx **$(ratio "$CPU_ROUTER" "$CPU_NGINX")**.
 
 Streams: $STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter PD 1P+1D: $ST_DONE completed,
-**$ST_FAILED errors**, $ST_TOKENS tokens, achieved concurrency $ST_CONC, router peak RSS
-**$(awk -v k="$ST_RSS" 'BEGIN {printf "%.1f", k / 1024}') MiB**.
+**$ST_FAILED errors**, $ST_TOKENS tokens, $ST_PEAK streams open at once at the peak (achieved
+concurrency $ST_CONC), router peak RSS **$(awk -v k="$ST_RSS" 'BEGIN {printf "%.1f", k / 1024}') MiB**.
 EOF
 )
 # Replace what lies between the router markers, leaving the rest of the file alone.
