@@ -23,8 +23,10 @@ test: deps
 run: deps build
 	@scripts/run-local.sh
 
-bench: build
+# bench installs nginx and wrk (and UCX, which kvproxy's build needs) first.
+bench:
 	@scripts/install-deps.sh bench
+	@$(MAKE) --no-print-directory build
 	@scripts/bench-router.sh
 
 bench-ucx: deps
