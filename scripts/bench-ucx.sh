@@ -8,5 +8,5 @@ command -v ucx_perftest >/dev/null || { echo "ucx_perftest missing: install ucx-
 bin=$(mktemp -d)
 trap 'rm -rf "$bin"' EXIT
 go build -o "$bin/ucxbench" ./cmd/ucxbench
-"$bin/ucxbench" -role suite -runs "${RUNS:-3}" -json bench/out/ucx.json -md bench/RESULTS.md
+"$bin/ucxbench" -role suite -runs "${RUNS:-5}" -json bench/out/ucx.json -md bench/RESULTS.md
 cat bench/out/ucx.json

@@ -333,3 +333,17 @@ func (r *Request) Free() {
 	r.p = nil
 	live.requests.Add(-1)
 }
+
+// Info returns UCX's description of the endpoint (ucp_ep_print_info): its
+// lanes and the transport and device each uses.
+func (ep *Endpoint) Info() (string, error) {
+	if ep.closed {
+		return "", ErrClosed
+	}
+	p := C.ucxg_ep_info(ep.e)
+	if p == nil {
+		return "", fmt.Errorf("ucx: endpoint info: out of memory")
+	}
+	defer C.free(unsafe.Pointer(p))
+	return C.GoString(p), nil
+}

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 
 // Implemented in Go (callbacks.go).
 extern ucs_status_t ucxgoAMRecv(uintptr_t handle, void *hdr, size_t hlen, void *data, size_t len);
@@ -397,4 +398,18 @@ void *ucxg_am_send(ucxg_ep_t *e, uint16_t id, const void *hdr, size_t hlen, cons
 int64_t ucxg_am_buffers(void)
 {
 	return __atomic_load_n(&am_buffers, __ATOMIC_RELAXED);
+}
+
+// ucxg_ep_info returns ucp_ep_print_info's text in a malloc'd string.
+char *ucxg_ep_info(ucxg_ep_t *e)
+{
+	char *buf = NULL;
+	size_t n = 0;
+	FILE *f = open_memstream(&buf, &n);
+	if (f == NULL) {
+		return NULL;
+	}
+	ucp_ep_print_info(e->ep, f);
+	fclose(f);
+	return buf;
 }

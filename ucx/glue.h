@@ -58,5 +58,6 @@ ucs_status_t ucxg_clear_am_handler(ucp_worker_h w, uint16_t id);
 void *ucxg_am_send(ucxg_ep_t *e, uint16_t id, const void *hdr, size_t hlen, const void *data,
 		   size_t dlen, ucs_status_t *st);
 int64_t ucxg_am_buffers(void);
+char *ucxg_ep_info(ucxg_ep_t *e);
 
 #endif

@@ -135,6 +135,9 @@ func (*Endpoint) SendAM(uint16, []byte, []byte) (*Request, error) { return nil, 
 // Close returns ErrUnavailable.
 func (*Endpoint) Close() error { return ErrUnavailable }
 
+// Info returns ErrUnavailable.
+func (*Endpoint) Info() (string, error) { return "", ErrUnavailable }
+
 // Rkey is unavailable without cgo.
 type Rkey struct{}
 

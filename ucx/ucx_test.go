@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -402,4 +403,83 @@ func TestTLSHasTCP(t *testing.T) {
 
 func mmapAnon(n int) ([]byte, error) {
 	return syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+}
+
+// TestSharedMemoryByAddress covers what the PEER-mode tests cannot: UCX
+// 1.13 restricts PEER endpoints to tcp, so only an address endpoint with
+// NoPeerErrorHandling moves data over shared memory. Its lane table
+// (Endpoint.Info) must show posix and cma and no tcp. Which lane a given
+// put took is not exposed; both target kinds are covered because they take
+// different paths (direct posix store into UCX-allocated memory; emulated
+// or cma put into memory posix cannot register).
+func TestSharedMemoryByAddress(t *testing.T) {
+	const tls = "posix,cma,tcp"
+	ctx, err := NewContext(Config{Options: map[string]string{"TLS": tls}, NoPeerErrorHandling: true})
+	must(t, err)
+	srv, err := NewLoop(ctx, LoopConfig{})
+	must(t, err)
+	cli, err := NewLoop(ctx, LoopConfig{})
+	must(t, err)
+	t.Cleanup(func() {
+		must(t, cli.Close())
+		must(t, srv.Close())
+		must(t, ctx.Close())
+		if l := LiveObjects(); l != (Live{}) {
+			t.Errorf("UCX objects left after close: %+v", l)
+		}
+	})
+	var addr []byte
+	must(t, srv.Do(func(w *Worker) (err error) { addr, err = w.Address(); return err }))
+	var ep *Endpoint
+	must(t, cli.Do(func(w *Worker) (err error) { ep, err = w.ConnectAddress(addr); return err }))
+
+	const max = 16 << 20
+	src, err := ctx.Alloc(max + 64)
+	must(t, err)
+	defer src.Close()
+	fill(src.Bytes(), 3)
+	alloc, err := ctx.Alloc(max + 64)
+	must(t, err)
+	defer alloc.Close()
+	mapped, err := ctx.Map(mmapBytes(t, max+64))
+	must(t, err)
+	defer mapped.Close()
+
+	for _, tc := range []struct {
+		name string
+		dst  *Memory
+	}{{"alloc", alloc}, {"map", mapped}} {
+		t.Run(tc.name, func(t *testing.T) {
+			packed, err := tc.dst.PackRkey()
+			must(t, err)
+			var rk *Rkey
+			must(t, cli.Do(func(w *Worker) (err error) { rk, err = ep.UnpackRkey(packed); return err }))
+			defer cli.Do(func(w *Worker) error { rk.Close(); return nil })
+			for i, n := range []uint64{1, 4096 + 3, 1<<20 + 5, max} {
+				loff, roff := uint64(i%5+1), uint64(i%3+3)
+				clear(tc.dst.Bytes())
+				must(t, cli.Do(func(w *Worker) error {
+					req, err := ep.Put(src, loff, rk, tc.dst.Addr()+roff, n)
+					if err != nil {
+						return err
+					}
+					req.Free()
+					f, err := ep.Flush()
+					if err != nil {
+						return err
+					}
+					return f.Wait(20 * time.Second)
+				}))
+				if !bytes.Equal(tc.dst.Bytes()[roff:roff+n], src.Bytes()[loff:loff+n]) {
+					t.Fatalf("put %d bytes: target differs from source", n)
+				}
+			}
+		})
+	}
+	var info string
+	must(t, cli.Do(func(w *Worker) (err error) { info, err = ep.Info(); return err }))
+	if !strings.Contains(info, "posix/memory") || !strings.Contains(info, "cma/memory") || strings.Contains(info, "tcp/") {
+		t.Fatalf("want posix and cma lanes and no tcp:\n%s", info)
+	}
+	must(t, cli.Do(func(w *Worker) error { return ep.Close() }))
 }

@@ -8,12 +8,17 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 )
 
 func main() {
 	role := flag.String("role", "suite", "suite, server or client")
 	addr := flag.String("addr", "", "client: server address ip:port")
-	runs := flag.Int("runs", 3, "suite: runs per transport (median reported)")
+	runs := flag.Int("runs", 5, "suite: runs per transport and size (median and range reported)")
+	tlsList := flag.String("tls", strings.Join(transports, "|"), "suite: UCX_TLS values, |-separated")
+	sizeList := flag.String("sizes", "", "suite: message sizes in bytes, comma-separated (default all)")
+	size := flag.Int("size", 0, "client: measure only this size (0: all)")
 	out := flag.String("json", "bench/out/ucx.json", "suite: JSON output")
 	md := flag.String("md", "bench/RESULTS.md", "suite: markdown file with the ucx markers")
 	flag.Parse()
@@ -22,9 +27,12 @@ func main() {
 	case "server":
 		err = serve()
 	case "client":
-		err = runClient(*addr)
+		err = runClient(*addr, *size)
 	case "suite":
-		err = runSuite(*runs, *out, *md)
+		var szs []int
+		if szs, err = parseSizes(*sizeList); err == nil {
+			err = runSuite(*runs, strings.Split(*tlsList, "|"), szs, *out, *md)
+		}
 	default:
 		err = fmt.Errorf("unknown role %q", *role)
 	}
@@ -32,4 +40,19 @@ func main() {
 		fmt.Fprintln(os.Stderr, "ucxbench:", err)
 		os.Exit(1)
 	}
+}
+
+func parseSizes(list string) ([]int, error) {
+	if list == "" {
+		return sizes, nil
+	}
+	var out []int
+	for _, f := range strings.Split(list, ",") {
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 8 || n > bufLen {
+			return nil, fmt.Errorf("bad size %q (8 to %d bytes)", f, bufLen)
+		}
+		out = append(out, n)
+	}
+	return out, nil
 }

@@ -223,7 +223,7 @@ func serve() error {
 	}
 }
 
-func runClient(addr string) error {
+func runClient(addr string, only int) error {
 	s, err := newSide()
 	if err != nil {
 		return err
@@ -238,7 +238,11 @@ func runClient(addr string) error {
 	tls := os.Getenv("UCX_TLS")
 	enc := json.NewEncoder(os.Stdout)
 	seq := uint64(1)
-	for _, size := range sizes {
+	list := sizes
+	if only != 0 {
+		list = []int{only}
+	}
+	for _, size := range list {
 		bw, err := s.bandwidth(size, bwIters(tls, size)/10) // warm-up
 		if err == nil {
 			bw, err = s.bandwidth(size, bwIters(tls, size))
