@@ -139,8 +139,9 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
-// BenchmarkConnWatcher is what detecting client disconnects costs per
-// request: arm the watcher on a live socket, then stop it.
+// BenchmarkConnWatcher is what detecting client disconnects costs a request
+// that ends before the watch starts (most requests of a zero-delay
+// benchmark; longer ones add a goroutine and a peek).
 func BenchmarkConnWatcher(b *testing.B) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -157,9 +158,60 @@ func BenchmarkConnWatcher(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer server.Close()
-	b.ReportAllocs()
-	for b.Loop() {
-		w := watchConn(server, func() { b.Fatal("live client reported gone") })
+	b.Run("short", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			watchConn(server, func() { b.Error("live client reported gone") }).stop()
+		}
+	})
+}
+
+func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	for _, c := range []struct {
+		name     string
+		act      func(net.Conn)
+		wantGone bool
+	}{
+		{"close", func(c net.Conn) { c.Close() }, true},
+		{"pipelined bytes", func(c net.Conn) { c.Write([]byte("GET / HTTP/1.1\r\n")) }, false},
+	} {
+		client, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		server, err := ln.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		gone := make(chan struct{}, 1)
+		w := watchConn(server, func() { gone <- struct{}{} })
+		time.Sleep(2 * watchDelay)
+		c.act(client)
+		select {
+		case <-gone:
+			if !c.wantGone {
+				t.Errorf("%s: reported gone", c.name)
+			}
+		case <-time.After(300 * time.Millisecond):
+			if c.wantGone {
+				t.Errorf("%s: not reported", c.name)
+			}
+		}
 		w.stop()
+		// The connection is usable again: its deadline was cleared.
+		if !c.wantGone {
+			server.SetReadDeadline(time.Now().Add(time.Second))
+			buf := make([]byte, 3)
+			if _, err := server.Read(buf); err != nil || string(buf) != "GET" {
+				t.Errorf("%s: read after stop: %q %v", c.name, buf, err)
+			}
+		}
+		client.Close()
+		server.Close()
 	}
 }
