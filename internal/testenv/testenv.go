@@ -107,6 +107,7 @@ func (s *syncBuffer) String() string {
 func Start(t testing.TB, bin string, args ...string) *Proc {
 	t.Helper()
 	p := &Proc{Cmd: exec.Command(bin, args...), log: &syncBuffer{}, done: make(chan struct{})}
+	p.Cmd.Env = childEnv()
 	stdout, err := p.Cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -153,6 +154,22 @@ func Start(t testing.TB, bin string, args ...string) *Proc {
 		}
 	}
 	return p
+}
+
+// childEnv is the environment of started binaries. A -race binary sleeps
+// 1 s at exit by default (GORACE atexit_sleep_ms) to catch late races; the
+// tests stop every process they start, so that second would be paid once
+// per process and dominate the run time. Races are still reported.
+func childEnv() []string {
+	env := os.Environ()
+	if !raceEnabled {
+		return env
+	}
+	gorace := os.Getenv("GORACE")
+	if strings.Contains(gorace, "atexit_sleep_ms") {
+		return env
+	}
+	return append(env, "GORACE="+strings.TrimSpace(gorace+" atexit_sleep_ms=0"))
 }
 
 // URL is http://Addr.
