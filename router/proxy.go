@@ -32,6 +32,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	}
 	admit, err := s.admission.Acquire(r.ctx)
 	if err != nil {
+		gone := r.clientGone()
 		r.finish()
 		s.metrics.rateLimit.WithLabelValues("rejected").Inc()
 		switch {
@@ -39,6 +40,10 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 			writeError(ctx, &apiError{Status: 408, Code: "queue_timeout", Message: "request timed out waiting in the admission queue"})
 		case errors.Is(err, balancer.ErrQueueFull):
 			writeError(ctx, &apiError{Status: 429, Code: "rate_limited", Message: "too many requests: the admission queue is full"})
+		case !gone:
+			// --request-timeout-secs ran out while queued (a queue timeout
+			// longer than the request timeout): answer, never an empty 200.
+			writeError(ctx, &apiError{Status: 504, Code: "request_timeout", Message: "request timed out waiting in the admission queue"})
 		}
 		return path
 	}
