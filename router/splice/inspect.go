@@ -7,6 +7,7 @@ package splice
 
 import (
 	"encoding/binary"
+	"math/bits"
 	"errors"
 	"unsafe"
 )
@@ -286,7 +287,14 @@ func (s *scanner) array(depth int) error {
 func (s *scanner) str() error {
 	s.i++ // opening quote
 	for s.i < len(s.b) {
-		for s.i+8 <= len(s.b) && !hasSpecial(binary.LittleEndian.Uint64(s.b[s.i:])) {
+		for s.i+8 <= len(s.b) {
+			m := specialMask(binary.LittleEndian.Uint64(s.b[s.i:]))
+			if m != 0 {
+				// The lowest flagged byte is exact (borrows only run upwards):
+				// jump straight to the first special byte.
+				s.i += bits.TrailingZeros64(m) >> 3
+				break
+			}
 			s.i += 8
 		}
 		if s.i >= len(s.b) {
@@ -331,12 +339,12 @@ const (
 	msb = 0x8080808080808080
 )
 
-// hasSpecial reports whether any byte of x is '"', '\\' or a control
-// character (the classic SWAR zero-byte tests).
-func hasSpecial(x uint64) bool {
+// specialMask flags (in each byte's top bit) the bytes of x that are '"',
+// '\\' or a control character: the classic SWAR zero-byte tests.
+func specialMask(x uint64) uint64 {
 	q := x ^ (lsb * '"')
 	bs := x ^ (lsb * '\\')
-	return ((q-lsb)&^q|(bs-lsb)&^bs|(x-lsb*0x20)&^x)&msb != 0
+	return ((q-lsb)&^q | (bs-lsb)&^bs | (x-lsb*0x20)&^x) & msb
 }
 
 func isHex(c byte) bool {
