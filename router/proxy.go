@@ -1,7 +1,6 @@
 package router
 
 import (
-	"context"
 	"errors"
 	"time"
 
@@ -222,5 +221,3 @@ var (
 	errPrefillFailed = errors.New("prefill leg failed")
 	errAttemptOver   = errors.New("attempt abandoned")
 )
-
-func contextCause(ctx context.Context) error { return context.Cause(ctx) }
