@@ -7,8 +7,8 @@ package splice
 
 import (
 	"encoding/binary"
-	"math/bits"
 	"errors"
+	"math/bits"
 	"unsafe"
 )
 
@@ -57,47 +57,10 @@ func Inspect(body []byte, info *Info) error {
 		}
 		return ErrBadJSON
 	}
-	s.i++
-	s.skipWS()
-	if s.i < len(s.b) && s.b[s.i] == '}' {
-		s.i++
-		return s.end()
+	if err := s.object(0, info); err != nil {
+		return err
 	}
-	for {
-		s.skipWS()
-		keyStart := s.i
-		if s.i >= len(s.b) || s.b[s.i] != '"' {
-			return ErrBadJSON
-		}
-		if err := s.str(); err != nil {
-			return err
-		}
-		key := s.b[keyStart+1 : s.i-1]
-		s.skipWS()
-		if s.i >= len(s.b) || s.b[s.i] != ':' {
-			return ErrBadJSON
-		}
-		s.i++
-		s.skipWS()
-		valStart := s.i
-		if err := s.value(1); err != nil {
-			return err
-		}
-		info.record(key, valStart, s.i, s.b)
-		s.skipWS()
-		if s.i >= len(s.b) {
-			return ErrBadJSON
-		}
-		switch s.b[s.i] {
-		case ',':
-			s.i++
-		case '}':
-			s.i++
-			return s.end()
-		default:
-			return ErrBadJSON
-		}
-	}
+	return s.end()
 }
 
 func (info *Info) record(key []byte, valStart, valEnd int, b []byte) {
@@ -190,7 +153,7 @@ func (s *scanner) value(depth int) error {
 	case c == '"':
 		return s.str()
 	case c == '{':
-		return s.object(depth)
+		return s.object(depth, nil)
 	case c == '[':
 		return s.array(depth)
 	case c == 't':
@@ -213,7 +176,9 @@ func (s *scanner) lit(l string) error {
 	return nil
 }
 
-func (s *scanner) object(depth int) error {
+// object skips an object; with info set (the top level only) it records
+// the fields routing needs.
+func (s *scanner) object(depth int, info *Info) error {
 	s.i++ // '{'
 	s.skipWS()
 	if s.i < len(s.b) && s.b[s.i] == '}' {
@@ -222,20 +187,26 @@ func (s *scanner) object(depth int) error {
 	}
 	for {
 		s.skipWS()
+		keyStart := s.i
 		if s.i >= len(s.b) || s.b[s.i] != '"' {
 			return ErrBadJSON
 		}
 		if err := s.str(); err != nil {
 			return err
 		}
+		keyEnd := s.i - 1
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != ':' {
 			return ErrBadJSON
 		}
 		s.i++
 		s.skipWS()
+		valStart := s.i
 		if err := s.value(depth + 1); err != nil {
 			return err
+		}
+		if info != nil {
+			info.record(s.b[keyStart+1:keyEnd], valStart, s.i, s.b)
 		}
 		s.skipWS()
 		if s.i >= len(s.b) {
