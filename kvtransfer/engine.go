@@ -21,6 +21,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -187,6 +188,10 @@ func New(cfg Config) (*Engine, error) {
 
 // TransportName is the configured transport's name.
 func (e *Engine) TransportName() string { return e.cfg.Transport.Name() }
+
+// AllocPool has the transport allocate size bytes of shared memory for the
+// pool (see Transport.Alloc).
+func (e *Engine) AllocPool(size int) (*shm.Segment, error) { return e.cfg.Transport.Alloc(size) }
 
 // RegisterPool registers the engine's KV pool with the transport; once.
 func (e *Engine) RegisterPool(p *Pool) error {

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -27,13 +26,14 @@ const (
 
 // testPool: 2 layers × (K, V) + one aux buffer, each page of each buffer
 // filled with a byte pattern unique to (buffer, page) when fill is set.
-// Memory is mmap'd, not Go heap, so UCX may register it.
-func testPool(t testing.TB, fill byte) *Pool {
-	all, err := syscall.Mmap(-1, 0, 4*testPages*testItem+testAux*testAuxItem, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+// The transport allocates the memory, as kvproxy has it do.
+func testPool(t testing.TB, tr Transport, fill byte) *Pool {
+	seg, err := tr.Alloc(4*testPages*testItem + testAux*testAuxItem)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = syscall.Munmap(all) })
+	t.Cleanup(func() { _ = seg.Close() })
+	all := seg.Mem
 	p := &Pool{PageSize: 16, Dtype: "bf16"}
 	for b := 0; b < 4; b++ {
 		mem := all[b*testPages*testItem : (b+1)*testPages*testItem]
@@ -44,7 +44,7 @@ func testPool(t testing.TB, fill byte) *Pool {
 		}
 		p.Regions = append(p.Regions, Region{Kind: wire.KindKV, ItemLen: testItem, Mem: mem})
 	}
-	aux := all[4*testPages*testItem:]
+	aux := all[4*testPages*testItem:][:testAux*testAuxItem] // UCX may round the segment up
 	if fill != 0 {
 		for i := range aux {
 			aux[i] = fill ^ byte(i)
@@ -95,7 +95,7 @@ func newPair(t testing.TB, transport string, tweak func(*Config)) *pair {
 		tweak(&cfgP)
 		tweak(&cfgD)
 	}
-	pr := &pair{PPool: testPool(t, 1), DPool: testPool(t, 0)}
+	pr := &pair{PPool: testPool(t, cfgP.Transport, 1), DPool: testPool(t, cfgD.Transport, 0)}
 	if pr.P, err = New(cfgP); err != nil {
 		t.Fatal(err)
 	}
@@ -215,7 +215,7 @@ func testTransfer(t *testing.T, transport string) {
 }
 
 func TestBuildRunsMerges(t *testing.T) {
-	p := testPool(t, 0)
+	p := testPool(t, &TCP{}, 0)
 	runs := buildRuns(p, []uint32{1, 2, 3, 7, 8}, []uint32{10, 11, 12, 13, 14})
 	// Two merged runs ([1..3]→[10..12], [7..8]→[13..14]) × 4 KV buffers.
 	if len(runs) != 8 {
@@ -403,7 +403,7 @@ func TestSilentPeerFailsRoomsWithinTwoHeartbeats(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	if err := e.RegisterPool(testPool(t, 0)); err != nil {
+	if err := e.RegisterPool(testPool(t, &TCP{}, 0)); err != nil {
 		t.Fatal(err)
 	}
 	start := time.Now()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -18,6 +19,9 @@ type TCP struct {
 var _ Transport = (*TCP)(nil)
 
 func (*TCP) Name() string { return "tcp" }
+
+// Alloc makes a memfd: tcp reads and writes any memory.
+func (*TCP) Alloc(size int) (*shm.Segment, error) { return shm.Create("kvpool", size) }
 
 func (t *TCP) Register(p *Pool) (LocalMeta, error) {
 	t.pool = p

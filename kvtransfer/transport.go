@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -83,6 +84,10 @@ type Run struct {
 // Transport moves bytes from the local pool into a peer's pool.
 type Transport interface {
 	Name() string
+	// Alloc returns size bytes of shared memory for the pool, mapped here
+	// and with an fd the engine maps too. The caller closes the Segment
+	// after Close.
+	Alloc(size int) (*shm.Segment, error)
 	// Register makes the pool's regions transferable; called once.
 	Register(p *Pool) (LocalMeta, error)
 	// Connect prepares writes into the peer that sent remote (endpoint and

@@ -6,20 +6,33 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"unsafe"
 
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 	"github.com/pdrouter/pdrouter/ucx"
 )
 
-// UCX is the zero-copy transport: regions are registered once (ucp_mem_map),
-// their rkeys packed once and unpacked once per peer; a chunk is one batch of
-// puts per region (one cgo call each) plus one endpoint flush. One UCX
-// worker, owned by a ucx.Loop goroutine locked to its OS thread, serves every
-// peer and also progresses incoming transfers on the decode side.
+// UCX is the zero-copy transport. The pool is one segment UCX allocates
+// (UCP_MEM_MAP_ALLOCATE) when its allocator gives shared memory (posix in
+// UCX_TLS), so a peer's put over shared memory is a direct store into it;
+// UCX 1.13's shm transports cannot register foreign memory, and puts into
+// a registered memfd fall back to active-message emulation. Without a shm
+// allocator (UCX_TLS=tcp) the pool is a memfd registered per region.
+// Remote keys are unpacked once per peer and distinct key; a chunk is one
+// batch of puts per (local, remote) registration (one cgo call each) plus
+// one endpoint flush. One UCX worker, owned by a ucx.Loop goroutine locked
+// to its OS thread, serves every peer and also progresses incoming
+// transfers on the decode side.
 type UCX struct {
-	ctx  *ucx.Context
-	loop *ucx.Loop
+	ctx   *ucx.Context
+	loop  *ucx.Loop
+	alloc *ucx.Memory // the UCX-allocated pool segment, if any
+	owned []*ucx.Memory
+	// per region: its registration and its offset inside it
 	mems []*ucx.Memory
+	offs []uint64
 	// flushes in flight; touched only on the loop goroutine.
 	pending []pendingFlush
 }
@@ -32,8 +45,17 @@ type pendingFlush struct {
 var _ Transport = (*UCX)(nil)
 
 // NewUCX creates the UCX context (UCX_* environment applies) and its worker.
+// Endpoints use error handling mode NONE: UCX 1.13 leaves the posix and
+// sysv lanes out of PEER-mode endpoints, which would force every put onto
+// tcp; a dead peer is detected by the engine's heartbeats instead.
 func NewUCX() (*UCX, error) {
-	ctx, err := ucx.NewContext(ucx.Config{})
+	cfg := ucx.Config{NoPeerErrorHandling: true, Options: map[string]string{}}
+	if os.Getenv("UCX_ALLOC_PRIO") == "" {
+		// posix before sysv: a posix segment is a file whose fd the engine
+		// can map; a sysv one has no fd.
+		cfg.Options["ALLOC_PRIO"] = "md:posix,md:sysv,huge,thp,md:*,mmap,heap"
+	}
+	ctx, err := ucx.NewContext(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -64,19 +86,53 @@ func (u *UCX) poll(*ucx.Worker) bool {
 
 func (*UCX) Name() string { return "ucx" }
 
+// Alloc lets UCX allocate the pool and finds the file behind it; when UCX's
+// memory is not a shared file (no posix allocator), it makes a memfd.
+func (u *UCX) Alloc(size int) (*shm.Segment, error) {
+	if u.alloc != nil {
+		return nil, errors.New("ucx: pool already allocated")
+	}
+	m, err := u.ctx.Alloc(size)
+	if err != nil {
+		return nil, err
+	}
+	seg, err := shm.Find(m.Bytes())
+	if errors.Is(err, shm.ErrNotShared) {
+		if err := m.Close(); err != nil {
+			return nil, err
+		}
+		return shm.Create("kvpool", size)
+	}
+	if err != nil {
+		m.Close()
+		return nil, err
+	}
+	u.alloc = m
+	u.owned = append(u.owned, m)
+	return seg, nil
+}
+
 func (u *UCX) Register(p *Pool) (LocalMeta, error) {
 	var meta LocalMeta
+	var allocKey []byte
 	for i, r := range p.Regions {
-		m, err := u.ctx.Map(r.Mem)
+		m, off, err := u.registration(r.Mem)
 		if err != nil {
 			return LocalMeta{}, fmt.Errorf("region %d: %w", i, err)
 		}
-		u.mems = append(u.mems, m)
-		rk, err := m.PackRkey()
-		if err != nil {
-			return LocalMeta{}, fmt.Errorf("region %d: %w", i, err)
+		// Regions of the allocated segment share its key: peers unpack
+		// (and attach the segment) once.
+		rk := allocKey
+		if m != u.alloc || rk == nil {
+			if rk, err = m.PackRkey(); err != nil {
+				return LocalMeta{}, fmt.Errorf("region %d: %w", i, err)
+			}
 		}
-		meta.Bases = append(meta.Bases, m.Addr())
+		if m == u.alloc {
+			allocKey = rk
+		}
+		u.mems, u.offs = append(u.mems, m), append(u.offs, off)
+		meta.Bases = append(meta.Bases, m.Addr()+off)
 		meta.RKeys = append(meta.RKeys, rk)
 	}
 	err := u.loop.Do(func(w *ucx.Worker) error {
@@ -85,6 +141,23 @@ func (u *UCX) Register(p *Pool) (LocalMeta, error) {
 		return err
 	})
 	return meta, err
+}
+
+// registration returns the registered memory holding b and b's offset in
+// it: the allocated segment, or a new registration of b.
+func (u *UCX) registration(b []byte) (*ucx.Memory, uint64, error) {
+	if a := u.alloc; a != nil {
+		addr, n := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))), uint64(len(b))
+		if addr >= a.Addr() && addr+n <= a.Addr()+uint64(a.Len()) {
+			return a, addr - a.Addr(), nil
+		}
+	}
+	m, err := u.ctx.Map(b)
+	if err != nil {
+		return nil, 0, err
+	}
+	u.owned = append(u.owned, m)
+	return m, 0, nil
 }
 
 func (u *UCX) Connect(remote *wire.Hello, _ *wire.Conn) (Writer, error) {
@@ -98,11 +171,15 @@ func (u *UCX) Connect(remote *wire.Hello, _ *wire.Conn) (Writer, error) {
 			return err
 		}
 		w.ep = ep
+		byKey := map[string]*ucx.Rkey{}
 		for i, r := range remote.Regions {
-			rk, err := ep.UnpackRkey(r.RKey)
-			if err != nil {
-				ep.Close()
-				return fmt.Errorf("region %d rkey: %w", i, err)
+			rk := byKey[string(r.RKey)]
+			if rk == nil {
+				if rk, err = ep.UnpackRkey(r.RKey); err != nil {
+					ep.Close()
+					return fmt.Errorf("region %d rkey: %w", i, err)
+				}
+				byKey[string(r.RKey)] = rk
 			}
 			w.rkeys = append(w.rkeys, rk)
 		}
@@ -118,7 +195,7 @@ func (u *UCX) Connect(remote *wire.Hello, _ *wire.Conn) (Writer, error) {
 // is closed.
 func (u *UCX) Close() error {
 	err := u.loop.Close()
-	for _, m := range u.mems {
+	for _, m := range u.owned {
 		err = errors.Join(err, m.Close())
 	}
 	return errors.Join(err, u.ctx.Close())
@@ -128,26 +205,40 @@ type ucxWriter struct {
 	u      *UCX
 	remote *wire.Hello
 	ep     *ucx.Endpoint
-	rkeys  []*ucx.Rkey
+	rkeys  []*ucx.Rkey // per region; regions of one peer segment share one
+}
+
+// batch is the puts between one local registration and one remote key,
+// addressed absolutely on the remote side.
+type batch struct {
+	mem *ucx.Memory
+	rk  *ucx.Rkey
+	ops []ucx.Op
 }
 
 func (w *ucxWriter) Write(ctx context.Context, runs []Run) error {
 	if len(runs) == 0 {
 		return nil
 	}
-	// Runs come grouped by merged page run; regroup them by region so each
-	// region is one PutBatch.
-	ops := make([][]ucx.Op, len(w.rkeys))
+	// Group the runs by (local registration, remote key) so that pools
+	// that are one segment on both sides post the whole chunk in one call.
+	var batches []batch
 	for _, r := range runs {
-		ops[r.Region] = append(ops[r.Region], ucx.Op{LocalOff: r.SrcOff, RemoteOff: r.DstOff, Len: r.Len})
+		m, rk := w.u.mems[r.Region], w.rkeys[r.Region]
+		op := ucx.Op{LocalOff: w.u.offs[r.Region] + r.SrcOff, RemoteOff: w.remote.Regions[r.Region].Base + r.DstOff, Len: r.Len}
+		i := 0
+		for i < len(batches) && (batches[i].mem != m || batches[i].rk != rk) {
+			i++
+		}
+		if i == len(batches) {
+			batches = append(batches, batch{mem: m, rk: rk})
+		}
+		batches[i].ops = append(batches[i].ops, op)
 	}
 	done := make(chan error, 1)
 	err := w.u.loop.Submit(func(*ucx.Worker) {
-		for ri, o := range ops {
-			if len(o) == 0 {
-				continue
-			}
-			req, err := w.ep.PutBatch(w.u.mems[ri], w.rkeys[ri], w.remote.Regions[ri].Base, o)
+		for _, b := range batches {
+			req, err := w.ep.PutBatch(b.mem, b.rk, 0, b.ops)
 			if err != nil {
 				done <- err
 				return

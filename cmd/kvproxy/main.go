@@ -1,7 +1,8 @@
-// Command kvproxy is the KV-transfer sidecar next to one engine: it maps the
-// engine's KV pool (memfd over the control socket), registers it with the
-// transport once, and moves pages to/from peer kvproxies. The prefill
-// kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health
+// Command kvproxy is the KV-transfer sidecar next to one engine: it
+// allocates the engine's KV pool in shared memory (UCX-allocated with ucx
+// over shared memory, else a memfd), registers it with the transport once,
+// hands the engine the segment's fd over the control socket, and moves
+// pages to/from peer kvproxies. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health
 // and /metrics are on the metrics port.
 //
 // Once everything listens it prints one line:

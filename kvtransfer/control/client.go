@@ -48,7 +48,14 @@ func (c *Client) Close() error {
 func (c *Client) readLoop() {
 	defer close(c.done)
 	var pending []byte
+	var fds []int // received with Register replies, not yet handed out
+	defer func() {
+		for _, fd := range fds {
+			syscall.Close(fd)
+		}
+	}()
 	buf := make([]byte, 64<<10)
+	oob := make([]byte, syscall.CmsgSpace(4*4))
 	fail := func(err error) {
 		c.mu.Lock()
 		c.err = err
@@ -59,7 +66,8 @@ func (c *Client) readLoop() {
 		c.mu.Unlock()
 	}
 	for {
-		n, err := c.c.Read(buf)
+		n, oobn, _, _, err := c.c.ReadMsgUnix(buf, oob)
+		fds = append(fds, parseFds(oob[:oobn])...)
 		if err != nil {
 			fail(fmt.Errorf("%w: %v", ErrClientClosed, err))
 			return
@@ -82,19 +90,25 @@ func (c *Client) readLoop() {
 				return
 			}
 			pending = append(pending[:0], rest...)
+			r.fd = -1
+			if r.Op == OpRegister && r.Err == "" && len(fds) > 0 {
+				r.fd, fds = fds[0], fds[1:]
+			}
 			c.mu.Lock()
 			ch := c.wait[r.ID]
 			delete(c.wait, r.ID)
 			c.mu.Unlock()
 			if ch != nil {
 				ch <- r
+			} else if r.fd >= 0 {
+				syscall.Close(r.fd)
 			}
 		}
 	}
 }
 
-// call sends req (with fd attached when fd >= 0) and waits for the reply.
-func (c *Client) call(ctx context.Context, req *Request, fd int) (*Reply, error) {
+// call sends req and waits for the reply.
+func (c *Client) call(ctx context.Context, req *Request) (*Reply, error) {
 	ch := make(chan *Reply, 1)
 	c.mu.Lock()
 	if c.err != nil {
@@ -107,12 +121,7 @@ func (c *Client) call(ctx context.Context, req *Request, fd int) (*Reply, error)
 	c.mu.Unlock()
 	frame := EncodeRequest(req)
 	c.wmu.Lock()
-	var err error
-	if fd >= 0 {
-		_, _, err = c.c.WriteMsgUnix(frame, syscall.UnixRights(fd), nil)
-	} else {
-		_, err = c.c.Write(frame)
-	}
+	_, err := c.c.Write(frame)
 	c.wmu.Unlock()
 	if err != nil {
 		c.forget(req.ID)
@@ -129,6 +138,13 @@ func (c *Client) call(ctx context.Context, req *Request, fd int) (*Reply, error)
 		return r, nil
 	case <-ctx.Done():
 		c.forget(req.ID)
+		select { // a reply that raced in may hold a segment fd
+		case r, ok := <-ch:
+			if ok && r.fd >= 0 {
+				syscall.Close(r.fd)
+			}
+		default:
+		}
 		return nil, ctx.Err()
 	}
 }
@@ -139,25 +155,29 @@ func (c *Client) forget(id uint64) {
 	c.mu.Unlock()
 }
 
-// Register hands the pool's memfd and layout to the kvproxy; it returns the
-// kvproxy's transport name.
-func (c *Client) Register(ctx context.Context, fd int, l Layout) (string, error) {
-	r, err := c.call(ctx, &Request{Op: OpRegister, Layout: l}, fd)
+// Register has the kvproxy allocate and register a pool with layout l; it
+// returns the kvproxy's transport name and the fd of the shared segment
+// holding the pool (the caller maps and closes it).
+func (c *Client) Register(ctx context.Context, l Layout) (string, int, error) {
+	r, err := c.call(ctx, &Request{Op: OpRegister, Layout: l})
 	if err != nil {
-		return "", err
+		return "", -1, err
 	}
-	return r.Transport, nil
+	if r.fd < 0 {
+		return "", -1, errors.New("register: kvproxy sent no segment fd")
+	}
+	return r.Transport, r.fd, nil
 }
 
 // Expect (decode) announces a room and where its pages must land.
 func (c *Client) Expect(ctx context.Context, room uint64, bootstrapAddr string, pages []uint32, aux int32) error {
-	_, err := c.call(ctx, &Request{Op: OpExpect, Room: room, Bootstrap: bootstrapAddr, Pages: pages, Aux: aux}, -1)
+	_, err := c.call(ctx, &Request{Op: OpExpect, Room: room, Bootstrap: bootstrapAddr, Pages: pages, Aux: aux})
 	return err
 }
 
 // Send (prefill) queues a chunk of the room's pages.
 func (c *Client) Send(ctx context.Context, room uint64, pages []uint32, last bool, aux int32) error {
-	_, err := c.call(ctx, &Request{Op: OpSend, Room: room, Pages: pages, Last: last, Aux: aux}, -1)
+	_, err := c.call(ctx, &Request{Op: OpSend, Room: room, Pages: pages, Last: last, Aux: aux})
 	return err
 }
 
@@ -172,7 +192,7 @@ func (c *Client) Wait(ctx context.Context, room uint64) (kvtransfer.Status, erro
 }
 
 func (c *Client) poll(ctx context.Context, room uint64, wait bool) (kvtransfer.Status, error) {
-	r, err := c.call(ctx, &Request{Op: OpPoll, Room: room, Wait: wait}, -1)
+	r, err := c.call(ctx, &Request{Op: OpPoll, Room: room, Wait: wait})
 	if err != nil {
 		return kvtransfer.Status{}, err
 	}
@@ -184,6 +204,6 @@ func (c *Client) poll(ctx context.Context, room uint64, wait bool) (kvtransfer.S
 
 // Abort fails the room on both sides.
 func (c *Client) Abort(ctx context.Context, room uint64, reason string) error {
-	_, err := c.call(ctx, &Request{Op: OpAbort, Room: room, Reason: reason}, -1)
+	_, err := c.call(ctx, &Request{Op: OpAbort, Room: room, Reason: reason})
 	return err
 }

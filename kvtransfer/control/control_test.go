@@ -62,12 +62,12 @@ func startSide(t *testing.T, name string, peerLn net.Listener, resolve func(cont
 		t.Fatal(err)
 	}
 	l, size := layout()
-	if s.seg, err = shm.Create(name, size); err != nil {
-		t.Fatal(err)
-	}
-	tr, err := s.cl.Register(context.Background(), s.seg.Fd(), l)
+	tr, fd, err := s.cl.Register(context.Background(), l)
 	if err != nil || tr != "tcp" {
 		t.Fatalf("register: %q %v", tr, err)
+	}
+	if s.seg, err = shm.Map(fd); err != nil || len(s.seg.Mem) < size {
+		t.Fatalf("map the kvproxy's segment: %v", err)
 	}
 	t.Cleanup(func() {
 		s.cl.Close()
@@ -159,8 +159,36 @@ func TestClientDisconnectAbortsItsRooms(t *testing.T) {
 func TestRegisterRejectsBadLayout(t *testing.T) {
 	_, d := pair(t)
 	l, _ := layout()
-	if _, err := d.cl.Register(context.Background(), d.seg.Fd(), l); err == nil || !strings.Contains(err.Error(), "already") {
+	if _, _, err := d.cl.Register(context.Background(), l); err == nil || !strings.Contains(err.Error(), "already") {
 		t.Fatalf("second register: %v", err)
+	}
+	eng, err := kvtransfer.New(kvtransfer.Config{Transport: &kvtransfer.TCP{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.Close()
+	sock := filepath.Join(t.TempDir(), "bad.sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &Server{Engine: eng}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ctx, ln) }()
+	defer func() { cancel(); <-served; srv.Close() }()
+	cl, err := Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	huge := Layout{PageSize: 16, Regions: []RegionSpec{{Kind: KindKV, Offset: 1 << 62, Len: 1 << 62, ItemLen: 1}}}
+	if _, _, err := cl.Register(ctx, huge); err == nil || !strings.Contains(err.Error(), "too large") {
+		t.Fatalf("register of a 2^63-byte pool: %v", err)
+	}
+	uneven := Layout{PageSize: 16, Regions: []RegionSpec{{Kind: KindKV, Len: 100, ItemLen: 64}}}
+	if _, _, err := cl.Register(ctx, uneven); err == nil || !strings.Contains(err.Error(), "multiple") {
+		t.Fatalf("register of a region that is not whole items: %v", err)
 	}
 }
 

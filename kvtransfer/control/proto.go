@@ -1,5 +1,6 @@
 // Package control is the Unix-socket API between an engine and its kvproxy:
-// Register (the pool's memfd travels with SCM_RIGHTS), decode Expect, prefill
+// Register (the kvproxy allocates the pool; the fd of its shared segment
+// comes back with SCM_RIGHTS), decode Expect, prefill
 // Send, Poll (optionally waiting for the end), Abort.
 //
 // Frame: u32 LE length, then op (u8), request id (u64), body. Replies echo
@@ -62,8 +63,10 @@ type Reply struct {
 	Op  Op
 	ID  uint64
 	Err string
-	// Register
+	// Register; fd is the pool segment's, which travels as SCM_RIGHTS
+	// beside the frame (-1: none).
 	Transport string
+	fd        int
 	// Poll
 	State              uint8
 	Reason             string

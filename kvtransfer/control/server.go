@@ -57,7 +57,8 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	}
 }
 
-// Close unmaps the pool segment; call after the engine is closed.
+// Close unmaps the pool segment; call after the engine and its transport
+// are closed.
 func (s *Server) Close() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -73,7 +74,6 @@ type conn struct {
 	s     *Server
 	c     *net.UnixConn
 	wmu   sync.Mutex
-	fds   []int
 	rooms map[uint64]struct{} // rooms this client opened, aborted if it goes away
 	rmu   sync.Mutex
 }
@@ -86,9 +86,6 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		cancel()
 		uc.Close()
 		wg.Wait()
-		for _, fd := range c.fds {
-			syscall.Close(fd)
-		}
 		// The engine went away: its unfinished rooms would only time out.
 		c.rmu.Lock()
 		for room := range c.rooms {
@@ -106,7 +103,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	for {
 		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
 		if oobn > 0 {
-			c.takeFds(oob[:oobn])
+			closeFds(oob[:oobn]) // requests carry none; do not leak a stray one
 		}
 		if err != nil {
 			return
@@ -140,21 +137,38 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	}
 }
 
-func (c *conn) takeFds(oob []byte) {
+// parseFds returns the descriptors an SCM_RIGHTS message carried.
+func parseFds(oob []byte) []int {
 	msgs, err := syscall.ParseSocketControlMessage(oob)
 	if err != nil {
-		return
+		return nil
 	}
+	var all []int
 	for _, m := range msgs {
 		if fds, err := syscall.ParseUnixRights(&m); err == nil {
-			c.fds = append(c.fds, fds...)
+			all = append(all, fds...)
 		}
+	}
+	return all
+}
+
+func closeFds(oob []byte) {
+	for _, fd := range parseFds(oob) {
+		syscall.Close(fd)
 	}
 }
 
+// reply sends r; a successful Register reply carries the pool's fd.
 func (c *conn) reply(r *Reply) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if r.Op == OpRegister && r.Err == "" {
+		c.s.mu.Lock()
+		rights := syscall.UnixRights(c.s.seg.Fd())
+		c.s.mu.Unlock()
+		_, _, _ = c.c.WriteMsgUnix(EncodeReply(r), rights, nil)
+		return
+	}
 	_, _ = c.c.Write(EncodeReply(r))
 }
 
@@ -203,31 +217,28 @@ func (c *conn) track(room uint64) {
 	c.rmu.Unlock()
 }
 
-// register maps the segment whose fd came with the request and registers
-// the pool it holds.
+// register has the transport allocate the shared segment for layout l and
+// registers the pool it holds; the reply passes the segment's fd to the
+// engine.
 func (c *conn) register(l Layout) (string, error) {
-	if len(c.fds) == 0 {
-		return "", errors.New("register: no file descriptor received")
-	}
-	fd := c.fds[0]
-	c.fds = c.fds[1:]
 	c.s.mu.Lock()
 	defer c.s.mu.Unlock()
 	if c.s.seg != nil {
-		syscall.Close(fd)
 		return "", errors.New("register: a pool is already registered")
 	}
-	seg, err := shm.Map(fd)
+	var size uint64
+	for i, rs := range l.Regions {
+		if rs.Len == 0 || rs.Offset+rs.Len < rs.Offset || rs.Offset+rs.Len > maxPool {
+			return "", fmt.Errorf("register: region %d [%d,+%d) is empty or too large", i, rs.Offset, rs.Len)
+		}
+		size = max(size, rs.Offset+rs.Len)
+	}
+	seg, err := c.s.Engine.AllocPool(int(size))
 	if err != nil {
-		syscall.Close(fd)
-		return "", err
+		return "", fmt.Errorf("register: allocate %d bytes: %w", size, err)
 	}
 	p := &kvtransfer.Pool{PageSize: l.PageSize, Dtype: l.Dtype}
-	for i, rs := range l.Regions {
-		if rs.Offset > uint64(len(seg.Mem)) || rs.Len > uint64(len(seg.Mem))-rs.Offset {
-			seg.Close()
-			return "", fmt.Errorf("register: region %d [%d,+%d) outside the %d-byte segment", i, rs.Offset, rs.Len, len(seg.Mem))
-		}
+	for _, rs := range l.Regions {
 		p.Regions = append(p.Regions, kvtransfer.Region{Kind: rs.Kind, ItemLen: rs.ItemLen, Mem: seg.Mem[rs.Offset : rs.Offset+rs.Len : rs.Offset+rs.Len]})
 	}
 	if err := c.s.Engine.RegisterPool(p); err != nil {
@@ -241,6 +252,9 @@ func (c *conn) register(l Layout) (string, error) {
 	c.s.Log.Info("pool registered", zap.Int("bytes", len(seg.Mem)), zap.Int("regions", len(p.Regions)), zap.Int("pages", p.Pages()))
 	return c.s.Engine.TransportName(), nil
 }
+
+// maxPool bounds a pool's size (1 TiB), so a bad layout cannot overflow.
+const maxPool = 1 << 40
 
 // KindKV and KindAux re-export the region kinds for clients.
 const (

@@ -1,7 +1,7 @@
 // Package enginesim is the KV side of the mock engine: a KV pool laid out
 // like SGLang's (K of every layer, then V of every layer, one page = page
-// size tokens of one buffer, plus an aux buffer) in a memfd shared with the
-// kvproxy, and mockworker's KVTransfer seam implemented as a client of the
+// size tokens of one buffer, plus an aux buffer) in shared memory that the
+// kvproxy allocates and both processes map, and mockworker's KVTransfer seam implemented as a client of the
 // kvproxy control socket.
 //
 // Prefill fills the prompt's pages with bytes derived from (prompt, room,
@@ -23,6 +23,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/pdrouter/pdrouter/internal/mockworker"
@@ -118,7 +119,8 @@ type waiter struct{ ready chan struct{} }
 
 var _ mockworker.KVTransfer = (*Sim)(nil)
 
-// New maps the pool, connects to the kvproxy and registers the pool there.
+// New connects to the kvproxy, has it allocate and register the pool, and
+// maps the pool.
 func New(ctx context.Context, o Options) (*Sim, error) {
 	if o.Layers <= 0 || o.BuffersPerLay <= 0 || o.BytesPerToken <= 0 || o.PageSize <= 0 || o.PoolTokens < o.PageSize || o.ChunkTokens < o.PageSize || o.AuxSlots <= 0 {
 		return nil, fmt.Errorf("bad KV layout %+v", o)
@@ -130,18 +132,12 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 	pages := o.PoolTokens / o.PageSize
 	nbuf := o.Layers * o.BuffersPerLay
 	size := nbuf*pages*s.item + o.AuxSlots*auxItem
-	var err error
-	if s.seg, err = shm.Create("kvpool", size); err != nil {
-		return nil, err
-	}
 	l := control.Layout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
 	for b := 0; b < nbuf; b++ {
 		off := b * pages * s.item
-		s.bufs = append(s.bufs, s.seg.Mem[off:off+pages*s.item])
 		l.Regions = append(l.Regions, control.RegionSpec{Kind: control.KindKV, Offset: uint64(off), Len: uint64(pages * s.item), ItemLen: uint32(s.item)})
 	}
 	auxOff := nbuf * pages * s.item
-	s.aux = s.seg.Mem[auxOff:]
 	l.Regions = append(l.Regions, control.RegionSpec{Kind: control.KindAux, Offset: uint64(auxOff), Len: uint64(o.AuxSlots * auxItem), ItemLen: auxItem})
 	for p := pages - 1; p >= 0; p-- {
 		s.free = append(s.free, uint32(p))
@@ -149,15 +145,32 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 	for a := o.AuxSlots - 1; a >= 0; a-- {
 		s.freeAux = append(s.freeAux, int32(a))
 	}
+	var err error
 	if s.cl, err = control.Dial(o.Control); err != nil {
-		s.seg.Close()
 		return nil, err
 	}
-	if s.transport, err = s.cl.Register(ctx, s.seg.Fd(), l); err != nil {
+	// The kvproxy allocates the pool (so its transport can use memory it
+	// owns) and hands back the segment's fd; we map the same pages.
+	tr, fd, err := s.cl.Register(ctx, l)
+	if err == nil {
+		s.seg, err = shm.Map(fd)
+		if err != nil {
+			syscall.Close(fd)
+		} else if len(s.seg.Mem) < size {
+			s.seg.Close()
+			err = fmt.Errorf("segment of %d bytes, layout needs %d", len(s.seg.Mem), size)
+		}
+	}
+	if err != nil {
 		s.cl.Close()
-		s.seg.Close()
 		return nil, fmt.Errorf("register KV pool with kvproxy: %w", err)
 	}
+	s.transport = tr
+	for b := 0; b < nbuf; b++ {
+		off := b * pages * s.item
+		s.bufs = append(s.bufs, s.seg.Mem[off:off+pages*s.item])
+	}
+	s.aux = s.seg.Mem[auxOff:size]
 	return s, nil
 }
 
