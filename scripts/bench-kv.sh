@@ -10,7 +10,9 @@ KV_BENCH_OUT="$PWD/bench/out/kv.json" go test -count=1 -timeout 20m -run '^TestB
 test -s bench/out/kv.md || { echo "bench-kv: no results" >&2; exit 1; }
 {
 	echo "Run $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores. MiB/s = KV bytes / transfer time (post to flush, as the sender measures it);"
-	echo "ratio = that over ucx_perftest ucp_put_bw with the same UCX_TLS and the prompt's per-buffer run length (tcp transport compared with UCX_TLS=tcp)."
+	echo "ratio = that over ucx_perftest ucp_put_bw with the same UCX_TLS and message size = our put size (one K or V buffer's run per 8192-token chunk),"
+	echo "UCX-allocated memory on both sides (kvproxy allocates the pool; tcp transport compared with UCX_TLS=tcp); best of 5 (2 at 32k) runs against best of 3 perftest runs."
+	echo "perftest reuses one cache-hot buffer; ours streams 64 buffers (a 512 MiB-1 GiB chunk), so over shared memory a second perftest moves one whole chunk per put: the same working set."
 	echo "TTFT = decode request time with max_new_tokens=1 (includes prefill filling the pages and decode verifying them)."
 	echo
 	cat bench/out/kv.md

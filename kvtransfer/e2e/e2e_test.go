@@ -307,7 +307,7 @@ func TestKVThroughRouter(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c := startCluster(t, opts{transport: tc.transport, tls: tc.tls, prefills: 2, decodes: 2, timeouts: "30s", router: true})
 			waitRouter(t, c)
-			const n, par = 200, 8
+			const n, par = 500, 8
 			errs := make(chan error, n)
 			sem := make(chan struct{}, par)
 			var wg sync.WaitGroup
