@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"unsafe"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
@@ -45,11 +46,14 @@ type pendingFlush struct {
 var _ Transport = (*UCX)(nil)
 
 // NewUCX creates the UCX context (UCX_* environment applies) and its worker.
-// Endpoints use error handling mode NONE: UCX 1.13 leaves the posix and
-// sysv lanes out of PEER-mode endpoints, which would force every put onto
-// tcp; a dead peer is detected by the engine's heartbeats instead.
+// When UCX_TLS allows shared memory, endpoints use error handling mode NONE:
+// UCX 1.13 leaves the posix and sysv lanes out of PEER-mode endpoints, which
+// would force every put onto tcp; a dead peer is detected by the engine's
+// heartbeats instead. Over tcp alone they keep mode PEER: with NONE, UCX
+// 1.13 crashed (SIGSEGV) once a second context of the process connected
+// over tcp (BenchmarkUCXWrite/tcp reproduced it).
 func NewUCX() (*UCX, error) {
-	cfg := ucx.Config{NoPeerErrorHandling: true, Options: map[string]string{}}
+	cfg := ucx.Config{NoPeerErrorHandling: shmAllowed(os.Getenv("UCX_TLS")), Options: map[string]string{}}
 	if os.Getenv("UCX_ALLOC_PRIO") == "" {
 		// posix before sysv: a posix segment is a file whose fd the engine
 		// can map; a sysv one has no fd.
@@ -65,6 +69,21 @@ func NewUCX() (*UCX, error) {
 		return nil, err
 	}
 	return u, nil
+}
+
+// shmAllowed reports whether a UCX_TLS value can select a shared-memory
+// transport (unset, "all", an exclusion list, or a shm transport named).
+func shmAllowed(tls string) bool {
+	if tls == "" || strings.HasPrefix(tls, "^") {
+		return true
+	}
+	for _, t := range strings.Split(tls, ",") {
+		switch strings.TrimSpace(t) {
+		case "all", "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem":
+			return true
+		}
+	}
+	return false
 }
 
 // poll completes finished flushes; it runs on the loop goroutine.
