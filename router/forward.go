@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"strings"
 	"sync"
@@ -24,7 +25,7 @@ type request struct {
 	s         *Server
 	route     routeKind
 	path      string
-	body      []byte // the client's body, owned by the request
+	body      []byte // the client's body: fasthttp's buffer, valid until the handler returns
 	info      splice.Info
 	start     time.Time
 	requestID []byte
@@ -33,22 +34,29 @@ type request struct {
 	// ctx ends when the client goes away, at the request timeout or at hard
 	// shutdown. It lives until the handler and every leg it started are
 	// done (refs), because a prefill leg may outlive its handler.
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	refs   atomic.Int32
-	watch  *connWatcher
-	admit  func() // returns the admission token
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
+	timeout *time.Timer // --request-timeout-secs
+	refs    atomic.Int32
+	watch   *connWatcher
+	admit   func() // returns the admission token
 }
 
-// newRequest copies what it needs out of ctx: fasthttp reuses its buffers
-// once the handler returns, and upstream legs may run longer.
+// errRequestTimeout ends a request at --request-timeout-secs; it is a
+// context.DeadlineExceeded so callers can tell a timeout from a failure.
+var errRequestTimeout = fmt.Errorf("request timed out: %w", context.DeadlineExceeded)
+
+// newRequest keeps the client's body in place: everything that outlives the
+// handler (a prefill leg, a stream) uses its own copies (the injected body,
+// the header lines), so fasthttp may reuse its buffer afterwards.
 func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
 	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
-	r.body = append([]byte(nil), ctx.PostBody()...)
+	r.body = ctx.PostBody()
 	r.header = forwardHeaders(ctx, false)
-	base, cancelTimeout := context.WithTimeout(s.base, s.cfg.RequestTimeout)
-	r.ctx, r.cancel = context.WithCancelCause(base)
-	context.AfterFunc(r.ctx, cancelTimeout)
+	// One cancellable context and a timer, rather than a deadline context
+	// plus a cancellable child: fewer allocations on every request.
+	r.ctx, r.cancel = context.WithCancelCause(s.base)
+	r.timeout = time.AfterFunc(s.cfg.RequestTimeout, func() { r.cancel(errRequestTimeout) })
 	r.refs.Store(1)
 	r.watch = watchConn(ctx.Conn(), func() { r.cancel(errClientGone) })
 	return r
@@ -59,6 +67,7 @@ func (r *request) hold() { r.refs.Add(1) }
 // release drops one reference; the last one ends the request's context.
 func (r *request) release() {
 	if r.refs.Add(-1) == 0 {
+		r.timeout.Stop()
 		r.cancel(context.Canceled)
 	}
 }

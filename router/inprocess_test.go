@@ -215,3 +215,44 @@ func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
 		server.Close()
 	}
 }
+
+func TestRequestTimeoutEndsAStreamWithOneErrorEvent(t *testing.T) {
+	p, err := mockworker.Start(mockworker.Config{TokenDelay: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = []string{p.URL()}
+	cfg.Policy = "round_robin"
+	cfg.RequestTimeout = 300 * time.Millisecond
+	cfg.Manager.Health.Disabled = true
+	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	defer srv.Shutdown(context.Background())
+	waitFor(t, srv.manager.Ready)
+	// 100 tokens at 20 ms outlast the 300 ms request timeout.
+	resp, err := http.Post("http://"+ln.Addr().String()+"/generate", "application/json",
+		strings.NewReader(`{"text":"x","stream":true,"sampling_params":{"max_new_tokens":100}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	events := strings.Split(strings.TrimSpace(string(body)), "\n\n")
+	last := events[len(events)-1]
+	if len(events) < 3 || !strings.Contains(last, `"code":"request_timeout"`) || !strings.HasPrefix(last, "data: {") {
+		t.Fatalf("want tokens then one request_timeout event, got %d events, last %q", len(events), last)
+	}
+	waitFor(t, func() bool { return p.Stats().InFlight == 0 && p.Stats().ClientGone == 1 })
+}

@@ -113,7 +113,9 @@ func (sr *streamRelay) run(out *bufio.Writer) {
 			return
 		}
 		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + err.Error()}
-		if errors.Is(err, context.DeadlineExceeded) {
+		// A cancelled read fails with the connection's deadline error; the
+		// context says whether the request timeout was the reason.
+		if errors.Is(context.Cause(sr.actx), context.DeadlineExceeded) {
 			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
 		}
 	}
