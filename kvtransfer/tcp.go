@@ -35,6 +35,11 @@ func (t *TCP) Connect(_ *wire.Hello, conn *wire.Conn) (Writer, error) {
 	return &tcpWriter{pool: t.pool, conn: conn}, nil
 }
 
+// Done is nil: tcp shares nothing between peers that could break.
+func (*TCP) Done() <-chan struct{} { return nil }
+
+func (*TCP) Err() error { return nil }
+
 func (*TCP) Close() error { return nil }
 
 type tcpWriter struct {

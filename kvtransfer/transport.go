@@ -94,6 +94,12 @@ type Transport interface {
 	// rkeys set up once per peer). conn is that peer's connection; the tcp
 	// transport sends its DATA frames on it.
 	Connect(remote *wire.Hello, conn *wire.Conn) (Writer, error)
+	// Done is closed once the transport stops: on Close, or by itself when
+	// it broke as a whole (not one peer's connection), Err then saying why.
+	// A broken transport fails every later transfer, so its owner must stop
+	// instead of limping on. Nil when the transport cannot break.
+	Done() <-chan struct{}
+	Err() error
 	Close() error
 }
 

@@ -210,6 +210,12 @@ func (u *UCX) Connect(remote *wire.Hello, _ *wire.Conn) (Writer, error) {
 	return w, nil
 }
 
+// Done is closed when the worker's loop stops: on Close, or on a worker
+// error (a failed endpoint only fails its own peer's writes).
+func (u *UCX) Done() <-chan struct{} { return u.loop.Done() }
+
+func (u *UCX) Err() error { return u.loop.Err() }
+
 // Close stops the worker and unregisters the pool; call after every Writer
 // is closed.
 func (u *UCX) Close() error {

@@ -4,7 +4,14 @@ package kvtransfer
 
 import (
 	"bytes"
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/ucx"
@@ -19,6 +26,156 @@ func TestTransferUCX(t *testing.T) {
 		t.Run(tls, func(t *testing.T) {
 			t.Setenv("UCX_TLS", tls)
 			testTransfer(t, "ucx")
+		})
+	}
+	if l := ucx.LiveObjects(); l != (ucx.Live{}) {
+		t.Fatalf("UCX objects leaked: %+v", l)
+	}
+}
+
+// TestUCXPeerLossKeepsTransport: a decode peer dies in the middle of
+// transfers; only its rooms fail, and the prefill's transport (one worker
+// for every peer) still moves pages to the other decode. All along, the
+// prefill's worker thread gets the signals the Go runtime sends its threads:
+// one landing in the idle loop's poll once stopped the worker, after which
+// every transfer of that kvproxy failed with "ucx: closed".
+func TestUCXPeerLossKeepsTransport(t *testing.T) {
+	for _, tls := range []string{"tcp", "posix,cma,tcp"} {
+		t.Run(tls, func(t *testing.T) {
+			t.Setenv("UCX_TLS", tls)
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			engine := func(name string, fill byte, l net.Listener) (*Engine, Transport, *Pool) {
+				tr := newTransport(t, "ucx")
+				pool := testPool(t, tr, fill)
+				e, err := New(Config{Name: name, Transport: tr, Listener: l, Heartbeat: 500 * time.Millisecond,
+					Resolve: func(context.Context, string) (string, error) { return ln.Addr().String(), nil }})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := e.RegisterPool(pool); err != nil {
+					t.Fatal(err)
+				}
+				return e, tr, pool
+			}
+			p, ptr, ppool := engine("P", 1, ln)
+			d1, d1tr, _ := engine("D1", 0, nil)
+			d2, d2tr, d2pool := engine("D2", 0, nil)
+			d1Closed := false
+			t.Cleanup(func() {
+				_ = d2.Close()
+				if !d1Closed {
+					_ = d1.Close()
+					_ = d1tr.Close()
+				}
+				_ = p.Close()
+				_ = d2tr.Close()
+				_ = ptr.Close()
+			})
+
+			var tid int
+			if err := ptr.(*UCX).loop.Do(func(*ucx.Worker) error { tid = syscall.Gettid(); return nil }); err != nil {
+				t.Fatal(err)
+			}
+			stopSignals := make(chan struct{})
+			var signals sync.WaitGroup
+			signals.Go(func() {
+				for {
+					select {
+					case <-stopSignals:
+						return
+					case <-time.After(5 * time.Millisecond):
+						_ = syscall.Tgkill(syscall.Getpid(), tid, syscall.SIGURG)
+					}
+				}
+			})
+			defer func() { close(stopSignals); signals.Wait() }()
+
+			all := make([]uint32, testPages)
+			for i := range all {
+				all[i] = uint32(i)
+			}
+			// transfer moves the whole pool into d in 8 chunks.
+			transfer := func(d *Engine, room uint64) error {
+				if err := d.Expect(room, "boot:1", all, -1); err != nil {
+					return err
+				}
+				for c := 0; c < 8; c++ {
+					if err := p.Send(room, all[c*8:(c+1)*8], c == 7, -1); err != nil {
+						return err
+					}
+				}
+				return nil
+			}
+
+			// Rooms to D1 keep flowing while D1 dies: its transport first,
+			// as a crash would leave it, then its engine.
+			var sent []uint64
+			for room := uint64(1); ; room++ {
+				if room == 4 {
+					time.Sleep(200 * time.Millisecond) // the loop sleeps, signalled, between bursts
+				}
+				if room == 6 {
+					if err := d1tr.Close(); err != nil {
+						t.Fatal(err)
+					}
+					if err := d1.Close(); err != nil {
+						t.Fatal(err)
+					}
+					d1Closed = true
+				}
+				if err := transfer(d1, room); err != nil {
+					if !errors.Is(err, ErrClosed) {
+						t.Fatalf("room %d: %v", room, err)
+					}
+					break
+				}
+				sent = append(sent, room)
+				if room <= 3 {
+					wait(t, p, room, Success)
+				}
+			}
+			if len(sent) != 5 {
+				t.Fatalf("sent %d rooms to D1, want 5", len(sent))
+			}
+			for _, room := range sent {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				st, err := p.Wait(ctx, room)
+				cancel()
+				if err != nil || !st.State.Terminal() {
+					t.Fatalf("room %d to the dead peer: %+v %v", room, st, err)
+				}
+				if st.State == Failed && !strings.Contains(st.Reason, "peer lost") {
+					t.Fatalf("room %d to the dead peer failed with %q", room, st.Reason)
+				}
+			}
+
+			// Idle for a while (the loop sleeps and gets signalled), then
+			// the same transport serves D2.
+			time.Sleep(300 * time.Millisecond)
+			for room := uint64(100); room < 103; room++ {
+				clear(d2pool.Regions[0].Mem)
+				if err := transfer(d2, room); err != nil {
+					t.Fatalf("room %d to D2: %v", room, err)
+				}
+				if st := wait(t, d2, room, Success); st.Pages != testPages {
+					t.Fatalf("room %d to D2: %d pages", room, st.Pages)
+				}
+				wait(t, p, room, Success)
+				for b := range 4 {
+					if !bytes.Equal(ppool.Regions[b].Mem, d2pool.Regions[b].Mem) {
+						t.Fatalf("room %d: buffer %d differs on D2", room, b)
+					}
+				}
+			}
+			select {
+			case <-ptr.Done():
+				t.Fatalf("prefill transport stopped: %v", ptr.Err())
+			default:
+			}
+			eventually(t, "rooms freed", func() bool { return p.ActiveRooms() == 0 && d2.ActiveRooms() == 0 })
 		})
 	}
 	if l := ucx.LiveObjects(); l != (ucx.Live{}) {

@@ -1,6 +1,7 @@
 #include "glue.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdlib.h>
@@ -45,11 +46,17 @@ ucs_status_t ucxg_worker_create(ucp_context_h ctx, int thread_mode, ucp_worker_h
 	return ucp_worker_create(ctx, &p, out);
 }
 
-// ucxg_wait_fd polls fd for input: 1 readable, 0 timeout, -1 error.
+// ucxg_wait_fd polls fd for input: 1 readable, 0 timeout or interrupted,
+// -1 error. A signal is no error: the Go runtime signals its threads (e.g.
+// SIGURG preemption racing with the cgo call) and poll never restarts, and
+// the caller progresses the worker after every wakeup anyway.
 int ucxg_wait_fd(int fd, int timeout_ms)
 {
 	struct pollfd pfd = {.fd = fd, .events = POLLIN};
 	int r = poll(&pfd, 1, timeout_ms);
+	if (r < 0 && errno == EINTR) {
+		return 0;
+	}
 	return r < 0 ? -1 : r;
 }
 

@@ -26,12 +26,13 @@ type Loop struct {
 	closed   bool // Close was called
 	err      error
 	sleeping atomic.Bool
+	stopping chan struct{} // closed with closing
 	done     chan error
 }
 
 // NewLoop starts a loop with a new worker of ctx.
 func NewLoop(ctx *Context, cfg LoopConfig) (*Loop, error) {
-	l := &Loop{poll: cfg.Poll, done: make(chan error, 1)}
+	l := &Loop{poll: cfg.Poll, stopping: make(chan struct{}), done: make(chan error, 1)}
 	started := make(chan error, 1)
 	go l.run(ctx, cfg.Mode, started)
 	if err := <-started; err != nil {
@@ -64,6 +65,26 @@ func (l *Loop) Do(fn func(*Worker) error) error {
 	return <-res
 }
 
+// Done is closed once the loop accepts no more work: after Close, or when a
+// worker error stopped it on its own (Err then says which). Owners watch it
+// so that a dead worker fails loudly instead of failing every later call.
+func (l *Loop) Done() <-chan struct{} { return l.stopping }
+
+// Err returns the worker error that stopped the loop, nil if none did.
+func (l *Loop) Err() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.err
+}
+
+// stopLocked stops accepting work; l.mu is held.
+func (l *Loop) stopLocked() {
+	if !l.closing {
+		l.closing = true
+		close(l.stopping)
+	}
+}
+
 // Close runs the closures already queued, closes the worker (with its
 // endpoints and listeners) and stops the goroutine.
 func (l *Loop) Close() error {
@@ -72,7 +93,8 @@ func (l *Loop) Close() error {
 		l.mu.Unlock()
 		return ErrClosed
 	}
-	l.closed, l.closing = true, true
+	l.closed = true
+	l.stopLocked()
 	if l.sleeping.Load() {
 		l.w.Signal()
 	}
@@ -130,9 +152,11 @@ func (l *Loop) run(ctx *Context, mode ThreadMode, started chan<- error) {
 		}
 		l.sleeping.Store(false)
 		if err != nil {
-			// Fatal for the loop: stop accepting work; Close reports it.
+			// Fatal for the loop: stop accepting work; Done, Err and
+			// Close report it.
 			l.mu.Lock()
-			l.closing, l.err = true, err
+			l.err = err
+			l.stopLocked()
 			l.mu.Unlock()
 		}
 	}

@@ -173,3 +173,9 @@ func (*Loop) Do(func(*Worker) error) error { return ErrUnavailable }
 
 // Close returns ErrUnavailable.
 func (*Loop) Close() error { return ErrUnavailable }
+
+// Done returns nil: there is no loop to stop.
+func (*Loop) Done() <-chan struct{} { return nil }
+
+// Err returns ErrUnavailable.
+func (*Loop) Err() error { return ErrUnavailable }

@@ -376,6 +376,41 @@ func TestCloseLeavesNothing(t *testing.T) {
 	}
 }
 
+// TestLoopSurvivesSignals: the Go runtime signals its threads (SIGURG
+// preemption), so the idle loop's poll on the event fd gets EINTR. That once
+// ended the loop, and every later call of the process's transport failed
+// with ErrClosed.
+func TestLoopSurvivesSignals(t *testing.T) {
+	ctx := newContext(t, "tcp")
+	l, err := NewLoop(ctx, LoopConfig{})
+	must(t, err)
+	var tid int
+	must(t, l.Do(func(*Worker) error { tid = syscall.Gettid(); return nil }))
+	for i := range 30 {
+		// Long enough for the loop to finish its idle spins and sleep.
+		time.Sleep(20 * time.Millisecond)
+		must(t, syscall.Tgkill(syscall.Getpid(), tid, syscall.SIGURG))
+		if err := l.Do(func(*Worker) error { return nil }); err != nil {
+			t.Fatalf("loop stopped after %d signals: %v (loop error: %v)", i+1, err, l.Err())
+		}
+	}
+	select {
+	case <-l.Done():
+		t.Fatalf("Done closed while the loop runs (error %v)", l.Err())
+	default:
+	}
+	must(t, l.Close())
+	select {
+	case <-l.Done():
+	default:
+		t.Fatal("Done still open after Close")
+	}
+	if err := l.Err(); err != nil {
+		t.Fatalf("Err after a clean Close: %v", err)
+	}
+	must(t, ctx.Close())
+}
+
 func TestErrorCarriesStatusText(t *testing.T) {
 	ctx, err := NewContext(Config{Options: map[string]string{"KEEPALIVE_INTERVAL": "soon"}})
 	if err == nil {

@@ -97,8 +97,8 @@ func (w *Worker) WaitEvents(timeout time.Duration) error {
 	if timeout >= 0 {
 		ms = int((timeout + time.Millisecond - 1) / time.Millisecond)
 	}
-	if C.ucxg_wait_fd(C.int(w.efd), C.int(ms)) < 0 {
-		return fmt.Errorf("ucx: poll on worker event fd failed")
+	if r, err := C.ucxg_wait_fd(C.int(w.efd), C.int(ms)); r < 0 {
+		return fmt.Errorf("ucx: poll on worker event fd: %w", err)
 	}
 	return nil
 }

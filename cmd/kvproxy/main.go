@@ -181,6 +181,11 @@ func run(f flags) error {
 	select {
 	case <-ctx.Done():
 	case runErr = <-errc:
+	case <-tr.Done():
+		// Every later transfer would fail: exit non-zero so the deployment
+		// restarts us, rather than fail each room with the same error.
+		runErr = fmt.Errorf("transport %s stopped: %v", tr.Name(), tr.Err())
+		log.Error("transport failed, exiting", zap.Error(runErr))
 	}
 	stop()
 	for _, s := range servers {
