@@ -71,6 +71,38 @@ func startRouterOpts(t *testing.T, wantReady bool, args ...string) router {
 	r := router{Proc: p, url: "http://127.0.0.1:" + strconv.Itoa(port), metrics: "http://127.0.0.1:" + strconv.Itoa(prom) + "/metrics"}
 	if wantReady {
 		testenv.WaitStatus(t, r.url+"/readiness", 200, 30*time.Second)
+		// Readiness needs one worker per role; tests want them all.
+		workers, flag, key := 0, "", ""
+		for i, a := range args {
+			switch {
+			case strings.HasPrefix(a, "--"):
+				flag = a
+				if a == "--api-key" && i+1 < len(args) {
+					key = args[i+1]
+				}
+			case strings.HasPrefix(a, "http://") && (flag == "--worker-urls" || flag == "--prefill" || flag == "--decode"):
+				workers++
+			}
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			var list struct {
+				Total int `json:"total"`
+			}
+			req, _ := http.NewRequest("GET", r.url+"/workers", nil)
+			req.Header.Set("Authorization", "Bearer "+key)
+			if resp, err := client.Do(req); err == nil {
+				json.NewDecoder(resp.Body).Decode(&list)
+				resp.Body.Close()
+			}
+			if list.Total >= workers {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("only %d of %d workers registered", list.Total, workers)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
 	} else {
 		testenv.WaitStatus(t, r.url+"/health", 200, 30*time.Second)
 	}

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"context"
 	"errors"
 	"time"
 
@@ -108,7 +109,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, "client_disconnected").Inc()
 		return
 	}
-	if fail == nil && r.ctx.Err() != nil {
+	if context.Cause(r.ctx) == errRequestTimeout {
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
 	}
 	if fail != nil {

@@ -110,6 +110,9 @@ func (u *upstream) post(ctx context.Context, baseURL, path string, body []byte, 
 		if conn == nil {
 			c, err := u.dial(ctx, addr, tlsHost)
 			if err != nil {
+				if ctx.Err() != nil { // say why the dial was cut short
+					return nil, context.Cause(ctx)
+				}
 				return nil, err
 			}
 			conn = &upConn{c: c, br: bufio.NewReaderSize(c, 16<<10), bw: bufio.NewWriterSize(c, 16<<10), addr: addr}
