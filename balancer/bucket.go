@@ -103,18 +103,7 @@ func (b *Bucket) pick(workers []*Worker, idx []int, n int) int {
 }
 
 // Run recomputes the ranges every BucketAdjustInterval.
-func (b *Bucket) Run(ctx context.Context) {
-	t := time.NewTicker(b.tick)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			b.adjust()
-		}
-	}
-}
+func (b *Bucket) Run(ctx context.Context) { runEvery(ctx, b.tick, b.adjust) }
 
 // adjust cuts the recent lengths into ranges of equal character mass.
 func (b *Bucket) adjust() {

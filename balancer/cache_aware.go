@@ -6,7 +6,6 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
-	"time"
 )
 
 // CacheAware sends a request to the worker that most likely holds its
@@ -200,18 +199,7 @@ func (c *CacheAware) WorkersChanged(s *Snapshot) {
 }
 
 // Run sweeps removed workers out of the trees every EvictionInterval.
-func (c *CacheAware) Run(ctx context.Context) {
-	t := time.NewTicker(c.opts.EvictionInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			c.sweep()
-		}
-	}
-}
+func (c *CacheAware) Run(ctx context.Context) { runEvery(ctx, c.opts.EvictionInterval, c.sweep) }
 
 func (c *CacheAware) sweep() {
 	c.mu.Lock()

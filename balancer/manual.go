@@ -129,18 +129,7 @@ func findURL(workers []*Worker, url string) *Worker {
 }
 
 // Run evicts keys idle for longer than MaxIdle.
-func (m *Manual) Run(ctx context.Context) {
-	t := time.NewTicker(max(m.maxIdle/8, time.Second))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			m.evictIdle()
-		}
-	}
-}
+func (m *Manual) Run(ctx context.Context) { runEvery(ctx, max(m.maxIdle/8, time.Second), m.evictIdle) }
 
 func (m *Manual) evictIdle() {
 	cutoff := m.now().Add(-m.maxIdle)

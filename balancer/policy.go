@@ -129,3 +129,18 @@ func NewPolicy(name string, o PolicyOptions) (Policy, error) {
 	}
 	return nil, fmt.Errorf("unknown policy %q", name)
 }
+
+// runEvery calls fn every period until ctx ends: the background work of
+// policies that implement Runner.
+func runEvery(ctx context.Context, period time.Duration, fn func()) {
+	t := time.NewTicker(period)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			fn()
+		}
+	}
+}
