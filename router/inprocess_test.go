@@ -33,10 +33,18 @@ func inProcess(t *testing.T, prefill, decode mockworker.Config) (string, *Server
 	}
 	cfg := DefaultConfig()
 	cfg.PDDisaggregation = true
-	cfg.Policy = "round_robin"
 	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
 	cfg.Decode = []string{d.URL()}
 	cfg.Retry.MaxRetries = 1
+	base, srv := serveInProcess(t, cfg)
+	return base, srv, p, d
+}
+
+// serveInProcess starts a router with cfg (round robin, no health checks)
+// on a loopback port and waits until its workers are registered.
+func serveInProcess(t *testing.T, cfg Config) (string, *Server) {
+	t.Helper()
+	cfg.Policy = "round_robin"
 	cfg.Manager.Health.Disabled = true
 	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
 	if err != nil {
@@ -50,15 +58,8 @@ func inProcess(t *testing.T, prefill, decode mockworker.Config) (string, *Server
 		t.Fatal(err)
 	}
 	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
-	base := "http://" + ln.Addr().String()
-	deadline := time.Now().Add(10 * time.Second)
-	for !srv.manager.Ready() {
-		if time.Now().After(deadline) {
-			t.Fatal("workers never registered")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return base, srv, p, d
+	waitFor(t, srv.manager.Ready)
+	return "http://" + ln.Addr().String(), srv
 }
 
 func TestNoGoroutineLeaks(t *testing.T) {
@@ -224,25 +225,11 @@ func TestRequestTimeoutEndsAStreamWithOneErrorEvent(t *testing.T) {
 	defer p.Close()
 	cfg := DefaultConfig()
 	cfg.WorkerURLs = []string{p.URL()}
-	cfg.Policy = "round_robin"
 	cfg.RequestTimeout = 300 * time.Millisecond
-	cfg.Manager.Health.Disabled = true
-	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	base, srv := serveInProcess(t, cfg)
 	defer srv.Shutdown(context.Background())
-	waitFor(t, srv.manager.Ready)
 	// 100 tokens at 20 ms outlast the 300 ms request timeout.
-	resp, err := http.Post("http://"+ln.Addr().String()+"/generate", "application/json",
+	resp, err := http.Post(base+"/generate", "application/json",
 		strings.NewReader(`{"text":"x","stream":true,"sampling_params":{"max_new_tokens":100}}`))
 	if err != nil {
 		t.Fatal(err)
