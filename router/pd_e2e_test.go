@@ -92,6 +92,7 @@ func TestPDBatchesGetOneRoomPerElement(t *testing.T) {
 		{"/v1/chat/completions", `{"model":"mock","n":3,"messages":[{"role":"user","content":"hi"}]}`, 3},
 		{"/v1/completions", `{"model":"mock","prompt":["x","y"]}`, 2},
 		{"/v1/completions", `{"model":"mock","prompt":[1,2,3]}`, 1}, // one tokenized prompt
+		{"/v1/rerank", `{"query":"q","documents":["a","b"]}`, 1},    // never a batch
 	} {
 		resp, out := post(t, r.url+c.path, c.body)
 		if resp.StatusCode != 200 {
