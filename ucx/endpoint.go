@@ -169,12 +169,14 @@ func (ep *Endpoint) rma(get bool, local *Memory, rkey *Rkey, rbase uint64, ops [
 	if len(ops) == 0 {
 		return nil, nil
 	}
-	size := uint64(local.n)
+	size, total := uint64(local.n), uint64(0)
 	for i := range ops {
 		if o := &ops[i]; o.LocalOff > size || o.Len > size-o.LocalOff {
 			return nil, fmt.Errorf("ucx: %s: op %d [%d,+%d) outside local region of %d bytes", name, i, o.LocalOff, o.Len, size)
 		}
+		total += ops[i].Len
 	}
+	ep.w.pace(len(ops) + int(total>>16))
 	g := C.int(0)
 	if get {
 		g = 1
@@ -307,6 +309,7 @@ func (r *Request) Wait(timeout time.Duration) error {
 			r.Free()
 			return statusErr("request", st)
 		}
+		r.w.pace(1)
 		C.ucp_worker_progress(r.w.p)
 		// Reading the clock every iteration would cost more than progress.
 		if timeout >= 0 && i%256 == 255 && time.Now().After(deadline) {
