@@ -208,18 +208,8 @@ func (s *scanner) object(depth int, info *Info) error {
 		if info != nil {
 			info.record(s.b[keyStart+1:keyEnd], valStart, s.i, s.b)
 		}
-		s.skipWS()
-		if s.i >= len(s.b) {
-			return ErrBadJSON
-		}
-		switch s.b[s.i] {
-		case ',':
-			s.i++
-		case '}':
-			s.i++
-			return nil
-		default:
-			return ErrBadJSON
+		if done, err := s.next('}'); done || err != nil {
+			return err
 		}
 	}
 }
@@ -236,20 +226,28 @@ func (s *scanner) array(depth int) error {
 		if err := s.value(depth + 1); err != nil {
 			return err
 		}
-		s.skipWS()
-		if s.i >= len(s.b) {
-			return ErrBadJSON
-		}
-		switch s.b[s.i] {
-		case ',':
-			s.i++
-		case ']':
-			s.i++
-			return nil
-		default:
-			return ErrBadJSON
+		if done, err := s.next(']'); done || err != nil {
+			return err
 		}
 	}
+}
+
+// next consumes what follows a member or element: a comma (more to come)
+// or the closing bracket (done).
+func (s *scanner) next(closing byte) (done bool, err error) {
+	s.skipWS()
+	if s.i >= len(s.b) {
+		return false, ErrBadJSON
+	}
+	switch s.b[s.i] {
+	case ',':
+		s.i++
+		return false, nil
+	case closing:
+		s.i++
+		return true, nil
+	}
+	return false, ErrBadJSON
 }
 
 // str skips a string, validating escapes and rejecting control characters.
