@@ -1,7 +1,6 @@
 package router
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -15,7 +14,8 @@ import (
 
 // startStream waits for the worker's first body bytes, so that a failure
 // before them can still be answered with a proper status (and retried),
-// then hands the rest to a stream writer. leg is nil in regular mode.
+// then makes the rest the response body (streamRelay). leg is nil in
+// regular mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstreamResponse, w *balancer.Worker,
 	actx context.Context, leg *prefillLeg) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
@@ -41,8 +41,12 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstrea
 	ctx.SetStatusCode(resp.StatusCode)
 	copyHeaders(ctx, resp)
 	ctx.SetContentType("text/event-stream")
-	relay := &streamRelay{s: s, r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp, first: n, firstErr: err, merge: merge}
-	ctx.SetBodyStreamWriter(relay.run)
+	first := (*bufp)[:n]
+	if merge != nil {
+		first = merge.feed(first)
+	}
+	ctx.Response.SetBodyStream(&streamRelay{s: s, r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp,
+		pending: first, readErr: err, merge: merge}, -1)
 	return nil, true
 }
 
@@ -56,84 +60,101 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 	}
 }
 
-// streamRelay copies a worker's SSE body to the client chunk by chunk.
+// streamRelay is the client's response body: fasthttp's connection
+// goroutine pulls the worker's SSE chunks through it and writes each as one
+// flushed HTTP chunk. (SetBodyStreamWriter would put a goroutine and an
+// in-memory pipe between the two for every stream.)
 type streamRelay struct {
-	s        *Server
-	r        *request
-	resp     *upstreamResponse
-	w        *balancer.Worker
-	actx     context.Context
-	leg      *prefillLeg
-	bufp     *[]byte
-	first    int   // bytes already read into the buffer
-	firstErr error // error that came with them
-	merge    *logprobMerger
+	s       *Server
+	r       *request
+	resp    *upstreamResponse
+	w       *balancer.Worker
+	actx    context.Context
+	leg     *prefillLeg
+	bufp    *[]byte
+	pending []byte // next bytes for the client
+	readErr error  // how the worker's body ended, once it has
+	merge   *logprobMerger
+	sent    bool // the first byte went out
+	ended   bool // the last bytes are pending: nothing more to read
+	closed  bool
 }
 
-func (sr *streamRelay) run(out *bufio.Writer) {
-	defer func() {
-		sr.resp.Close()
-		sr.w.DecLoad()
-		chunkPool.Put(sr.bufp)
-		sr.r.finish()
-	}()
-	buf := *sr.bufp
-	n, err := sr.first, sr.firstErr
-	firstByte := true
-	for {
+func (sr *streamRelay) Read(p []byte) (int, error) {
+	for len(sr.pending) == 0 {
+		if sr.ended {
+			return 0, io.EOF
+		}
+		sr.pending = sr.next()
+	}
+	if !sr.sent {
+		sr.s.observeFirstByte(sr.r)
+		sr.sent = true
+	}
+	n := copy(p, sr.pending)
+	sr.pending = sr.pending[n:]
+	return n, nil
+}
+
+// next reads the worker's next chunk and returns what the client gets for
+// it: the chunk (logprobs merged), and at the end what the merger held back
+// or, when the worker's stream broke, one valid SSE error event (prefill's
+// error if prefill is what failed).
+func (sr *streamRelay) next() []byte {
+	if sr.readErr == nil {
+		buf := *sr.bufp
+		var n int
+		n, sr.readErr = sr.resp.Read(buf)
 		if n > 0 {
-			if !sr.write(out, buf[:n]) {
-				sr.r.cancel(errClientGone) // both legs go with it
-				return
+			if sr.merge != nil {
+				return sr.merge.feed(buf[:n])
 			}
-			if firstByte {
-				sr.s.observeFirstByte(sr.r)
-				firstByte = false
-			}
+			return buf[:n]
 		}
-		if err != nil {
-			break
+		if sr.readErr == nil {
+			return nil
 		}
-		n, err = sr.resp.Read(buf)
 	}
-	if err == io.EOF {
+	sr.ended = true
+	if sr.readErr == io.EOF {
 		if sr.merge != nil {
-			sr.write(out, sr.merge.flush())
+			return sr.merge.flush()
 		}
-		return
+		return nil
 	}
-	// The worker's stream broke: end the client's stream with one valid SSE
-	// error event, prefill's if prefill is what failed.
 	var e *apiError
 	if sr.leg != nil {
 		e = sr.leg.failure(sr.actx)
 	}
 	if e == nil {
 		if sr.r.clientGone() {
-			return
+			return nil
 		}
-		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + err.Error()}
+		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
 		// A cancelled read fails with the connection's deadline error; the
 		// context says whether the request timeout was the reason.
 		if errors.Is(context.Cause(sr.actx), context.DeadlineExceeded) {
 			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
 		}
 	}
-	sr.write(out, e.sseFrame())
+	return e.sseFrame()
 }
 
-// write sends one chunk and flushes it so the client sees it now.
-func (sr *streamRelay) write(out *bufio.Writer, b []byte) bool {
-	if sr.merge != nil {
-		b = sr.merge.feed(b)
-		if len(b) == 0 {
-			return true
-		}
+// CloseWithError is fasthttp's end of the body, written or not. A stream
+// cut short (the client gone, the server shutting down) cancels both legs.
+func (sr *streamRelay) CloseWithError(writeErr error) error {
+	if sr.closed {
+		return nil
 	}
-	if _, err := out.Write(b); err != nil {
-		return false
+	sr.closed = true
+	if writeErr != nil || !sr.ended || len(sr.pending) > 0 {
+		sr.r.cancel(errClientGone)
 	}
-	return out.Flush() == nil
+	sr.resp.Close()
+	sr.w.DecLoad()
+	chunkPool.Put(sr.bufp)
+	sr.r.finish()
+	return nil
 }
 
 // observeFirstByte records the router-side time to first byte.
