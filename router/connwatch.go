@@ -13,33 +13,33 @@ import (
 // until it turns readable and peek, so EOF or a reset means the client is
 // gone while bytes mean a pipelined request (then we stop watching).
 //
-// The watch starts only once a request has lasted watchDelay: most of its
-// cost (a goroutine, a peek, parking in the netpoller) is then paid only by
-// requests long enough for a disconnect to matter, and a generation request
-// learns of a departed client at most watchDelay late.
+// The watch starts only once a request has lasted watchDelay (see
+// inflight.go): most of its cost (a goroutine, a peek, parking in the
+// netpoller) is then paid only by requests long enough for a disconnect to
+// matter, and a generation request learns of a departed client at most
+// watchDelay plus a sweep tick late.
 const watchDelay = 2 * time.Millisecond
 
 // connWatcher watches one client connection until stopped.
 type connWatcher struct {
 	conn   syscall.Conn
 	onGone func()
-	timer  *time.Timer
-	done   chan struct{} // closed when a started watch has ended
+	done   chan struct{} // closed when the watch has ended
 }
 
-// watchConn calls onGone (from another goroutine) if the peer closes c. It
+// startWatch calls onGone (from another goroutine) if the peer closes c. It
 // returns nil when c cannot be watched (not a socket, e.g. in-memory tests).
-func watchConn(c net.Conn, onGone func()) *connWatcher {
+func startWatch(c net.Conn, onGone func()) *connWatcher {
 	sc, ok := c.(syscall.Conn)
 	if !ok {
 		return nil
 	}
 	w := &connWatcher{conn: sc, onGone: onGone, done: make(chan struct{})}
-	w.timer = time.AfterFunc(watchDelay, w.watch)
+	go w.watch()
 	return w
 }
 
-// watch runs on the timer's goroutine until the peer leaves or stop.
+// watch runs until the peer leaves or stop.
 func (w *connWatcher) watch() {
 	defer close(w.done)
 	rc, err := w.conn.SyscallConn()
@@ -66,8 +66,8 @@ func (w *connWatcher) watch() {
 // start fail at once); it is cleared afterwards so the server's own
 // deadlines apply.
 func (w *connWatcher) stop() {
-	if w == nil || w.timer.Stop() {
-		return // never started
+	if w == nil {
+		return
 	}
 	select {
 	case <-w.done:

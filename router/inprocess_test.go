@@ -140,33 +140,6 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
-// BenchmarkConnWatcher is what detecting client disconnects costs a request
-// that ends before the watch starts (most requests of a zero-delay
-// benchmark; longer ones add a goroutine and a peek).
-func BenchmarkConnWatcher(b *testing.B) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer ln.Close()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer client.Close()
-	server, err := ln.Accept()
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer server.Close()
-	b.Run("short", func(b *testing.B) {
-		b.ReportAllocs()
-		for b.Loop() {
-			watchConn(server, func() { b.Error("live client reported gone") }).stop()
-		}
-	})
-}
-
 func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -190,8 +163,8 @@ func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
 			t.Fatal(err)
 		}
 		gone := make(chan struct{}, 1)
-		w := watchConn(server, func() { gone <- struct{}{} })
-		time.Sleep(2 * watchDelay)
+		w := startWatch(server, func() { gone <- struct{}{} })
+		time.Sleep(2 * watchDelay) // parked in the netpoller
 		c.act(client)
 		select {
 		case <-gone:

@@ -47,12 +47,14 @@ type Server struct {
 	decode    balancer.Policy
 	admission *balancer.Admission
 	hot       *upstream    // generation requests
+	inflight  *inflight    // generation requests in progress
 	upstream  *http.Client // info and fan-out calls
 	metrics   *metrics
 	bm        *balancer.Metrics
 	srv       *fasthttp.Server
 
-	// base is cancelled on hard shutdown; upstream calls derive from it.
+	// base is cancelled on hard shutdown; admin and info calls derive from
+	// it (generation requests are cancelled by the inflight tracker).
 	base       context.Context
 	cancelBase context.CancelFunc
 	background sync.WaitGroup // prefill legs that outlive their handler
@@ -83,6 +85,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	}
 	s.admission = balancer.NewAdmission(cfg.Admission)
 	s.hot = newUpstream()
+	s.inflight = newInflight(cfg.RequestTimeout)
 	s.upstream = newUpstreamClient()
 	s.base, s.cancelBase = context.WithCancel(context.Background())
 	mcfg := cfg.Manager
@@ -156,6 +159,7 @@ func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(ln) }
 func (s *Server) Shutdown(ctx context.Context) error {
 	err := s.srv.ShutdownWithContext(ctx)
 	s.cancelBase()
+	s.inflight.close()
 	s.background.Wait()
 	s.manager.Stop()
 	s.upstream.CloseIdleConnections()

@@ -1,0 +1,205 @@
+package router
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// inflight tracks every request in progress so that one sweeper goroutine
+// does what would otherwise take two runtime timers and a child of a shared
+// context per request: it starts the disconnect watch of requests older
+// than watchDelay, ends those past --request-timeout-secs, and cancels all
+// of them at hard shutdown. Per-request timers are not cheap here: arming
+// the earliest one wakes the netpoller's thread, so every short request
+// paid for a thread wakeup, and registering each context under one parent
+// serialised all requests on the parent's lock.
+//
+// A request enters the young queue (start order). Once it is watchDelay
+// old, the sweeper drops it if it has ended, or starts its watch and moves
+// it to the long list, whose head is always the next to time out. The
+// sweeper ticks every sweepTick while anything is in flight and sleeps
+// otherwise.
+type inflight struct {
+	timeout time.Duration
+
+	mu         sync.Mutex
+	young      []*request // queued in start order; ended ones are dropped lazily
+	youngHead  int
+	head, tail *request // the long list, oldest first
+	closed     bool     // after shutdown every new request starts cancelled
+	idle       bool     // the sweeper waits for kick
+	kick       chan struct{}
+	stop       chan struct{}
+	done       chan struct{}
+}
+
+const (
+	sweepTick = time.Millisecond
+	// sweepIdleTicks of nothing in flight put the sweeper to sleep; under
+	// steady traffic it then keeps its ticker rather than being woken for
+	// every request.
+	sweepIdleTicks = 100
+)
+
+func newInflight(timeout time.Duration) *inflight {
+	f := &inflight{timeout: timeout, idle: true, kick: make(chan struct{}, 1),
+		stop: make(chan struct{}), done: make(chan struct{})}
+	go f.run()
+	return f
+}
+
+// add tracks r from now until its last reference is released.
+func (f *inflight) add(r *request) {
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		r.cancel(context.Canceled)
+		return
+	}
+	f.young = append(f.young, r)
+	wake := f.idle
+	f.idle = false
+	f.mu.Unlock()
+	if wake {
+		select {
+		case f.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// finished marks r's response as complete: no watch may start any more. It
+// returns the watch to stop if one was started.
+func (f *inflight) finished(r *request) *connWatcher {
+	f.mu.Lock()
+	r.responded = true
+	w := r.watch
+	f.mu.Unlock()
+	return w
+}
+
+// remove stops tracking r (its last reference is gone).
+func (f *inflight) remove(r *request) {
+	f.mu.Lock()
+	r.released = true
+	f.unlinkLocked(r)
+	f.mu.Unlock()
+}
+
+func (f *inflight) unlinkLocked(r *request) {
+	if !r.long {
+		return
+	}
+	if r.prev != nil {
+		r.prev.next = r.next
+	} else {
+		f.head = r.next
+	}
+	if r.next != nil {
+		r.next.prev = r.prev
+	} else {
+		f.tail = r.prev
+	}
+	r.prev, r.next, r.long = nil, nil, false
+}
+
+func (f *inflight) run() {
+	defer close(f.done)
+	ticker := time.NewTicker(sweepTick)
+	ticker.Stop()
+	quiet := 0
+	for {
+		select {
+		case <-f.stop:
+			ticker.Stop()
+			return
+		case <-f.kick:
+			ticker.Reset(sweepTick)
+			quiet = 0
+			continue
+		case now := <-ticker.C:
+			if f.sweep(now) {
+				quiet = 0
+			} else if quiet++; quiet >= sweepIdleTicks {
+				f.mu.Lock()
+				if f.head == nil && len(f.young) == f.youngHead {
+					f.idle = true
+					ticker.Stop()
+				}
+				f.mu.Unlock()
+			}
+		}
+	}
+}
+
+// sweep promotes young requests, starts their watches and times out the
+// oldest; it reports whether anything was in flight.
+func (f *inflight) sweep(now time.Time) bool {
+	var expired []*request
+	f.mu.Lock()
+	busy := f.head != nil || len(f.young) > f.youngHead
+	for f.youngHead < len(f.young) {
+		r := f.young[f.youngHead]
+		if now.Sub(r.start) < watchDelay {
+			break
+		}
+		f.young[f.youngHead] = nil
+		f.youngHead++
+		if r.released {
+			continue
+		}
+		if !r.responded && r.conn != nil {
+			r.watch = startWatch(r.conn, r.clientLeft)
+		}
+		r.long, r.prev = true, f.tail
+		if f.tail != nil {
+			f.tail.next = r
+		} else {
+			f.head = r
+		}
+		f.tail = r
+	}
+	// Under steady traffic the queue never drains: move what is left to the
+	// front once the consumed part is the larger half.
+	if f.youngHead > 0 && f.youngHead*2 >= len(f.young) {
+		n := copy(f.young, f.young[f.youngHead:])
+		clear(f.young[n:])
+		f.young, f.youngHead = f.young[:n], 0
+	}
+	for f.timeout > 0 && f.head != nil && now.Sub(f.head.start) >= f.timeout {
+		r := f.head
+		f.unlinkLocked(r)
+		expired = append(expired, r)
+	}
+	f.mu.Unlock()
+	for _, r := range expired {
+		r.cancel(errRequestTimeout)
+	}
+	return busy
+}
+
+// close cancels every request still in flight and stops the sweeper.
+func (f *inflight) close() {
+	f.mu.Lock()
+	if f.closed {
+		f.mu.Unlock()
+		return
+	}
+	f.closed = true
+	var all []*request
+	for _, r := range f.young[f.youngHead:] {
+		if !r.released {
+			all = append(all, r)
+		}
+	}
+	for r := f.head; r != nil; r = r.next {
+		all = append(all, r)
+	}
+	f.mu.Unlock()
+	for _, r := range all {
+		r.cancel(context.Canceled)
+	}
+	close(f.stop)
+	<-f.done
+}

@@ -1,0 +1,178 @@
+package router
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+)
+
+func trackedRequest(f *inflight, start time.Time, conn net.Conn) *request {
+	r := &request{start: start, conn: conn}
+	r.ctx, r.cancel = context.WithCancelCause(context.Background())
+	f.add(r)
+	return r
+}
+
+// newTestInflight is a tracker whose sweeps the test drives itself.
+func newTestInflight(t *testing.T, timeout time.Duration) *inflight {
+	f := &inflight{timeout: timeout, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
+	close(f.done)
+	t.Cleanup(func() { close(f.stop) })
+	return f
+}
+
+func TestInflightTimesOutOldestFirstAndOnlyLiveRequests(t *testing.T) {
+	f := newTestInflight(t, time.Second)
+	t0 := time.Now()
+	old := trackedRequest(f, t0, nil)
+	ended := trackedRequest(f, t0.Add(time.Millisecond), nil)
+	young := trackedRequest(f, t0.Add(500*time.Millisecond), nil)
+	f.finished(ended)
+	f.remove(ended)
+
+	f.sweep(t0.Add(10 * time.Millisecond))
+	if old.ctx.Err() != nil || young.ctx.Err() != nil {
+		t.Fatal("cancelled before the timeout")
+	}
+	if f.head != old || f.tail != old {
+		t.Fatalf("long list should hold only the old live request")
+	}
+	f.sweep(t0.Add(time.Second))
+	if context.Cause(old.ctx) != errRequestTimeout {
+		t.Fatalf("old request: cause %v, want the request timeout", context.Cause(old.ctx))
+	}
+	if context.Cause(ended.ctx) != nil {
+		t.Fatal("a released request was cancelled")
+	}
+	if young.ctx.Err() != nil {
+		t.Fatal("young request timed out early")
+	}
+	f.sweep(t0.Add(1500 * time.Millisecond))
+	if context.Cause(young.ctx) != errRequestTimeout {
+		t.Fatalf("young request: cause %v", context.Cause(young.ctx))
+	}
+	if f.head != nil || f.tail != nil || len(f.young) != f.youngHead {
+		t.Fatal("tracker not empty after every request ended")
+	}
+}
+
+// A request answered before watchDelay never gets a watch; one still
+// waiting does, and the watch reports the client leaving.
+func TestInflightWatchesOnlyLongRequests(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	client, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	server, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+
+	f := newTestInflight(t, time.Hour)
+	t0 := time.Now()
+	quick := trackedRequest(f, t0, server)
+	if w := f.finished(quick); w != nil {
+		t.Fatal("watch started before watchDelay")
+	}
+	f.sweep(t0.Add(watchDelay))
+	if quick.watch != nil {
+		t.Fatal("a request answered in time got a watch")
+	}
+	f.remove(quick)
+
+	slow := trackedRequest(f, t0, server)
+	f.sweep(t0.Add(watchDelay))
+	if slow.watch == nil {
+		t.Fatal("no watch on a request older than watchDelay")
+	}
+	client.Close()
+	select {
+	case <-slow.ctx.Done():
+		if context.Cause(slow.ctx) != errClientGone {
+			t.Fatalf("cause %v, want errClientGone", context.Cause(slow.ctx))
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("client disconnect not seen")
+	}
+	f.finished(slow).stop()
+	f.remove(slow)
+}
+
+// Under steady traffic the young queue never drains; it must not grow.
+func TestInflightQueueStaysBoundedUnderSteadyTraffic(t *testing.T) {
+	f := newTestInflight(t, time.Hour)
+	t0 := time.Now()
+	var live []*request
+	for i := range 100_000 {
+		now := t0.Add(time.Duration(i) * 10 * time.Microsecond) // 100k req/s
+		r := trackedRequest(f, now, nil)
+		live = append(live, r)
+		if len(live) > 20 { // 20 in flight, answered in 200 µs
+			f.finished(live[0])
+			f.remove(live[0])
+			live = live[1:]
+		}
+		if i%100 == 0 {
+			f.sweep(now)
+		}
+	}
+	// 2 ms of arrivals at 100k/s is 200 requests; twice that after compaction.
+	if cap(f.young) > 1024 {
+		t.Fatalf("young queue grew to %d", cap(f.young))
+	}
+}
+
+func TestInflightCloseCancelsEverythingAndLaterRequests(t *testing.T) {
+	f := newInflight(time.Hour)
+	t0 := time.Now()
+	a := trackedRequest(f, t0.Add(-time.Second), nil) // promoted by the first sweep
+	b := trackedRequest(f, t0, nil)
+	time.Sleep(5 * sweepTick)
+	f.close()
+	for _, r := range []*request{a, b} {
+		if r.ctx.Err() == nil {
+			t.Fatal("request still live after close")
+		}
+	}
+	late := trackedRequest(f, time.Now(), nil)
+	if late.ctx.Err() == nil {
+		t.Fatal("request added after close is live")
+	}
+}
+
+// The sweeper sleeps once nothing is in flight, and wakes for new work.
+func TestInflightSweeperSleepsWhenIdle(t *testing.T) {
+	f := newInflight(time.Hour)
+	defer f.close()
+	r := trackedRequest(f, time.Now(), nil)
+	f.finished(r)
+	f.remove(r)
+	waitFor(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return f.idle })
+	r = trackedRequest(f, time.Now().Add(-time.Hour), nil) // already past the timeout
+	waitFor(t, func() bool { return r.ctx.Err() != nil })
+	if context.Cause(r.ctx) != errRequestTimeout {
+		t.Fatalf("cause %v", context.Cause(r.ctx))
+	}
+}
+
+// BenchmarkInflight is what the tracker costs a request that ends before its
+// watch starts (most requests of a zero-delay benchmark). The request itself
+// is allocated per iteration, as on the server.
+func BenchmarkInflight(b *testing.B) {
+	f := newInflight(time.Hour)
+	defer f.close()
+	b.ReportAllocs()
+	for b.Loop() {
+		r := &request{start: time.Now()}
+		f.add(r)
+		f.finished(r)
+		f.remove(r)
+	}
+}
