@@ -180,9 +180,10 @@ func (u *upstream) get(addr string) (*upConn, bool) {
 	for len(conns) > 0 {
 		c := conns[len(conns)-1]
 		conns = conns[:len(conns)-1]
+		// No deadline to clear: a connection whose cancellation hook ran
+		// is closed, never pooled (upstreamResponse.Close).
 		if time.Since(c.lastUsed) < u.idleTimeout {
 			u.idle[addr] = conns
-			_ = c.c.SetDeadline(time.Time{})
 			return c, true
 		}
 		c.c.Close()
