@@ -4,6 +4,7 @@
 #
 #   regular mode: wrk and pdbench → mockworker directly, → pdrouter, → nginx
 #   PD mode:      pdrouter with 1 prefill + 1 decode and 2 + 2, against the decode worker directly
+#                 and against nginx in front of the decode worker (the cost of one proxy hop here)
 #   streams:      1,000 concurrent streams of 256 tokens through pdrouter (PD 1+1), no errors allowed
 #
 # Writes bench/out/router.json and the router section of bench/RESULTS.md.
@@ -154,6 +155,7 @@ start_worker D2 decode
 
 log "starting nginx and the routers"
 NG=$(free_port)
+NGD=$(free_port)
 mkdir -p "$T/nginx"
 cat >"$T/nginx/nginx.conf" <<EOF
 user $(id -un);
@@ -170,10 +172,20 @@ http {
 	uwsgi_temp_path $T/nginx/uwsgi;
 	scgi_temp_path $T/nginx/scgi;
 	upstream backend { server 127.0.0.1:$W; keepalive 256; }
+	upstream decode { server 127.0.0.1:$D1; keepalive 256; }
 	server {
 		listen 127.0.0.1:$NG;
 		location / {
 			proxy_pass http://backend;
+			proxy_http_version 1.1;
+			proxy_set_header Connection "";
+			proxy_buffering off;
+		}
+	}
+	server {
+		listen 127.0.0.1:$NGD;
+		location / {
+			proxy_pass http://decode;
 			proxy_http_version 1.1;
 			proxy_set_header Connection "";
 			proxy_buffering off;
@@ -194,16 +206,16 @@ start_router PD2 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 \
 
 # The machine is shared and noisy, so every measurement runs in rounds that visit the targets in
 # turn: a burst of load from elsewhere then hits all of them alike instead of one.
-NAMES=(direct router nginx decode pd1 pd2)
-declare -A URL=([direct]=$W [router]=$RR [nginx]=$NG [decode]=$D1 [pd1]=$PD1 [pd2]=$PD2)
-declare -A PROCS=([direct]="" [router]=$RR_PID [nginx]="${NGINX_ALL[*]}" [decode]="" [pd1]=$PD1_PID [pd2]=$PD2_PID)
+NAMES=(direct router nginx decode nginxd pd1 pd2)
+declare -A URL=([direct]=$W [router]=$RR [nginx]=$NG [decode]=$D1 [nginxd]=$NGD [pd1]=$PD1 [pd2]=$PD2)
+declare -A PROCS=([direct]="" [router]=$RR_PID [nginx]="${NGINX_ALL[*]}" [decode]="" [nginxd]="${NGINX_ALL[*]}" [pd1]=$PD1_PID [pd2]=$PD2_PID)
 declare -A RPS REQS TICKS_USED
 for n in "${NAMES[@]}"; do RPS[$n]=0 REQS[$n]=0 TICKS_USED[$n]=0; done
 for round in $(seq "$ROUNDS"); do
 	log "wrk round $round/$ROUNDS: -t1 -c64, $((WRK_SECS / ROUNDS))s per target, non-streamed 8-token /generate"
 	for n in "${NAMES[@]}"; do
 		body=$GEN
-		[ "$n" = decode ] && body=$GEN_BOOT
+		[[ $n == decode || $n == nginxd ]] && body=$GEN_BOOT
 		# shellcheck disable=SC2086 # PROCS holds a list of pids
 		read -r rps reqs ticks < <(wrk_run $((WRK_SECS / ROUNDS)) "http://127.0.0.1:${URL[$n]}/generate" "$body" ${PROCS[$n]})
 		# Noise only ever slows a run down, so the best round is the closest to the truth.
@@ -213,9 +225,9 @@ for round in $(seq "$ROUNDS"); do
 done
 cpu_per_1k() { awk -v t="${TICKS_USED[$1]}" -v n="${REQS[$1]}" -v hz="$TICKS" 'BEGIN {printf "%.3f", (n > 0 ? t / hz / n * 1000 : 0)}'; }
 WRK_DIRECT=${RPS[direct]} WRK_ROUTER=${RPS[router]} WRK_NGINX=${RPS[nginx]}
-WRK_DECODE=${RPS[decode]} WRK_PD1=${RPS[pd1]} WRK_PD2=${RPS[pd2]}
-CPU_ROUTER=$(cpu_per_1k router) CPU_NGINX=$(cpu_per_1k nginx) CPU_PD1=$(cpu_per_1k pd1) CPU_PD2=$(cpu_per_1k pd2)
-log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX; decode direct $WRK_DECODE, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
+WRK_DECODE=${RPS[decode]} WRK_NGINXD=${RPS[nginxd]} WRK_PD1=${RPS[pd1]} WRK_PD2=${RPS[pd2]}
+CPU_ROUTER=$(cpu_per_1k router) CPU_NGINX=$(cpu_per_1k nginx) CPU_NGINXD=$(cpu_per_1k nginxd) CPU_PD1=$(cpu_per_1k pd1) CPU_PD2=$(cpu_per_1k pd2)
+log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX; decode direct $WRK_DECODE, nginx → decode $WRK_NGINXD, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
 
 # Latency at half the saturating rate. Saturation is measured as pdbench drives it (a closed loop
 # of 64 against PD 1+1, the slowest path), not as wrk does: pdbench's client costs more CPU than
@@ -229,7 +241,7 @@ for round in $(seq "$ROUNDS"); do
 	log "pdbench round $round/$ROUNDS: Poisson $RATE req/s (PD 1+1 saturates at ${CAP%.*} under pdbench), $((LAT_SECS / ROUNDS))s per target"
 	for n in "${NAMES[@]}"; do
 		extra=""
-		[ "$n" = decode ] && extra="{$BOOT}"
+		[[ $n == decode || $n == nginxd ]] && extra="{$BOOT}"
 		latency "$n" "http://127.0.0.1:${URL[$n]}" "$RATE" $((LAT_SECS / ROUNDS)) "$extra"
 	done
 done
@@ -271,12 +283,12 @@ added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
 {
 	echo "{"
 	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"load_average\": [$LOAD_START, $LOAD_END], \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pd_1p1d_pdbench_saturation\": $CAP,"
-	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"decode_direct\": $WRK_DECODE, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
-	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
+	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"decode_direct\": $WRK_DECODE, \"nginx_decode\": $WRK_NGINXD, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
+	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"nginx_decode\": $CPU_NGINXD, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
 	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
 	echo "  \"latency_ms\": {"
 	sep=""
-	for n in direct router nginx decode pd1 pd2; do
+	for n in "${NAMES[@]}"; do
 		printf '%s    "%s": {"p50_e2e": %s, "p99_e2e": %s, "p50_ttft": %s, "p99_ttft": %s, "completed": %s, "failed": %s}' \
 			"$sep" "$n" "$(lat $n median_e2e_latency_ms)" "$(lat $n p99_e2e_latency_ms)" "$(lat $n median_ttft_ms)" \
 			"$(lat $n p99_ttft_ms)" "$(lat $n completed)" "$(lat $n failed)"
@@ -303,7 +315,8 @@ at which a closed loop of 64 pdbench clients saturates PD 1P+1D. Each measuremen
 that visit every path in turn, and the table shows each path's best round, since load from other
 work on these shared cores only ever slows a round down (1-minute load average $LOAD_START at the
 start, $LOAD_END at the end). Added latency is over the same backend reached directly (regular mode:
-the worker; PD mode: the decode worker). CPU is the proxy's user+system time per 1,000 wrk
+the worker; PD mode: the decode worker); the nginx → decode row is the same nginx in front of the
+decode worker, what one keep-alive proxy hop costs on this machine. CPU is the proxy's user+system time per 1,000 wrk
 requests (for nginx, all its processes); RSS is its peak (VmHWM).
 
 | path | req/s | CPU s / 1k req | peak RSS MiB | p50 ms | p99 ms | added p50 µs | added p99 µs |
@@ -312,11 +325,13 @@ requests (for nginx, all its processes); RSS is its peak (VmHWM).
 $(row "pdrouter (regular)" "$WRK_ROUTER" "$CPU_ROUTER" "$RSS_ROUTER" direct router)
 $(row "nginx (keep-alive proxy)" "$WRK_NGINX" "$CPU_NGINX" "$RSS_NGINX" direct nginx)
 | direct → decode worker | $WRK_DECODE | – | – | $(lat decode median_e2e_latency_ms) | $(lat decode p99_e2e_latency_ms) | – | – |
+$(row "nginx → decode worker (one hop)" "$WRK_NGINXD" "$CPU_NGINXD" "$RSS_NGINX" decode nginxd)
 $(row "pdrouter PD 1P+1D" "$WRK_PD1" "$CPU_PD1" "$RSS_PD1" decode pd1)
 $(row "pdrouter PD 2P+2D" "$WRK_PD2" "$CPU_PD2" "$RSS_PD2" decode pd2)
 
 Ratios: requests/s pdrouter / nginx **$(ratio "$WRK_ROUTER" "$WRK_NGINX")**, pdrouter / direct **$(ratio "$WRK_ROUTER" "$WRK_DIRECT")**,
 PD 1P+1D / direct decode **$(ratio "$WRK_PD1" "$WRK_DECODE")**; CPU per request pdrouter / nginx **$(ratio "$CPU_ROUTER" "$CPU_NGINX")**.
+Added p50 latency: one nginx hop **$(added_us "$(lat nginxd median_e2e_latency_ms)" "$(lat decode median_e2e_latency_ms)") µs**, PD 1P+1D **$(added_us "$(lat pd1 median_e2e_latency_ms)" "$(lat decode median_e2e_latency_ms)") µs**.
 
 Streams: $STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter PD 1P+1D: $ST_DONE completed,
 **$ST_FAILED errors**, $ST_TOKENS tokens, $ST_PEAK streams open at once at the peak (achieved
