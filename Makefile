@@ -27,6 +27,7 @@ run: deps build
 bench:
 	@scripts/install-deps.sh bench
 	@$(MAKE) --no-print-directory build
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/fastproxy ./bench/fastproxy
 	@scripts/bench-router.sh
 
 bench-ucx: deps

@@ -2,7 +2,8 @@
 # make bench: pdrouter against going straight to the backend and against nginx as a keep-alive
 # reverse proxy, on zero-delay mockworkers, side by side in one run on this machine.
 #
-#   regular mode: wrk and pdbench → mockworker directly, → pdrouter, → nginx
+#   regular mode: wrk and pdbench → mockworker directly, → pdrouter, → nginx, → fastproxy (a bare
+#                 fasthttp reverse proxy: what pdrouter's HTTP library costs before any router work)
 #   PD mode:      pdrouter with 1 prefill + 1 decode and 2 + 2, against the decode worker directly
 #                 and against nginx in front of the decode worker (the cost of one proxy hop here)
 #   streams:      1,000 concurrent streams of 256 tokens through pdrouter (PD 1+1), no errors allowed
@@ -19,7 +20,7 @@ ROUNDS=${ROUNDS:-3}
 STREAMS=${STREAMS:-1000}
 STREAM_TOKENS=${STREAM_TOKENS:-256}
 OUT=bench/out
-for b in pdrouter mockworker pdbench; do
+for b in pdrouter mockworker pdbench fastproxy; do
 	[ -x "$BIN/$b" ] || { echo "bench-router: $BIN/$b missing; run make build" >&2; exit 1; }
 done
 for c in nginx wrk; do
@@ -199,6 +200,12 @@ pids+=("$NGINX_PID")
 wait_ok "$NG" /health nginx "$T/nginx/error.log"
 NGINX_ALL=("$NGINX_PID" $(pgrep -P "$NGINX_PID"))
 
+FP=$(free_port)
+"$BIN/fastproxy" --listen "127.0.0.1:$FP" --backend "127.0.0.1:$W" >"$T/fastproxy.log" 2>&1 &
+FASTPROXY_PID=$!
+pids+=("$FASTPROXY_PID")
+wait_ok "$FP" /health fastproxy "$T/fastproxy.log"
+
 start_router RR --worker-urls "http://127.0.0.1:$W"
 start_router PD1 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --decode "http://127.0.0.1:$D1"
 start_router PD2 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 \
@@ -206,9 +213,9 @@ start_router PD2 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 \
 
 # The machine is shared and noisy, so every measurement runs in rounds that visit the targets in
 # turn: a burst of load from elsewhere then hits all of them alike instead of one.
-NAMES=(direct router nginx decode nginxd pd1 pd2)
-declare -A URL=([direct]=$W [router]=$RR [nginx]=$NG [decode]=$D1 [nginxd]=$NGD [pd1]=$PD1 [pd2]=$PD2)
-declare -A PROCS=([direct]="" [router]=$RR_PID [nginx]="${NGINX_ALL[*]}" [decode]="" [nginxd]="${NGINX_ALL[*]}" [pd1]=$PD1_PID [pd2]=$PD2_PID)
+NAMES=(direct router nginx fast decode nginxd pd1 pd2)
+declare -A URL=([direct]=$W [router]=$RR [nginx]=$NG [fast]=$FP [decode]=$D1 [nginxd]=$NGD [pd1]=$PD1 [pd2]=$PD2)
+declare -A PROCS=([direct]="" [router]=$RR_PID [nginx]="${NGINX_ALL[*]}" [fast]=$FASTPROXY_PID [decode]="" [nginxd]="${NGINX_ALL[*]}" [pd1]=$PD1_PID [pd2]=$PD2_PID)
 declare -A RPS REQS TICKS_USED
 for n in "${NAMES[@]}"; do RPS[$n]=0 REQS[$n]=0 TICKS_USED[$n]=0; done
 for round in $(seq "$ROUNDS"); do
@@ -224,10 +231,10 @@ for round in $(seq "$ROUNDS"); do
 	done
 done
 cpu_per_1k() { awk -v t="${TICKS_USED[$1]}" -v n="${REQS[$1]}" -v hz="$TICKS" 'BEGIN {printf "%.3f", (n > 0 ? t / hz / n * 1000 : 0)}'; }
-WRK_DIRECT=${RPS[direct]} WRK_ROUTER=${RPS[router]} WRK_NGINX=${RPS[nginx]}
+WRK_DIRECT=${RPS[direct]} WRK_ROUTER=${RPS[router]} WRK_NGINX=${RPS[nginx]} WRK_FAST=${RPS[fast]}
 WRK_DECODE=${RPS[decode]} WRK_NGINXD=${RPS[nginxd]} WRK_PD1=${RPS[pd1]} WRK_PD2=${RPS[pd2]}
-CPU_ROUTER=$(cpu_per_1k router) CPU_NGINX=$(cpu_per_1k nginx) CPU_NGINXD=$(cpu_per_1k nginxd) CPU_PD1=$(cpu_per_1k pd1) CPU_PD2=$(cpu_per_1k pd2)
-log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX; decode direct $WRK_DECODE, nginx → decode $WRK_NGINXD, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
+CPU_ROUTER=$(cpu_per_1k router) CPU_NGINX=$(cpu_per_1k nginx) CPU_FAST=$(cpu_per_1k fast) CPU_NGINXD=$(cpu_per_1k nginxd) CPU_PD1=$(cpu_per_1k pd1) CPU_PD2=$(cpu_per_1k pd2)
+log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX, fastproxy $WRK_FAST; decode direct $WRK_DECODE, nginx → decode $WRK_NGINXD, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
 
 # Latency at half the saturating rate. Saturation is measured as pdbench drives it (a closed loop
 # of 64 against PD 1+1, the slowest path), not as wrk does: pdbench's client costs more CPU than
@@ -266,6 +273,7 @@ ST_RSS=$(hwm_kib "$SR_PID")
 RSS_ROUTER=$(hwm_kib "$RR_PID")
 RSS_PD1=$(hwm_kib "$PD1_PID")
 RSS_PD2=$(hwm_kib "$PD2_PID")
+RSS_FAST=$(hwm_kib "$FASTPROXY_PID")
 RSS_NGINX=0
 for p in "${NGINX_ALL[@]}"; do RSS_NGINX=$((RSS_NGINX + $(hwm_kib "$p"))); done
 
@@ -283,9 +291,9 @@ added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
 {
 	echo "{"
 	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"load_average\": [$LOAD_START, $LOAD_END], \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pd_1p1d_pdbench_saturation\": $CAP,"
-	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"decode_direct\": $WRK_DECODE, \"nginx_decode\": $WRK_NGINXD, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
-	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"nginx_decode\": $CPU_NGINXD, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
-	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
+	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"fastproxy\": $WRK_FAST, \"decode_direct\": $WRK_DECODE, \"nginx_decode\": $WRK_NGINXD, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
+	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"fastproxy\": $CPU_FAST, \"nginx_decode\": $CPU_NGINXD, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
+	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"fastproxy\": $RSS_FAST, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
 	echo "  \"latency_ms\": {"
 	sep=""
 	for n in "${NAMES[@]}"; do
@@ -316,7 +324,9 @@ that visit every path in turn, and the table shows each path's best round, since
 work on these shared cores only ever slows a round down (1-minute load average $LOAD_START at the
 start, $LOAD_END at the end). Added latency is over the same backend reached directly (regular mode:
 the worker; PD mode: the decode worker); the nginx → decode row is the same nginx in front of the
-decode worker, what one keep-alive proxy hop costs on this machine. CPU is the proxy's user+system time per 1,000 wrk
+decode worker, what one keep-alive proxy hop costs on this machine; fastproxy is a reverse proxy
+made of fasthttp alone (bench/fastproxy, no router work at all), the floor for a router built on
+fasthttp and the Go runtime here. CPU is the proxy's user+system time per 1,000 wrk
 requests (for nginx, all its processes); RSS is its peak (VmHWM).
 
 | path | req/s | CPU s / 1k req | peak RSS MiB | p50 ms | p99 ms | added p50 µs | added p99 µs |
@@ -324,13 +334,16 @@ requests (for nginx, all its processes); RSS is its peak (VmHWM).
 | direct → worker | $WRK_DIRECT | – | – | $(lat direct median_e2e_latency_ms) | $(lat direct p99_e2e_latency_ms) | – | – |
 $(row "pdrouter (regular)" "$WRK_ROUTER" "$CPU_ROUTER" "$RSS_ROUTER" direct router)
 $(row "nginx (keep-alive proxy)" "$WRK_NGINX" "$CPU_NGINX" "$RSS_NGINX" direct nginx)
+$(row "fastproxy (bare fasthttp proxy)" "$WRK_FAST" "$CPU_FAST" "$RSS_FAST" direct fast)
 | direct → decode worker | $WRK_DECODE | – | – | $(lat decode median_e2e_latency_ms) | $(lat decode p99_e2e_latency_ms) | – | – |
 $(row "nginx → decode worker (one hop)" "$WRK_NGINXD" "$CPU_NGINXD" "$RSS_NGINX" decode nginxd)
 $(row "pdrouter PD 1P+1D" "$WRK_PD1" "$CPU_PD1" "$RSS_PD1" decode pd1)
 $(row "pdrouter PD 2P+2D" "$WRK_PD2" "$CPU_PD2" "$RSS_PD2" decode pd2)
 
 Ratios: requests/s pdrouter / nginx **$(ratio "$WRK_ROUTER" "$WRK_NGINX")**, pdrouter / direct **$(ratio "$WRK_ROUTER" "$WRK_DIRECT")**,
-PD 1P+1D / direct decode **$(ratio "$WRK_PD1" "$WRK_DECODE")**; CPU per request pdrouter / nginx **$(ratio "$CPU_ROUTER" "$CPU_NGINX")**.
+pdrouter / fastproxy **$(ratio "$WRK_ROUTER" "$WRK_FAST")**, fastproxy / nginx **$(ratio "$WRK_FAST" "$WRK_NGINX")**,
+PD 1P+1D / direct decode **$(ratio "$WRK_PD1" "$WRK_DECODE")**; CPU per request pdrouter / nginx **$(ratio "$CPU_ROUTER" "$CPU_NGINX")**,
+fastproxy / nginx **$(ratio "$CPU_FAST" "$CPU_NGINX")**.
 Added p50 latency: one nginx hop **$(added_us "$(lat nginxd median_e2e_latency_ms)" "$(lat decode median_e2e_latency_ms)") µs**, PD 1P+1D **$(added_us "$(lat pd1 median_e2e_latency_ms)" "$(lat decode median_e2e_latency_ms)") µs**.
 
 Streams: $STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter PD 1P+1D: $ST_DONE completed,
