@@ -65,14 +65,7 @@ func TestInflightWatchesOnlyLongRequests(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	server, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	client, server := tcpPair(t, ln)
 	defer server.Close()
 
 	f := newTestInflight(t, time.Hour)

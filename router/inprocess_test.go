@@ -140,6 +140,20 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 }
 
+// tcpPair connects a client to ln and returns both ends.
+func tcpPair(t *testing.T, ln net.Listener) (client, server net.Conn) {
+	t.Helper()
+	client, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	server, err = ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return client, server
+}
+
 func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -154,14 +168,7 @@ func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
 		{"close", func(c net.Conn) { c.Close() }, true},
 		{"pipelined bytes", func(c net.Conn) { c.Write([]byte("GET / HTTP/1.1\r\n")) }, false},
 	} {
-		client, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		server, err := ln.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
+		client, server := tcpPair(t, ln)
 		gone := make(chan struct{}, 1)
 		w := startWatch(server, func() { gone <- struct{}{} })
 		time.Sleep(2 * watchDelay) // parked in the netpoller
