@@ -11,15 +11,21 @@ import (
 // says it needs it (NeedsText), because extracting it costs a scan.
 type Request struct {
 	Text   string
-	Model  string                   // model the request asks for; "" = the default tree/pool
-	Header func(name string) string // case-insensitive request header lookup; may be nil
+	Model  string  // model the request asks for; "" = the default tree/pool
+	Header Headers // the request's headers; may be nil
+}
+
+// Headers looks request headers up case-insensitively; net/http's Header
+// fits, and the router passes a view of fasthttp's without copying it.
+type Headers interface {
+	Get(name string) string
 }
 
 func (r *Request) header(name string) string {
 	if r == nil || r.Header == nil {
 		return ""
 	}
-	return r.Header(name)
+	return r.Header.Get(name)
 }
 
 // Policy picks one worker out of the available ones. Implementations must be

@@ -2,6 +2,7 @@ package balancer
 
 import (
 	"fmt"
+	"net/http"
 	"runtime"
 	"strings"
 	"testing"
@@ -12,15 +13,11 @@ func benchRequests(n int) []*Request {
 	reqs := make([]*Request, n)
 	for i := range reqs {
 		sys := fmt.Sprintf("System %d: you are a careful assistant. %s", i%32, strings.Repeat("Rules. ", 20))
-		key := fmt.Sprintf("session-%d", i)
+		header := http.Header{}
+		header.Set(HeaderRoutingKey, fmt.Sprintf("session-%d", i))
 		reqs[i] = &Request{
-			Text: sys + fmt.Sprintf("User: question number %d about topic %d?", i, i*31),
-			Header: func(h string) string {
-				if h == HeaderRoutingKey {
-					return key
-				}
-				return ""
-			},
+			Text:   sys + fmt.Sprintf("User: question number %d about topic %d?", i, i*31),
+			Header: header,
 		}
 	}
 	return reqs

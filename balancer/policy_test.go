@@ -19,7 +19,7 @@ func withHeaders(kv ...string) *Request {
 	for i := 0; i < len(kv); i += 2 {
 		h.Set(kv[i], kv[i+1])
 	}
-	return &Request{Header: h.Get}
+	return &Request{Header: h}
 }
 
 func counts(t *testing.T, p Policy, ws []*Worker, n int, req func(i int) *Request) map[*Worker]int {

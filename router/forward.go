@@ -31,6 +31,9 @@ type request struct {
 	start     time.Time
 	requestID []byte
 	header    []byte // forwarded header lines, "Name: value\r\n" each
+	// headerSpace holds the usual header lines (only X-Request-Id) without
+	// an allocation of their own.
+	headerSpace [64]byte
 
 	// ctx ends when the client goes away, at the request timeout or at hard
 	// shutdown. It lives until the handler and every leg it started are
@@ -39,6 +42,7 @@ type request struct {
 	cancel context.CancelCauseFunc
 	refs   atomic.Int32
 	admit  func() // returns the admission token
+	policy balancer.Request
 	conn   net.Conn
 
 	// Guarded by the server's inflight tracker.
@@ -59,7 +63,7 @@ var errRequestTimeout = fmt.Errorf("request timed out: %w", context.DeadlineExce
 func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
 	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
 	r.body = ctx.PostBody()
-	r.header = forwardHeaders(ctx, false)
+	r.header = forwardHeaders(r.headerSpace[:0], ctx, false)
 	// The request timeout, the disconnect watch and hard shutdown all come
 	// from the inflight tracker, so the context needs no parent.
 	r.ctx, r.cancel = context.WithCancelCause(context.Background())
@@ -97,8 +101,7 @@ func (r *request) clientGone() bool { return context.Cause(r.ctx) == errClientGo
 // header lines, once per request (both legs and retries reuse them).
 // skipAuth leaves out the client's Authorization (regular mode sends the
 // worker's own key instead).
-func forwardHeaders(ctx *fasthttp.RequestCtx, skipAuth bool) []byte {
-	var b []byte
+func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool) []byte {
 	for k, v := range ctx.Request.Header.All() {
 		name := bstr(k)
 		switch {

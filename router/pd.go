@@ -123,8 +123,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	}
 	defer dw.DecLoad()
 	defer resp.Close()
-	out, err := io.ReadAll(resp)
-	if err != nil {
+	if err := readReply(ctx, resp); err != nil {
 		if f := leg.failure(actx); f != nil {
 			return f, false
 		}
@@ -135,9 +134,8 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read decode response: " + err.Error()}, false
 	}
 	if r.mergeLogprobs() && leg.wait(actx) {
-		out = mergeLogprobsJSON(leg.body, out)
+		ctx.SetBody(mergeLogprobsJSON(leg.body, ctx.Response.Body()))
 	}
-	writeReply(ctx, resp, out)
 	s.observeFirstByte(r)
 	return nil, false
 }
@@ -181,11 +179,26 @@ func (e *apiError) forStream(stream bool) *apiError {
 	return e
 }
 
-// writeReply sends a complete upstream reply.
-func writeReply(ctx *fasthttp.RequestCtx, resp *upstreamResponse, body []byte) {
+// readReply makes a worker's complete reply the client's: status, headers,
+// and the body read into the response's own (pooled) buffer.
+func readReply(ctx *fasthttp.RequestCtx, resp *upstreamResponse) error {
+	ctx.Response.ResetBody()
+	bufp := chunkPool.Get().(*[]byte)
+	defer chunkPool.Put(bufp)
+	for {
+		n, err := resp.Read(*bufp)
+		ctx.Response.AppendBody((*bufp)[:n])
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			ctx.Response.ResetBody()
+			return err
+		}
+	}
 	ctx.SetStatusCode(resp.StatusCode)
 	copyHeaders(ctx, resp)
-	ctx.SetBody(body)
+	return nil
 }
 
 // batchSize is the number of prompts in a request for bootstrap purposes:

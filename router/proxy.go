@@ -151,13 +151,22 @@ func boolLabel(b bool) string {
 }
 
 // policyRequest gives policies the request's routing text and headers.
+// It lives in the request, so a selection allocates nothing for it.
 func (s *Server) policyRequest(ctx *fasthttp.RequestCtx, r *request) *balancer.Request {
-	pr := &balancer.Request{Header: func(name string) string { return string(ctx.Request.Header.Peek(name)) }}
+	r.policy = balancer.Request{Header: (*clientHeaders)(&ctx.Request.Header)}
 	if s.prefill.NeedsText() || s.decode.NeedsText() {
-		pr.Text = string(r.routingText())
-		pr.Model = string(splice.FirstString(r.body, r.info.Model))
+		r.policy.Text = string(r.routingText())
+		r.policy.Model = string(splice.FirstString(r.body, r.info.Model))
 	}
-	return pr
+	return &r.policy
+}
+
+// clientHeaders shows policies the client's headers; valid while the
+// handler runs, which is when policies select.
+type clientHeaders fasthttp.RequestHeader
+
+func (h *clientHeaders) Get(name string) string {
+	return string((*fasthttp.RequestHeader)(h).Peek(name))
 }
 
 // routingText is what text-aware policies see (spec §2.1).

@@ -3,7 +3,6 @@ package router
 import (
 	"context"
 	"errors"
-	"io"
 
 	"github.com/valyala/fasthttp"
 
@@ -18,7 +17,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	}
 	header := r.header
 	if w.APIKey != "" { // regular mode authenticates to the worker with its own key
-		header = appendHeader(forwardHeaders(ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
+		header = appendHeader(forwardHeaders(nil, ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
 	w.IncLoad()
 	resp, err := s.post(r.ctx, w, r.path, r.body, header)
@@ -48,14 +47,12 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	}
 	defer w.DecLoad()
 	defer resp.Close()
-	out, err := io.ReadAll(resp)
-	if err != nil {
+	if err := readReply(ctx, resp); err != nil {
 		if r.clientGone() {
 			return nil, false
 		}
 		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read worker response: " + err.Error()}, false
 	}
-	writeReply(ctx, resp, out)
 	s.observeFirstByte(r)
 	return nil, false
 }

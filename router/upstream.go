@@ -143,7 +143,8 @@ func (u *upstream) roundTrip(ctx context.Context, conn *upConn, host, path strin
 	bw.WriteString(" HTTP/1.1\r\nHost: ")
 	bw.WriteString(host)
 	bw.WriteString("\r\nContent-Type: application/json\r\nContent-Length: ")
-	bw.WriteString(strconv.Itoa(len(body)))
+	var digits [20]byte
+	bw.Write(strconv.AppendInt(digits[:0], int64(len(body)), 10))
 	bw.WriteString("\r\n")
 	bw.Write(extra)
 	bw.WriteString("\r\n")
