@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/pdrouter/pdrouter/internal/testenv"
 )
 
 // TestBenchKV is `make bench-kv` (scripts/bench-kv.sh sets KV_BENCH_OUT):
@@ -173,7 +175,7 @@ func perftest(t *testing.T, tls string, size int) float64 {
 }
 
 func perftestOnce(t *testing.T, tls string, size int) float64 {
-	port := strconv.Itoa(freePort(t))
+	port := strconv.Itoa(testenv.FreePort(t))
 	env := append(os.Environ(), "UCX_TLS="+tls, "UCX_NET_DEVICES=lo")
 	srv := exec.Command("ucx_perftest", "-p", port)
 	srv.Env = env

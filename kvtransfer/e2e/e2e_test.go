@@ -16,7 +16,6 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -28,6 +27,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pdrouter/pdrouter/internal/testenv"
 )
 
 var kvFlags = []string{"--kv-layers", "2", "--kv-bytes-per-token", "64", "--kv-pool-tokens", "262144", "--kv-chunk-tokens", "4096"}
@@ -136,15 +137,6 @@ func tail(s string, n int) string {
 	return s
 }
 
-func freePort(t *testing.T) int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 type worker struct {
 	url     string
 	boot    int    // prefill: bootstrap port
@@ -180,16 +172,16 @@ func startCluster(t *testing.T, o opts) *cluster {
 	c := &cluster{}
 	add := func(role string, i int) worker {
 		sock := filepath.Join(dir, fmt.Sprintf("%s%d.sock", role, i))
-		mport := freePort(t)
+		mport := testenv.FreePort(t)
 		args := []string{"--role", role, "--transport", o.transport, "--control", sock, "--metrics-port", strconv.Itoa(mport),
 			"--bootstrap-timeout", o.timeouts, "--waiting-timeout", o.timeouts, "--heartbeat-interval", o.heartbeat, "--log-level", "warn"}
 		w := worker{metrics: fmt.Sprintf("http://127.0.0.1:%d/metrics", mport)}
 		if role == "prefill" {
-			w.boot = freePort(t)
+			w.boot = testenv.FreePort(t)
 			args = append(args, "--bootstrap-port", strconv.Itoa(w.boot))
 		}
 		w.proxy = start(t, env, "kvproxy ready", "kvproxy", args...)
-		port := freePort(t)
+		port := testenv.FreePort(t)
 		margs := append([]string{"--role", role, "--port", strconv.Itoa(port), "--kvproxy", sock, "--tokens", "4"}, kvFlags...)
 		if role == "prefill" && o.prefillDelay != "" {
 			margs = append(margs, "--prefill-delay", o.prefillDelay)
@@ -205,8 +197,8 @@ func startCluster(t *testing.T, o opts) *cluster {
 		c.decodes = append(c.decodes, add("decode", i))
 	}
 	if o.router {
-		port := freePort(t)
-		args := []string{"--pd-disaggregation", "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--prometheus-port", strconv.Itoa(freePort(t))}
+		port := testenv.FreePort(t)
+		args := []string{"--pd-disaggregation", "--host", "127.0.0.1", "--port", strconv.Itoa(port), "--prometheus-port", strconv.Itoa(testenv.FreePort(t))}
 		for _, p := range c.prefills {
 			args = append(args, "--prefill", p.url, strconv.Itoa(p.boot))
 		}
