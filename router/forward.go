@@ -38,8 +38,8 @@ type request struct {
 	// ctx ends when the client goes away, at the request timeout or at hard
 	// shutdown. It lives until the handler and every leg it started are
 	// done (refs), because a prefill leg may outlive its handler.
-	ctx    context.Context
-	cancel context.CancelCauseFunc
+	ctx    *scope
+	root   scope // what ctx points to: no allocation of its own
 	refs   atomic.Int32
 	admit  func() // returns the admission token
 	policy balancer.Request
@@ -65,8 +65,8 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	r.body = ctx.PostBody()
 	r.header = forwardHeaders(r.headerSpace[:0], ctx, false)
 	// The request timeout, the disconnect watch and hard shutdown all come
-	// from the inflight tracker, so the context needs no parent.
-	r.ctx, r.cancel = context.WithCancelCause(context.Background())
+	// from the inflight tracker, so the scope needs no parent.
+	r.ctx = &r.root
 	r.conn = ctx.Conn()
 	r.refs.Store(1)
 	s.inflight.add(r)
@@ -92,10 +92,13 @@ func (r *request) finish() {
 	r.release()
 }
 
+// cancel ends the request's scope, and with it every leg.
+func (r *request) cancel(cause error) { r.ctx.cancel(cause) }
+
 // clientLeft is the disconnect watch's verdict.
 func (r *request) clientLeft() { r.cancel(errClientGone) }
 
-func (r *request) clientGone() bool { return context.Cause(r.ctx) == errClientGone }
+func (r *request) clientGone() bool { return r.ctx.Cause() == errClientGone }
 
 // forwardHeaders renders sglang-router's whitelist of client headers as
 // header lines, once per request (both legs and retries reuse them).
@@ -128,7 +131,7 @@ func appendHeader(b, name, value []byte) []byte {
 }
 
 // post sends body to w. The caller closes the response.
-func (s *Server) post(ctx context.Context, w *balancer.Worker, path string, body, header []byte) (*upstreamResponse, error) {
+func (s *Server) post(ctx *scope, w *balancer.Worker, path string, body, header []byte) (*upstreamResponse, error) {
 	return s.hot.post(ctx, w.URL, path, body, header)
 }
 

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"context"
 	"net"
 	"testing"
 	"time"
@@ -9,7 +8,7 @@ import (
 
 func trackedRequest(f *inflight, start time.Time, conn net.Conn) *request {
 	r := &request{start: start, conn: conn}
-	r.ctx, r.cancel = context.WithCancelCause(context.Background())
+	r.ctx = &r.root
 	f.add(r)
 	return r
 }
@@ -39,18 +38,18 @@ func TestInflightTimesOutOldestFirstAndOnlyLiveRequests(t *testing.T) {
 		t.Fatalf("long list should hold only the old live request")
 	}
 	f.sweep(t0.Add(time.Second))
-	if context.Cause(old.ctx) != errRequestTimeout {
-		t.Fatalf("old request: cause %v, want the request timeout", context.Cause(old.ctx))
+	if old.ctx.Cause() != errRequestTimeout {
+		t.Fatalf("old request: cause %v, want the request timeout", old.ctx.Cause())
 	}
-	if context.Cause(ended.ctx) != nil {
+	if ended.ctx.Cause() != nil {
 		t.Fatal("a released request was cancelled")
 	}
 	if young.ctx.Err() != nil {
 		t.Fatal("young request timed out early")
 	}
 	f.sweep(t0.Add(1500 * time.Millisecond))
-	if context.Cause(young.ctx) != errRequestTimeout {
-		t.Fatalf("young request: cause %v", context.Cause(young.ctx))
+	if young.ctx.Cause() != errRequestTimeout {
+		t.Fatalf("young request: cause %v", young.ctx.Cause())
 	}
 	if f.head != nil || f.tail != nil || len(f.young) != f.youngHead {
 		t.Fatal("tracker not empty after every request ended")
@@ -88,8 +87,8 @@ func TestInflightWatchesOnlyLongRequests(t *testing.T) {
 	client.Close()
 	select {
 	case <-slow.ctx.Done():
-		if context.Cause(slow.ctx) != errClientGone {
-			t.Fatalf("cause %v, want errClientGone", context.Cause(slow.ctx))
+		if slow.ctx.Cause() != errClientGone {
+			t.Fatalf("cause %v, want errClientGone", slow.ctx.Cause())
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("client disconnect not seen")
@@ -150,8 +149,8 @@ func TestInflightSweeperSleepsWhenIdle(t *testing.T) {
 	waitFor(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return f.idle })
 	r = trackedRequest(f, time.Now().Add(-time.Hour), nil) // already past the timeout
 	waitFor(t, func() bool { return r.ctx.Err() != nil })
-	if context.Cause(r.ctx) != errRequestTimeout {
-		t.Fatalf("cause %v", context.Cause(r.ctx))
+	if r.ctx.Cause() != errRequestTimeout {
+		t.Fatalf("cause %v", r.ctx.Cause())
 	}
 }
 

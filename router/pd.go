@@ -1,7 +1,6 @@
 package router
 
 import (
-	"context"
 	"io"
 
 	"github.com/valyala/fasthttp"
@@ -30,8 +29,8 @@ type prefillLeg struct {
 }
 
 // failure returns prefill's error if prefill is what ended ctx.
-func (p *prefillLeg) failure(ctx context.Context) *apiError {
-	if context.Cause(ctx) != errPrefillFailed {
+func (p *prefillLeg) failure(ctx *scope) *apiError {
+	if ctx.Cause() != errPrefillFailed {
 		return nil
 	}
 	<-p.done
@@ -39,7 +38,7 @@ func (p *prefillLeg) failure(ctx context.Context) *apiError {
 }
 
 // wait blocks until prefill has answered or ctx ends.
-func (p *prefillLeg) wait(ctx context.Context) bool {
+func (p *prefillLeg) wait(ctx *scope) bool {
 	select {
 	case <-p.done:
 		return p.err == nil
@@ -76,7 +75,8 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port,
 		batchSize(r.route, r.body, &r.info))
 
-	actx, cancel := context.WithCancelCause(r.ctx)
+	actx := newScope(r.ctx)
+	cancel := actx.cancel
 	leg := &prefillLeg{done: make(chan struct{})}
 	pw.IncLoad()
 	dw.IncLoad()
@@ -142,7 +142,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 
 // runPrefill sends the prefill leg and reads its reply. An error caused by
 // the attempt ending for another reason is not a prefill failure.
-func (s *Server) runPrefill(ctx context.Context, pw *balancer.Worker, r *request, body []byte) (*apiError, []byte) {
+func (s *Server) runPrefill(ctx *scope, pw *balancer.Worker, r *request, body []byte) (*apiError, []byte) {
 	resp, err := s.post(ctx, pw, r.path, body, r.header)
 	if err != nil {
 		if ctx.Err() != nil {

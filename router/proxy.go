@@ -1,7 +1,6 @@
 package router
 
 import (
-	"context"
 	"errors"
 	"time"
 
@@ -109,7 +108,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, "client_disconnected").Inc()
 		return
 	}
-	if context.Cause(r.ctx) == errRequestTimeout {
+	if r.ctx.Cause() == errRequestTimeout {
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
 	}
 	if fail != nil {

@@ -17,7 +17,7 @@ import (
 // then makes the rest the response body (streamRelay). leg is nil in
 // regular mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstreamResponse, w *balancer.Worker,
-	actx context.Context, leg *prefillLeg) (*apiError, bool) {
+	actx *scope, leg *prefillLeg) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(resp, *bufp)
 	if n == 0 && err != nil && err != io.EOF {
@@ -69,7 +69,7 @@ type streamRelay struct {
 	r       *request
 	resp    *upstreamResponse
 	w       *balancer.Worker
-	actx    context.Context
+	actx    *scope
 	leg     *prefillLeg
 	bufp    *[]byte
 	pending []byte // next bytes for the client
@@ -133,7 +133,7 @@ func (sr *streamRelay) next() []byte {
 		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
 		// A cancelled read fails with the connection's deadline error; the
 		// context says whether the request timeout was the reason.
-		if errors.Is(context.Cause(sr.actx), context.DeadlineExceeded) {
+		if errors.Is(sr.actx.Cause(), context.DeadlineExceeded) {
 			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
 		}
 	}

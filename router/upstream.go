@@ -22,8 +22,9 @@ import (
 // fails), and net/http hands every request across two goroutines per
 // connection, which costs more than the rest of the router together. Here a
 // request is written and its head read by the calling goroutine on a pooled
-// keep-alive connection, with fasthttp's parsers; cancelling the context
-// expires the connection's deadline, which ends any read or write at once.
+// keep-alive connection, with fasthttp's parsers; ending the request's
+// scope expires the connection's deadline, which ends any read or write at
+// once.
 type upstream struct {
 	dialer      net.Dialer
 	maxIdle     int           // idle connections kept per worker
@@ -50,6 +51,10 @@ type upConn struct {
 	lastUsed time.Time
 }
 
+// cancelled expires the connection's deadline: a read or write in progress
+// fails at once. Such a connection is never pooled again.
+func (c *upConn) cancelled(error) { _ = c.c.SetDeadline(time.Unix(1, 0)) }
+
 // upstreamResponse is a worker's reply: status and headers are read, the
 // body streams from the connection. Close must be called; the connection
 // goes back to the pool only if the body was read to its end.
@@ -60,7 +65,7 @@ type upstreamResponse struct {
 	resp       *fasthttp.Response
 	conn       *upConn
 	u          *upstream
-	stop       func() bool // unregisters the cancellation hook
+	scope      *scope // the connection is registered with it while in use
 	eof        bool
 	failed     bool
 }
@@ -82,7 +87,7 @@ func (r *upstreamResponse) Close() error {
 	if r.conn == nil {
 		return nil
 	}
-	cancelled := !r.stop()
+	cancelled := !r.scope.unregister(r.conn)
 	reusable := r.eof && !r.failed && !cancelled && !r.Header.ConnectionClose()
 	_ = r.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(r.resp)
@@ -100,7 +105,7 @@ var errUpstreamClosed = errors.New("worker closed the connection")
 
 // post sends body to baseURL+path with the given extra header lines
 // ("Name: value\r\n" each) and returns once the reply's head has arrived.
-func (u *upstream) post(ctx context.Context, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {
+func (u *upstream) post(ctx *scope, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {
 	addr, host, tlsHost, err := hostPort(baseURL)
 	if err != nil {
 		return nil, err
@@ -110,8 +115,8 @@ func (u *upstream) post(ctx context.Context, baseURL, path string, body []byte, 
 		if conn == nil {
 			c, err := u.dial(ctx, addr, tlsHost)
 			if err != nil {
-				if ctx.Err() != nil { // say why the dial was cut short
-					return nil, context.Cause(ctx)
+				if cause := ctx.Cause(); cause != nil { // say why the dial was cut short
+					return nil, cause
 				}
 				return nil, err
 			}
@@ -127,15 +132,17 @@ func (u *upstream) post(ctx context.Context, baseURL, path string, body []byte, 
 	}
 }
 
-func (u *upstream) roundTrip(ctx context.Context, conn *upConn, host, path string, body, extra []byte) (*upstreamResponse, error) {
-	stop := context.AfterFunc(ctx, func() { _ = conn.c.SetDeadline(time.Unix(1, 0)) })
+func (u *upstream) roundTrip(ctx *scope, conn *upConn, host, path string, body, extra []byte) (*upstreamResponse, error) {
 	fail := func(err error) (*upstreamResponse, error) {
-		stop()
+		ctx.unregister(conn)
 		conn.c.Close()
-		if ctx.Err() != nil {
-			return nil, context.Cause(ctx)
+		if cause := ctx.Cause(); cause != nil {
+			return nil, cause
 		}
 		return nil, err
+	}
+	if !ctx.register(conn) {
+		return fail(nil)
 	}
 	bw := conn.bw
 	bw.WriteString("POST ")
@@ -161,7 +168,7 @@ func (u *upstream) roundTrip(ctx context.Context, conn *upConn, host, path strin
 		}
 		return fail(err)
 	}
-	r := &upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, stop: stop}
+	r := &upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, scope: ctx}
 	r.body = resp.BodyStream()
 	if r.body == nil { // no body (e.g. 204)
 		r.body = strings.NewReader("")

@@ -1,0 +1,147 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+)
+
+// scope is the context of a request and of each PD attempt within it. It
+// does what context.WithCancelCause plus context.AfterFunc did for them,
+// without their per-request allocations (a cancelCtx, a cause closure, an
+// afterFuncCtx, two more closures, the parent's child map and its Done
+// channel): it is embedded in the request, registers what must hear of a
+// cancellation (upstream connections, child scopes) in inline slots, and
+// makes its Done channel only for the few callers that select on it.
+type scope struct {
+	mu    sync.Mutex
+	cause error
+	done  chan struct{}
+	hooks [3]canceller
+	more  []canceller
+}
+
+// canceller is told once when the scope it is registered with ends.
+type canceller interface {
+	cancelled(cause error)
+}
+
+// newScope returns a child of parent (nil: a root) that ends with it.
+func newScope(parent *scope) *scope {
+	s := &scope{}
+	s.inherit(parent)
+	return s
+}
+
+func (s *scope) inherit(parent *scope) {
+	if parent != nil && !parent.register(s) {
+		s.cause = parent.Cause()
+	}
+}
+
+// cancel ends the scope with cause; only the first call counts.
+func (s *scope) cancel(cause error) {
+	s.mu.Lock()
+	if s.cause != nil {
+		s.mu.Unlock()
+		return
+	}
+	s.cause = cause
+	if s.done != nil {
+		close(s.done)
+	}
+	hooks, more := s.hooks, s.more
+	s.hooks, s.more = [3]canceller{}, nil
+	s.mu.Unlock()
+	for _, h := range hooks {
+		if h != nil {
+			h.cancelled(cause)
+		}
+	}
+	for _, h := range more {
+		h.cancelled(cause)
+	}
+}
+
+func (s *scope) cancelled(cause error) { s.cancel(cause) }
+
+// register arranges for h to hear of the scope's end. It returns false
+// (and registers nothing) if the scope has already ended.
+func (s *scope) register(h canceller) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cause != nil {
+		return false
+	}
+	for i := range s.hooks {
+		if s.hooks[i] == nil {
+			s.hooks[i] = h
+			return true
+		}
+	}
+	s.more = append(s.more, h)
+	return true
+}
+
+// unregister takes h back. False means the scope has ended and h has been
+// (or is being) told: whatever h guards must be treated as cancelled.
+func (s *scope) unregister(h canceller) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cause != nil {
+		return false
+	}
+	for i := range s.hooks {
+		if s.hooks[i] == h {
+			s.hooks[i] = nil
+			return true
+		}
+	}
+	for i, m := range s.more {
+		if m == h {
+			s.more = append(s.more[:i], s.more[i+1:]...)
+			return true
+		}
+	}
+	return true
+}
+
+// Cause is why the scope ended, nil while it has not.
+func (s *scope) Cause() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cause
+}
+
+// The context.Context methods, for the APIs that take one (dialing,
+// admission, waits).
+
+func (s *scope) Deadline() (time.Time, bool) { return time.Time{}, false }
+
+func (s *scope) Done() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done == nil {
+		s.done = make(chan struct{})
+		if s.cause != nil {
+			close(s.done)
+		}
+	}
+	return s.done
+}
+
+// Err follows context's rule: DeadlineExceeded for a timeout (the cause
+// wraps it), Canceled for any other end.
+func (s *scope) Err() error {
+	cause := s.Cause()
+	switch {
+	case cause == nil:
+		return nil
+	case errors.Is(cause, context.DeadlineExceeded):
+		return context.DeadlineExceeded
+	}
+	return context.Canceled
+}
+
+func (s *scope) Value(any) any { return nil }
