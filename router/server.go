@@ -183,7 +183,10 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 // handle is the outermost layer: CORS, request id, metrics, auth, routing.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
-	path := string(ctx.Path())
+	path, ok := knownPaths[bstr(ctx.Path())]
+	if !ok {
+		path = string(ctx.Path())
+	}
 	method := string(ctx.Method())
 	s.setRequestID(ctx)
 	if s.cors(ctx) {
@@ -195,6 +198,19 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	s.metrics.httpResponses.WithLabelValues(statusLabel(ctx.Response.StatusCode()),
 		string(ctx.Response.Header.Peek("X-SMG-Error-Code"))).Inc()
 }
+
+// knownPaths hands out the routes' path strings, so that the common
+// requests do not copy theirs (the request keeps it; metrics label with it).
+var knownPaths = func() map[string]string {
+	m := map[string]string{}
+	for _, p := range []string{"/generate", "/v1/chat/completions", "/v1/completions", "/v1/rerank", "/rerank",
+		"/v1/embeddings", "/v1/classify", "/v1/responses", "/health", "/liveness", "/readiness", "/health_generate",
+		"/v1/models", "/get_model_info", "/get_server_info", "/server_info", "/flush_cache", "/get_loads",
+		"/engine_metrics", "/workers", "/list_workers"} {
+		m[p] = p
+	}
+	return m
+}()
 
 // route dispatches and returns the path label for metrics (known routes
 // only, so label cardinality stays bounded).
@@ -309,11 +325,11 @@ const requestIDAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0
 
 // setRequestID echoes the client's id (first of --request-id-headers) or
 // makes one with sglang-router's prefixes, and sets it on the response.
-func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) []byte {
+func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) {
 	for _, h := range s.cfg.RequestIDHeaders {
 		if v := ctx.Request.Header.Peek(h); len(v) > 0 {
 			ctx.Response.Header.SetBytesV("x-request-id", v)
-			return v
+			return
 		}
 	}
 	path := bstr(ctx.Path())
@@ -328,7 +344,8 @@ func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) []byte {
 	case strings.Contains(path, "/responses"):
 		prefix = "resp-"
 	}
-	id := make([]byte, len(prefix)+24)
+	var space [len("chatcmpl-") + 24]byte // the header copies it
+	id := space[:len(prefix)+24]
 	copy(id, prefix)
 	// Ten base-62 digits per random word (62^10 < 2^64): three draws
 	// instead of one per character.
@@ -341,5 +358,4 @@ func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) []byte {
 		x /= 62
 	}
 	ctx.Response.Header.SetBytesV("x-request-id", id)
-	return id
 }

@@ -150,8 +150,7 @@ func (u *upstream) roundTrip(ctx *scope, conn *upConn, host, path string, body, 
 	bw.WriteString(" HTTP/1.1\r\nHost: ")
 	bw.WriteString(host)
 	bw.WriteString("\r\nContent-Type: application/json\r\nContent-Length: ")
-	var digits [20]byte
-	bw.Write(strconv.AppendInt(digits[:0], int64(len(body)), 10))
+	bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(len(body)), 10))
 	bw.WriteString("\r\n")
 	bw.Write(extra)
 	bw.WriteString("\r\n")
