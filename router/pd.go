@@ -21,8 +21,10 @@ import (
 //     (after it);
 //  5. a client that goes away cancels both legs (connwatch.go, stream.go).
 
-// prefillLeg is the prefill request running beside decode.
+// prefillLeg is the prefill request running beside decode, with the
+// attempt's scope (one allocation for both).
 type prefillLeg struct {
+	actx scope // ends both legs: prefill failed, or the attempt is over
 	done chan struct{}
 	err  *apiError // set before done closes when prefill failed
 	body []byte    // prefill's reply, kept only for logprob merging
@@ -75,21 +77,14 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port,
 		batchSize(r.route, r.body, &r.info))
 
-	actx := newScope(r.ctx)
-	cancel := actx.cancel
 	leg := &prefillLeg{done: make(chan struct{})}
+	actx := &leg.actx
+	actx.inherit(r.ctx)
 	pw.IncLoad()
 	dw.IncLoad()
 	r.hold()
-	s.background.Go(func() {
-		defer r.release()
-		defer pw.DecLoad()
-		defer close(leg.done)
-		leg.err, leg.body = s.runPrefill(actx, pw, r, body)
-		if leg.err != nil {
-			cancel(errPrefillFailed)
-		}
-	})
+	s.background.Add(1)
+	go s.runPrefillLeg(leg, pw, r, body)
 
 	resp, err := s.post(actx, dw, r.path, body, r.header)
 	if err != nil {
@@ -97,7 +92,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		if f := leg.failure(actx); f != nil {
 			return f.forStream(r.info.Stream), false
 		}
-		cancel(errAttemptOver)
+		actx.cancel(errAttemptOver)
 		if r.clientGone() {
 			return nil, false
 		}
@@ -110,7 +105,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		eb := readError(resp)
 		resp.Close()
 		dw.DecLoad()
-		cancel(errAttemptOver)
+		actx.cancel(errAttemptOver)
 		s.bm.WorkerError(dw, "status_"+statusLabel(resp.StatusCode))
 		e := upstreamError("decode", resp.StatusCode, eb)
 		if r.info.Stream {
@@ -127,7 +122,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		if f := leg.failure(actx); f != nil {
 			return f, false
 		}
-		cancel(errAttemptOver)
+		actx.cancel(errAttemptOver)
 		if r.clientGone() {
 			return nil, false
 		}
@@ -138,6 +133,19 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	}
 	s.observeFirstByte(r)
 	return nil, false
+}
+
+// runPrefillLeg runs the prefill leg on its own goroutine (a method with
+// arguments rather than a closure: nothing to allocate for it).
+func (s *Server) runPrefillLeg(leg *prefillLeg, pw *balancer.Worker, r *request, body []byte) {
+	defer s.background.Done()
+	defer r.release()
+	defer pw.DecLoad()
+	defer close(leg.done)
+	leg.err, leg.body = s.runPrefill(&leg.actx, pw, r, body)
+	if leg.err != nil {
+		leg.actx.cancel(errPrefillFailed)
+	}
 }
 
 // runPrefill sends the prefill leg and reads its reply. An error caused by
