@@ -38,12 +38,13 @@ type request struct {
 	// ctx ends when the client goes away, at the request timeout or at hard
 	// shutdown. It lives until the handler and every leg it started are
 	// done (refs), because a prefill leg may outlive its handler.
-	ctx    *scope
-	root   scope // what ctx points to: no allocation of its own
-	refs   atomic.Int32
-	admit  func() // returns the admission token
-	policy balancer.Request
-	conn   net.Conn
+	ctx     *scope
+	root    scope // what ctx points to: no allocation of its own
+	refs    atomic.Int32
+	admit   func() // returns the admission token
+	policy  balancer.Request
+	metrics *routeMetrics // this route's series, set when routing starts
+	conn    net.Conn
 
 	// Guarded by the server's inflight tracker.
 	watch      *connWatcher // started once the request is watchDelay old

@@ -46,7 +46,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 		}
 		return path
 	}
-	s.metrics.rateLimit.WithLabelValues("allowed").Inc()
+	s.metrics.admitted.Inc()
 	r.admit = admit
 	s.serve(ctx, r)
 	return path
@@ -63,8 +63,8 @@ func (s *Server) backendType() string {
 func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	endpoint := r.route.String()
 	model := s.modelLabel(r)
-	s.metrics.routerRequests.WithLabelValues("http", s.backendType(), "http", model, endpoint,
-		boolLabel(r.info.Stream)).Inc()
+	r.metrics = s.metrics.forRoute(routeKey{s.backendType(), r.route, model, r.info.Stream})
+	r.metrics.requests.Inc()
 
 	var fail *apiError
 	attempts := s.cfg.Retry.Attempts()
@@ -116,7 +116,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		fail.write(ctx)
 		return
 	}
-	s.metrics.routerDuration.WithLabelValues("http", s.backendType(), "http", model, endpoint).Observe(since(r.start))
+	r.metrics.duration.Observe(since(r.start))
 }
 
 // modelLabel is the request's model when a worker serves it: the label is

@@ -193,10 +193,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	label := s.route(ctx, path, method)
-	s.metrics.httpRequests.WithLabelValues(method, label).Inc()
-	s.metrics.httpDuration.WithLabelValues(method, label).Observe(since(start))
-	s.metrics.httpResponses.WithLabelValues(statusLabel(ctx.Response.StatusCode()),
-		string(ctx.Response.Header.Peek("X-SMG-Error-Code"))).Inc()
+	s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 }
 
 // knownPaths hands out the routes' path strings, so that the common

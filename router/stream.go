@@ -159,7 +159,7 @@ func (sr *streamRelay) CloseWithError(writeErr error) error {
 
 // observeFirstByte records the router-side time to first byte.
 func (s *Server) observeFirstByte(r *request) {
-	s.metrics.ttft.WithLabelValues(s.backendType(), r.route.String()).Observe(since(r.start))
+	r.metrics.ttft.Observe(since(r.start))
 }
 
 // logprobMerger prepends prefill's input_token_logprobs to every decode SSE
