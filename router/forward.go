@@ -1,6 +1,7 @@
 package router
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -47,11 +48,10 @@ type request struct {
 	conn    net.Conn
 
 	// Guarded by the server's inflight tracker.
-	watch      *connWatcher // started once the request is watchDelay old
-	responded  bool         // the response is complete: no watch may start
-	released   bool         // the last reference is gone
-	long       bool         // in the tracker's long list
-	prev, next *request
+	watch     *connWatcher  // started once the request is watchDelay old
+	responded bool          // the response is complete: no watch may start
+	released  bool          // the last reference is gone
+	long      *list.Element // its place in the tracker's long list, if there
 }
 
 // errRequestTimeout ends a request at --request-timeout-secs; it is a

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"container/list"
 	"context"
 	"sync"
 	"time"
@@ -23,15 +24,15 @@ import (
 type inflight struct {
 	timeout time.Duration
 
-	mu         sync.Mutex
-	young      []*request // queued in start order; ended ones are dropped lazily
-	youngHead  int
-	head, tail *request // the long list, oldest first
-	closed     bool     // after shutdown every new request starts cancelled
-	idle       bool     // the sweeper waits for kick
-	kick       chan struct{}
-	stop       chan struct{}
-	done       chan struct{}
+	mu        sync.Mutex
+	young     []*request // queued in start order; ended ones are dropped lazily
+	youngHead int
+	long      list.List // of *request, oldest first
+	closed    bool      // after shutdown every new request starts cancelled
+	idle      bool      // the sweeper waits for kick
+	kick      chan struct{}
+	stop      chan struct{}
+	done      chan struct{}
 }
 
 const (
@@ -88,21 +89,13 @@ func (f *inflight) remove(r *request) {
 }
 
 func (f *inflight) unlinkLocked(r *request) {
-	if !r.long {
-		return
+	if r.long != nil {
+		f.long.Remove(r.long)
+		r.long = nil
 	}
-	if r.prev != nil {
-		r.prev.next = r.next
-	} else {
-		f.head = r.next
-	}
-	if r.next != nil {
-		r.next.prev = r.prev
-	} else {
-		f.tail = r.prev
-	}
-	r.prev, r.next, r.long = nil, nil, false
 }
+
+func (f *inflight) emptyLocked() bool { return f.long.Len() == 0 && len(f.young) == f.youngHead }
 
 func (f *inflight) run() {
 	defer close(f.done)
@@ -123,7 +116,7 @@ func (f *inflight) run() {
 				quiet = 0
 			} else if quiet++; quiet >= sweepIdleTicks {
 				f.mu.Lock()
-				if f.head == nil && len(f.young) == f.youngHead {
+				if f.emptyLocked() {
 					f.idle = true
 					ticker.Stop()
 				}
@@ -138,7 +131,7 @@ func (f *inflight) run() {
 func (f *inflight) sweep(now time.Time) bool {
 	var expired []*request
 	f.mu.Lock()
-	busy := f.head != nil || len(f.young) > f.youngHead
+	busy := !f.emptyLocked()
 	for f.youngHead < len(f.young) {
 		r := f.young[f.youngHead]
 		if now.Sub(r.start) < watchDelay {
@@ -152,13 +145,7 @@ func (f *inflight) sweep(now time.Time) bool {
 		if !r.responded && r.conn != nil {
 			r.watch = startWatch(r.conn, r.clientLeft)
 		}
-		r.long, r.prev = true, f.tail
-		if f.tail != nil {
-			f.tail.next = r
-		} else {
-			f.head = r
-		}
-		f.tail = r
+		r.long = f.long.PushBack(r)
 	}
 	// Under steady traffic the queue never drains: move what is left to the
 	// front once the consumed part is the larger half.
@@ -167,8 +154,11 @@ func (f *inflight) sweep(now time.Time) bool {
 		clear(f.young[n:])
 		f.young, f.youngHead = f.young[:n], 0
 	}
-	for f.timeout > 0 && f.head != nil && now.Sub(f.head.start) >= f.timeout {
-		r := f.head
+	for e := f.long.Front(); f.timeout > 0 && e != nil; e = f.long.Front() {
+		r := e.Value.(*request)
+		if now.Sub(r.start) < f.timeout {
+			break
+		}
 		f.unlinkLocked(r)
 		expired = append(expired, r)
 	}
@@ -193,8 +183,8 @@ func (f *inflight) close() {
 			all = append(all, r)
 		}
 	}
-	for r := f.head; r != nil; r = r.next {
-		all = append(all, r)
+	for e := f.long.Front(); e != nil; e = e.Next() {
+		all = append(all, e.Value.(*request))
 	}
 	f.mu.Unlock()
 	for _, r := range all {

@@ -34,7 +34,7 @@ func TestInflightTimesOutOldestFirstAndOnlyLiveRequests(t *testing.T) {
 	if old.ctx.Err() != nil || young.ctx.Err() != nil {
 		t.Fatal("cancelled before the timeout")
 	}
-	if f.head != old || f.tail != old {
+	if f.long.Len() != 1 || f.long.Front().Value != old {
 		t.Fatalf("long list should hold only the old live request")
 	}
 	f.sweep(t0.Add(time.Second))
@@ -51,7 +51,7 @@ func TestInflightTimesOutOldestFirstAndOnlyLiveRequests(t *testing.T) {
 	if young.ctx.Cause() != errRequestTimeout {
 		t.Fatalf("young request: cause %v", young.ctx.Cause())
 	}
-	if f.head != nil || f.tail != nil || len(f.young) != f.youngHead {
+	if !f.emptyLocked() {
 		t.Fatal("tracker not empty after every request ended")
 	}
 }
