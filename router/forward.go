@@ -39,8 +39,7 @@ type request struct {
 	// ctx ends when the client goes away, at the request timeout or at hard
 	// shutdown. It lives until the handler and every leg it started are
 	// done (refs), because a prefill leg may outlive its handler.
-	ctx     *scope
-	root    scope // what ctx points to: no allocation of its own
+	ctx     scope // embedded: no allocation of its own
 	refs    atomic.Int32
 	admit   func() // returns the admission token
 	policy  balancer.Request
@@ -67,7 +66,6 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	r.header = forwardHeaders(r.headerSpace[:0], ctx, false)
 	// The request timeout, the disconnect watch and hard shutdown all come
 	// from the inflight tracker, so the scope needs no parent.
-	r.ctx = &r.root
 	r.conn = ctx.Conn()
 	r.refs.Store(1)
 	s.inflight.add(r)

@@ -8,7 +8,6 @@ import (
 
 func trackedRequest(f *inflight, start time.Time, conn net.Conn) *request {
 	r := &request{start: start, conn: conn}
-	r.ctx = &r.root
 	f.add(r)
 	return r
 }

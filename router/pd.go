@@ -79,7 +79,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 
 	leg := &prefillLeg{done: make(chan struct{})}
 	actx := &leg.actx
-	actx.inherit(r.ctx)
+	actx.inherit(&r.ctx)
 	pw.IncLoad()
 	dw.IncLoad()
 	r.hold()
@@ -131,7 +131,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if r.mergeLogprobs() && leg.wait(actx) {
 		ctx.SetBody(mergeLogprobsJSON(leg.body, ctx.Response.Body()))
 	}
-	s.observeFirstByte(r)
+	r.observeFirstByte()
 	return nil, false
 }
 

@@ -29,7 +29,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
 		return path
 	}
-	admit, err := s.admission.Acquire(r.ctx)
+	admit, err := s.admission.Acquire(&r.ctx)
 	if err != nil {
 		gone := r.clientGone()
 		r.finish()

@@ -20,7 +20,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		header = appendHeader(forwardHeaders(nil, ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
 	w.IncLoad()
-	resp, err := s.post(r.ctx, w, r.path, r.body, header)
+	resp, err := s.post(&r.ctx, w, r.path, r.body, header)
 	if err != nil {
 		w.DecLoad()
 		if r.clientGone() {
@@ -43,7 +43,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		return e, false
 	}
 	if r.info.Stream {
-		return s.startStream(ctx, r, resp, w, r.ctx, nil)
+		return s.startStream(ctx, r, resp, w, &r.ctx, nil)
 	}
 	defer w.DecLoad()
 	defer resp.Close()
@@ -53,6 +53,6 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		}
 		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read worker response: " + err.Error()}, false
 	}
-	s.observeFirstByte(r)
+	r.observeFirstByte()
 	return nil, false
 }

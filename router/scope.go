@@ -27,15 +27,9 @@ type canceller interface {
 	cancelled(cause error)
 }
 
-// newScope returns a child of parent (nil: a root) that ends with it.
-func newScope(parent *scope) *scope {
-	s := &scope{}
-	s.inherit(parent)
-	return s
-}
-
+// inherit makes s a child of parent: it ends with it. A zero scope is a root.
 func (s *scope) inherit(parent *scope) {
-	if parent != nil && !parent.register(s) {
+	if !parent.register(s) {
 		s.cause = parent.Cause()
 	}
 }

@@ -15,8 +15,8 @@ type countingHook struct {
 func (h *countingHook) cancelled(cause error) { h.cause = cause; h.calls.Add(1) }
 
 func TestScopeCancelReachesHooksAndChildrenOnce(t *testing.T) {
-	root := newScope(nil)
-	child := newScope(root)
+	root, child := &scope{}, &scope{}
+	child.inherit(root)
 	hooks := make([]*countingHook, 5) // more than the inline slots
 	for i := range hooks {
 		hooks[i] = &countingHook{}
@@ -54,9 +54,9 @@ func TestScopeCancelReachesHooksAndChildrenOnce(t *testing.T) {
 }
 
 func TestScopeChildOfEndedParentStartsEnded(t *testing.T) {
-	root := newScope(nil)
+	root, child := &scope{}, &scope{}
 	root.cancel(errRequestTimeout)
-	child := newScope(root)
+	child.inherit(root)
 	if child.Cause() != errRequestTimeout || child.Err() != context.DeadlineExceeded {
 		t.Fatalf("cause %v err %v", child.Cause(), child.Err())
 	}
@@ -70,7 +70,7 @@ func TestScopeChildOfEndedParentStartsEnded(t *testing.T) {
 // A scope is a context: what the standard library derives from it ends
 // with it.
 func TestScopeAsContext(t *testing.T) {
-	root := newScope(nil)
+	root := &scope{}
 	derived, stop := context.WithCancel(root)
 	defer stop()
 	if root.Err() != nil || derived.Err() != nil {

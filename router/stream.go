@@ -45,7 +45,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstrea
 	if merge != nil {
 		first = merge.feed(first)
 	}
-	ctx.Response.SetBodyStream(&streamRelay{s: s, r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp,
+	ctx.Response.SetBodyStream(&streamRelay{r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp,
 		pending: first, readErr: err, merge: merge}, -1)
 	return nil, true
 }
@@ -65,7 +65,6 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 // flushed HTTP chunk. (SetBodyStreamWriter would put a goroutine and an
 // in-memory pipe between the two for every stream.)
 type streamRelay struct {
-	s       *Server
 	r       *request
 	resp    *upstreamResponse
 	w       *balancer.Worker
@@ -88,7 +87,7 @@ func (sr *streamRelay) Read(p []byte) (int, error) {
 		sr.pending = sr.next()
 	}
 	if !sr.sent {
-		sr.s.observeFirstByte(sr.r)
+		sr.r.observeFirstByte()
 		sr.sent = true
 	}
 	n := copy(p, sr.pending)
@@ -158,7 +157,7 @@ func (sr *streamRelay) CloseWithError(writeErr error) error {
 }
 
 // observeFirstByte records the router-side time to first byte.
-func (s *Server) observeFirstByte(r *request) {
+func (r *request) observeFirstByte() {
 	r.metrics.ttft.Observe(since(r.start))
 }
 

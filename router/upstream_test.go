@@ -41,7 +41,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 	u := newUpstream()
 	defer u.closeIdle()
 	for i, path := range []string{"/a", "/chunked", "/b", "/chunked", "/c"} {
-		resp, err := u.post(newScope(nil), srv.URL, path, []byte(`{"i":1}`), []byte("X-Test: 1\r\n"))
+		resp, err := u.post(&scope{}, srv.URL, path, []byte(`{"i":1}`), []byte("X-Test: 1\r\n"))
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
@@ -61,7 +61,7 @@ func TestUpstreamRetriesAConnectionClosedWhileIdle(t *testing.T) {
 	u := newUpstream()
 	defer u.closeIdle()
 	for i := range 2 {
-		resp, err := u.post(newScope(nil), srv.URL, "/", nil, nil)
+		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
@@ -86,7 +86,7 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 	defer close(release)
 	u := newUpstream()
 	defer u.closeIdle()
-	ctx := newScope(nil)
+	ctx := &scope{}
 	cause := errors.New("other leg failed")
 	time.AfterFunc(50*time.Millisecond, func() { ctx.cancel(cause) })
 	start := time.Now()
@@ -94,7 +94,7 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 	if !errors.Is(err, cause) || time.Since(start) > 2*time.Second {
 		t.Fatalf("err %v after %v, want the cancel cause at once", err, time.Since(start))
 	}
-	resp, err := u.post(newScope(nil), srv.URL+"x", "/", nil, nil)
+	resp, err := u.post(&scope{}, srv.URL+"x", "/", nil, nil)
 	if err == nil {
 		resp.Close()
 		t.Fatal("a malformed URL must fail")
@@ -114,7 +114,7 @@ func TestUpstreamHalfReadBodyIsNotReused(t *testing.T) {
 	u := newUpstream()
 	defer u.closeIdle()
 	for range 2 {
-		resp, err := u.post(newScope(nil), srv.URL, "/", nil, nil)
+		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
