@@ -183,50 +183,42 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 // handle is the outermost layer: CORS, request id, metrics, auth, routing.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
-	path, ok := knownPaths[bstr(ctx.Path())]
-	if !ok {
-		path = string(ctx.Path())
-	}
 	method := string(ctx.Method())
 	s.setRequestID(ctx)
 	if s.cors(ctx) {
 		return
 	}
-	label := s.route(ctx, path, method)
+	var label string
+	if g, ok := generationRoutes[bstr(ctx.Path())]; ok {
+		label = s.generation(ctx, method, g.path, g.kind)
+	} else {
+		label = s.route(ctx, string(ctx.Path()), method)
+	}
 	s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 }
 
-// knownPaths hands out the routes' path strings, so that the common
-// requests do not copy theirs (the request keeps it; metrics label with it).
-var knownPaths = func() map[string]string {
-	m := map[string]string{}
-	for _, p := range []string{"/generate", "/v1/chat/completions", "/v1/completions", "/v1/rerank", "/rerank",
-		"/v1/embeddings", "/v1/classify", "/v1/responses", "/health", "/liveness", "/readiness", "/health_generate",
-		"/v1/models", "/get_model_info", "/get_server_info", "/server_info", "/flush_cache", "/get_loads",
-		"/engine_metrics", "/workers", "/list_workers"} {
-		m[p] = p
+type generationRoute struct {
+	path string
+	kind routeKind
+}
+
+// generationRoutes are the routes that go to workers, by path. The request
+// keeps the table's path string (and metrics label with it), so the hot
+// requests never copy fasthttp's.
+var generationRoutes = func() map[string]generationRoute {
+	m := map[string]generationRoute{}
+	for _, g := range []generationRoute{{"/generate", routeGenerate}, {"/v1/chat/completions", routeChat},
+		{"/v1/completions", routeCompletions}, {"/v1/rerank", routeRerank}, {"/rerank", routeRerank},
+		{"/v1/embeddings", routeEmbeddings}, {"/v1/classify", routeClassify}, {"/v1/responses", routeResponses}} {
+		m[g.path] = g
 	}
 	return m
 }()
 
-// route dispatches and returns the path label for metrics (known routes
-// only, so label cardinality stays bounded).
+// route dispatches every other path and returns its label for metrics
+// (known routes only, so label cardinality stays bounded).
 func (s *Server) route(ctx *fasthttp.RequestCtx, path, method string) string {
 	switch path {
-	case "/generate":
-		return s.generation(ctx, method, path, routeGenerate)
-	case "/v1/chat/completions":
-		return s.generation(ctx, method, path, routeChat)
-	case "/v1/completions":
-		return s.generation(ctx, method, path, routeCompletions)
-	case "/v1/rerank", "/rerank":
-		return s.generation(ctx, method, path, routeRerank)
-	case "/v1/embeddings":
-		return s.generation(ctx, method, path, routeEmbeddings)
-	case "/v1/classify":
-		return s.generation(ctx, method, path, routeClassify)
-	case "/v1/responses":
-		return s.generation(ctx, method, path, routeResponses)
 	case "/health", "/liveness":
 		ctx.SetContentType("text/plain; charset=utf-8")
 		ctx.SetBodyString("OK")
