@@ -4,11 +4,8 @@ import (
 	"net"
 	"strconv"
 	"testing"
-	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
-	"go.uber.org/zap"
 )
 
 // cannedBackend answers every POST at once with a fixed reply: it stands in
@@ -45,8 +42,6 @@ func cannedBackend(b *testing.B, stream bool) string {
 
 func benchRouter(b *testing.B, pd, stream bool) {
 	cfg := DefaultConfig()
-	cfg.Policy = "round_robin"
-	cfg.Manager.Health.Disabled = true
 	if pd {
 		cfg.PDDisaggregation = true
 		cfg.Prefill = []PrefillSpec{{URL: cannedBackend(b, stream), BootstrapPort: 8998}}
@@ -54,22 +49,8 @@ func benchRouter(b *testing.B, pd, stream bool) {
 	} else {
 		cfg.WorkerURLs = []string{cannedBackend(b, stream)}
 	}
-	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
-	if err != nil {
-		b.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := srv.Start(); err != nil {
-		b.Fatal(err)
-	}
-	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
-	for !srv.manager.Ready() {
-		time.Sleep(time.Millisecond)
-	}
-	url := "http://" + ln.Addr().String() + "/generate"
+	base, srv := serveInProcess(b, cfg)
+	url := base + "/generate"
 	body := []byte(`{"text":"The quick brown fox jumps over the lazy dog","sampling_params":{"max_new_tokens":4},"stream":` + strconv.FormatBool(stream) + `}`)
 	c := &fasthttp.Client{}
 	b.ReportAllocs()

@@ -42,7 +42,7 @@ func inProcess(t *testing.T, prefill, decode mockworker.Config) (string, *Server
 
 // serveInProcess starts a router with cfg (round robin, no health checks)
 // on a loopback port and waits until its workers are registered.
-func serveInProcess(t *testing.T, cfg Config) (string, *Server) {
+func serveInProcess(t testing.TB, cfg Config) (string, *Server) {
 	t.Helper()
 	cfg.Policy = "round_robin"
 	cfg.Manager.Health.Disabled = true
@@ -129,7 +129,7 @@ func TestNoGoroutineLeaks(t *testing.T) {
 	}
 }
 
-func waitFor(t *testing.T, cond func() bool) {
+func waitFor(t testing.TB, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for !cond() {
