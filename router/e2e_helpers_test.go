@@ -145,7 +145,18 @@ func getJSON(t *testing.T, url string, v any) {
 
 func post(t *testing.T, url, body string, header ...string) (*http.Response, []byte) {
 	t.Helper()
-	req, err := http.NewRequest("POST", url, strings.NewReader(body))
+	return send(t, "POST", url, body, header...)
+}
+
+func get(t *testing.T, url string, header ...string) (*http.Response, []byte) {
+	t.Helper()
+	return send(t, "GET", url, "", header...)
+}
+
+// send makes one request with header name/value pairs and reads the reply.
+func send(t *testing.T, method, url, body string, header ...string) (*http.Response, []byte) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}

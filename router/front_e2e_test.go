@@ -22,21 +22,6 @@ import (
 	"github.com/pdrouter/pdrouter/internal/testenv"
 )
 
-func get(t *testing.T, u string, header ...string) (*http.Response, []byte) {
-	t.Helper()
-	req, _ := http.NewRequest("GET", u, nil)
-	for i := 0; i+1 < len(header); i += 2 {
-		req.Header.Set(header[i], header[i+1])
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp, b
-}
-
 func TestFrontEndpoints(t *testing.T) {
 	t.Parallel()
 	p, d := startWorker(t, "prefill", "--model", "llama"), startWorker(t, "decode", "--model", "llama")
