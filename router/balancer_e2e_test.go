@@ -45,6 +45,20 @@ func balPick(t *testing.T, u, body string, header ...string) string {
 // balPDPick sends one PD request and returns which prefill served it (by the
 // bootstrap port the decode leg received: pd() gives the first prefill 8998
 // and the second "none", i.e. null) and the decode worker's id.
+// balPD2x2 starts two prefills and two decodes (worker ids d1 and d2, one
+// token each) behind a PD router with args, waits until all four are
+// healthy, and returns the router and the decodes by worker id.
+func balPD2x2(t *testing.T, args ...string) (router, map[string]worker) {
+	t.Helper()
+	p1, p2 := startWorker(t, "prefill"), startWorker(t, "prefill")
+	d1, d2 := startWorker(t, "decode", "--worker-id", "d1", "--tokens", "1"), startWorker(t, "decode", "--worker-id", "d2", "--tokens", "1")
+	r := pd(t, []worker{p1, p2}, []worker{d1, d2}, args...)
+	for _, w := range []worker{p1, p2, d1, d2} {
+		balWaitHealth(t, r, w.URL(), true, 10*time.Second)
+	}
+	return r, map[string]worker{"d1": d1, "d2": d2}
+}
+
 func balPDPick(t *testing.T, r router, decodes map[string]worker, path, body string, header ...string) (prefillPort, decodeID string) {
 	t.Helper()
 	decodeID = balPick(t, r.url+path, body, header...)
@@ -231,13 +245,7 @@ func TestBalancerRoundRobinRegular(t *testing.T) {
 
 func TestBalancerRoundRobinPD(t *testing.T) {
 	t.Parallel()
-	p1, p2 := startWorker(t, "prefill"), startWorker(t, "prefill")
-	d1, d2 := startWorker(t, "decode", "--worker-id", "d1", "--tokens", "1"), startWorker(t, "decode", "--worker-id", "d2", "--tokens", "1")
-	r := pd(t, []worker{p1, p2}, []worker{d1, d2})
-	for _, w := range []worker{p1, p2, d1, d2} {
-		balWaitHealth(t, r, w.URL(), true, 10*time.Second)
-	}
-	decodes := map[string]worker{"d1": d1, "d2": d2}
+	r, decodes := balPD2x2(t)
 	var prefills, decs []string
 	for range 8 {
 		p, d := balPDPick(t, r, decodes, "/generate", `{"text":"hi"}`)
@@ -273,17 +281,12 @@ func TestBalancerRandomRegular(t *testing.T) {
 
 func TestBalancerRandomPD(t *testing.T) {
 	t.Parallel()
-	p1, p2 := startWorker(t, "prefill"), startWorker(t, "prefill")
-	d1, d2 := startWorker(t, "decode", "--worker-id", "d1", "--tokens", "1"), startWorker(t, "decode", "--worker-id", "d2", "--tokens", "1")
-	r := pd(t, []worker{p1, p2}, []worker{d1, d2}, "--prefill-policy", "random", "--decode-policy", "random")
-	for _, w := range []worker{p1, p2, d1, d2} {
-		balWaitHealth(t, r, w.URL(), true, 10*time.Second)
-	}
+	r, decodes := balPD2x2(t, "--prefill-policy", "random", "--decode-policy", "random")
 	const n = 200
 	ids := balConcurrent(t, r.url+"/generate", `{"text":"hi"}`, n, 4)
 	// Which prefill served each request, from what the decodes recorded.
 	ports := map[string]int{}
-	for _, d := range []worker{d1, d2} {
+	for _, d := range decodes {
 		for _, rq := range d.requests(t) {
 			ports[string(rq.BootstrapPort)]++
 		}
@@ -365,13 +368,7 @@ func TestBalancerCacheAwareRegular(t *testing.T) {
 
 func TestBalancerCacheAwarePD(t *testing.T) {
 	t.Parallel()
-	p1, p2 := startWorker(t, "prefill"), startWorker(t, "prefill")
-	d1, d2 := startWorker(t, "decode", "--worker-id", "d1", "--tokens", "1"), startWorker(t, "decode", "--worker-id", "d2", "--tokens", "1")
-	r := pd(t, []worker{p1, p2}, []worker{d1, d2}, "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware")
-	for _, w := range []worker{p1, p2, d1, d2} {
-		balWaitHealth(t, r, w.URL(), true, 10*time.Second)
-	}
-	decodes := map[string]worker{"d1": d1, "d2": d2}
+	r, decodes := balPD2x2(t, "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware")
 	chat := func(system, user string) string {
 		return fmt.Sprintf(`{"model":"mock","messages":[{"role":"system","content":%q},{"role":"user","content":%q}]}`, system, user)
 	}
@@ -504,13 +501,7 @@ func TestBalancerManualStickyKeys(t *testing.T) {
 // Per-side key policies in PD mode: consistent hashing on prefill, manual on decode.
 func TestBalancerKeyPoliciesPD(t *testing.T) {
 	t.Parallel()
-	p1, p2 := startWorker(t, "prefill"), startWorker(t, "prefill")
-	d1, d2 := startWorker(t, "decode", "--worker-id", "d1", "--tokens", "1"), startWorker(t, "decode", "--worker-id", "d2", "--tokens", "1")
-	r := pd(t, []worker{p1, p2}, []worker{d1, d2}, "--prefill-policy", "consistent_hashing", "--decode-policy", "manual")
-	for _, w := range []worker{p1, p2, d1, d2} {
-		balWaitHealth(t, r, w.URL(), true, 10*time.Second)
-	}
-	decodes := map[string]worker{"d1": d1, "d2": d2}
+	r, decodes := balPD2x2(t, "--prefill-policy", "consistent_hashing", "--decode-policy", "manual")
 	prefillsUsed := map[string]bool{}
 	for k := range 12 {
 		key := "conv-" + strconv.Itoa(k)
