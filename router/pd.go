@@ -30,21 +30,21 @@ type prefillLeg struct {
 	body []byte    // prefill's reply, kept only for logprob merging
 }
 
-// failure returns prefill's error if prefill is what ended ctx.
-func (p *prefillLeg) failure(ctx *scope) *apiError {
-	if ctx.Cause() != errPrefillFailed {
+// failure returns prefill's error if prefill is what ended the attempt.
+func (p *prefillLeg) failure() *apiError {
+	if p.actx.Cause() != errPrefillFailed {
 		return nil
 	}
 	<-p.done
 	return p.err
 }
 
-// wait blocks until prefill has answered or ctx ends.
-func (p *prefillLeg) wait(ctx *scope) bool {
+// wait blocks until prefill has answered or the attempt ends.
+func (p *prefillLeg) wait() bool {
 	select {
 	case <-p.done:
 		return p.err == nil
-	case <-ctx.Done():
+	case <-p.actx.Done():
 		return false
 	}
 }
@@ -89,7 +89,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	resp, err := s.post(actx, dw, r.path, body, r.header)
 	if err != nil {
 		dw.DecLoad()
-		if f := leg.failure(actx); f != nil {
+		if f := leg.failure(); f != nil {
 			return f.forStream(r.info.Stream), false
 		}
 		actx.cancel(errAttemptOver)
@@ -114,12 +114,12 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		return e, false
 	}
 	if r.info.Stream {
-		return s.startStream(ctx, r, resp, dw, actx, leg)
+		return s.startStream(ctx, r, resp, dw, leg)
 	}
 	defer dw.DecLoad()
 	defer resp.Close()
 	if err := readReply(ctx, resp); err != nil {
-		if f := leg.failure(actx); f != nil {
+		if f := leg.failure(); f != nil {
 			return f, false
 		}
 		actx.cancel(errAttemptOver)
@@ -128,7 +128,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		}
 		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read decode response: " + err.Error()}, false
 	}
-	if r.mergeLogprobs() && leg.wait(actx) {
+	if r.mergeLogprobs() && leg.wait() {
 		ctx.SetBody(mergeLogprobsJSON(leg.body, ctx.Response.Body()))
 	}
 	r.observeFirstByte()

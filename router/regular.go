@@ -43,7 +43,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		return e, false
 	}
 	if r.info.Stream {
-		return s.startStream(ctx, r, resp, w, &r.ctx, nil)
+		return s.startStream(ctx, r, resp, w, nil)
 	}
 	defer w.DecLoad()
 	defer resp.Close()

@@ -17,7 +17,7 @@ import (
 // then makes the rest the response body (streamRelay). leg is nil in
 // regular mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstreamResponse, w *balancer.Worker,
-	actx *scope, leg *prefillLeg) (*apiError, bool) {
+	leg *prefillLeg) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(resp, *bufp)
 	if n == 0 && err != nil && err != io.EOF {
@@ -25,7 +25,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstrea
 		w.DecLoad()
 		chunkPool.Put(bufp)
 		if leg != nil {
-			if f := leg.failure(actx); f != nil {
+			if f := leg.failure(); f != nil {
 				return f.forStream(true), false
 			}
 		}
@@ -35,7 +35,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstrea
 		return &apiError{Status: 502, Code: w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
 	}
 	var merge *logprobMerger
-	if leg != nil && r.mergeLogprobs() && leg.wait(actx) {
+	if leg != nil && r.mergeLogprobs() && leg.wait() {
 		merge = newLogprobMerger(leg.body)
 	}
 	ctx.SetStatusCode(resp.StatusCode)
@@ -45,7 +45,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstrea
 	if merge != nil {
 		first = merge.feed(first)
 	}
-	ctx.Response.SetBodyStream(&streamRelay{r: r, resp: resp, w: w, actx: actx, leg: leg, bufp: bufp,
+	ctx.Response.SetBodyStream(&streamRelay{r: r, resp: resp, w: w, leg: leg, bufp: bufp,
 		pending: first, readErr: err, merge: merge}, -1)
 	return nil, true
 }
@@ -68,7 +68,6 @@ type streamRelay struct {
 	r       *request
 	resp    *upstreamResponse
 	w       *balancer.Worker
-	actx    *scope
 	leg     *prefillLeg
 	bufp    *[]byte
 	pending []byte // next bytes for the client
@@ -123,7 +122,7 @@ func (sr *streamRelay) next() []byte {
 	}
 	var e *apiError
 	if sr.leg != nil {
-		e = sr.leg.failure(sr.actx)
+		e = sr.leg.failure()
 	}
 	if e == nil {
 		if sr.r.clientGone() {
@@ -131,8 +130,8 @@ func (sr *streamRelay) next() []byte {
 		}
 		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
 		// A cancelled read fails with the connection's deadline error; the
-		// context says whether the request timeout was the reason.
-		if errors.Is(sr.actx.Cause(), context.DeadlineExceeded) {
+		// request's scope says whether the request timeout was the reason.
+		if errors.Is(sr.r.ctx.Cause(), context.DeadlineExceeded) {
 			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
 		}
 	}
