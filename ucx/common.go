@@ -78,3 +78,23 @@ type LoopConfig struct {
 	// spinning instead of sleeping.
 	Poll func(w *Worker) (busy bool)
 }
+
+// MemoryType is where registered memory lives (ucs_memory_type_t).
+type MemoryType int
+
+// Memory types: host memory, and CUDA device memory, which needs a UCX
+// built with CUDA (its cuda_copy/cuda_ipc transports).
+const (
+	MemoryHost MemoryType = iota
+	MemoryCUDA
+)
+
+func (t MemoryType) String() string {
+	switch t {
+	case MemoryHost:
+		return "host"
+	case MemoryCUDA:
+		return "cuda"
+	}
+	return fmt.Sprintf("memory type %d", int(t))
+}

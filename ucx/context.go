@@ -157,6 +157,7 @@ type Memory struct {
 	memh   C.ucp_mem_h
 	base   unsafe.Pointer
 	n      int
+	typ    MemoryType
 	closed atomic.Bool
 }
 
@@ -166,7 +167,7 @@ func (c *Context) Alloc(n int) (*Memory, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("ucx: alloc: bad length %d", n)
 	}
-	return c.mapMem(nil, n, true)
+	return c.mapMem(0, n, MemoryHost, true)
 }
 
 // Map registers existing memory. b must not be Go heap memory: use mmap'd
@@ -176,19 +177,54 @@ func (c *Context) Map(b []byte) (*Memory, error) {
 	if len(b) == 0 {
 		return nil, fmt.Errorf("ucx: map: empty buffer")
 	}
-	return c.mapMem(unsafe.Pointer(unsafe.SliceData(b)), len(b), false)
+	return c.mapMem(uintptr(unsafe.Pointer(unsafe.SliceData(b))), len(b), MemoryHost, false)
 }
 
-func (c *Context) mapMem(addr unsafe.Pointer, n int, alloc bool) (*Memory, error) {
+// MapAddr registers n bytes at addr of memory type t: device memory, which
+// Go cannot address, or host memory known only by address. The memory must
+// stay allocated until the Memory is closed.
+func (c *Context) MapAddr(addr uintptr, n int, t MemoryType) (*Memory, error) {
+	if addr == 0 || n <= 0 {
+		return nil, fmt.Errorf("ucx: map: bad range %#x+%d", addr, n)
+	}
+	if t != MemoryHost && !c.Supports(t) {
+		return nil, fmt.Errorf("ucx: map: this UCX (API %s) cannot register %s memory: no transport for it", APIVersion(), t)
+	}
+	return c.mapMem(addr, n, t, false)
+}
+
+// Supports reports whether the context's transports register memory of type t.
+func (c *Context) Supports(t MemoryType) bool {
+	if t < 0 || t >= 64 {
+		return false
+	}
+	return C.ucxg_context_mem_types(c.p)&(1<<uint(ucsMemType(t))) != 0
+}
+
+// APIVersion is the UCP API version the package was compiled against.
+func APIVersion() string {
+	return fmt.Sprintf("%d.%d", int(C.UCP_API_MAJOR), int(C.UCP_API_MINOR))
+}
+
+// ucsMemType maps t to ucs_memory_type_t.
+func ucsMemType(t MemoryType) C.int {
+	if t == MemoryCUDA {
+		return C.UCS_MEMORY_TYPE_CUDA
+	}
+	return C.UCS_MEMORY_TYPE_HOST
+}
+
+func (c *Context) mapMem(addr uintptr, n int, t MemoryType, alloc bool) (*Memory, error) {
 	if err := c.addChild(); err != nil {
 		return nil, err
 	}
-	m := &Memory{ctx: c, n: n}
+	m := &Memory{ctx: c, n: n, typ: t}
 	a := C.int(0)
 	if alloc {
 		a = 1
 	}
-	if err := statusErr("ucp_mem_map", C.ucxg_mem_map(c.p, addr, C.size_t(n), a, &m.memh, &m.base)); err != nil {
+	st := C.ucxg_mem_map(c.p, C.uintptr_t(addr), C.size_t(n), a, ucsMemType(t), &m.memh, &m.base)
+	if err := statusErr("ucp_mem_map", st); err != nil {
 		c.dropChild()
 		return nil, err
 	}
@@ -196,8 +232,17 @@ func (c *Context) mapMem(addr unsafe.Pointer, n int, alloc bool) (*Memory, error
 	return m, nil
 }
 
-// Bytes views the region; valid until Close.
-func (m *Memory) Bytes() []byte { return unsafe.Slice((*byte)(m.base), m.n) }
+// Bytes views a host region; valid until Close. It is nil for device
+// memory, which the CPU cannot address.
+func (m *Memory) Bytes() []byte {
+	if m.typ != MemoryHost {
+		return nil
+	}
+	return unsafe.Slice((*byte)(m.base), m.n)
+}
+
+// Type is the region's memory type.
+func (m *Memory) Type() MemoryType { return m.typ }
 
 // Addr is the region's base address, the one a peer puts to.
 func (m *Memory) Addr() uint64 { return uint64(uintptr(m.base)) }

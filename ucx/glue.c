@@ -247,16 +247,24 @@ void ucxg_ep_free(ucxg_ep_t *e)
 	free(e);
 }
 
-ucs_status_t ucxg_mem_map(ucp_context_h ctx, void *addr, size_t len, int allocate,
-			  ucp_mem_h *memh, void **base)
+ucs_status_t ucxg_mem_map(ucp_context_h ctx, uintptr_t addr, size_t len, int allocate,
+			  int mem_type, ucp_mem_h *memh, void **base)
 {
 	ucp_mem_map_params_t p;
 	memset(&p, 0, sizeof(p));
 	p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
 		       UCP_MEM_MAP_PARAM_FIELD_FLAGS;
-	p.address = addr;
+	p.address = (void *)addr;
 	p.length = len;
 	p.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
+	if (mem_type != UCS_MEMORY_TYPE_HOST) {
+#if UCXG_HAS_MEMORY_TYPE
+		p.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+		p.memory_type = (ucs_memory_type_t)mem_type;
+#else
+		return UCS_ERR_UNSUPPORTED;
+#endif
+	}
 	ucs_status_t st = ucp_mem_map(ctx, &p, memh);
 	if (st != UCS_OK) {
 		return st;
@@ -270,6 +278,18 @@ ucs_status_t ucxg_mem_map(ucp_context_h ctx, void *addr, size_t len, int allocat
 	}
 	*base = a.address;
 	return UCS_OK;
+}
+
+// ucxg_context_mem_types returns the bit mask of ucs_memory_type_t values
+// the context's transports can register (0 if the query fails).
+uint64_t ucxg_context_mem_types(ucp_context_h ctx)
+{
+	ucp_context_attr_t a;
+	a.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+	if (ucp_context_query(ctx, &a) != UCS_OK) {
+		return 0;
+	}
+	return a.memory_types;
 }
 
 // ucxg_rma_batch posts one put (or get) per descriptor and keeps only the

@@ -44,8 +44,17 @@ ucs_status_t ucxg_ep_by_address(ucp_worker_h w, int peer_errors, const void *add
 void *ucxg_ep_close(ucxg_ep_t *e, int force, ucs_status_t *st);
 void ucxg_ep_free(ucxg_ep_t *e);
 
-ucs_status_t ucxg_mem_map(ucp_context_h ctx, void *addr, size_t len, int allocate,
-			  ucp_mem_h *memh, void **base);
+// UCXG_HAS_MEMORY_TYPE: ucp_mem_map takes the memory type (UCX 1.10+); older
+// UCX registers host memory only and ucxg_mem_map refuses other types.
+#if UCP_API_VERSION >= UCP_VERSION(1, 10)
+#define UCXG_HAS_MEMORY_TYPE 1
+#else
+#define UCXG_HAS_MEMORY_TYPE 0
+#endif
+
+ucs_status_t ucxg_mem_map(ucp_context_h ctx, uintptr_t addr, size_t len, int allocate,
+			  int mem_type, ucp_mem_h *memh, void **base);
+uint64_t ucxg_context_mem_types(ucp_context_h ctx);
 
 void *ucxg_rma_batch(ucxg_ep_t *e, int get, char *lbase, ucp_mem_h memh, uint64_t rbase,
 		     ucp_rkey_h rkey, const ucxg_op_t *ops, size_t n, ucs_status_t *st);

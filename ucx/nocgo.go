@@ -25,6 +25,15 @@ func (*Context) Alloc(int) (*Memory, error) { return nil, ErrUnavailable }
 // Map returns ErrUnavailable.
 func (*Context) Map([]byte) (*Memory, error) { return nil, ErrUnavailable }
 
+// MapAddr returns ErrUnavailable.
+func (*Context) MapAddr(uintptr, int, MemoryType) (*Memory, error) { return nil, ErrUnavailable }
+
+// Supports returns false.
+func (*Context) Supports(MemoryType) bool { return false }
+
+// APIVersion returns "" : no UCX is compiled in.
+func APIVersion() string { return "" }
+
 // NewWorker returns ErrUnavailable.
 func (*Context) NewWorker(ThreadMode) (*Worker, error) { return nil, ErrUnavailable }
 
@@ -39,6 +48,9 @@ func (*Memory) Addr() uint64 { return 0 }
 
 // Len returns 0.
 func (*Memory) Len() int { return 0 }
+
+// Type returns MemoryHost.
+func (*Memory) Type() MemoryType { return MemoryHost }
 
 // PackRkey returns ErrUnavailable.
 func (*Memory) PackRkey() ([]byte, error) { return nil, ErrUnavailable }
