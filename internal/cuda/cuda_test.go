@@ -1,0 +1,163 @@
+//go:build cgo
+
+package cuda
+
+import (
+	"bytes"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"unsafe"
+)
+
+const childEnv = "PDROUTER_CUDA_TEST_CHILD" // hex IPC handle the child opens
+
+func TestMain(m *testing.M) {
+	if h := os.Getenv(childEnv); h != "" {
+		if err := child(h); err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func TestLoadMissingLibraryIsNoDriver(t *testing.T) {
+	err := loadFrom("libpdrouter-no-such-cuda.so.1")
+	if !errors.Is(err, ErrNoDriver) || !strings.Contains(err.Error(), "libpdrouter-no-such-cuda.so.1") {
+		t.Fatalf("loadFrom(missing): %v, want ErrNoDriver naming the library", err)
+	}
+}
+
+func TestLoadLibraryWithoutDriverAPIIsNoDriver(t *testing.T) {
+	err := loadFrom("libm.so.6")
+	if !errors.Is(err, ErrNoDriver) || !strings.Contains(err.Error(), "has no cuInit") {
+		t.Fatalf("loadFrom(libm): %v, want ErrNoDriver: has no cuInit", err)
+	}
+}
+
+// Without a driver (CI) every entry point reports ErrNoDriver; with one (the
+// GPU machine) device memory round-trips and crosses processes by IPC handle.
+func TestDevice(t *testing.T) {
+	if err := Load(); err != nil {
+		if !errors.Is(err, ErrNoDriver) {
+			t.Fatalf("Load: %v, want ErrNoDriver", err)
+		}
+		if _, err := Open(0); !errors.Is(err, ErrNoDriver) {
+			t.Fatalf("Open without driver: %v", err)
+		}
+		if _, _, err := Kind(0x1000); !errors.Is(err, ErrNoDriver) {
+			t.Fatalf("Kind without driver: %v", err)
+		}
+		if _, err := DeviceCount(); !errors.Is(err, ErrNoDriver) {
+			t.Fatalf("DeviceCount without driver: %v", err)
+		}
+		return
+	}
+	testDevice(t)
+}
+
+func testDevice(t *testing.T) {
+	d, err := Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	const n = 8<<20 + 3
+	ptr, err := d.Alloc(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(ptr)
+	want := make([]byte, n)
+	for i := range want {
+		want[i] = byte(i*13 + 1)
+	}
+	if err := d.CopyFromHost(ptr, want); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, n)
+	if err := d.CopyToHost(got, ptr); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("device round trip differs")
+	}
+	if base, size, err := d.AddressRange(ptr + 4096); err != nil || base != ptr || size < n {
+		t.Fatalf("AddressRange(inside) = %#x, %d, %v; want %#x, >= %d", base, size, err, ptr, n)
+	}
+	if k, o, err := Kind(ptr + 100); err != nil || k != PointerDevice || o != 0 {
+		t.Fatalf("Kind(device) = %v, %d, %v", k, o, err)
+	}
+	if k, _, err := Kind(uint64(uintptr(unsafe.Pointer(&got[0])))); err != nil || k != PointerHost {
+		t.Fatalf("Kind(host) = %v, %v", k, err)
+	}
+	if _, err := d.OpenIPC(Handle{}); err == nil {
+		t.Fatal("OpenIPC of a zero handle succeeded")
+	}
+	h, err := d.IPCHandle(ptr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The child opens our allocation, checks it and overwrites it.
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"="+hex.EncodeToString(h[:]))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("child: %v: %s", err, out)
+	} else {
+		t.Logf("child: %s", out)
+	}
+	if err := d.CopyToHost(got, ptr); err != nil {
+		t.Fatal(err)
+	}
+	for i := range got {
+		if got[i] != byte(i*13+1)^0xff {
+			t.Fatalf("byte %d after the child's write: %#x", i, got[i])
+		}
+	}
+}
+
+func child(hexHandle string) error {
+	var h Handle
+	if b, err := hex.DecodeString(hexHandle); err != nil || len(b) != HandleSize {
+		return fmt.Errorf("bad handle %q", hexHandle)
+	} else {
+		copy(h[:], b)
+	}
+	d, err := Open(0)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	ptr, err := d.OpenIPC(h)
+	if err != nil {
+		return err
+	}
+	const n = 8<<20 + 3
+	b := make([]byte, n)
+	if err := d.CopyToHost(b, ptr); err != nil {
+		return err
+	}
+	for i := range b {
+		if b[i] != byte(i*13+1) {
+			return fmt.Errorf("imported byte %d = %#x", i, b[i])
+		}
+		b[i] ^= 0xff
+	}
+	if err := d.CopyFromHost(ptr, b); err != nil {
+		return err
+	}
+	// Whether an imported mapping can be exported again (UCX's cuda_ipc
+	// packs rkeys of registered memory that way): report, do not fail.
+	if _, err := d.IPCHandle(ptr); err != nil {
+		fmt.Println("re-export of imported memory:", err)
+	} else {
+		fmt.Println("re-export of imported memory: ok")
+	}
+	return d.CloseIPC(ptr)
+}

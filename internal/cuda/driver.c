@@ -1,0 +1,217 @@
+#include "driver.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef uint64_t CUdeviceptr;
+typedef void *CUcontext;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
+
+typedef struct {
+	CUresult (*init)(unsigned);
+	CUresult (*get_error_string)(CUresult, const char **);
+	CUresult (*device_get_count)(int *);
+	CUresult (*device_get)(int *, int);
+	CUresult (*primary_retain)(CUcontext *, int);
+	CUresult (*primary_release)(int);
+	CUresult (*ctx_set_current)(CUcontext);
+	CUresult (*ctx_push)(CUcontext);
+	CUresult (*ctx_pop)(CUcontext *);
+	CUresult (*ipc_open)(CUdeviceptr *, cudag_ipc_handle_t, unsigned);
+	CUresult (*ipc_close)(CUdeviceptr);
+	CUresult (*ipc_get)(cudag_ipc_handle_t *, CUdeviceptr);
+	CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+	CUresult (*mem_free)(CUdeviceptr);
+	CUresult (*memcpy_htod)(CUdeviceptr, const void *, size_t);
+	CUresult (*memcpy_dtoh)(void *, CUdeviceptr, size_t);
+	CUresult (*memset8)(CUdeviceptr, unsigned char, size_t);
+	CUresult (*address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+	CUresult (*pointer_attr)(void *, int, CUdeviceptr);
+} table_t;
+
+static table_t cu;
+
+// Entry points by name, as offsets into table_t; the first name found wins
+// (the _v2 names are the current ABI of the calls that have them).
+#define AT(f) offsetof(table_t, f)
+static const struct {
+	size_t at;
+	const char *names[2];
+} syms[] = {
+	{AT(init), {"cuInit", NULL}},
+	{AT(get_error_string), {"cuGetErrorString", NULL}},
+	{AT(device_get_count), {"cuDeviceGetCount", NULL}},
+	{AT(device_get), {"cuDeviceGet", NULL}},
+	{AT(primary_retain), {"cuDevicePrimaryCtxRetain", NULL}},
+	{AT(primary_release), {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"}},
+	{AT(ctx_set_current), {"cuCtxSetCurrent", NULL}},
+	{AT(ctx_push), {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}},
+	{AT(ctx_pop), {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}},
+	{AT(ipc_open), {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"}},
+	{AT(ipc_close), {"cuIpcCloseMemHandle", NULL}},
+	{AT(ipc_get), {"cuIpcGetMemHandle", NULL}},
+	{AT(mem_alloc), {"cuMemAlloc_v2", "cuMemAlloc"}},
+	{AT(mem_free), {"cuMemFree_v2", "cuMemFree"}},
+	{AT(memcpy_htod), {"cuMemcpyHtoD_v2", "cuMemcpyHtoD"}},
+	{AT(memcpy_dtoh), {"cuMemcpyDtoH_v2", "cuMemcpyDtoH"}},
+	{AT(memset8), {"cuMemsetD8_v2", "cuMemsetD8"}},
+	{AT(address_range), {"cuMemGetAddressRange_v2", "cuMemGetAddressRange"}},
+	{AT(pointer_attr), {"cuPointerGetAttribute", NULL}},
+};
+
+// cudag_load fills a table and installs it only when every entry point
+// resolved, so a failed load leaves an earlier good one in place.
+int cudag_load(const char *path, char *err, size_t errlen)
+{
+	table_t t;
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (h == NULL) {
+		snprintf(err, errlen, "%s", dlerror());
+		return -1;
+	}
+	for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+		void *fn = NULL;
+		for (int j = 0; j < 2 && fn == NULL && syms[i].names[j] != NULL; j++) {
+			fn = dlsym(h, syms[i].names[j]);
+		}
+		if (fn == NULL) {
+			snprintf(err, errlen, "%s has no %s", path, syms[i].names[0]);
+			dlclose(h);
+			return -1;
+		}
+		memcpy((char *)&t + syms[i].at, &fn, sizeof(fn));
+	}
+	cu = t;
+	return 0; // h stays open for the life of the process
+}
+
+int cudag_init(void)
+{
+	return cu.init(0);
+}
+
+const char *cudag_error_string(int res)
+{
+	const char *s = NULL;
+	if (cu.get_error_string == NULL || cu.get_error_string(res, &s) != CUDA_SUCCESS || s == NULL) {
+		return "unknown CUDA error";
+	}
+	return s;
+}
+
+int cudag_device_count(int *n)
+{
+	return cu.device_get_count(n);
+}
+
+int cudag_ctx_retain(int ordinal, void **ctx)
+{
+	int dev;
+	CUresult r = cu.device_get(&dev, ordinal);
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	return cu.primary_retain(ctx, dev);
+}
+
+int cudag_ctx_release(int ordinal)
+{
+	int dev;
+	CUresult r = cu.device_get(&dev, ordinal);
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	return cu.primary_release(dev);
+}
+
+int cudag_ctx_set_current(void *ctx)
+{
+	return cu.ctx_set_current(ctx);
+}
+
+// IN_CTX runs one driver call with ctx pushed on this thread.
+#define IN_CTX(ctx, call)                              \
+	do {                                           \
+		CUresult r_ = cu.ctx_push(ctx);        \
+		if (r_ != CUDA_SUCCESS) {              \
+			return r_;                     \
+		}                                      \
+		r_ = (call);                           \
+		CUcontext popped_;                     \
+		cu.ctx_pop(&popped_);                  \
+		return r_;                             \
+	} while (0)
+
+int cudag_ipc_open(void *ctx, const cudag_ipc_handle_t *h, uint64_t *ptr)
+{
+	IN_CTX(ctx, cu.ipc_open(ptr, *h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS));
+}
+
+int cudag_ipc_close(void *ctx, uint64_t ptr)
+{
+	IN_CTX(ctx, cu.ipc_close(ptr));
+}
+
+int cudag_ipc_get(void *ctx, uint64_t ptr, cudag_ipc_handle_t *h)
+{
+	IN_CTX(ctx, cu.ipc_get(h, ptr));
+}
+
+int cudag_mem_alloc(void *ctx, size_t n, uint64_t *ptr)
+{
+	IN_CTX(ctx, cu.mem_alloc(ptr, n));
+}
+
+int cudag_mem_free(void *ctx, uint64_t ptr)
+{
+	IN_CTX(ctx, cu.mem_free(ptr));
+}
+
+int cudag_memcpy_htod(void *ctx, uint64_t dst, const void *src, size_t n)
+{
+	IN_CTX(ctx, cu.memcpy_htod(dst, src, n));
+}
+
+int cudag_memcpy_dtoh(void *ctx, void *dst, uint64_t src, size_t n)
+{
+	IN_CTX(ctx, cu.memcpy_dtoh(dst, src, n));
+}
+
+int cudag_memset8(void *ctx, uint64_t dst, unsigned char v, size_t n)
+{
+	IN_CTX(ctx, cu.memset8(dst, v, n));
+}
+
+int cudag_address_range(void *ctx, uint64_t ptr, uint64_t *base, size_t *size)
+{
+	IN_CTX(ctx, cu.address_range(base, size, ptr));
+}
+
+int cudag_pointer_kind(uint64_t ptr, int *kind, int *ordinal)
+{
+	unsigned int t = 0;
+	CUresult r = cu.pointer_attr(&t, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr);
+	if (r == CUDA_ERROR_INVALID_VALUE) {
+		*kind = 1; // not CUDA's: plain host memory
+		*ordinal = -1;
+		return CUDA_SUCCESS;
+	}
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	*kind = (int)t;
+	*ordinal = -1;
+	if (t == 2) {
+		int o = -1;
+		r = cu.pointer_attr(&o, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
+		*ordinal = o;
+	}
+	return r;
+}
