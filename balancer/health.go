@@ -36,16 +36,7 @@ type healthChecker struct {
 
 // run probes until ctx ends.
 func (h *healthChecker) run(ctx context.Context) {
-	t := time.NewTicker(h.cfg.Interval)
-	defer t.Stop()
-	for {
-		h.round(ctx)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
+	runNowAndEvery(ctx, h.cfg.Interval, func() { h.round(ctx) })
 }
 
 // round probes all workers concurrently and applies the results.

@@ -20,16 +20,7 @@ type loadMonitor struct {
 }
 
 func (lm *loadMonitor) run(ctx context.Context) {
-	t := time.NewTicker(lm.interval)
-	defer t.Stop()
-	for {
-		lm.poll(ctx)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
+	runNowAndEvery(ctx, lm.interval, func() { lm.poll(ctx) })
 }
 
 func (lm *loadMonitor) poll(ctx context.Context) {

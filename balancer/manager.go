@@ -1,6 +1,7 @@
 package balancer
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -22,7 +23,7 @@ type ManagerConfig struct {
 	PD               bool          // readiness needs a prefill and a decode worker
 	StartupTimeout   time.Duration // --worker-startup-timeout-secs, per worker
 	StartupInterval  time.Duration // --worker-startup-check-interval: cap of the registration poll interval
-	LoadPollInterval time.Duration // > 0 polls /get_load (power_of_two); spec: the startup check interval
+	LoadPollInterval time.Duration // > 0 polls /get_load; 0 polls every StartupInterval (spec) once a policy reading loads is attached
 	Health           HealthConfig
 	Breaker          BreakerConfig
 	APIKey           string       // --api-key, for workers registered without their own
@@ -64,10 +65,11 @@ var (
 // monitor and the background work of policies. Every goroutine it starts
 // ends in Stop.
 type Manager struct {
-	cfg    ManagerConfig
-	reg    *Registry
-	client *http.Client
-	log    *zap.Logger
+	cfg      ManagerConfig
+	pollLoad bool // an attached policy reads engine loads; set before Start
+	reg      *Registry
+	client   *http.Client
+	log      *zap.Logger
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -85,30 +87,31 @@ type job struct {
 	err    error // set before done closes
 }
 
+// DefaultManagerConfig is sglang-router 0.3.x's worker start-up, health
+// check and circuit breaker defaults.
+func DefaultManagerConfig() ManagerConfig {
+	return ManagerConfig{
+		StartupTimeout:  1800 * time.Second,
+		StartupInterval: 30 * time.Second,
+		Health:          DefaultHealthConfig(),
+		Breaker:         DefaultBreakerConfig(),
+	}
+}
+
 // NewManager builds a manager with its own registry; nothing runs until
-// Start or Add.
+// Start or Add. Fields that are zero (or not positive) take
+// DefaultManagerConfig's values, the breaker as a whole.
 func NewManager(cfg ManagerConfig) *Manager {
-	def := DefaultHealthConfig()
-	if cfg.Health.Endpoint == "" {
-		cfg.Health.Endpoint = def.Endpoint
-	}
-	if cfg.Health.Interval <= 0 {
-		cfg.Health.Interval = def.Interval
-	}
-	if cfg.Health.Timeout <= 0 {
-		cfg.Health.Timeout = def.Timeout
-	}
-	cfg.Health.FailureThreshold = max(cfg.Health.FailureThreshold, 1)
-	cfg.Health.SuccessThreshold = max(cfg.Health.SuccessThreshold, 1)
-	if cfg.StartupTimeout <= 0 {
-		cfg.StartupTimeout = 1800 * time.Second
-	}
-	if cfg.StartupInterval <= 0 {
-		cfg.StartupInterval = 30 * time.Second
-	}
-	if cfg.Breaker == (BreakerConfig{}) {
-		cfg.Breaker = DefaultBreakerConfig()
-	}
+	def := DefaultManagerConfig()
+	h, dh := &cfg.Health, def.Health
+	h.Endpoint = cmp.Or(h.Endpoint, dh.Endpoint)
+	h.Interval = positiveOr(h.Interval, dh.Interval)
+	h.Timeout = positiveOr(h.Timeout, dh.Timeout)
+	h.FailureThreshold = positiveOr(h.FailureThreshold, dh.FailureThreshold)
+	h.SuccessThreshold = positiveOr(h.SuccessThreshold, dh.SuccessThreshold)
+	cfg.StartupTimeout = positiveOr(cfg.StartupTimeout, def.StartupTimeout)
+	cfg.StartupInterval = positiveOr(cfg.StartupInterval, def.StartupInterval)
+	cfg.Breaker = cmp.Or(cfg.Breaker, def.Breaker)
 	m := &Manager{cfg: cfg, reg: NewRegistry(), client: cfg.Client, log: cfg.Logger, jobs: map[string]*job{}}
 	if m.client == nil {
 		m.client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: 90 * time.Second}}
@@ -133,16 +136,21 @@ func (m *Manager) Start() error {
 		h := &healthChecker{cfg: m.cfg.Health, reg: m.reg, client: m.client, metrics: m.cfg.Metrics}
 		m.wg.Go(func() { h.run(m.ctx) })
 	}
-	if m.cfg.LoadPollInterval > 0 {
-		lm := &loadMonitor{reg: m.reg, client: m.client, interval: m.cfg.LoadPollInterval, timeout: m.cfg.Health.Timeout}
+	if m.pollLoad || m.cfg.LoadPollInterval > 0 {
+		lm := &loadMonitor{reg: m.reg, client: m.client, interval: positiveOr(m.cfg.LoadPollInterval, m.cfg.StartupInterval),
+			timeout: m.cfg.Health.Timeout}
 		m.wg.Go(func() { lm.run(m.ctx) })
 	}
 	return nil
 }
 
 // AttachPolicy keeps a policy in step with the registry and runs its
-// background work (tree eviction, rebalancing) until Stop.
+// background work (tree eviction, rebalancing) until Stop. Call it before
+// Start: a policy that reads engine loads turns the load poll on.
 func (m *Manager) AttachPolicy(p Policy) {
+	if info, ok := LookupPolicy(p.Name()); ok && info.ReadsLoad {
+		m.pollLoad = true
+	}
 	if ww, ok := p.(WorkerWatcher); ok {
 		m.reg.OnChange(ww.WorkersChanged)
 	}
@@ -201,7 +209,7 @@ func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
 	w := NewWorker(spec.URL, typ, port)
 	w.ID = uuid.NewString()
 	w.Breaker = NewBreaker(m.cfg.Breaker)
-	w.APIKey = cmpOr(spec.APIKey, m.cfg.APIKey)
+	w.APIKey = cmp.Or(spec.APIKey, m.cfg.APIKey)
 	w.DisableHealthCheck = spec.DisableHealthCheck
 	w.Labels = spec.Labels
 	if spec.ModelID != "" {
@@ -217,20 +225,6 @@ func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
 	return w, nil
 }
 
-func cmpErr(a, b error) error {
-	if a != nil {
-		return a
-	}
-	return b
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
-}
-
 // register is one AddWorker job: wait for health, discover, publish.
 func (m *Manager) register(ctx context.Context, j *job) {
 	defer j.cancel()
@@ -244,7 +238,7 @@ func (m *Manager) register(ctx context.Context, j *job) {
 	m.mu.Lock()
 	switch {
 	case m.jobs[w.ID] != j: // removed (or shutting down) meanwhile: do not publish
-		err = cmpErr(err, ErrWorkerNotFound)
+		err = cmp.Or(err, ErrWorkerNotFound)
 	case err != nil:
 		j.status = newJobStatus(w.URL, JobFailed, err.Error())
 		m.log.Warn("worker registration failed", zap.String("url", w.URL), zap.Error(err))

@@ -212,3 +212,46 @@ func TestManagerAttachPolicy(t *testing.T) {
 	m.Remove(e1.URL)
 	waitFor(t, "the sweep", func() bool { return ca.TreeBytes() < before })
 }
+
+// Zero fields take DefaultManagerConfig's values; set ones stay.
+func TestNewManagerDefaults(t *testing.T) {
+	m := NewManager(ManagerConfig{Health: HealthConfig{Timeout: time.Second, Disabled: true}})
+	defer m.Stop()
+	d := DefaultManagerConfig()
+	want := d.Health
+	want.Timeout, want.Disabled = time.Second, true
+	if m.cfg.Health != want || m.cfg.Breaker != d.Breaker ||
+		m.cfg.StartupTimeout != d.StartupTimeout || m.cfg.StartupInterval != d.StartupInterval {
+		t.Errorf("config %+v, want the defaults with a 1s health timeout", m.cfg)
+	}
+}
+
+// Attaching a policy that reads engine loads turns the /get_load poll on at
+// the startup check interval; other policies leave it off.
+func TestManagerPollsLoadForPolicyThatReadsIt(t *testing.T) {
+	for _, c := range []struct {
+		policy Policy
+		polls  bool
+	}{{PowerOfTwo{}, true}, {Random{}, false}} {
+		e := newFakeEngine(t, 200)
+		e.load.Store(7)
+		m := newTestManager(t, ManagerConfig{StartupInterval: 10 * time.Millisecond})
+		m.AttachPolicy(c.policy)
+		id, _ := m.Add(WorkerSpec{URL: e.URL})
+		if err := m.Await(context.Background(), id); err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Start(); err != nil {
+			t.Fatal(err)
+		}
+		w := m.Snapshot().ByID(id)
+		if c.polls {
+			waitFor(t, "a load report", func() bool { n, ok := w.ReportedLoad(); return ok && n == 7 })
+			continue
+		}
+		time.Sleep(50 * time.Millisecond) // five poll periods
+		if _, ok := w.ReportedLoad(); ok {
+			t.Errorf("%s: /get_load polled", c.policy.Name())
+		}
+	}
+}

@@ -1,9 +1,11 @@
 package balancer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -55,98 +57,127 @@ type Runner interface {
 var ErrNoSelection = errors.New("policy made no selection")
 
 // PolicyOptions carries the CLI tunables policies read. Zero values take
-// sglang-router's defaults.
+// DefaultPolicyOptions' values.
 type PolicyOptions struct {
-	CacheThreshold       float64       // cache_aware: min match rate to follow the cache (0.3)
-	BalanceAbsThreshold  int64         // cache_aware, bucket: load spread that counts as imbalance (64)
-	BalanceRelThreshold  float64       // ... and max > min × this (1.5)
-	EvictionInterval     time.Duration // cache_aware: tree eviction period (60 s)
-	MaxTreeSize          int64         // cache_aware: bytes for the whole tree (2^26)
-	MaxIdle              time.Duration // manual: routing key idle eviction (4 h)
-	AssignmentMode       string        // manual: random, min_load or min_group
-	BucketAdjustInterval time.Duration // bucket: boundary rebalancing period (5 s)
-	PrefixBytes          int           // prefix_hash: bytes of text hashed (1024 ≈ 256 tokens)
-	LoadFactor           float64       // prefix_hash: max load over the mean before spilling (1.25)
-	VirtualNodes         int           // consistent_hashing, prefix_hash: ring points per worker (160)
+	CacheThreshold       float64       // cache_aware: min match rate to follow the cache
+	BalanceAbsThreshold  int64         // cache_aware, bucket: load spread that counts as imbalance
+	BalanceRelThreshold  float64       // ... and max > min × this
+	EvictionInterval     time.Duration // cache_aware: tree eviction period
+	MaxTreeSize          int64         // cache_aware: bytes for the whole tree
+	MaxIdle              time.Duration // manual: routing key idle eviction
+	AssignmentMode       string        // manual: one of AssignmentModes
+	BucketAdjustInterval time.Duration // bucket: boundary rebalancing period
+	PrefixBytes          int           // prefix_hash: bytes of text hashed (≈ 4 bytes a token)
+	LoadFactor           float64       // prefix_hash: max load over the mean before spilling; > 1
+	VirtualNodes         int           // consistent_hashing, prefix_hash: ring points per worker
 	Metrics              *Metrics
 }
 
+// DefaultPolicyOptions are sglang-router 0.3.x's defaults, plus pdrouter's
+// own for prefix_hash.
+func DefaultPolicyOptions() PolicyOptions {
+	return PolicyOptions{
+		CacheThreshold:       0.3,
+		BalanceAbsThreshold:  64,
+		BalanceRelThreshold:  1.5,
+		EvictionInterval:     60 * time.Second,
+		MaxTreeSize:          1 << 26,
+		MaxIdle:              4 * time.Hour,
+		AssignmentMode:       "random",
+		BucketAdjustInterval: 5 * time.Second,
+		PrefixBytes:          1024,
+		LoadFactor:           1.25,
+		VirtualNodes:         160,
+	}
+}
+
+// AssignmentModes are the manual policy's ways to place a new routing key.
+func AssignmentModes() []string { return []string{"random", "min_load", "min_group"} }
+
 func (o PolicyOptions) withDefaults() PolicyOptions {
-	if o.CacheThreshold == 0 {
-		o.CacheThreshold = 0.3
-	}
-	if o.BalanceAbsThreshold == 0 {
-		o.BalanceAbsThreshold = 64
-	}
-	if o.BalanceRelThreshold == 0 {
-		o.BalanceRelThreshold = 1.5
-	}
-	if o.EvictionInterval <= 0 {
-		o.EvictionInterval = 60 * time.Second
-	}
-	if o.MaxTreeSize <= 0 {
-		o.MaxTreeSize = 1 << 26
-	}
-	if o.MaxIdle <= 0 {
-		o.MaxIdle = 4 * time.Hour
-	}
-	if o.AssignmentMode == "" {
-		o.AssignmentMode = "random"
-	}
-	if o.BucketAdjustInterval <= 0 {
-		o.BucketAdjustInterval = 5 * time.Second
-	}
-	if o.PrefixBytes <= 0 {
-		o.PrefixBytes = 1024
-	}
+	d := DefaultPolicyOptions()
+	o.CacheThreshold = cmp.Or(o.CacheThreshold, d.CacheThreshold)
+	o.BalanceAbsThreshold = cmp.Or(o.BalanceAbsThreshold, d.BalanceAbsThreshold)
+	o.BalanceRelThreshold = cmp.Or(o.BalanceRelThreshold, d.BalanceRelThreshold)
+	o.AssignmentMode = cmp.Or(o.AssignmentMode, d.AssignmentMode)
+	o.EvictionInterval = positiveOr(o.EvictionInterval, d.EvictionInterval)
+	o.MaxTreeSize = positiveOr(o.MaxTreeSize, d.MaxTreeSize)
+	o.MaxIdle = positiveOr(o.MaxIdle, d.MaxIdle)
+	o.BucketAdjustInterval = positiveOr(o.BucketAdjustInterval, d.BucketAdjustInterval)
+	o.PrefixBytes = positiveOr(o.PrefixBytes, d.PrefixBytes)
+	o.VirtualNodes = positiveOr(o.VirtualNodes, d.VirtualNodes)
 	if o.LoadFactor <= 1 {
-		o.LoadFactor = 1.25
-	}
-	if o.VirtualNodes <= 0 {
-		o.VirtualNodes = 160
+		o.LoadFactor = d.LoadFactor
 	}
 	return o
 }
 
-// PolicyNames lists what NewPolicy accepts.
-var PolicyNames = []string{"random", "round_robin", "power_of_two", "cache_aware", "consistent_hashing", "manual", "bucket", "prefix_hash"}
+// positiveOr is v, or def when v is not positive: a period or a size of zero
+// or less would stop a ticker or an index, so both mean "unset".
+func positiveOr[T int | int64 | time.Duration](v, def T) T {
+	if v <= 0 {
+		return def
+	}
+	return v
+}
+
+// PolicyInfo is one row of the policy table, which drives NewPolicy, the
+// CLI's choices and its --help, and router.Config's validation.
+type PolicyInfo struct {
+	Name        string
+	Summary     string // one line for --help
+	PrefillOnly bool   // only as a PD deployment's prefill policy
+	ReadsLoad   bool   // reads engine-reported loads, so the Manager polls /get_load
+	build       func(PolicyOptions) Policy
+}
+
+var policyTable = []PolicyInfo{
+	{Name: "random", Summary: "a worker drawn uniformly", build: func(PolicyOptions) Policy { return Random{} }},
+	{Name: "round_robin", Summary: "the workers in turn", build: func(PolicyOptions) Policy { return &RoundRobin{} }},
+	{Name: "cache_aware", Summary: "the worker holding the longest prefix of the request, unless loads are unbalanced",
+		build: func(o PolicyOptions) Policy { return NewCacheAware(o) }},
+	{Name: "power_of_two", Summary: "the less loaded of two random workers (engine-reported load)", ReadsLoad: true,
+		build: func(PolicyOptions) Policy { return PowerOfTwo{} }},
+	{Name: "manual", Summary: "sticky by routing key (X-SMG-Routing-Key)", build: func(o PolicyOptions) Policy { return NewManual(o) }},
+	{Name: "consistent_hashing", Summary: "a hash ring over the routing key",
+		build: func(o PolicyOptions) Policy { return NewConsistentHashing(o) }},
+	{Name: "prefix_hash", Summary: "a hash ring over the prompt's first bytes, bounded by load",
+		build: func(o PolicyOptions) Policy { return NewPrefixHash(o) }},
+	{Name: "bucket", Summary: "prompt-length buckets, one per worker", PrefillOnly: true,
+		build: func(o PolicyOptions) Policy { return NewBucket(o) }},
+}
+
+// Policies lists the policy table in --help order.
+func Policies() []PolicyInfo { return slices.Clone(policyTable) }
+
+// PolicyNames lists the names of the policies that may serve a side: every
+// policy for a PD prefill side, the others elsewhere.
+func PolicyNames(prefill bool) []string {
+	var names []string
+	for _, p := range policyTable {
+		if prefill || !p.PrefillOnly {
+			names = append(names, p.Name)
+		}
+	}
+	return names
+}
+
+// LookupPolicy finds a row of the policy table by name.
+func LookupPolicy(name string) (PolicyInfo, bool) {
+	i := slices.IndexFunc(policyTable, func(p PolicyInfo) bool { return p.Name == name })
+	if i < 0 {
+		return PolicyInfo{}, false
+	}
+	return policyTable[i], true
+}
 
 // NewPolicy builds a policy by its CLI name. Call it once per PD side: each
 // side needs its own instance. Give it to Manager.AttachPolicy so policies
 // with state see worker changes and run their background work.
 func NewPolicy(name string, o PolicyOptions) (Policy, error) {
-	switch name {
-	case "random":
-		return Random{}, nil
-	case "round_robin":
-		return &RoundRobin{}, nil
-	case "power_of_two":
-		return PowerOfTwo{}, nil
-	case "cache_aware":
-		return NewCacheAware(o), nil
-	case "consistent_hashing":
-		return NewConsistentHashing(o), nil
-	case "manual":
-		return NewManual(o), nil
-	case "bucket":
-		return NewBucket(o), nil
-	case "prefix_hash":
-		return NewPrefixHash(o), nil
+	p, ok := LookupPolicy(name)
+	if !ok {
+		return nil, fmt.Errorf("unknown policy %q", name)
 	}
-	return nil, fmt.Errorf("unknown policy %q", name)
-}
-
-// runEvery calls fn every period until ctx ends: the background work of
-// policies that implement Runner.
-func runEvery(ctx context.Context, period time.Duration, fn func()) {
-	t := time.NewTicker(period)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			fn()
-		}
-	}
+	return p.build(o), nil
 }

@@ -35,7 +35,7 @@ func (firstPolicy) Select(ws []*Worker, _ *Request) (*Worker, error) {
 // BenchmarkSelect is selection alone (no metrics) per policy and pool size.
 func BenchmarkSelect(b *testing.B) {
 	reqs := benchRequests(1024)
-	for _, name := range append([]string{"baseline"}, PolicyNames...) {
+	for _, name := range append([]string{"baseline"}, PolicyNames(true)...) {
 		for _, n := range []int{4, 64, 256} {
 			b.Run(fmt.Sprintf("%s/workers=%d", name, n), func(b *testing.B) {
 				var p Policy = firstPolicy{}

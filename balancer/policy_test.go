@@ -3,7 +3,9 @@ package balancer
 import (
 	"fmt"
 	"net/http"
+	"slices"
 	"testing"
+	"time"
 )
 
 func testWorkers(n int) []*Worker {
@@ -37,7 +39,7 @@ func counts(t *testing.T, p Policy, ws []*Worker, n int, req func(i int) *Reques
 
 func TestNewPolicyAllNames(t *testing.T) {
 	ws := testWorkers(1)
-	for _, name := range PolicyNames {
+	for _, name := range PolicyNames(true) {
 		p, err := NewPolicy(name, PolicyOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -114,5 +116,52 @@ func TestPowerOfTwoNoHerdingOnStaleReports(t *testing.T) {
 	// 4 picks to catch up (1000 tokens per request), then the 16 others alternate.
 	if picked < 10 || picked > 14 {
 		t.Fatalf("stale-idle worker took %d of 20, want ~12 (all 20 would be herding)", picked)
+	}
+}
+
+// The table is the one list of policies: PD prefill sides take every row,
+// other sides every row but the prefill-only ones.
+func TestPolicyTable(t *testing.T) {
+	all, others := PolicyNames(true), PolicyNames(false)
+	if len(all) != len(Policies()) || len(others) >= len(all) {
+		t.Fatalf("prefill side %v, other sides %v", all, others)
+	}
+	seen := map[string]bool{}
+	for _, p := range Policies() {
+		if seen[p.Name] || p.Summary == "" {
+			t.Errorf("row %+v: duplicate or without a summary", p)
+		}
+		seen[p.Name] = true
+		if slices.Contains(others, p.Name) == p.PrefillOnly {
+			t.Errorf("%s: prefill only %v, yet other sides list it: %v", p.Name, p.PrefillOnly, others)
+		}
+		if got, ok := LookupPolicy(p.Name); !ok || got.Name != p.Name {
+			t.Errorf("LookupPolicy(%q) = %+v, %v", p.Name, got, ok)
+		}
+	}
+	if !seen["bucket"] || slices.Contains(others, "bucket") {
+		t.Errorf("bucket must be a prefill-only row: %v", others)
+	}
+	if _, ok := LookupPolicy("fastest"); ok {
+		t.Error("LookupPolicy found a policy that is not in the table")
+	}
+}
+
+// Zero options take DefaultPolicyOptions; set ones stay; periods and sizes
+// that are not positive count as unset.
+func TestPolicyOptionsDefaults(t *testing.T) {
+	d := DefaultPolicyOptions()
+	if got := (PolicyOptions{}).withDefaults(); got != d {
+		t.Errorf("zero options: %+v, want %+v", got, d)
+	}
+	set := PolicyOptions{CacheThreshold: 0.9, EvictionInterval: time.Second, AssignmentMode: "min_load", LoadFactor: 2}
+	if got := set.withDefaults(); got.CacheThreshold != 0.9 || got.EvictionInterval != time.Second ||
+		got.AssignmentMode != "min_load" || got.LoadFactor != 2 || got.MaxTreeSize != d.MaxTreeSize {
+		t.Errorf("set options changed: %+v", got)
+	}
+	bad := PolicyOptions{EvictionInterval: -time.Second, BucketAdjustInterval: -1, MaxTreeSize: -1, LoadFactor: 0.5}
+	if got := bad.withDefaults(); got.EvictionInterval != d.EvictionInterval || got.BucketAdjustInterval != d.BucketAdjustInterval ||
+		got.MaxTreeSize != d.MaxTreeSize || got.LoadFactor != d.LoadFactor {
+		t.Errorf("non-positive options kept: %+v", got)
 	}
 }
