@@ -18,20 +18,25 @@ func main() {
 	runs := flag.Int("runs", 5, "suite: runs per transport and size (median and range reported)")
 	tlsList := flag.String("tls", strings.Join(transports, "|"), "suite: UCX_TLS values, |-separated")
 	sizeList := flag.String("sizes", "", "suite: message sizes in bytes, comma-separated (default all)")
-	size := flag.Int("size", 0, "client: measure only this size (0: all)")
+	size := flag.Int("size", 0, "server, client: measure only this size (0: all)")
+	mem := flag.String("mem", "host", "memory the buffers live in: host or cuda (device 0, needs a CUDA-aware UCX)")
 	out := flag.String("json", "bench/out/ucx.json", "suite: JSON output")
 	md := flag.String("md", "bench/RESULTS.md", "suite: markdown file with the ucx markers")
 	flag.Parse()
 	var err error
-	switch *role {
-	case "server":
-		err = serve()
-	case "client":
-		err = runClient(*addr, *size)
-	case "suite":
+	if *mem != "host" && *mem != "cuda" {
+		err = fmt.Errorf("unknown memory %q", *mem)
+	}
+	switch {
+	case err != nil:
+	case *role == "server":
+		err = serve(*mem, bufferLen(*mem, *size))
+	case *role == "client":
+		err = runClient(*addr, *mem, *size)
+	case *role == "suite":
 		var szs []int
-		if szs, err = parseSizes(*sizeList); err == nil {
-			err = runSuite(*runs, strings.Split(*tlsList, "|"), szs, *out, *md)
+		if szs, err = parseSizes(*sizeList, *mem); err == nil {
+			err = runSuite(*runs, strings.Split(*tlsList, "|"), szs, *mem, *out, *md)
 		}
 	default:
 		err = fmt.Errorf("unknown role %q", *role)
@@ -42,15 +47,15 @@ func main() {
 	}
 }
 
-func parseSizes(list string) ([]int, error) {
+func parseSizes(list, mem string) ([]int, error) {
 	if list == "" {
-		return sizes, nil
+		return defaultSizes(mem), nil
 	}
 	var out []int
 	for _, f := range strings.Split(list, ",") {
 		n, err := strconv.Atoi(f)
-		if err != nil || n < 8 || n > bufLen {
-			return nil, fmt.Errorf("bad size %q (8 to %d bytes)", f, bufLen)
+		if err != nil || n < 8 || n > maxLen {
+			return nil, fmt.Errorf("bad size %q (8 to %d bytes)", f, maxLen)
 		}
 		out = append(out, n)
 	}

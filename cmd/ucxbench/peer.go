@@ -11,14 +11,20 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/pdrouter/pdrouter/internal/cuda"
 	"github.com/pdrouter/pdrouter/ucx"
 )
 
-// Sizes measured, as in the issue.
-var sizes = []int{8, 4 << 10, 64 << 10, 1 << 20, 16 << 20}
+// Sizes measured, as in the issue; cudaSizes with -mem cuda.
+var (
+	sizes     = []int{8, 4 << 10, 64 << 10, 1 << 20, 16 << 20}
+	cudaSizes = []int{64 << 10, 1 << 20, 16 << 20, 256 << 20}
+)
+
+// maxLen bounds a message: the buffers are this large.
+const maxLen = 256 << 20
 
 const (
-	bufLen = 16 << 20
 	// Active-message ids.
 	amHello = 1 // address (8 bytes LE) + rkey
 	amLat   = 2 // client → server: size, iters, first sequence number
@@ -33,10 +39,19 @@ type result struct {
 }
 
 // outstanding bounds puts in flight (also passed to ucx_perftest -O):
-// unbounded 16 MiB puts collapse over tcp.
-func outstanding(size int) int { return min(64, max(1, 8<<20/size)) }
+// unbounded 16 MiB puts collapse over tcp. GPU copies (cuda_ipc) keep at
+// least 4 in flight so the copy engine never idles between puts.
+func outstanding(size int, mem string) int {
+	if mem == "cuda" {
+		return min(64, max(4, 64<<20/size))
+	}
+	return min(64, max(1, 8<<20/size))
+}
 
-func bwIters(tls string, size int) int {
+func bwIters(tls string, size int, mem string) int {
+	if mem == "cuda" {
+		return min(20000, max(200, 32<<30/size))
+	}
 	total := 512 << 20
 	if tls != "tcp" {
 		total = 4 << 30
@@ -58,6 +73,9 @@ func latIters(tls string, size int) int {
 
 // side is one process's state: worker, target memory and the peer's view.
 type side struct {
+	mem  string       // "host" or "cuda"
+	gpu  *cuda.Device // with mem "cuda"
+	bufs []uint64     // device buffers to free
 	ctx  *ucx.Context
 	w    *ucx.Worker
 	ep   *ucx.Endpoint // sockaddr connection: control messages
@@ -69,21 +87,29 @@ type side struct {
 	msgs [][]byte
 }
 
-func newSide() (*side, error) {
+func newSide(mem string, bufLen int) (*side, error) {
 	runtime.LockOSThread()
-	s := &side{}
+	s := &side{mem: mem}
 	var err error
+	if mem == "cuda" {
+		// UCX's CUDA transports use this thread's context.
+		if s.gpu, err = cuda.Open(0); err != nil {
+			return nil, err
+		}
+		if err := s.gpu.MakeCurrent(); err != nil {
+			return nil, err
+		}
+	}
 	if s.ctx, err = ucx.NewContext(ucx.Config{NoPeerErrorHandling: true}); err != nil { // as ucx_perftest without -e
 		return nil, err
 	}
 	if s.w, err = s.ctx.NewWorker(ucx.ThreadSingle); err != nil {
 		return nil, err
 	}
-	// Both buffers UCX-allocated, like ucx_perftest's.
-	if s.src, err = s.ctx.Alloc(bufLen); err != nil {
+	if s.src, err = s.buffer(bufLen); err != nil {
 		return nil, err
 	}
-	if s.dst, err = s.ctx.Alloc(bufLen); err != nil {
+	if s.dst, err = s.buffer(bufLen); err != nil {
 		return nil, err
 	}
 	for _, id := range []uint16{amHello, amLat, amQuit} {
@@ -97,11 +123,32 @@ func newSide() (*side, error) {
 	return s, nil
 }
 
+// buffer returns a registered buffer: UCX-allocated host memory, like
+// ucx_perftest's, or device memory from cuMemAlloc (perftest's -m cuda
+// uses cudaMalloc).
+func (s *side) buffer(n int) (*ucx.Memory, error) {
+	if s.gpu == nil {
+		return s.ctx.Alloc(n)
+	}
+	p, err := s.gpu.Alloc(n)
+	if err != nil {
+		return nil, err
+	}
+	s.bufs = append(s.bufs, p)
+	return s.ctx.MapAddr(uintptr(p), n, ucx.MemoryCUDA)
+}
+
 func (s *side) close() {
 	s.w.Close()
 	s.src.Close()
 	s.dst.Close()
 	s.ctx.Close()
+	for _, p := range s.bufs {
+		s.gpu.Free(p)
+	}
+	if s.gpu != nil {
+		s.gpu.Close()
+	}
 }
 
 // next progresses until an active message arrives.
@@ -180,8 +227,8 @@ func (s *side) waitWord(size int, seq uint64) error {
 	return nil
 }
 
-func serve() error {
-	s, err := newSide()
+func serve(mem string, bufLen int) error {
+	s, err := newSide(mem, bufLen)
 	if err != nil {
 		return err
 	}
@@ -223,8 +270,24 @@ func serve() error {
 	}
 }
 
-func runClient(addr string, only int) error {
-	s, err := newSide()
+// defaultSizes is what a run measures when no size is named.
+func defaultSizes(mem string) []int {
+	if mem == "cuda" {
+		return cudaSizes
+	}
+	return sizes
+}
+
+// bufferLen is the buffers' size for a run of size (0: the default sizes).
+func bufferLen(mem string, size int) int {
+	if size == 0 {
+		return slices.Max(defaultSizes(mem))
+	}
+	return size
+}
+
+func runClient(addr, mem string, only int) error {
+	s, err := newSide(mem, bufferLen(mem, only))
 	if err != nil {
 		return err
 	}
@@ -238,21 +301,25 @@ func runClient(addr string, only int) error {
 	tls := os.Getenv("UCX_TLS")
 	enc := json.NewEncoder(os.Stdout)
 	seq := uint64(1)
-	list := sizes
+	list := defaultSizes(mem)
 	if only != 0 {
 		list = []int{only}
 	}
 	for _, size := range list {
-		bw, err := s.bandwidth(size, bwIters(tls, size)/10) // warm-up
+		iters := bwIters(tls, size, mem)
+		bw, err := s.bandwidth(size, iters/10) // warm-up
 		if err == nil {
-			bw, err = s.bandwidth(size, bwIters(tls, size))
+			bw, err = s.bandwidth(size, iters)
 		}
 		if err != nil {
 			return fmt.Errorf("bandwidth %d B: %w", size, err)
 		}
-		lat, err := s.latency(size, latIters(tls, size), &seq)
-		if err != nil {
-			return fmt.Errorf("latency %d B: %w", size, err)
+		var lat float64
+		// The latency ping-pong polls the target memory from the CPU: host only.
+		if mem == "host" {
+			if lat, err = s.latency(size, latIters(tls, size), &seq); err != nil {
+				return fmt.Errorf("latency %d B: %w", size, err)
+			}
 		}
 		if err := enc.Encode(result{Size: size, MiBps: bw, LatUS: lat}); err != nil {
 			return err
@@ -268,7 +335,7 @@ func runClient(addr string, only int) error {
 // bandwidth puts size bytes iters times with a bounded number in flight,
 // then flushes, and returns MiB/s.
 func (s *side) bandwidth(size, iters int) (float64, error) {
-	ring := make([]*ucx.Request, outstanding(size))
+	ring := make([]*ucx.Request, outstanding(size, s.mem))
 	start := time.Now()
 	for i := range iters {
 		slot := &ring[i%len(ring)]

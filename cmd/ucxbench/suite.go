@@ -37,12 +37,13 @@ type row struct {
 	LatDeltaUS    float64    `json:"lat_delta_us"`   // median of per-run deltas
 	LatDeltaRange [2]float64 `json:"lat_delta_us_range"`
 	Outstanding   int        `json:"outstanding"`
+	Memory        string     `json:"memory"` // host, or cuda (both buffers on GPU 0; no latency figures)
 }
 
 // samples collects per-run numbers.
 type samples struct{ bw, pbw, lat, plat, ratio, delta []float64 }
 
-func runSuite(runs int, tlss []string, szs []int, outPath, mdPath string) error {
+func runSuite(runs int, tlss []string, szs []int, mem, outPath, mdPath string) error {
 	self, err := os.Executable()
 	if err != nil {
 		return err
@@ -60,14 +61,16 @@ func runSuite(runs int, tlss []string, szs []int, outPath, mdPath string) error 
 				fmt.Fprintf(os.Stderr, "run %d/%d %s %s\n", run+1, runs, tls, sizeName(size))
 				var r result
 				var bw, lat float64
-				ucx := func() (err error) { r, err = ours(self, tls, size); return err }
+				ucx := func() (err error) { r, err = ours(self, tls, size, mem); return err }
 				perf := func() error {
 					port += 2
 					var err error
-					if bw, err = perftest(tls, port, "ucp_put_bw", size, bwIters(tls, size), outstanding(size), 5); err != nil {
+					if bw, err = perftest(tls, mem, port, "ucp_put_bw", size, bwIters(tls, size, mem), outstanding(size, mem), 5); err != nil {
 						return err
 					}
-					lat, err = perftest(tls, port+1, "ucp_put_lat", size, latIters(tls, size), 0, 1)
+					if mem == "host" {
+						lat, err = perftest(tls, mem, port+1, "ucp_put_lat", size, latIters(tls, size), 0, 1)
+					}
 					return err
 				}
 				// Alternate who goes first so drift in the machine's load
@@ -99,7 +102,7 @@ func runSuite(runs int, tlss []string, szs []int, outPath, mdPath string) error 
 				PerfLatUS: median(s.plat), PerfLatRange: span(s.plat),
 				BWRatio: median(s.ratio), BWRatioRange: span(s.ratio),
 				LatDeltaUS: median(s.delta), LatDeltaRange: span(s.delta),
-				Outstanding: outstanding(size)})
+				Outstanding: outstanding(size, mem), Memory: mem})
 		}
 	}
 	if err := os.MkdirAll(filepath.Dir(outPath), 0o755); err != nil {
@@ -111,6 +114,9 @@ func runSuite(runs int, tlss []string, szs []int, outPath, mdPath string) error 
 	}
 	if err := os.WriteFile(outPath, append(js, '\n'), 0o644); err != nil {
 		return err
+	}
+	if mdPath == "" {
+		return nil
 	}
 	return writeMarkdown(mdPath, rows, runs)
 }
@@ -127,9 +133,9 @@ func childEnv(tls string) []string {
 
 // ours runs one server/client pair pinned to the two cores, as
 // ucx_perftest -c 0 / -c 1.
-func ours(self, tls string, size int) (result, error) {
+func ours(self, tls string, size int, mem string) (result, error) {
 	env := childEnv(tls)
-	srv := exec.Command("taskset", "-c", "0", self, "-role", "server")
+	srv := exec.Command("taskset", "-c", "0", self, "-role", "server", "-mem", mem, "-size", strconv.Itoa(size))
 	srv.Env, srv.Stderr = env, os.Stderr
 	out, err := srv.StdoutPipe()
 	if err != nil {
@@ -144,7 +150,7 @@ func ours(self, tls string, size int) (result, error) {
 		srv.Process.Kill()
 		return result{}, fmt.Errorf("ucxbench server handshake %q: %v", line, err)
 	}
-	cli := exec.Command("taskset", "-c", "1", self, "-role", "client", "-size", strconv.Itoa(size),
+	cli := exec.Command("taskset", "-c", "1", self, "-role", "client", "-mem", mem, "-size", strconv.Itoa(size),
 		"-addr", strings.TrimSpace(line[5:]))
 	cli.Env, cli.Stderr = env, os.Stderr
 	b, err := cli.Output()
@@ -160,7 +166,7 @@ func ours(self, tls string, size int) (result, error) {
 // of the client's final line (1: 50th-percentile latency µs, 5: overall
 // MiB/s, which like ours covers the whole timed run; 4 covers only the last
 // report interval).
-func perftest(tls string, port int, test string, size, iters, outstanding, col int) (float64, error) {
+func perftest(tls, mem string, port int, test string, size, iters, outstanding, col int) (float64, error) {
 	env := childEnv(tls)
 	p := strconv.Itoa(port)
 	srv := exec.Command("ucx_perftest", "-p", p, "-c", "0")
@@ -173,6 +179,9 @@ func perftest(tls string, port int, test string, size, iters, outstanding, col i
 		"-n", strconv.Itoa(iters), "-w", strconv.Itoa(max(1, iters/10)), "-f"}
 	if outstanding > 0 {
 		args = append(args, "-O", strconv.Itoa(outstanding))
+	}
+	if mem == "cuda" {
+		args = append(args, "-m", "cuda,cuda")
 	}
 	var b []byte
 	var err error

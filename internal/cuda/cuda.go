@@ -12,6 +12,7 @@ import "C"
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"unsafe"
 )
@@ -187,4 +188,16 @@ func Kind(ptr uint64) (PointerKind, int, error) {
 		return 0, -1, err
 	}
 	return PointerKind(k), int(o), nil
+}
+
+// With runs fn on a locked OS thread with the device's context current, for
+// calls into libraries (UCX) that use the calling thread's CUDA context.
+func (d *Device) With(fn func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := result("cuCtxPushCurrent", C.cudag_ctx_push(d.ctx)); err != nil {
+		return err
+	}
+	defer C.cudag_ctx_pop()
+	return fn()
 }

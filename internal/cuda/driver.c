@@ -215,3 +215,14 @@ int cudag_pointer_kind(uint64_t ptr, int *kind, int *ordinal)
 	}
 	return r;
 }
+
+int cudag_ctx_push(void *ctx)
+{
+	return cu.ctx_push(ctx);
+}
+
+void cudag_ctx_pop(void)
+{
+	CUcontext c;
+	cu.ctx_pop(&c);
+}

@@ -23,6 +23,8 @@ int cudag_device_count(int *n);
 int cudag_ctx_retain(int ordinal, void **ctx);
 int cudag_ctx_release(int ordinal);
 int cudag_ctx_set_current(void *ctx);
+int cudag_ctx_push(void *ctx);
+void cudag_ctx_pop(void);
 
 // Each call below pushes ctx around the driver call, so the caller's OS
 // thread need not own it.

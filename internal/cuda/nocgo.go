@@ -57,3 +57,6 @@ func (*Device) AddressRange(uint64) (uint64, int, error) { return 0, 0, errNoCgo
 
 // Kind returns ErrNoDriver.
 func Kind(uint64) (PointerKind, int, error) { return 0, -1, errNoCgo }
+
+// With returns ErrNoDriver.
+func (*Device) With(func() error) error { return errNoCgo }
