@@ -22,58 +22,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
-	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// State is SGLang's KVPoll, with the same numbers.
-type State int32
-
-const (
-	Failed State = iota
-	Bootstrapping
-	WaitingForInput
-	Transferring
-	Success
-)
-
-func (s State) String() string {
-	switch s {
-	case Failed:
-		return "Failed"
-	case Bootstrapping:
-		return "Bootstrapping"
-	case WaitingForInput:
-		return "WaitingForInput"
-	case Transferring:
-		return "Transferring"
-	case Success:
-		return "Success"
-	}
-	return fmt.Sprintf("State(%d)", int32(s))
-}
-
-// Terminal reports whether no further transition can happen.
-func (s State) Terminal() bool { return s == Failed || s == Success }
-
-// Status is a room's state and what moved so far.
-type Status struct {
-	State  State
-	Reason string // why it failed
-	Pages  uint64
-	Bytes  uint64
-	// Transfer is the time spent moving data (post to flush, summed over
-	// chunks, as measured by the sender); Wall runs from XFER_REQ to the end.
-	Transfer time.Duration
-	Wall     time.Duration
-}
-
-// Errors returned by the room API.
+// Errors returned by the engine.
 var (
-	ErrUnknownRoom = errors.New("unknown room")
-	ErrRoomExists  = errors.New("room already exists")
-	ErrRoomDone    = errors.New("room already finished")
-	ErrNoPool      = errors.New("no pool registered")
-	ErrClosed      = errors.New("engine closed")
+	ErrNoPool = errors.New("no pool registered")
+	ErrClosed = errors.New("engine closed")
 )
 
 // Config configures an Engine. Zero durations take the defaults.
@@ -102,53 +56,17 @@ type Engine struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu      sync.Mutex
-	pool    *Pool
-	meta    LocalMeta
-	rooms   map[uint64]*room
-	tombs   map[uint64]tomb
-	peers   map[*peer]struct{}
-	byAddr  map[string]*peer
-	dialing map[string]*dialCall
-	closed  bool
-}
-
-type tomb struct {
-	st  Status
-	end time.Time
-}
-
-type dialCall struct {
-	done chan struct{}
-	p    *peer
-	err  error
-}
-
-type room struct {
-	id     uint64
-	sender bool
-	st     Status
-	peer   *peer
-	boot   string // decode: bootstrap address
-	dst    []uint32
-	dstAux int32
-	// sender: chunks queued before XFER_REQ, pages assigned so far
-	queued    []chunk
-	assigned  int
-	lastSeen  bool
-	nextChunk uint32
-	// receiver: next chunk id expected
-	expect uint32
-	start  time.Time
-	timer  *time.Timer
-	gen    int // timer generation, so a stale timer cannot fire
-	done   chan struct{}
-}
-
-type chunk struct {
-	src    []uint32
-	last   bool
-	srcAux int32
+	mu   sync.Mutex
+	pool *Pool
+	meta LocalMeta
+	// Rooms by role (room.go); a room id is in at most one of them.
+	prefills map[uint64]*prefillRoom
+	decodes  map[uint64]*decodeRoom
+	tombs    map[uint64]tomb
+	peers    map[*peer]struct{}
+	byAddr   map[string]*peer
+	dialing  map[string]*dialCall
+	closed   bool
 }
 
 // New starts an engine (its accept loop and tombstone sweeper).
@@ -174,7 +92,7 @@ func New(cfg Config) (*Engine, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	e := &Engine{
 		cfg: cfg, log: cfg.Logger, m: cfg.Metrics, ctx: ctx, cancel: cancel,
-		rooms: map[uint64]*room{}, tombs: map[uint64]tomb{}, peers: map[*peer]struct{}{},
+		prefills: map[uint64]*prefillRoom{}, decodes: map[uint64]*decodeRoom{}, tombs: map[uint64]tomb{}, peers: map[*peer]struct{}{},
 		byAddr: map[string]*peer{}, dialing: map[string]*dialCall{},
 	}
 	if cfg.Listener != nil {
@@ -222,7 +140,7 @@ func (e *Engine) Pool() *Pool {
 func (e *Engine) ActiveRooms() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return len(e.rooms)
+	return len(e.prefills) + len(e.decodes)
 }
 
 // Peers counts connected peers.
@@ -248,273 +166,6 @@ func (e *Engine) checkPages(pages []uint32, aux int32) error {
 	return nil
 }
 
-// newRoomLocked creates a room in state s with the timeout for that phase.
-func (e *Engine) newRoomLocked(id uint64, sender bool, s State) (*room, error) {
-	if e.closed {
-		return nil, ErrClosed
-	}
-	if _, ok := e.rooms[id]; ok {
-		return nil, ErrRoomExists
-	}
-	if _, ok := e.tombs[id]; ok {
-		return nil, ErrRoomDone
-	}
-	r := &room{id: id, sender: sender, st: Status{State: s}, dstAux: -1, done: make(chan struct{})}
-	e.rooms[id] = r
-	e.m.roomsActive.WithLabelValues(r.role()).Inc()
-	if s == Bootstrapping {
-		e.armLocked(r, e.cfg.BootstrapTimeout, "bootstrap timeout")
-	} else {
-		e.armLocked(r, e.cfg.WaitingTimeout, "waiting timeout")
-	}
-	return r, nil
-}
-
-func (r *room) role() string {
-	if r.sender {
-		return "prefill"
-	}
-	return "decode"
-}
-
-// armLocked replaces the room's timer.
-func (e *Engine) armLocked(r *room, d time.Duration, why string) {
-	if r.timer != nil {
-		r.timer.Stop()
-	}
-	r.gen++
-	gen := r.gen
-	r.timer = time.AfterFunc(d, func() {
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		if e.rooms[r.id] == r && r.gen == gen {
-			e.failLocked(r, why, true)
-		}
-	})
-}
-
-// finishLocked ends r: it leaves the room table (its pages are the engine's
-// to free once it sees the final state) and becomes a tombstone.
-func (e *Engine) finishLocked(r *room, s State, reason string) {
-	if r.st.State.Terminal() {
-		return
-	}
-	if r.timer != nil {
-		r.timer.Stop()
-	}
-	r.gen++
-	r.st.State, r.st.Reason = s, reason
-	if !r.start.IsZero() {
-		r.st.Wall = time.Since(r.start)
-	}
-	r.queued = nil
-	delete(e.rooms, r.id)
-	if r.peer != nil {
-		delete(r.peer.rooms, r.id)
-	}
-	e.tombs[r.id] = tomb{st: r.st, end: time.Now()}
-	close(r.done)
-	e.m.roomsActive.WithLabelValues(r.role()).Dec()
-	e.m.roomsDone.WithLabelValues(r.role(), s.String()).Inc()
-	if s == Success {
-		e.m.duration.WithLabelValues(r.role()).Observe(r.st.Transfer.Seconds())
-	}
-	if s == Failed {
-		e.log.Info("room failed", zap.Uint64("room", r.id), zap.String("role", r.role()), zap.String("reason", reason))
-	}
-}
-
-// failLocked fails r; with notify, the peer is told with an ABORT.
-func (e *Engine) failLocked(r *room, reason string, notify bool) {
-	if r.st.State.Terminal() {
-		return
-	}
-	p := r.peer
-	e.finishLocked(r, Failed, reason)
-	if notify && p != nil {
-		p.enqueue(item{msg: &wire.Abort{Room: r.id, Reason: reason}})
-	}
-}
-
-// Expect (decode) announces that room's KV must land in dst pages (in prompt
-// order) and its aux item in auxSlot (-1: none), sent by the prefill engine
-// behind bootstrapAddr.
-func (e *Engine) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot int32) error {
-	if e.cfg.Resolve == nil {
-		return errors.New("kvtransfer: no bootstrap resolver configured")
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if err := e.checkPages(dst, auxSlot); err != nil {
-		return err
-	}
-	r, err := e.newRoomLocked(id, false, Bootstrapping)
-	if err != nil {
-		return err
-	}
-	r.boot, r.dst, r.dstAux = bootstrapAddr, dst, auxSlot
-	e.wg.Add(1)
-	go e.bootstrap(r)
-	return nil
-}
-
-// bootstrap finds (or connects) the room's prefill peer and sends XFER_REQ.
-func (e *Engine) bootstrap(r *room) {
-	defer e.wg.Done()
-	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.BootstrapTimeout)
-	defer cancel()
-	go func() { // stop resolving/dialing as soon as the room ends
-		select {
-		case <-r.done:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
-	p, err := e.peerFor(ctx, r.boot)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if r.st.State.Terminal() {
-		return
-	}
-	if err != nil {
-		e.failLocked(r, "bootstrap: "+err.Error(), false)
-		return
-	}
-	r.peer = p
-	p.rooms[r.id] = r
-	r.st.State = WaitingForInput
-	r.start = time.Now()
-	e.armLocked(r, e.cfg.WaitingTimeout, "waiting timeout")
-	p.enqueue(item{msg: &wire.XferReq{Room: r.id, AuxSlot: r.dstAux, DstPages: r.dst}})
-}
-
-// Send (prefill) queues one chunk of room's pages; last marks the final
-// chunk, whose aux item srcAux (-1: none) goes with it.
-func (e *Engine) Send(id uint64, src []uint32, last bool, srcAux int32) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if err := e.checkPages(src, srcAux); err != nil {
-		return err
-	}
-	r := e.rooms[id]
-	if r == nil {
-		var err error
-		if r, err = e.newRoomLocked(id, true, Bootstrapping); err != nil {
-			return err
-		}
-	}
-	if !r.sender {
-		return fmt.Errorf("room %d is a decode room", id)
-	}
-	if r.lastSeen {
-		return fmt.Errorf("room %d: Send after the last chunk", id)
-	}
-	r.lastSeen = last
-	c := chunk{src: src, last: last, srcAux: srcAux}
-	if r.dst == nil {
-		r.queued = append(r.queued, c)
-		return nil
-	}
-	e.dispatchLocked(r, c)
-	return nil
-}
-
-// dispatchLocked maps a chunk onto the decode's pages and queues the batch.
-func (e *Engine) dispatchLocked(r *room, c chunk) {
-	end := r.assigned + len(c.src)
-	switch {
-	case end > len(r.dst):
-		e.failLocked(r, fmt.Sprintf("prefill sent %d pages, decode expects %d", end, len(r.dst)), true)
-		return
-	case c.last && end != len(r.dst):
-		e.failLocked(r, fmt.Sprintf("last chunk ends at page %d, decode expects %d", end, len(r.dst)), true)
-		return
-	}
-	dst := r.dst[r.assigned:end]
-	r.assigned = end
-	runs := buildRuns(e.pool, c.src, dst)
-	if c.last && c.srcAux >= 0 && r.dstAux >= 0 {
-		runs = appendAux(runs, e.pool, c.srcAux, r.dstAux)
-	}
-	r.st.State = Transferring
-	r.peer.enqueue(item{job: &job{r: r, chunk: r.nextChunk, last: c.last, pages: len(c.src), runs: runs}})
-	r.nextChunk++
-}
-
-// buildRuns merges runs of consecutive indices on both sides, then emits one
-// run per KV region per merged run.
-func buildRuns(p *Pool, src, dst []uint32) []Run {
-	var runs []Run
-	for i := 0; i < len(src); {
-		j := i + 1
-		for j < len(src) && src[j] == src[j-1]+1 && dst[j] == dst[j-1]+1 {
-			j++
-		}
-		for ri, reg := range p.Regions {
-			if reg.Kind != wire.KindKV {
-				continue
-			}
-			it := uint64(reg.ItemLen)
-			runs = append(runs, Run{Region: ri, SrcOff: uint64(src[i]) * it, DstOff: uint64(dst[i]) * it, Len: uint64(j-i) * it})
-		}
-		i = j
-	}
-	return runs
-}
-
-func appendAux(runs []Run, p *Pool, src, dst int32) []Run {
-	for ri, reg := range p.Regions {
-		if reg.Kind == wire.KindAux {
-			it := uint64(reg.ItemLen)
-			runs = append(runs, Run{Region: ri, SrcOff: uint64(src) * it, DstOff: uint64(dst) * it, Len: it})
-		}
-	}
-	return runs
-}
-
-// Poll returns the room's status; a finished room is remembered for Linger.
-func (e *Engine) Poll(id uint64) (Status, error) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if r := e.rooms[id]; r != nil {
-		return r.st, nil
-	}
-	if t, ok := e.tombs[id]; ok {
-		return t.st, nil
-	}
-	return Status{}, ErrUnknownRoom
-}
-
-// Wait blocks until the room finishes or ctx ends, then returns its status.
-func (e *Engine) Wait(ctx context.Context, id uint64) (Status, error) {
-	e.mu.Lock()
-	r := e.rooms[id]
-	e.mu.Unlock()
-	if r != nil {
-		select {
-		case <-r.done:
-		case <-ctx.Done():
-			return e.Poll(id)
-		}
-	}
-	return e.Poll(id)
-}
-
-// Abort fails the room here and tells its peer.
-func (e *Engine) Abort(id uint64, reason string) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	r := e.rooms[id]
-	if r == nil {
-		if _, ok := e.tombs[id]; ok {
-			return nil
-		}
-		return ErrUnknownRoom
-	}
-	e.failLocked(r, "aborted: "+reason, true)
-	return nil
-}
-
 // Close fails every room, closes every peer and waits for all goroutines.
 func (e *Engine) Close() error {
 	e.mu.Lock()
@@ -523,9 +174,7 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.closed = true
-	for _, r := range e.rooms {
-		e.failLocked(r, "engine closed", true)
-	}
+	e.failAllLocked("engine closed")
 	peers := make([]*peer, 0, len(e.peers))
 	for p := range e.peers {
 		peers = append(peers, p)
@@ -540,25 +189,4 @@ func (e *Engine) Close() error {
 	}
 	e.wg.Wait()
 	return nil
-}
-
-// sweep drops tombstones older than Linger.
-func (e *Engine) sweep() {
-	defer e.wg.Done()
-	t := time.NewTicker(e.cfg.Linger / 2)
-	defer t.Stop()
-	for {
-		select {
-		case <-e.ctx.Done():
-			return
-		case now := <-t.C:
-			e.mu.Lock()
-			for id, tb := range e.tombs {
-				if now.Sub(tb.end) > e.cfg.Linger {
-					delete(e.tombs, id)
-				}
-			}
-			e.mu.Unlock()
-		}
-	}
 }

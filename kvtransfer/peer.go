@@ -16,19 +16,19 @@ import (
 // handshakeTimeout bounds dialing and the HELLO exchange.
 const handshakeTimeout = 10 * time.Second
 
-// peer is one connection to another kvproxy. The dialing side (decode)
-// receives data; the accepting side (prefill) owns a transport Writer into
-// the dialer's pool. Three goroutines per peer: reader, writer (control
-// messages and transfer jobs, in order, so DONE follows its data) and
-// heartbeat.
+// peer is one connection to another kvproxy: the handshake, the ordered
+// send queue, framing and liveness. What the messages mean to rooms is
+// room.go's. Three goroutines per peer: reader, writer (messages and jobs,
+// in queue order, so DONE follows its data) and heartbeat.
 type peer struct {
 	e      *Engine
 	conn   *wire.Conn
+	origin origin
 	addr   string // dialed address; "" when accepted
 	remote *wire.Hello
-	w      Writer
+	w      Writer // into the peer's pool; accepted peers only
 
-	rooms map[uint64]*room // guarded by e.mu
+	rooms map[uint64]*room // matched over this peer; guarded by e.mu, kept by room.go
 
 	qmu   sync.Mutex
 	queue []item
@@ -40,18 +40,31 @@ type peer struct {
 	cancel    context.CancelFunc
 }
 
+// origin is which side opened the connection. Rooms' KV flows from the
+// accepting side (prefill) to the dialer (decode).
+type origin uint8
+
+const (
+	dialed origin = iota
+	accepted
+)
+
+// item is one entry of a peer's send queue: a message, or a job.
 type item struct {
 	msg wire.Msg
-	job *job
+	job job
 }
 
-// job is one chunk's batch.
-type job struct {
-	r     *room
-	chunk uint32
-	last  bool
-	pages int
-	runs  []Run
+// job runs on the peer's writer goroutine, so what it writes (through the
+// transport and on the connection) stays in queue order.
+type job interface {
+	run(p *peer) error
+}
+
+type dialCall struct {
+	done chan struct{}
+	p    *peer
+	err  error
 }
 
 func (p *peer) enqueue(it item) {
@@ -192,18 +205,23 @@ func (e *Engine) acceptLoop() {
 				_ = nc.Close()
 				return
 			}
-			e.addPeer(&peer{conn: conn, remote: h, w: w})
+			e.addPeer(&peer{conn: conn, origin: accepted, remote: h, w: w})
 		}()
 	}
 }
 
-// peerFor returns the connected peer behind a bootstrap address, dialing it
-// once however many rooms ask at the same time.
+// peerFor returns the connected peer behind a bootstrap address.
 func (e *Engine) peerFor(ctx context.Context, bootstrapAddr string) (*peer, error) {
 	addr, err := e.cfg.Resolve(ctx, bootstrapAddr)
 	if err != nil {
 		return nil, err
 	}
+	return e.peerAt(ctx, addr)
+}
+
+// peerAt returns the connected peer at a peer address, dialing it once
+// however many callers ask at the same time.
+func (e *Engine) peerAt(ctx context.Context, addr string) (*peer, error) {
 	e.mu.Lock()
 	if p := e.byAddr[addr]; p != nil {
 		e.mu.Unlock()
@@ -242,7 +260,7 @@ func (e *Engine) dial(addr string) (*peer, error) {
 		_ = nc.Close()
 		return nil, fmt.Errorf("handshake with %s: %w", addr, err)
 	}
-	p := &peer{conn: conn, addr: addr, remote: h}
+	p := &peer{conn: conn, origin: dialed, addr: addr, remote: h}
 	if !e.addPeer(p) {
 		return nil, ErrClosed
 	}
@@ -293,9 +311,7 @@ func (p *peer) close(cause error) {
 			delete(e.byAddr, p.addr)
 		}
 		e.m.peers.Dec()
-		for _, r := range p.rooms {
-			e.failLocked(r, "peer lost: "+cause.Error(), false)
-		}
+		e.peerLostLocked(p, cause)
 		if !errors.Is(cause, ErrClosed) {
 			e.log.Warn("peer lost", zap.String("peer", p.remote.Name), zap.Error(cause))
 		}
@@ -321,20 +337,15 @@ func (p *peer) readLoop() {
 }
 
 func (p *peer) handle(m wire.Msg) error {
-	e := p.e
 	switch m := m.(type) {
 	case *wire.Data:
 		return p.readData(m)
 	case *wire.XferReq:
-		e.onXferReq(p, m)
+		p.e.onXferReq(p, m)
 	case *wire.Done:
-		e.onDone(p, m)
+		p.e.onDone(p, m)
 	case *wire.Abort:
-		e.mu.Lock()
-		if r := e.rooms[m.Room]; r != nil && r.peer == p {
-			e.failLocked(r, "aborted by peer: "+m.Reason, false)
-		}
-		e.mu.Unlock()
+		p.e.onAbort(p, m)
 	case *wire.Heartbeat:
 	default:
 		return fmt.Errorf("%w: unexpected %s", wire.ErrMalformed, m.Type())
@@ -345,7 +356,7 @@ func (p *peer) handle(m wire.Msg) error {
 // readData lands a DATA frame's bytes straight in the destination region.
 func (p *peer) readData(d *wire.Data) error {
 	pool := p.e.Pool()
-	if p.w != nil || int(d.Region) >= len(pool.Regions) {
+	if p.origin != dialed || int(d.Region) >= len(pool.Regions) {
 		return fmt.Errorf("%w: DATA for region %d", wire.ErrMalformed, d.Region)
 	}
 	mem := pool.Regions[d.Region].Mem
@@ -353,70 +364,6 @@ func (p *peer) readData(d *wire.Data) error {
 		return fmt.Errorf("%w: DATA [%d,+%d) outside region %d", wire.ErrMalformed, d.Offset, d.N, d.Region)
 	}
 	return p.conn.ReadData(mem[d.Offset : d.Offset+uint64(d.N)])
-}
-
-func (e *Engine) onXferReq(p *peer, m *wire.XferReq) {
-	if p.w == nil {
-		p.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: "XFER_REQ sent to a decode peer"}})
-		return
-	}
-	if err := p.checkRemote(m.DstPages, m.AuxSlot); err != nil {
-		p.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: err.Error()}})
-		return
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	r := e.rooms[m.Room]
-	if r == nil {
-		var err error
-		if r, err = e.newRoomLocked(m.Room, true, WaitingForInput); err != nil {
-			p.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: err.Error()}})
-			return
-		}
-	} else if !r.sender || r.dst != nil {
-		p.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: "duplicate XFER_REQ"}})
-		return
-	} else {
-		r.st.State = WaitingForInput
-		e.armLocked(r, e.cfg.WaitingTimeout, "waiting timeout")
-	}
-	r.peer, r.dst, r.dstAux, r.start = p, m.DstPages, m.AuxSlot, time.Now()
-	p.rooms[r.id] = r
-	queued := r.queued
-	r.queued = nil
-	for _, c := range queued {
-		if r.st.State.Terminal() {
-			break
-		}
-		e.dispatchLocked(r, c)
-	}
-}
-
-func (e *Engine) onDone(p *peer, m *wire.Done) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	r := e.rooms[m.Room]
-	if r == nil || r.peer != p || r.sender {
-		return
-	}
-	switch {
-	case m.Status != wire.StatusOK:
-		e.failLocked(r, "prefill reported a failed chunk", false)
-		return
-	case m.Chunk != r.expect:
-		e.failLocked(r, fmt.Sprintf("chunk %d arrived, expected %d", m.Chunk, r.expect), true)
-		return
-	}
-	r.expect++
-	r.st.Pages += uint64(m.Pages)
-	r.st.Bytes += m.Bytes
-	r.st.Transfer += time.Duration(m.Nanos)
-	e.m.pages.WithLabelValues("received").Add(float64(m.Pages))
-	e.m.bytes.WithLabelValues("received").Add(float64(m.Bytes))
-	r.st.State = Transferring
-	if m.Last {
-		e.finishLocked(r, Success, "")
-	}
 }
 
 func (p *peer) writeLoop() {
@@ -439,7 +386,7 @@ func (p *peer) writeLoop() {
 		for _, it := range items {
 			var err error
 			if it.job != nil {
-				err = p.run(it.job)
+				err = it.job.run(p)
 			} else {
 				err = p.conn.Write(it.msg)
 			}
@@ -449,44 +396,6 @@ func (p *peer) writeLoop() {
 			}
 		}
 	}
-}
-
-// run moves one chunk (one batch, one flush) then sends its DONE.
-func (p *peer) run(j *job) error {
-	e := p.e
-	e.mu.Lock()
-	skip := j.r.st.State.Terminal()
-	e.mu.Unlock()
-	if skip {
-		return nil
-	}
-	var bytes uint64
-	for _, r := range j.runs {
-		bytes += r.Len
-	}
-	t0 := time.Now()
-	if err := p.w.Write(p.ctx, j.runs); err != nil {
-		e.mu.Lock()
-		e.failLocked(j.r, "transfer: "+err.Error(), false)
-		e.mu.Unlock()
-		return fmt.Errorf("transfer: %w", err)
-	}
-	dt := time.Since(t0)
-	done := &wire.Done{Room: j.r.id, Chunk: j.chunk, Last: j.last, Pages: uint32(j.pages), Bytes: bytes, Nanos: uint64(dt)}
-	if err := p.conn.Write(done); err != nil {
-		return err
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	j.r.st.Pages += uint64(j.pages)
-	j.r.st.Bytes += bytes
-	j.r.st.Transfer += dt
-	e.m.pages.WithLabelValues("sent").Add(float64(j.pages))
-	e.m.bytes.WithLabelValues("sent").Add(float64(bytes))
-	if j.last {
-		e.finishLocked(j.r, Success, "")
-	}
-	return nil
 }
 
 func (p *peer) heartbeatLoop() {

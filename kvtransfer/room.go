@@ -1,0 +1,621 @@
+package kvtransfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// State is SGLang's KVPoll, with the same numbers.
+type State int32
+
+const (
+	Failed State = iota
+	Bootstrapping
+	WaitingForInput
+	Transferring
+	Success
+)
+
+func (s State) String() string {
+	switch s {
+	case Failed:
+		return "Failed"
+	case Bootstrapping:
+		return "Bootstrapping"
+	case WaitingForInput:
+		return "WaitingForInput"
+	case Transferring:
+		return "Transferring"
+	case Success:
+		return "Success"
+	}
+	return fmt.Sprintf("State(%d)", int32(s))
+}
+
+// Terminal reports whether no further transition can happen.
+func (s State) Terminal() bool { return s == Failed || s == Success }
+
+// Status is a room's state and what moved so far.
+type Status struct {
+	State  State
+	Reason string // why it failed
+	Pages  uint64
+	Bytes  uint64
+	// Transfer is the time spent moving data (post to flush, summed over
+	// chunks, as measured by the sender); Wall runs from XFER_REQ to the end.
+	Transfer time.Duration
+	Wall     time.Duration
+}
+
+// Errors returned by the room API.
+var (
+	ErrUnknownRoom = errors.New("unknown room")
+	ErrRoomExists  = errors.New("room already exists")
+	ErrRoomDone    = errors.New("room already finished")
+)
+
+// event is what moves a room along the KVPoll ladder. Both roles climb the
+// same ladder; an event means the matching thing on each side.
+type event uint8
+
+const (
+	// matched: prefill, XFER_REQ arrived; decode, XFER_REQ sent.
+	matched event = iota
+	// moved: prefill, a chunk went to the peer's writer; decode, a
+	// chunk's DONE arrived.
+	moved
+	// completed: the last chunk is complete (prefill, its DONE is sent;
+	// decode, it arrived).
+	completed
+	// failed: timeout, abort, lost peer, bad chunk, engine closed.
+	failed
+)
+
+var eventNames = [...]string{matched: "matched", moved: "moved", completed: "completed", failed: "failed"}
+
+func (ev event) String() string {
+	if int(ev) < len(eventNames) {
+		return eventNames[ev]
+	}
+	return fmt.Sprintf("event(%d)", uint8(ev))
+}
+
+// next is the state ev takes a room in s to; ok is false when ev cannot
+// happen in s. Every room starts Bootstrapping and every non-terminal state
+// can fail, so every room ends.
+func next(s State, ev event) (to State, ok bool) {
+	switch {
+	case s.Terminal():
+		return s, false
+	case ev == failed:
+		return Failed, true
+	case ev == matched && s == Bootstrapping:
+		return WaitingForInput, true
+	case ev == moved && (s == WaitingForInput || s == Transferring):
+		return Transferring, true
+	case ev == completed && s == Transferring:
+		return Success, true
+	}
+	return s, false
+}
+
+// role is the side of a transfer a room is on.
+type role uint8
+
+const (
+	prefillRole role = iota
+	decodeRole
+)
+
+func (k role) String() string {
+	if k == prefillRole {
+		return "prefill"
+	}
+	return "decode"
+}
+
+// room is what both roles' rooms hold. Everything is guarded by Engine.mu.
+type room struct {
+	id    uint64
+	role  role
+	st    Status
+	peer  *peer     // the peer it is matched over, set with matched
+	start time.Time // when it was matched
+	timer *time.Timer
+	gen   int // timer generation, so a stale timer cannot fire
+	done  chan struct{}
+}
+
+// prefillRoom sends: chunks Sent before XFER_REQ wait in queued, then each
+// chunk is mapped onto the next of the decode's pages.
+type prefillRoom struct {
+	room
+	dst       []uint32 // the decode's pages, from XFER_REQ
+	dstAux    int32    // the decode's aux slot (-1: none)
+	queued    []chunk
+	assigned  int  // dst pages given to chunks so far
+	lastSeen  bool // the last chunk was Sent
+	nextChunk uint32
+}
+
+// decodeRoom receives into pages of our pool.
+type decodeRoom struct {
+	room
+	boot   string // bootstrap address of the prefill engine
+	pages  []uint32
+	aux    int32  // aux slot (-1: none)
+	expect uint32 // next chunk whose DONE is due
+}
+
+type chunk struct {
+	src    []uint32
+	last   bool
+	srcAux int32
+}
+
+type tomb struct {
+	st  Status
+	end time.Time
+}
+
+// roomLocked finds an unfinished room of either role.
+func (e *Engine) roomLocked(id uint64) *room {
+	if r := e.prefills[id]; r != nil {
+		return &r.room
+	}
+	if r := e.decodes[id]; r != nil {
+		return &r.room
+	}
+	return nil
+}
+
+// admitLocked checks that a new room id may start.
+func (e *Engine) admitLocked(id uint64) error {
+	if e.closed {
+		return ErrClosed
+	}
+	if e.roomLocked(id) != nil {
+		return ErrRoomExists
+	}
+	if _, ok := e.tombs[id]; ok {
+		return ErrRoomDone
+	}
+	return nil
+}
+
+func (e *Engine) newRoom(id uint64, k role) room {
+	e.m.roomsActive.WithLabelValues(k.String()).Inc()
+	return room{id: id, role: k, st: Status{State: Bootstrapping}, done: make(chan struct{})}
+}
+
+// stepLocked applies ev to r and reports whether it was legal (an illegal
+// event leaves r as it was). Entering WaitingForInput starts the waiting
+// timeout; Success and Failed end the room.
+func (e *Engine) stepLocked(r *room, ev event, reason string) bool {
+	to, ok := next(r.st.State, ev)
+	if !ok {
+		return false
+	}
+	switch to {
+	case Success, Failed:
+		e.finishLocked(r, to, reason)
+	case WaitingForInput:
+		r.st.State, r.start = to, time.Now()
+		e.armLocked(r, e.cfg.WaitingTimeout, "waiting timeout")
+	default:
+		r.st.State = to
+	}
+	return true
+}
+
+// matchLocked binds r to the peer it transfers over.
+func (e *Engine) matchLocked(r *room, p *peer) bool {
+	if !e.stepLocked(r, matched, "") {
+		return false
+	}
+	r.peer = p
+	p.rooms[r.id] = r
+	return true
+}
+
+// armLocked replaces the room's timer.
+func (e *Engine) armLocked(r *room, d time.Duration, why string) {
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	r.gen++
+	gen := r.gen
+	r.timer = time.AfterFunc(d, func() {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if r.gen == gen {
+			e.failLocked(r, why, true)
+		}
+	})
+}
+
+// finishLocked ends r: it leaves the room table (its pages are the engine's
+// to free once it sees the final state) and becomes a tombstone.
+func (e *Engine) finishLocked(r *room, s State, reason string) {
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	r.gen++
+	if r.st.State != Bootstrapping {
+		delete(r.peer.rooms, r.id)
+	}
+	r.st.State, r.st.Reason = s, reason
+	if !r.start.IsZero() {
+		r.st.Wall = time.Since(r.start)
+	}
+	if r.role == prefillRole {
+		delete(e.prefills, r.id)
+	} else {
+		delete(e.decodes, r.id)
+	}
+	e.tombs[r.id] = tomb{st: r.st, end: time.Now()}
+	close(r.done)
+	role := r.role.String()
+	e.m.roomsActive.WithLabelValues(role).Dec()
+	e.m.roomsDone.WithLabelValues(role, s.String()).Inc()
+	if s == Success {
+		e.m.duration.WithLabelValues(role).Observe(r.st.Transfer.Seconds())
+	}
+	if s == Failed {
+		e.log.Info("room failed", zap.Uint64("room", r.id), zap.String("role", role), zap.String("reason", reason))
+	}
+}
+
+// failLocked fails r; with notify, a matched room's peer is told with an
+// ABORT.
+func (e *Engine) failLocked(r *room, reason string, notify bool) {
+	wasMatched := r.st.State != Bootstrapping
+	if e.stepLocked(r, failed, reason) && notify && wasMatched {
+		r.peer.enqueue(item{msg: &wire.Abort{Room: r.id, Reason: reason}})
+	}
+}
+
+// Expect (decode) announces that room's KV must land in dst pages (in prompt
+// order) and its aux item in auxSlot (-1: none), sent by the prefill engine
+// behind bootstrapAddr.
+func (e *Engine) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot int32) error {
+	if e.cfg.Resolve == nil {
+		return errors.New("kvtransfer: no bootstrap resolver configured")
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err := e.checkPages(dst, auxSlot); err != nil {
+		return err
+	}
+	if err := e.admitLocked(id); err != nil {
+		return err
+	}
+	r := &decodeRoom{room: e.newRoom(id, decodeRole), boot: bootstrapAddr, pages: dst, aux: auxSlot}
+	e.decodes[id] = r
+	e.armLocked(&r.room, e.cfg.BootstrapTimeout, "bootstrap timeout")
+	e.wg.Add(1)
+	go e.bootstrap(r)
+	return nil
+}
+
+// bootstrap finds (or connects) the room's prefill peer and sends XFER_REQ.
+func (e *Engine) bootstrap(r *decodeRoom) {
+	defer e.wg.Done()
+	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.BootstrapTimeout)
+	defer cancel()
+	go func() { // stop resolving/dialing as soon as the room ends
+		select {
+		case <-r.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	p, err := e.peerFor(ctx, r.boot)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err != nil {
+		e.failLocked(&r.room, "bootstrap: "+err.Error(), false)
+		return
+	}
+	if e.matchLocked(&r.room, p) {
+		p.enqueue(item{msg: &wire.XferReq{Room: r.id, AuxSlot: r.aux, DstPages: r.pages}})
+	}
+}
+
+// Send (prefill) queues one chunk of room's pages; last marks the final
+// chunk, whose aux item srcAux (-1: none) goes with it.
+func (e *Engine) Send(id uint64, src []uint32, last bool, srcAux int32) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err := e.checkPages(src, srcAux); err != nil {
+		return err
+	}
+	if e.decodes[id] != nil {
+		return fmt.Errorf("room %d is a decode room", id)
+	}
+	r := e.prefills[id]
+	if r == nil {
+		if err := e.admitLocked(id); err != nil {
+			return err
+		}
+		r = e.newPrefillLocked(id)
+		e.armLocked(&r.room, e.cfg.BootstrapTimeout, "bootstrap timeout")
+	}
+	if r.lastSeen {
+		return fmt.Errorf("room %d: Send after the last chunk", id)
+	}
+	r.lastSeen = last
+	c := chunk{src: src, last: last, srcAux: srcAux}
+	if r.st.State == Bootstrapping {
+		r.queued = append(r.queued, c)
+		return nil
+	}
+	e.dispatchLocked(r, c)
+	return nil
+}
+
+func (e *Engine) newPrefillLocked(id uint64) *prefillRoom {
+	r := &prefillRoom{room: e.newRoom(id, prefillRole), dstAux: -1}
+	e.prefills[id] = r
+	return r
+}
+
+// onXferReq matches the decode's request with the prefill room, creating
+// it when the prefill engine has not Sent yet, and dispatches what waited.
+func (e *Engine) onXferReq(p *peer, m *wire.XferReq) {
+	abort := func(reason string) { p.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: reason}}) }
+	if p.origin != accepted {
+		abort("XFER_REQ sent to a decode peer")
+		return
+	}
+	if err := p.checkRemote(m.DstPages, m.AuxSlot); err != nil {
+		abort(err.Error())
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	r := e.prefills[m.Room]
+	if r == nil && e.decodes[m.Room] == nil {
+		if err := e.admitLocked(m.Room); err != nil {
+			abort(err.Error())
+			return
+		}
+		r = e.newPrefillLocked(m.Room)
+	}
+	if r == nil || !e.matchLocked(&r.room, p) {
+		abort("duplicate XFER_REQ")
+		return
+	}
+	r.dst, r.dstAux = m.DstPages, m.AuxSlot
+	queued := r.queued
+	r.queued = nil
+	for _, c := range queued {
+		if r.st.State.Terminal() {
+			break
+		}
+		e.dispatchLocked(r, c)
+	}
+}
+
+// dispatchLocked maps a chunk onto the decode's pages and queues the batch.
+func (e *Engine) dispatchLocked(r *prefillRoom, c chunk) {
+	end := r.assigned + len(c.src)
+	switch {
+	case end > len(r.dst):
+		e.failLocked(&r.room, fmt.Sprintf("prefill sent %d pages, decode expects %d", end, len(r.dst)), true)
+		return
+	case c.last && end != len(r.dst):
+		e.failLocked(&r.room, fmt.Sprintf("last chunk ends at page %d, decode expects %d", end, len(r.dst)), true)
+		return
+	}
+	dst := r.dst[r.assigned:end]
+	r.assigned = end
+	runs := buildRuns(e.pool, c.src, dst)
+	if c.last && c.srcAux >= 0 && r.dstAux >= 0 {
+		runs = appendAux(runs, e.pool, c.srcAux, r.dstAux)
+	}
+	e.stepLocked(&r.room, moved, "")
+	r.peer.enqueue(item{job: &chunkJob{r: r, chunk: r.nextChunk, last: c.last, pages: len(c.src), runs: runs}})
+	r.nextChunk++
+}
+
+// buildRuns merges runs of consecutive indices on both sides, then emits one
+// run per KV region per merged run.
+func buildRuns(p *Pool, src, dst []uint32) []Run {
+	var runs []Run
+	for i := 0; i < len(src); {
+		j := i + 1
+		for j < len(src) && src[j] == src[j-1]+1 && dst[j] == dst[j-1]+1 {
+			j++
+		}
+		for ri, reg := range p.Regions {
+			if reg.Kind != wire.KindKV {
+				continue
+			}
+			it := uint64(reg.ItemLen)
+			runs = append(runs, Run{Region: ri, SrcOff: uint64(src[i]) * it, DstOff: uint64(dst[i]) * it, Len: uint64(j-i) * it})
+		}
+		i = j
+	}
+	return runs
+}
+
+func appendAux(runs []Run, p *Pool, src, dst int32) []Run {
+	for ri, reg := range p.Regions {
+		if reg.Kind == wire.KindAux {
+			it := uint64(reg.ItemLen)
+			runs = append(runs, Run{Region: ri, SrcOff: uint64(src) * it, DstOff: uint64(dst) * it, Len: it})
+		}
+	}
+	return runs
+}
+
+// chunkJob is one prefill chunk's batch, run by the peer's writer.
+type chunkJob struct {
+	r     *prefillRoom
+	chunk uint32
+	last  bool
+	pages int
+	runs  []Run
+}
+
+// run moves the chunk (one batch, one flush) then sends its DONE.
+func (j *chunkJob) run(p *peer) error {
+	e := p.e
+	e.mu.Lock()
+	skip := j.r.st.State.Terminal()
+	e.mu.Unlock()
+	if skip {
+		return nil
+	}
+	var bytes uint64
+	for _, r := range j.runs {
+		bytes += r.Len
+	}
+	t0 := time.Now()
+	if err := p.w.Write(p.ctx, j.runs); err != nil {
+		e.mu.Lock()
+		e.failLocked(&j.r.room, "transfer: "+err.Error(), false)
+		e.mu.Unlock()
+		return fmt.Errorf("transfer: %w", err)
+	}
+	dt := time.Since(t0)
+	done := &wire.Done{Room: j.r.id, Chunk: j.chunk, Last: j.last, Pages: uint32(j.pages), Bytes: bytes, Nanos: uint64(dt)}
+	if err := p.conn.Write(done); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	j.r.st.Pages += uint64(j.pages)
+	j.r.st.Bytes += bytes
+	j.r.st.Transfer += dt
+	e.m.pages.WithLabelValues("sent").Add(float64(j.pages))
+	e.m.bytes.WithLabelValues("sent").Add(float64(bytes))
+	if j.last {
+		e.stepLocked(&j.r.room, completed, "")
+	}
+	return nil
+}
+
+// onDone accounts one chunk that landed in a decode room.
+func (e *Engine) onDone(p *peer, m *wire.Done) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	r := e.decodes[m.Room]
+	if r == nil || r.peer != p {
+		return
+	}
+	switch {
+	case m.Status != wire.StatusOK:
+		e.failLocked(&r.room, "prefill reported a failed chunk", false)
+		return
+	case m.Chunk != r.expect:
+		e.failLocked(&r.room, fmt.Sprintf("chunk %d arrived, expected %d", m.Chunk, r.expect), true)
+		return
+	}
+	r.expect++
+	r.st.Pages += uint64(m.Pages)
+	r.st.Bytes += m.Bytes
+	r.st.Transfer += time.Duration(m.Nanos)
+	e.m.pages.WithLabelValues("received").Add(float64(m.Pages))
+	e.m.bytes.WithLabelValues("received").Add(float64(m.Bytes))
+	e.stepLocked(&r.room, moved, "")
+	if m.Last {
+		e.stepLocked(&r.room, completed, "")
+	}
+}
+
+// onAbort fails the room the peer aborted, if it is matched over that peer.
+func (e *Engine) onAbort(p *peer, m *wire.Abort) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if r := e.roomLocked(m.Room); r != nil && r.peer == p {
+		e.failLocked(r, "aborted by peer: "+m.Reason, false)
+	}
+}
+
+// peerLostLocked fails every room matched over p.
+func (e *Engine) peerLostLocked(p *peer, cause error) {
+	for _, r := range p.rooms {
+		e.failLocked(r, "peer lost: "+cause.Error(), false)
+	}
+}
+
+// Poll returns the room's status; a finished room is remembered for Linger.
+func (e *Engine) Poll(id uint64) (Status, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if r := e.roomLocked(id); r != nil {
+		return r.st, nil
+	}
+	if t, ok := e.tombs[id]; ok {
+		return t.st, nil
+	}
+	return Status{}, ErrUnknownRoom
+}
+
+// Wait blocks until the room finishes or ctx ends, then returns its status.
+func (e *Engine) Wait(ctx context.Context, id uint64) (Status, error) {
+	e.mu.Lock()
+	r := e.roomLocked(id)
+	e.mu.Unlock()
+	if r != nil {
+		select {
+		case <-r.done:
+		case <-ctx.Done():
+		}
+	}
+	return e.Poll(id)
+}
+
+// Abort fails the room here and tells its peer.
+func (e *Engine) Abort(id uint64, reason string) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	r := e.roomLocked(id)
+	if r == nil {
+		if _, ok := e.tombs[id]; ok {
+			return nil
+		}
+		return ErrUnknownRoom
+	}
+	e.failLocked(r, "aborted: "+reason, true)
+	return nil
+}
+
+// failAllLocked fails every unfinished room (the engine is closing).
+func (e *Engine) failAllLocked(reason string) {
+	for _, r := range e.prefills {
+		e.failLocked(&r.room, reason, true)
+	}
+	for _, r := range e.decodes {
+		e.failLocked(&r.room, reason, true)
+	}
+}
+
+// sweep drops tombstones older than Linger.
+func (e *Engine) sweep() {
+	defer e.wg.Done()
+	t := time.NewTicker(e.cfg.Linger / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.ctx.Done():
+			return
+		case now := <-t.C:
+			e.mu.Lock()
+			for id, tb := range e.tombs {
+				if now.Sub(tb.end) > e.cfg.Linger {
+					delete(e.tombs, id)
+				}
+			}
+			e.mu.Unlock()
+		}
+	}
+}
