@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz
+.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz cuda-bundle
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -35,6 +35,11 @@ bench-ucx: deps
 
 bench-kv: deps build
 	@scripts/bench-kv.sh
+
+# cuda-bundle builds kvproxy and ucxbench against UCX 1.22 with CUDA (PyPI's
+# libucx-cu13 wheel) into bin/cuda, with the libraries they run with.
+cuda-bundle:
+	@scripts/cuda-bundle.sh
 
 clean:
 	rm -rf $(BIN) bench/out
