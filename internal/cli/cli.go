@@ -11,6 +11,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // nargs says how many values a flag takes.
@@ -30,7 +31,9 @@ type Flag struct {
 	Group   string
 	Metavar string
 	Choices []string
-	Default string // shown in --help
+	// ChoiceHelp describes choices, one line each in --help.
+	ChoiceHelp map[string]string
+	Default    string // shown in --help
 	// Ignored flags are accepted and reported by Parser.Ignored: pdrouter
 	// does not implement what they configure.
 	Ignored bool
@@ -99,15 +102,49 @@ func (p *Parser) OptString(group, name string, dst **string, help string, choice
 
 // Int takes one integer.
 func (p *Parser) Int(group, name string, dst *int, help string) *Flag {
-	return p.add(&Flag{Group: group, Name: name, Help: help, Default: strconv.Itoa(*dst), nargs: one,
+	return addInt(p, group, name, dst, strconv.IntSize, help)
+}
+
+// Int64 takes one 64-bit integer.
+func (p *Parser) Int64(group, name string, dst *int64, help string) *Flag {
+	return addInt(p, group, name, dst, 64, help)
+}
+
+func addInt[T int | int64](p *Parser, group, name string, dst *T, bits int, help string) *Flag {
+	return p.add(&Flag{Group: group, Name: name, Help: help, Default: strconv.FormatInt(int64(*dst), 10), nargs: one,
 		set: func(v []string) error {
-			n, err := strconv.Atoi(v[0])
-			if err != nil {
-				return fmt.Errorf("invalid int value: '%s'", v[0])
+			n, err := parseInt(v[0], bits)
+			if err == nil {
+				*dst = T(n)
 			}
-			*dst = n
+			return err
+		}})
+}
+
+// Duration takes a whole number of units, as sglang-router's *_secs and *_ms
+// flags do, and stores it as a time.Duration.
+func (p *Parser) Duration(group, name string, dst *time.Duration, unit time.Duration, help string) *Flag {
+	return p.add(&Flag{Group: group, Name: name, Help: help, Default: strconv.FormatInt(int64(*dst/unit), 10), nargs: one,
+		set: func(v []string) error {
+			n, err := parseInt(v[0], 64)
+			if err != nil {
+				return err
+			}
+			if n > math.MaxInt64/int64(unit) || n < math.MinInt64/int64(unit) {
+				return fmt.Errorf("value out of range: '%s'", v[0])
+			}
+			*dst = time.Duration(n) * unit
 			return nil
 		}})
+}
+
+// parseInt reads a decimal integer with argparse's message on error.
+func parseInt(s string, bits int) (int64, error) {
+	n, err := strconv.ParseInt(s, 10, bits)
+	if err != nil {
+		return 0, fmt.Errorf("invalid int value: '%s'", s)
+	}
+	return n, nil
 }
 
 // Float takes one number.
@@ -288,6 +325,11 @@ func (p *Parser) Help(w io.Writer) {
 				help += " [accepted, not implemented by pdrouter]"
 			}
 			fmt.Fprintf(w, "  %s\n      %s\n", spec, help)
+			for _, c := range f.Choices {
+				if h, ok := f.ChoiceHelp[c]; ok {
+					fmt.Fprintf(w, "        %s: %s\n", c, h)
+				}
+			}
 		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 )
 
 type fixture struct {
@@ -113,4 +114,48 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("non-usage error %T %v", err, err)
 		}
 	})
+}
+
+func TestInt64AndDurationFlags(t *testing.T) {
+	size, timeout, backoff := int64(1<<26), 30*time.Second, 50*time.Millisecond
+	p := New("prog", "test")
+	p.Int64("g", "max-tree-size", &size, "")
+	p.Duration("g", "timeout-secs", &timeout, time.Second, "")
+	p.Duration("g", "backoff-ms", &backoff, time.Millisecond, "")
+	var b bytes.Buffer
+	p.Help(&b)
+	for _, want := range []string{"(default: 67108864)", "(default: 30)", "(default: 50)"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("help lacks %q:\n%s", want, b.String())
+		}
+	}
+	if err := p.Parse(strings.Fields("--max-tree-size 8589934592 --timeout-secs 7 --backoff-ms=-3")); err != nil {
+		t.Fatal(err)
+	}
+	if size != 1<<33 || timeout != 7*time.Second || backoff != -3*time.Millisecond {
+		t.Errorf("parsed %d %v %v", size, timeout, backoff)
+	}
+	for args, want := range map[string]string{
+		"--timeout-secs 1.5":                  "argument --timeout-secs: invalid int value: '1.5'",
+		"--timeout-secs 9223372036854775807":  "argument --timeout-secs: value out of range: '9223372036854775807'",
+		"--max-tree-size 9223372036854775808": "argument --max-tree-size: invalid int value: '9223372036854775808'",
+	} {
+		if err := p.Parse(strings.Fields(args)); err == nil || err.Error() != want {
+			t.Errorf("%q: got %v, want %q", args, err, want)
+		}
+	}
+	if timeout != 7*time.Second || size != 1<<33 {
+		t.Errorf("a rejected value was stored: %v %d", timeout, size)
+	}
+}
+
+func TestHelpDescribesChoices(t *testing.T) {
+	policy := "a"
+	p := New("prog", "test")
+	p.String("g", "policy", &policy, "Policy", "a", "b").ChoiceHelp = map[string]string{"a": "first letter", "b": "second letter"}
+	var b bytes.Buffer
+	p.Help(&b)
+	if !strings.Contains(b.String(), "--policy {a,b}\n      Policy (default: a)\n        a: first letter\n        b: second letter\n") {
+		t.Errorf("help:\n%s", b.String())
+	}
 }
