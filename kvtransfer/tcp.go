@@ -49,17 +49,41 @@ type tcpWriter struct {
 
 func (w *tcpWriter) Write(_ context.Context, runs []Run) error {
 	for _, r := range runs {
-		mem := w.pool.Regions[r.Region].Mem
-		for done := uint64(0); done < r.Len; {
-			n := min(r.Len-done, wire.MaxDataLen)
-			src := mem[r.SrcOff+done : r.SrcOff+done+n]
-			if err := w.conn.WriteData(uint32(r.Region), r.DstOff+done, src); err != nil {
-				return err
-			}
-			done += n
+		src := w.pool.Regions[r.Region].Mem[r.SrcOff : r.SrcOff+r.Len]
+		if err := sendData(w.conn, uint32(r.Region), r.DstOff, src); err != nil {
+			return err
 		}
 	}
 	return nil
 }
 
 func (*tcpWriter) Close() {}
+
+// sendData writes src as DATA frames for region at off, split so that no
+// frame exceeds wire.MaxDataLen.
+func sendData(conn *wire.Conn, region uint32, off uint64, src []byte) error {
+	for len(src) > 0 {
+		n := min(len(src), wire.MaxDataLen)
+		if err := conn.WriteData(region, off, src[:n]); err != nil {
+			return err
+		}
+		src, off = src[n:], off+uint64(n)
+	}
+	return nil
+}
+
+var _ MemoryTransport = (*TCP)(nil)
+
+// RegisterMemory needs nothing: tcp reads and writes any mapping.
+func (*TCP) RegisterMemory([]byte) (MemoryRegistration, error) { return tcpRegistration{}, nil }
+
+// WorkerAddress is nil: tcp moves bytes on the peer link itself.
+func (*TCP) WorkerAddress() ([]byte, error) { return nil, nil }
+
+// MemoryEndpoint is nil: the peer link carries the DATA frames.
+func (*TCP) MemoryEndpoint([]byte) (MemoryEndpoint, error) { return nil, nil }
+
+type tcpRegistration struct{}
+
+func (tcpRegistration) RKey() []byte { return nil }
+func (tcpRegistration) Close() error { return nil }

@@ -111,3 +111,49 @@ type Writer interface {
 	Write(ctx context.Context, runs []Run) error
 	Close()
 }
+
+// MemoryTransport is what a transport adds to move engine-owned memory
+// (control RegisterMemory/Write): memory registered at run time, addressed
+// by the engine's own addresses, written in raw runs rather than pages.
+type MemoryTransport interface {
+	// RegisterMemory makes b, the kvproxy's mapping of engine memory, a
+	// source and target of transfers until the registration is closed.
+	RegisterMemory(b []byte) (MemoryRegistration, error)
+	// WorkerAddress is what a peer's MemoryEndpoint connects to (nil: the
+	// transport needs no address of its own, tcp).
+	WorkerAddress() ([]byte, error)
+	// MemoryEndpoint connects to the peer whose WorkerAddress is addr. A nil
+	// endpoint (tcp) means the bytes travel as DATA frames on the peer link.
+	MemoryEndpoint(addr []byte) (MemoryEndpoint, error)
+}
+
+// MemoryRegistration is one registered mapping.
+type MemoryRegistration interface {
+	// RKey is the packed key a peer needs to write into it (nil for tcp).
+	RKey() []byte
+	Close() error
+}
+
+// RemoteKey is a peer's RKey unpacked on one endpoint; it lives as long as
+// the endpoint.
+type RemoteKey any
+
+// MemoryOp is one run of a memory write: Len bytes from Local at LocalOff
+// to the peer's mapping at the absolute address Remote, under Key.
+type MemoryOp struct {
+	Local    MemoryRegistration
+	LocalOff uint64
+	Key      RemoteKey
+	Remote   uint64
+	Len      uint64
+}
+
+// MemoryEndpoint writes into one peer's registered memory.
+type MemoryEndpoint interface {
+	Unpack(rkey []byte) (RemoteKey, error)
+	// Put posts ops as one batch with one flush and returns once every byte
+	// is complete at the target. If ctx ends first it closes the endpoint,
+	// so that no operation still reads local memory when it returns.
+	Put(ctx context.Context, ops []MemoryOp) error
+	Close()
+}

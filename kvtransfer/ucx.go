@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 	"unsafe"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
@@ -249,33 +250,14 @@ func (w *ucxWriter) Write(ctx context.Context, runs []Run) error {
 	// that are one segment on both sides post the whole chunk in one call.
 	var batches []batch
 	for _, r := range runs {
-		m, rk := w.u.mems[r.Region], w.rkeys[r.Region]
 		op := ucx.Op{LocalOff: w.u.offs[r.Region] + r.SrcOff, RemoteOff: w.remote.Regions[r.Region].Base + r.DstOff, Len: r.Len}
-		i := 0
-		for i < len(batches) && (batches[i].mem != m || batches[i].rk != rk) {
-			i++
-		}
-		if i == len(batches) {
-			batches = append(batches, batch{mem: m, rk: rk})
-		}
-		batches[i].ops = append(batches[i].ops, op)
+		batches = addToBatch(batches, w.u.mems[r.Region], w.rkeys[r.Region], op)
 	}
 	done := make(chan error, 1)
 	err := w.u.loop.Submit(func(*ucx.Worker) {
-		for _, b := range batches {
-			req, err := w.ep.PutBatch(b.mem, b.rk, 0, b.ops)
-			if err != nil {
-				done <- err
-				return
-			}
-			req.Free() // the flush below covers it
-		}
-		req, err := w.ep.Flush()
-		if err != nil {
+		if _, err := w.u.post(w.ep, batches, done); err != nil {
 			done <- err
-			return
 		}
-		w.u.pending = append(w.u.pending, pendingFlush{req: req, done: done})
 	})
 	if err != nil {
 		return err
@@ -288,6 +270,171 @@ func (w *ucxWriter) Write(ctx context.Context, runs []Run) error {
 	}
 }
 
+// addToBatch appends op to the batch of (m, rk), starting one if needed.
+func addToBatch(batches []batch, m *ucx.Memory, rk *ucx.Rkey, op ucx.Op) []batch {
+	i := 0
+	for i < len(batches) && (batches[i].mem != m || batches[i].rk != rk) {
+		i++
+	}
+	if i == len(batches) {
+		batches = append(batches, batch{mem: m, rk: rk})
+	}
+	batches[i].ops = append(batches[i].ops, op)
+	return batches
+}
+
+// post puts every batch (one cgo call each) and one endpoint flush, whose
+// completion goes to done; on the loop goroutine. On error, posted says
+// whether some puts are in flight anyway.
+func (u *UCX) post(ep *ucx.Endpoint, batches []batch, done chan error) (posted bool, err error) {
+	for _, b := range batches {
+		req, err := ep.PutBatch(b.mem, b.rk, 0, b.ops)
+		if err != nil {
+			return posted, err
+		}
+		posted = true
+		req.Free() // the flush below covers it
+	}
+	req, err := ep.Flush()
+	if err != nil {
+		return posted, err
+	}
+	u.pending = append(u.pending, pendingFlush{req: req, done: done})
+	return false, nil
+}
+
 func (w *ucxWriter) Close() {
 	_ = w.u.loop.Do(func(*ucx.Worker) error { return w.ep.Close() })
+}
+
+var _ MemoryTransport = (*UCX)(nil)
+
+// ucxRegistration is a mapping of engine memory registered with
+// ucp_mem_map; peers put into it under its packed key.
+type ucxRegistration struct {
+	m    *ucx.Memory
+	rkey []byte
+}
+
+func (r *ucxRegistration) RKey() []byte { return r.rkey }
+func (r *ucxRegistration) Close() error { return r.m.Close() }
+
+func (u *UCX) RegisterMemory(b []byte) (MemoryRegistration, error) {
+	m, err := u.ctx.Map(b)
+	if err != nil {
+		return nil, err
+	}
+	rk, err := m.PackRkey()
+	if err != nil {
+		return nil, errors.Join(err, m.Close())
+	}
+	return &ucxRegistration{m: m, rkey: rk}, nil
+}
+
+func (u *UCX) WorkerAddress() ([]byte, error) {
+	var a []byte
+	err := u.loop.Do(func(w *ucx.Worker) error {
+		var err error
+		a, err = w.Address()
+		return err
+	})
+	return a, err
+}
+
+func (u *UCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
+	e := &ucxMemEndpoint{u: u}
+	err := u.loop.Do(func(w *ucx.Worker) error {
+		var err error
+		e.ep, err = w.ConnectAddress(addr)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+// cancelWait bounds the wait for a flush after its endpoint was force
+// closed (which cancels it): a safety net, the cancel is immediate.
+const cancelWait = 5 * time.Second
+
+// ucxMemEndpoint is one endpoint to a peer worker for memory writes. ep
+// and closed belong to the loop goroutine.
+type ucxMemEndpoint struct {
+	u      *UCX
+	ep     *ucx.Endpoint
+	closed bool
+}
+
+func (e *ucxMemEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
+	var rk *ucx.Rkey
+	err := e.u.loop.Do(func(*ucx.Worker) error {
+		if e.closed {
+			return ucx.ErrClosed
+		}
+		var err error
+		rk, err = e.ep.UnpackRkey(rkey)
+		return err
+	})
+	return rk, err
+}
+
+// Put groups the ops by (local registration, remote key), posts one batch
+// per group (one cgo call each) and one endpoint flush.
+func (e *ucxMemEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
+	if len(ops) == 0 {
+		return nil
+	}
+	var batches []batch
+	for i, o := range ops {
+		reg, ok1 := o.Local.(*ucxRegistration)
+		rk, ok2 := o.Key.(*ucx.Rkey)
+		if !ok1 || !ok2 {
+			return fmt.Errorf("ucx put: op %d has a registration or key of another transport", i)
+		}
+		batches = addToBatch(batches, reg.m, rk, ucx.Op{LocalOff: o.LocalOff, RemoteOff: o.Remote, Len: o.Len})
+	}
+	done := make(chan error, 1)
+	err := e.u.loop.Submit(func(*ucx.Worker) {
+		if e.closed {
+			done <- ucx.ErrClosed
+			return
+		}
+		posted, err := e.u.post(e.ep, batches, done)
+		if err != nil {
+			if posted { // stop the puts in flight: they read our memory
+				e.closeOnLoop()
+			}
+			done <- err
+		}
+	})
+	if err != nil {
+		return err
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+	}
+	e.Close()
+	select {
+	case <-done:
+	case <-time.After(cancelWait):
+		return fmt.Errorf("ucx put: %w; the cancelled flush did not complete within %s", ctx.Err(), cancelWait)
+	}
+	return ctx.Err()
+}
+
+func (e *ucxMemEndpoint) closeOnLoop() {
+	if !e.closed {
+		e.closed = true
+		_ = e.ep.Close()
+	}
+}
+
+func (e *ucxMemEndpoint) Close() {
+	_ = e.u.loop.Do(func(*ucx.Worker) error {
+		e.closeOnLoop()
+		return nil
+	})
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
 // ErrClientClosed is returned for calls on a closed or broken connection.
@@ -109,6 +110,12 @@ func (c *Client) readLoop() {
 
 // call sends req and waits for the reply.
 func (c *Client) call(ctx context.Context, req *Request) (*Reply, error) {
+	return c.callWith(ctx, req, nil)
+}
+
+// callWith sends req with the ancillary data oob (SCM_RIGHTS) and waits for
+// the reply.
+func (c *Client) callWith(ctx context.Context, req *Request, oob []byte) (*Reply, error) {
 	ch := make(chan *Reply, 1)
 	c.mu.Lock()
 	if c.err != nil {
@@ -121,7 +128,12 @@ func (c *Client) call(ctx context.Context, req *Request) (*Reply, error) {
 	c.mu.Unlock()
 	frame := EncodeRequest(req)
 	c.wmu.Lock()
-	_, err := c.c.Write(frame)
+	var err error
+	if oob == nil {
+		_, err = c.c.Write(frame)
+	} else {
+		_, _, err = c.c.WriteMsgUnix(frame, oob, nil)
+	}
 	c.wmu.Unlock()
 	if err != nil {
 		c.forget(req.ID)
@@ -205,5 +217,47 @@ func (c *Client) poll(ctx context.Context, room uint64, wait bool) (kvtransfer.S
 // Abort fails the room on both sides.
 func (c *Client) Abort(ctx context.Context, room uint64, reason string) error {
 	_, err := c.call(ctx, &Request{Op: OpAbort, Room: room, Reason: reason})
+	return err
+}
+
+// Hello returns the kvproxy's peer address (what other engines name it by:
+// Mooncake's session id) and its transport.
+func (c *Client) Hello(ctx context.Context) (peerAddr, transport string, err error) {
+	r, err := c.call(ctx, &Request{Op: OpHello})
+	if err != nil {
+		return "", "", err
+	}
+	return r.PeerAddr, r.Transport, nil
+}
+
+// RegisterMemory registers host memory [addr, addr+length) of this
+// process, whose pages are the memfd fd from offset 0 (the caller keeps fd).
+func (c *Client) RegisterMemory(ctx context.Context, addr, length uint64, fd int) error {
+	_, err := c.callWith(ctx, &Request{Op: OpRegisterMemory, Kind: wire.MemHost, Addr: addr, Len: length}, syscall.UnixRights(fd))
+	return err
+}
+
+// RegisterCUDA registers device memory by its IPC handle (issue 16's seam).
+func (c *Client) RegisterCUDA(ctx context.Context, addr, length uint64, handle []byte, handleOffset uint64) error {
+	_, err := c.call(ctx, &Request{Op: OpRegisterMemory, Kind: wire.MemCUDA, Addr: addr, Len: length, Handle: handle, HandleOffset: handleOffset})
+	return err
+}
+
+// UnregisterMemory drops the region holding addr.
+func (c *Client) UnregisterMemory(ctx context.Context, addr uint64) error {
+	_, err := c.call(ctx, &Request{Op: OpUnregisterMemory, Addr: addr})
+	return err
+}
+
+// Write copies the triples into the engine behind peer; it returns once the
+// bytes are complete there.
+func (c *Client) Write(ctx context.Context, peer string, triples []Triple) error {
+	_, err := c.call(ctx, &Request{Op: OpWrite, Peer: peer, Triples: triples})
+	return err
+}
+
+// Probe checks that peer can be reached.
+func (c *Client) Probe(ctx context.Context, peer string) error {
+	_, err := c.call(ctx, &Request{Op: OpProbe, Peer: peer})
 	return err
 }

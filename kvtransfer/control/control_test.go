@@ -3,6 +3,8 @@ package control
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
+	"errors"
 	"net"
 	"path/filepath"
 	"reflect"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -200,6 +203,13 @@ func TestRoundTrip(t *testing.T) {
 		{Op: OpSend, ID: 3, Room: 9, Pages: []uint32{5}, Last: true, Aux: 3},
 		{Op: OpPoll, ID: 4, Room: 9, Wait: true},
 		{Op: OpAbort, ID: 5, Room: 9, Reason: "x"},
+		{Op: OpHello, ID: 6},
+		{Op: OpRegisterMemory, ID: 7, Kind: wire.MemHost, Addr: 0x7f0000000000, Len: 1 << 30},
+		{Op: OpRegisterMemory, ID: 8, Kind: wire.MemCUDA, Addr: 0x7f0000001000, Len: 4096, Handle: bytes.Repeat([]byte{0xab}, cudaHandleLen), HandleOffset: 4096},
+		{Op: OpUnregisterMemory, ID: 9, Addr: 0x7f0000000010},
+		{Op: OpWrite, ID: 10, Peer: "127.0.0.1:7000", Triples: []Triple{{Src: 1, Dst: 2, Len: 3}, {Src: 1 << 63, Dst: 5, Len: 1 << 40}}},
+		{Op: OpWrite, ID: 11, Peer: "h:1", Triples: []Triple{}},
+		{Op: OpProbe, ID: 12, Peer: "127.0.0.1:7000"},
 	} {
 		f := EncodeRequest(r)
 		body, rest, err := splitFrame(f)
@@ -211,10 +221,30 @@ func TestRoundTrip(t *testing.T) {
 			t.Fatalf("%+v -> %+v %v", r, got, err)
 		}
 	}
-	rep := &Reply{Op: OpPoll, ID: 4, State: 4, Reason: "r", Pages: 1, Bytes: 2, TransferNs: 3, WallNs: 4}
-	body, _, _ := splitFrame(EncodeReply(rep))
-	if got, err := DecodeReply(body); err != nil || !reflect.DeepEqual(got, rep) {
-		t.Fatalf("reply %+v %v", got, err)
+	for _, rep := range []*Reply{
+		{Op: OpPoll, ID: 4, State: 4, Reason: "r", Pages: 1, Bytes: 2, TransferNs: 3, WallNs: 4},
+		{Op: OpHello, ID: 6, PeerAddr: "127.0.0.1:7000", Transport: "ucx"},
+		{Op: OpWrite, ID: 10, Err: "write to h:1: dial tcp: refused"},
+	} {
+		body, _, _ := splitFrame(EncodeReply(rep))
+		if got, err := DecodeReply(body); err != nil || !reflect.DeepEqual(got, rep) {
+			t.Fatalf("reply %+v %v", got, err)
+		}
+	}
+}
+
+func TestDecodeRejectsBadMemoryRequests(t *testing.T) {
+	short := EncodeRequest(&Request{Op: OpRegisterMemory, Kind: wire.MemCUDA, Handle: make([]byte, 10)})[4:]
+	kind := EncodeRequest(&Request{Op: OpRegisterMemory, Kind: 9})[4:]
+	// A Write that claims more triples than its bytes hold.
+	many := EncodeRequest(&Request{Op: OpWrite, Peer: "p", Triples: []Triple{{1, 2, 3}}})[4:]
+	binary.LittleEndian.PutUint32(many[9+4+1:], 1000)
+	huge := EncodeRequest(&Request{Op: OpWrite, Peer: "p"})[4:]
+	binary.LittleEndian.PutUint32(huge[9+4+1:], 1<<31)
+	for name, b := range map[string][]byte{"short cuda handle": short, "unknown kind": kind, "triples overrun": many, "huge triple count": huge} {
+		if _, err := DecodeRequest(b); !errors.Is(err, wire.ErrMalformed) {
+			t.Errorf("%s: %v, want ErrMalformed", name, err)
+		}
 	}
 }
 
@@ -224,6 +254,13 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Add(EncodeRequest(&Request{Op: OpExpect, Room: 1, Bootstrap: "a:1", Pages: []uint32{1}})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpSend, Room: 1, Pages: []uint32{1}, Last: true})[4:])
 	f.Add(EncodeReply(&Reply{Op: OpPoll, Reason: "x"})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpHello})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpRegisterMemory, Addr: 4096, Len: 4096})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpRegisterMemory, Kind: wire.MemCUDA, Handle: make([]byte, cudaHandleLen)})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpUnregisterMemory, Addr: 1})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpWrite, Peer: "h:1", Triples: []Triple{{1, 2, 3}}})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpProbe, Peer: "h:1"})[4:])
+	f.Add(EncodeReply(&Reply{Op: OpHello, PeerAddr: "h:1", Transport: "tcp"})[4:])
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if r, err := DecodeRequest(b); err == nil {
 			body, _, _ := splitFrame(EncodeRequest(r))

@@ -1,7 +1,15 @@
-// Package control is the Unix-socket API between an engine and its kvproxy:
-// Register (the kvproxy allocates the pool; the fd of its shared segment
-// comes back with SCM_RIGHTS), decode Expect, prefill
-// Send, Poll (optionally waiting for the end), Abort.
+// Package control is the Unix-socket API between an engine and its kvproxy.
+//
+// Pool API (the kvproxy owns the KV memory): Register (the kvproxy allocates
+// the pool; the fd of its shared segment comes back with SCM_RIGHTS), decode
+// Expect, prefill Send, Poll (optionally waiting for the end), Abort.
+//
+// Engine-memory API (the engine owns its memory, Mooncake-style): Hello
+// (the kvproxy's peer address, which names it to other engines),
+// RegisterMemory (a memfd of the engine's pages travels as SCM_RIGHTS with
+// the frame), UnregisterMemory, Write (src/dst/len triples of engine
+// addresses, answered once the bytes are remotely complete), Probe.
+// Everything a connection registered is dropped when it closes.
 //
 // Frame: u32 LE length, then op (u8), request id (u64), body. Replies echo
 // op and id and carry ok (bool), error text and a body. Requests on one
@@ -13,6 +21,7 @@ import (
 	"encoding/binary"
 	"fmt"
 
+	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -25,9 +34,26 @@ const (
 	OpSend
 	OpPoll
 	OpAbort
+	OpHello
+	OpRegisterMemory
+	OpUnregisterMemory
+	OpWrite
+	OpProbe
 )
 
-const maxFrame = 1 << 20
+// maxFrame bounds a control frame: 16 MiB holds a Write of ~700k triples
+// (SGLang sends all layers of a chunk in one call).
+const maxFrame = 16 << 20
+
+// maxTriples bounds one Write before allocating.
+const maxTriples = maxFrame / 24
+
+// Triple is one range of a Write: Len bytes from engine address Src (this
+// engine's registered memory) to Dst (the peer engine's).
+type Triple = kvtransfer.Triple
+
+// cudaHandleLen is the size of a cudaIpcMemHandle_t.
+const cudaHandleLen = 64
 
 // RegionSpec places one pool region inside the shared segment.
 type RegionSpec struct {
@@ -56,6 +82,18 @@ type Request struct {
 	Wait      bool   // Poll: block until the room ends
 	Reason    string // Abort
 	Layout    Layout // Register
+
+	// RegisterMemory: Kind, Addr (start of the region in the engine's
+	// address space; page-aligned for host memory), Len; cuda also Handle
+	// (cudaIpcMemHandle of the allocation) and HandleOffset (Addr minus the
+	// allocation's base). UnregisterMemory: Addr.
+	Kind         wire.MemKind
+	Addr, Len    uint64
+	Handle       []byte
+	HandleOffset uint64
+	// Write, Probe: the peer kvproxy's peer address (Mooncake's session id).
+	Peer    string
+	Triples []Triple // Write; a host RegisterMemory's memfd travels as SCM_RIGHTS beside the frame
 }
 
 // Reply answers a request.
@@ -72,6 +110,8 @@ type Reply struct {
 	Reason             string
 	Pages, Bytes       uint64
 	TransferNs, WallNs uint64
+	// Hello: this kvproxy's peer address ("host:port"); Transport too.
+	PeerAddr string
 }
 
 func frame(build func(e *wire.Enc)) []byte {
@@ -113,6 +153,26 @@ func EncodeRequest(r *Request) []byte {
 		case OpAbort:
 			e.U64(r.Room)
 			e.String(r.Reason)
+		case OpRegisterMemory:
+			e.U8(uint8(r.Kind))
+			e.U64(r.Addr)
+			e.U64(r.Len)
+			if r.Kind == wire.MemCUDA {
+				e.Bytes(r.Handle)
+				e.U64(r.HandleOffset)
+			}
+		case OpUnregisterMemory:
+			e.U64(r.Addr)
+		case OpWrite:
+			e.String(r.Peer)
+			e.U32(uint32(len(r.Triples)))
+			for _, t := range r.Triples {
+				e.U64(t.Src)
+				e.U64(t.Dst)
+				e.U64(t.Len)
+			}
+		case OpProbe:
+			e.String(r.Peer)
 		}
 	})
 }
@@ -140,6 +200,35 @@ func DecodeRequest(b []byte) (*Request, error) {
 		r.Room, r.Wait = d.U64(), d.Bool()
 	case OpAbort:
 		r.Room, r.Reason = d.U64(), d.String()
+	case OpHello:
+	case OpRegisterMemory:
+		r.Kind, r.Addr, r.Len = wire.MemKind(d.U8()), d.U64(), d.U64()
+		switch {
+		case d.Err != nil:
+		case r.Kind == wire.MemCUDA:
+			r.Handle, r.HandleOffset = d.Bytes(), d.U64()
+			if d.Err == nil && len(r.Handle) != cudaHandleLen {
+				return nil, fmt.Errorf("%w: cuda handle of %d bytes, want %d", wire.ErrMalformed, len(r.Handle), cudaHandleLen)
+			}
+		case r.Kind != wire.MemHost:
+			return nil, fmt.Errorf("%w: memory kind %d", wire.ErrMalformed, r.Kind)
+		}
+	case OpUnregisterMemory:
+		r.Addr = d.U64()
+	case OpWrite:
+		r.Peer = d.String()
+		n := d.U32()
+		if d.Err == nil && (n > maxTriples || uint64(n)*24 > uint64(len(d.B))) {
+			return nil, fmt.Errorf("%w: %d triples in %d bytes", wire.ErrMalformed, n, len(d.B))
+		}
+		if d.Err == nil {
+			r.Triples = make([]Triple, n)
+			for i := range r.Triples {
+				r.Triples[i] = Triple{Src: d.U64(), Dst: d.U64(), Len: d.U64()}
+			}
+		}
+	case OpProbe:
+		r.Peer = d.String()
 	default:
 		if d.Err == nil {
 			return nil, fmt.Errorf("%w: op %d", wire.ErrMalformed, r.Op)
@@ -160,6 +249,9 @@ func EncodeReply(r *Reply) []byte {
 		switch r.Op {
 		case OpRegister:
 			e.String(r.Transport)
+		case OpHello:
+			e.String(r.PeerAddr)
+			e.String(r.Transport)
 		case OpPoll:
 			e.U8(r.State)
 			e.String(r.Reason)
@@ -178,6 +270,8 @@ func DecodeReply(b []byte) (*Reply, error) {
 	switch r.Op {
 	case OpRegister:
 		r.Transport = d.String()
+	case OpHello:
+		r.PeerAddr, r.Transport = d.String(), d.String()
 	case OpPoll:
 		r.State, r.Reason = d.U8(), d.String()
 		r.Pages, r.Bytes, r.TransferNs, r.WallNs = d.U64(), d.U64(), d.U64(), d.U64()

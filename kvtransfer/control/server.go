@@ -17,7 +17,10 @@ import (
 
 // Server serves one engine's control connections.
 type Server struct {
+	// Engine serves the pool API (nil: not offered).
 	Engine *kvtransfer.Engine
+	// Memory serves the engine-memory API (nil: not offered).
+	Memory *kvtransfer.MemoryPlane
 	Log    *zap.Logger
 	// OnRegister runs after the pool is registered (the prefill kvproxy
 	// then announces itself on its bootstrap server).
@@ -76,16 +79,30 @@ type conn struct {
 	wmu   sync.Mutex
 	rooms map[uint64]struct{} // rooms this client opened, aborted if it goes away
 	rmu   sync.Mutex
+	// mem holds what this client registered, dropped when it goes away;
+	// only the read loop sets it.
+	mem *kvtransfer.MemorySession
 }
 
 func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	ctx, cancel := context.WithCancel(ctx)
 	c := &conn{s: s, c: uc, rooms: map[uint64]struct{}{}}
 	var wg sync.WaitGroup
+	// fds received and not yet claimed: each host RegisterMemory frame
+	// claims the oldest (its memfd arrives with the frame's first bytes).
+	var fds []int
 	defer func() {
 		cancel()
 		uc.Close()
 		wg.Wait()
+		for _, fd := range fds {
+			syscall.Close(fd)
+		}
+		if c.mem != nil {
+			if err := c.mem.Close(); err != nil {
+				s.Log.Warn("control: dropping the engine's memory", zap.Error(err))
+			}
+		}
 		// The engine went away: its unfinished rooms would only time out.
 		c.rmu.Lock()
 		for room := range c.rooms {
@@ -103,7 +120,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	for {
 		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
 		if oobn > 0 {
-			closeFds(oob[:oobn]) // requests carry none; do not leak a stray one
+			fds = append(fds, parseFds(oob[:oobn])...)
 		}
 		if err != nil {
 			return
@@ -124,15 +141,24 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 				return
 			}
 			pending = append(pending[:0], rest...)
-			if req.Op == OpPoll && req.Wait {
+			fd := -1
+			if req.Op == OpRegisterMemory && req.Kind == wire.MemHost && len(fds) > 0 {
+				fd, fds = fds[0], fds[1:]
+			}
+			if isMemoryOp(req.Op) && s.Memory != nil && c.mem == nil {
+				c.mem = s.Memory.NewSession()
+			}
+			// Waits and transfers run beside the loop, so one caller's wait
+			// does not hold up another's request.
+			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpProbe {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					c.reply(c.handle(ctx, req))
+					c.reply(c.handle(ctx, req, -1))
 				}()
 				continue
 			}
-			c.reply(c.handle(ctx, req))
+			c.reply(c.handle(ctx, req, fd))
 		}
 	}
 }
@@ -152,12 +178,6 @@ func parseFds(oob []byte) []int {
 	return all
 }
 
-func closeFds(oob []byte) {
-	for _, fd := range parseFds(oob) {
-		syscall.Close(fd)
-	}
-}
-
 // reply sends r; a successful Register reply carries the pool's fd.
 func (c *conn) reply(r *Reply) {
 	c.wmu.Lock()
@@ -172,9 +192,28 @@ func (c *conn) reply(r *Reply) {
 	_, _ = c.c.Write(EncodeReply(r))
 }
 
-func (c *conn) handle(ctx context.Context, req *Request) *Reply {
+func isMemoryOp(op Op) bool {
+	return op >= OpHello && op <= OpProbe
+}
+
+// Errors for an API this kvproxy does not serve.
+var (
+	errNoPoolAPI   = errors.New("this kvproxy serves no pool API (started for engine-owned memory)")
+	errNoMemoryAPI = errors.New("this kvproxy serves no engine-memory API")
+)
+
+// handle answers req; fd is the memfd that came with a host
+// RegisterMemory (-1: none), which handle takes.
+func (c *conn) handle(ctx context.Context, req *Request, fd int) *Reply {
+	if isMemoryOp(req.Op) {
+		return c.handleMemory(ctx, req, fd)
+	}
 	e := c.s.Engine
 	r := &Reply{Op: req.Op, ID: req.ID}
+	if e == nil {
+		r.Err = errNoPoolAPI.Error()
+		return r
+	}
 	var err error
 	switch req.Op {
 	case OpRegister:
@@ -204,6 +243,34 @@ func (c *conn) handle(ctx context.Context, req *Request) *Reply {
 		}
 	case OpAbort:
 		err = e.Abort(req.Room, req.Reason)
+	}
+	if err != nil {
+		r.Err = err.Error()
+	}
+	return r
+}
+
+func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
+	r := &Reply{Op: req.Op, ID: req.ID}
+	if c.mem == nil {
+		if fd >= 0 {
+			syscall.Close(fd)
+		}
+		r.Err = errNoMemoryAPI.Error()
+		return r
+	}
+	var err error
+	switch req.Op {
+	case OpHello:
+		r.PeerAddr, r.Transport = c.s.Memory.PeerAddr(), c.s.Memory.TransportName()
+	case OpRegisterMemory:
+		err = c.mem.Register(req.Kind, req.Addr, req.Len, fd)
+	case OpUnregisterMemory:
+		err = c.mem.Unregister(req.Addr)
+	case OpWrite:
+		err = c.mem.Write(ctx, req.Peer, req.Triples)
+	case OpProbe:
+		err = c.mem.Probe(ctx, req.Peer)
 	}
 	if err != nil {
 		r.Err = err.Error()

@@ -17,9 +17,10 @@ type Conn struct {
 	br  *bufio.Reader
 	buf []byte // reused read buffer for control payloads
 
-	wmu  sync.Mutex
-	wbuf []byte
-	iov  net.Buffers
+	wmu      sync.Mutex
+	wbuf     []byte
+	iov      net.Buffers
+	wTimeout time.Duration // per frame written; 0: none
 
 	pending uint32 // DATA bytes the caller still has to consume
 }
@@ -35,10 +36,25 @@ func (c *Conn) NetConn() net.Conn { return c.nc }
 // Close closes the underlying connection.
 func (c *Conn) Close() error { return c.nc.Close() }
 
+// SetWriteTimeout bounds every later frame write (0: unbounded), so a peer
+// that stopped reading fails the writer instead of blocking it.
+func (c *Conn) SetWriteTimeout(d time.Duration) {
+	c.wmu.Lock()
+	c.wTimeout = d
+	c.wmu.Unlock()
+}
+
+func (c *Conn) armWrite() {
+	if c.wTimeout > 0 {
+		_ = c.nc.SetWriteDeadline(time.Now().Add(c.wTimeout))
+	}
+}
+
 // Write sends one control frame.
 func (c *Conn) Write(m Msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	c.armWrite()
 	c.wbuf = AppendFrame(c.wbuf[:0], m)
 	_, err := c.nc.Write(c.wbuf)
 	return err
@@ -52,6 +68,7 @@ func (c *Conn) WriteData(region uint32, offset uint64, data []byte) error {
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	c.armWrite()
 	c.wbuf = AppendFrame(c.wbuf[:0], &Data{Region: region, Offset: offset, N: uint32(len(data))})
 	c.iov = append(c.iov[:0], c.wbuf, data)
 	_, err := c.iov.WriteTo(c.nc)
@@ -126,5 +143,13 @@ func (c *Conn) ReadData(dst []byte) error {
 	}
 	c.pending = 0
 	_, err := io.ReadFull(c.br, dst)
+	return unexpected(err)
+}
+
+// DiscardData skips the pending DATA bytes (their destination is gone).
+func (c *Conn) DiscardData() error {
+	n := c.pending
+	c.pending = 0
+	_, err := c.br.Discard(int(n))
 	return unexpected(err)
 }

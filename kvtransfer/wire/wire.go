@@ -41,6 +41,12 @@ const (
 	TDone
 	TAbort
 	THeartbeat
+	TMemHello
+	TMemRegionsReq
+	TMemRegions
+	TMemFence
+	TMemFenceAck
+	lastType = TMemFenceAck
 )
 
 func (t Type) String() string {
@@ -57,6 +63,16 @@ func (t Type) String() string {
 		return "ABORT"
 	case THeartbeat:
 		return "HEARTBEAT"
+	case TMemHello:
+		return "MEM_HELLO"
+	case TMemRegionsReq:
+		return "MEM_REGIONS_REQ"
+	case TMemRegions:
+		return "MEM_REGIONS"
+	case TMemFence:
+		return "MEM_FENCE"
+	case TMemFenceAck:
+		return "MEM_FENCE_ACK"
 	}
 	return fmt.Sprintf("Type(%d)", uint8(t))
 }
@@ -231,7 +247,10 @@ func Decode(t Type, p []byte) (Msg, error) {
 	case THeartbeat:
 		m = &Heartbeat{Seq: d.U64()}
 	default:
-		return nil, fmt.Errorf("%w: type %s has no control payload", ErrMalformed, t)
+		var err error
+		if m, err = decodeMem(t, &d); err != nil {
+			return nil, err
+		}
 	}
 	if err := d.End(); err != nil {
 		return nil, fmt.Errorf("%s: %w", t, err)
@@ -272,7 +291,7 @@ func ParseHeader(h []byte) (Type, uint32, error) {
 	t := Type(h[3])
 	n := uint32(h[4]) | uint32(h[5])<<8 | uint32(h[6])<<16 | uint32(h[7])<<24
 	switch {
-	case t < THello || t > THeartbeat:
+	case t < THello || t > lastType:
 		return 0, 0, fmt.Errorf("%w: unknown type %d", ErrMalformed, h[3])
 	case t == TData && (n < DataHeaderLen || n > DataHeaderLen+MaxDataLen):
 		return 0, 0, fmt.Errorf("%w: DATA length %d", ErrMalformed, n)

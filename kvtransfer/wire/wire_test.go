@@ -18,6 +18,13 @@ func sample() []Msg {
 		&Done{Room: 7, Chunk: 2, Last: true, Status: StatusFailed, Pages: 3, Bytes: 1 << 40, Nanos: 5},
 		&Abort{Room: 9, Reason: "client gone"},
 		&Heartbeat{Seq: 42},
+		&MemHello{Name: "d0", Transport: "tcp", WorkerAddr: []byte{7}, ListenAddr: "127.0.0.1:9000",
+			Regions: []MemRegion{{ID: 3, Kind: MemHost, Base: 0x7f0000001000, Len: 8192, Addr: 0x7e0000000000, RKey: []byte{1, 2}}, {ID: 4, Kind: MemCUDA, Base: 1, Len: 1}}},
+		&MemRegionsReq{Seq: 5},
+		&MemRegions{Seq: 0, Regions: []MemRegion{{ID: 1, Base: 4096, Len: 4096}}},
+		&MemRegions{Seq: 6},
+		&MemFence{Seq: 9},
+		&MemFenceAck{Seq: 9, Err: "region 3 unregistered"},
 	}
 }
 
@@ -54,8 +61,29 @@ func normalize(m Msg) Msg {
 			c.DstPages = nil
 		}
 		return &c
+	case *MemHello:
+		c := *v
+		c.Regions = normalizeMem(v.Regions)
+		return &c
+	case *MemRegions:
+		c := *v
+		c.Regions = normalizeMem(v.Regions)
+		return &c
 	}
 	return m
+}
+
+func normalizeMem(rs []MemRegion) []MemRegion {
+	if len(rs) == 0 {
+		return nil
+	}
+	out := append([]MemRegion(nil), rs...)
+	for i := range out {
+		if len(out[i].RKey) == 0 {
+			out[i].RKey = nil
+		}
+	}
+	return out
 }
 
 func TestDataFrameOverConn(t *testing.T) {
@@ -110,6 +138,14 @@ func TestMalformed(t *testing.T) {
 	done := AppendFrame(nil, &Done{Room: 1})
 	done[HeaderLen+12] = 2 // Last is neither 0 nor 1
 	cases["bad bool"] = done
+	for name, r := range map[string]MemRegion{
+		"empty memory region": {ID: 1, Base: 4096},
+		"memory region wraps": {ID: 1, Base: 1<<64 - 4096, Len: 8192},
+		"unknown memory kind": {ID: 1, Kind: MemCUDA + 1, Base: 4096, Len: 1},
+	} {
+		cases[name] = AppendFrame(nil, &MemRegions{Regions: []MemRegion{r}})
+	}
+	cases["mem hello region count"] = withLen(append(AppendFrame(nil, &MemHello{})[:HeaderLen+16], 0xff, 0xff, 0xff, 0xff), 20)
 	for name, frame := range cases {
 		var buf []byte
 		var pending uint32

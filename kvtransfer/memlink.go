@@ -1,0 +1,573 @@
+package kvtransfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// memLink is one connection to a peer kvproxy's memory plane. Either side
+// may write through it. One goroutine per link reads: it lands tcp DATA
+// frames, answers table requests and fences, and hands answers to the
+// writers waiting for them.
+type memLink struct {
+	p      *MemoryPlane
+	conn   *wire.Conn
+	remote *wire.MemHello
+
+	mu      sync.Mutex
+	regions []wire.MemRegion // the peer's table, sorted by Base
+	keys    map[uint32]RemoteKey
+	ep      MemoryEndpoint
+	seq     uint64
+	waiting map[uint64]chan wire.Msg
+	closed  bool
+	err     error
+
+	// sendMu keeps a tcp write's DATA frames and its fence together, so a
+	// fence answers for exactly the frames of its own write.
+	sendMu sync.Mutex
+	// dropped is why DATA frames since the last fence were discarded;
+	// touched only by the reader.
+	dropped string
+}
+
+type linkDial struct {
+	done chan struct{}
+	l    *memLink
+	err  error
+}
+
+func (p *MemoryPlane) hello() *wire.MemHello {
+	return &wire.MemHello{Name: p.cfg.Name, Transport: p.cfg.Transport.Name(), WorkerAddr: p.workerAddr,
+		ListenAddr: p.PeerAddr(), Regions: p.table()}
+}
+
+// handshake exchanges MEM_HELLOs within the write timeout; the dialer
+// speaks first.
+func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
+	_ = nc.SetDeadline(time.Now().Add(p.cfg.WriteTimeout))
+	conn := wire.NewConn(nc)
+	if dialer {
+		if err := conn.Write(p.hello()); err != nil {
+			return nil, err
+		}
+	}
+	m, err := conn.Read()
+	if err != nil {
+		return nil, fmt.Errorf("read MEM_HELLO: %w", err)
+	}
+	h, ok := m.(*wire.MemHello)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s before MEM_HELLO", wire.ErrMalformed, m.Type())
+	}
+	if h.Transport != p.cfg.Transport.Name() {
+		return nil, fmt.Errorf("peer transport %q, ours %q", h.Transport, p.cfg.Transport.Name())
+	}
+	if !dialer {
+		if err := conn.Write(p.hello()); err != nil {
+			return nil, err
+		}
+	}
+	_ = nc.SetDeadline(time.Time{})
+	conn.SetWriteTimeout(p.cfg.WriteTimeout)
+	l := &memLink{p: p, conn: conn, remote: h, keys: map[uint32]RemoteKey{}, waiting: map[uint64]chan wire.Msg{}}
+	l.setRegions(h.Regions)
+	return l, nil
+}
+
+func (p *MemoryPlane) acceptLoop() {
+	defer p.wg.Done()
+	for {
+		nc, err := p.cfg.Listener.Accept()
+		if err != nil {
+			if p.ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
+				p.log.Error("memory plane accept", zap.Error(err))
+			}
+			return
+		}
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			stop := context.AfterFunc(p.ctx, func() { _ = nc.Close() })
+			l, err := p.handshake(nc, false)
+			stop()
+			if err != nil {
+				p.log.Warn("memory link handshake", zap.String("remote", nc.RemoteAddr().String()), zap.Error(err))
+				_ = nc.Close()
+				return
+			}
+			p.addLink(l, l.remote.ListenAddr, false)
+		}()
+	}
+}
+
+// link returns the link to the peer at addr, dialing it once however many
+// writers ask at the same time.
+func (p *MemoryPlane) link(ctx context.Context, addr string) (*memLink, error) {
+	p.mu.Lock()
+	if l := p.byAddr[addr]; l != nil {
+		p.mu.Unlock()
+		return l, nil
+	}
+	if p.closed {
+		p.mu.Unlock()
+		return nil, ErrClosed
+	}
+	d := p.dialing[addr]
+	if d == nil {
+		d = &linkDial{done: make(chan struct{})}
+		p.dialing[addr] = d
+		p.mu.Unlock()
+		d.l, d.err = p.dial(addr)
+		p.mu.Lock()
+		delete(p.dialing, addr)
+		p.mu.Unlock()
+		close(d.done)
+		return d.l, d.err
+	}
+	p.mu.Unlock()
+	select {
+	case <-d.done:
+		return d.l, d.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// dial is bounded by the write timeout, not by one caller's context: the
+// link outlives the call that asked for it.
+func (p *MemoryPlane) dial(addr string) (*memLink, error) {
+	ctx, cancel := context.WithTimeout(p.ctx, p.cfg.WriteTimeout)
+	defer cancel()
+	nc, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { _ = nc.Close() })
+	l, err := p.handshake(nc, true)
+	if !stop() && err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		_ = nc.Close()
+		return nil, fmt.Errorf("handshake with %s: %w", addr, err)
+	}
+	if !p.addLink(l, addr, true) {
+		return nil, ErrClosed
+	}
+	return l, nil
+}
+
+// addLink starts the link's reader and files it under addr (the dialer's
+// entry wins over one an accepted link announced).
+func (p *MemoryPlane) addLink(l *memLink, addr string, dialed bool) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		_ = l.conn.Close()
+		return false
+	}
+	p.links[l] = struct{}{}
+	if addr != "" && (dialed || p.byAddr[addr] == nil) {
+		p.byAddr[addr] = l
+	}
+	p.m.peers.Inc()
+	p.wg.Add(1)
+	go l.readLoop()
+	return true
+}
+
+// close tears the link down once: waiting writers fail, the endpoint and
+// its keys go.
+func (l *memLink) close(cause error) {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return
+	}
+	l.closed, l.err = true, cause
+	for seq, ch := range l.waiting {
+		close(ch)
+		delete(l.waiting, seq)
+	}
+	ep := l.ep
+	l.ep, l.keys = nil, nil
+	l.mu.Unlock()
+	_ = l.conn.Close()
+	if ep != nil {
+		ep.Close()
+	}
+	p := l.p
+	p.mu.Lock()
+	delete(p.links, l)
+	for a, x := range p.byAddr {
+		if x == l {
+			delete(p.byAddr, a)
+		}
+	}
+	p.m.peers.Dec()
+	p.mu.Unlock()
+	if !errors.Is(cause, ErrClosed) {
+		p.log.Info("memory link closed", zap.String("peer", l.remote.Name), zap.Error(cause))
+	}
+}
+
+func (l *memLink) readLoop() {
+	defer l.p.wg.Done()
+	for {
+		m, err := l.conn.Read()
+		if err == nil {
+			err = l.handle(m)
+		}
+		if err != nil {
+			l.close(err)
+			return
+		}
+	}
+}
+
+func (l *memLink) handle(m wire.Msg) error {
+	switch m := m.(type) {
+	case *wire.Data:
+		return l.land(m)
+	case *wire.MemRegionsReq:
+		return l.conn.Write(&wire.MemRegions{Seq: m.Seq, Regions: l.p.table()})
+	case *wire.MemRegions:
+		if m.Seq == 0 {
+			l.setRegions(m.Regions)
+			return nil
+		}
+		l.deliver(m.Seq, m)
+	case *wire.MemFence:
+		ack := &wire.MemFenceAck{Seq: m.Seq, Err: l.dropped}
+		l.dropped = ""
+		return l.conn.Write(ack)
+	case *wire.MemFenceAck:
+		l.deliver(m.Seq, m)
+	default:
+		return fmt.Errorf("%w: unexpected %s on a memory link", wire.ErrMalformed, m.Type())
+	}
+	return nil
+}
+
+// land reads a DATA frame straight into the region it names; one for a
+// region that is gone (or out of its bounds) is discarded and reported at
+// the next fence. The read is bounded so a stalled peer cannot hold the
+// region forever.
+func (l *memLink) land(d *wire.Data) error {
+	p := l.p
+	p.mu.Lock()
+	r := p.byID[d.Region]
+	p.mu.Unlock()
+	if r != nil {
+		r.use.RLock()
+		defer r.use.RUnlock()
+		if r.gone {
+			r = nil
+		}
+	}
+	if r == nil || d.Offset > uint64(len(r.mem)) || uint64(d.N) > uint64(len(r.mem))-d.Offset {
+		if l.dropped == "" {
+			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
+		}
+		return l.conn.DiscardData()
+	}
+	if err := l.conn.SetReadTimeout(p.cfg.WriteTimeout); err != nil {
+		return err
+	}
+	if err := l.conn.ReadData(r.mem[d.Offset : d.Offset+uint64(d.N)]); err != nil {
+		return err
+	}
+	return l.conn.SetReadTimeout(0)
+}
+
+func (l *memLink) setRegions(t []wire.MemRegion) {
+	t = slices.Clone(t)
+	slices.SortFunc(t, func(a, b wire.MemRegion) int { return cmpU64(a.Base, b.Base) })
+	l.mu.Lock()
+	l.regions = t
+	l.mu.Unlock()
+}
+
+// ask registers a waiter for the answer to a new sequence number.
+func (l *memLink) ask() (uint64, chan wire.Msg, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return 0, nil, l.err
+	}
+	l.seq++
+	ch := make(chan wire.Msg, 1)
+	l.waiting[l.seq] = ch
+	return l.seq, ch, nil
+}
+
+func (l *memLink) deliver(seq uint64, m wire.Msg) {
+	l.mu.Lock()
+	ch := l.waiting[seq]
+	delete(l.waiting, seq)
+	l.mu.Unlock()
+	if ch != nil {
+		ch <- m
+	}
+}
+
+// await waits for the answer on ch; a link that stays silent past ctx is
+// closed, since a later answer could no longer be matched to anything.
+func (l *memLink) await(ctx context.Context, seq uint64, ch chan wire.Msg) (wire.Msg, error) {
+	select {
+	case m, ok := <-ch:
+		if !ok {
+			l.mu.Lock()
+			err := l.err
+			l.mu.Unlock()
+			return nil, fmt.Errorf("link lost: %w", err)
+		}
+		return m, nil
+	case <-ctx.Done():
+		l.close(fmt.Errorf("no answer to %d: %w", seq, ctx.Err()))
+		return nil, ctx.Err()
+	}
+}
+
+// refresh fetches the peer's current table.
+func (l *memLink) refresh(ctx context.Context) error {
+	seq, ch, err := l.ask()
+	if err != nil {
+		return err
+	}
+	if err := l.conn.Write(&wire.MemRegionsReq{Seq: seq}); err != nil {
+		l.close(err)
+		return err
+	}
+	m, err := l.await(ctx, seq, ch)
+	if err != nil {
+		return err
+	}
+	t, ok := m.(*wire.MemRegions)
+	if !ok {
+		return fmt.Errorf("%w: %s answered a table request", wire.ErrMalformed, m.Type())
+	}
+	l.setRegions(t.Regions)
+	return nil
+}
+
+// remoteRegion returns the peer region holding [addr, addr+n).
+func (l *memLink) remoteRegion(addr, n uint64) (wire.MemRegion, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	i, _ := slices.BinarySearchFunc(l.regions, addr+1, func(r wire.MemRegion, a uint64) int { return cmpU64(r.Base, a) })
+	if i == 0 {
+		return wire.MemRegion{}, false
+	}
+	r := l.regions[i-1]
+	if addr+n < addr || addr+n > r.Base+r.Len {
+		return wire.MemRegion{}, false
+	}
+	return r, true
+}
+
+// memRun is one merged range of a write.
+type memRun struct {
+	src          *memRegion
+	srcOff       uint64
+	dst          wire.MemRegion
+	dstOff, size uint64
+}
+
+// write resolves and merges the triples, then moves them: one batch and one
+// flush (ucx) or DATA frames and one fence (tcp).
+func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error {
+	l, err := p.link(ctx, peer)
+	if err != nil {
+		return err
+	}
+	runs, srcs, err := p.resolve(ctx, l, ts)
+	for _, r := range srcs {
+		defer r.use.RUnlock()
+	}
+	if err != nil || len(runs) == 0 {
+		return err
+	}
+	var total uint64
+	for _, r := range runs {
+		total += r.size
+	}
+	if err := l.put(ctx, runs); err != nil {
+		return err
+	}
+	p.m.written.Add(float64(total))
+	return nil
+}
+
+// resolve maps the triples onto local and peer regions and merges runs
+// contiguous on both sides. The source regions it returns are read-locked
+// (also on error) and must be unlocked by the caller.
+func (p *MemoryPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]memRun, []*memRegion, error) {
+	var runs []memRun
+	var srcs []*memRegion
+	refreshed := false
+	for i, t := range ts {
+		if t.Len == 0 {
+			continue
+		}
+		p.mu.Lock()
+		src := p.findLocked(t.Src, t.Len)
+		p.mu.Unlock()
+		if src == nil {
+			return nil, srcs, fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
+		}
+		if !slices.Contains(srcs, src) {
+			src.use.RLock()
+			srcs = append(srcs, src)
+			if src.gone {
+				return nil, srcs, fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
+			}
+		}
+		dst, ok := l.remoteRegion(t.Dst, t.Len)
+		if !ok && !refreshed {
+			// Registered after our table was fetched: ask once per write.
+			refreshed = true
+			if err := l.refresh(ctx); err != nil {
+				return nil, srcs, fmt.Errorf("refresh peer regions: %w", err)
+			}
+			dst, ok = l.remoteRegion(t.Dst, t.Len)
+		}
+		if !ok {
+			return nil, srcs, fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
+		}
+		run := memRun{src: src, srcOff: t.Src - src.base, dst: dst, dstOff: t.Dst - dst.Base, size: t.Len}
+		if n := len(runs); n > 0 {
+			last := &runs[n-1]
+			if last.src == src && last.dst.ID == dst.ID && last.srcOff+last.size == run.srcOff && last.dstOff+last.size == run.dstOff {
+				last.size += run.size
+				continue
+			}
+		}
+		runs = append(runs, run)
+	}
+	return runs, srcs, nil
+}
+
+func (l *memLink) put(ctx context.Context, runs []memRun) error {
+	ep, err := l.endpoint()
+	if err != nil {
+		return err
+	}
+	if ep == nil {
+		return l.putTCP(ctx, runs)
+	}
+	ops := make([]MemoryOp, len(runs))
+	for i, r := range runs {
+		key, err := l.key(ep, r.dst)
+		if err != nil {
+			return err
+		}
+		ops[i] = MemoryOp{Local: r.src.reg, LocalOff: r.srcOff, Key: key, Remote: r.dst.Addr + r.dstOff, Len: r.size}
+	}
+	if err := ep.Put(ctx, ops); err != nil {
+		// The endpoint may be stuck or closed: the next write dials anew.
+		l.close(fmt.Errorf("put: %w", err))
+		return err
+	}
+	return nil
+}
+
+// endpoint creates the transport endpoint to the peer's worker once (nil
+// for tcp).
+func (l *memLink) endpoint() (MemoryEndpoint, error) {
+	if l.remote.WorkerAddr == nil {
+		return nil, nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return nil, fmt.Errorf("link lost: %w", l.err)
+	}
+	if l.ep == nil {
+		ep, err := l.p.mt.MemoryEndpoint(l.remote.WorkerAddr)
+		if err != nil {
+			return nil, fmt.Errorf("connect to peer worker: %w", err)
+		}
+		l.ep = ep
+	}
+	return l.ep, nil
+}
+
+// key unpacks a peer region's key once per endpoint. Keys of regions the
+// peer dropped live on until the endpoint closes: one may still be in use
+// by a write posted before the table changed.
+func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
+	l.mu.Lock()
+	k, ok := l.keys[r.ID]
+	l.mu.Unlock()
+	if ok {
+		return k, nil
+	}
+	if len(r.RKey) == 0 {
+		return nil, fmt.Errorf("peer region %d has no remote key", r.ID)
+	}
+	k, err := ep.Unpack(r.RKey)
+	if err != nil {
+		return nil, fmt.Errorf("unpack key of peer region %d: %w", r.ID, err)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return nil, fmt.Errorf("link lost: %w", l.err)
+	}
+	if prev, ok := l.keys[r.ID]; ok {
+		return prev, nil // a concurrent write unpacked it too; both live until the endpoint closes
+	}
+	l.keys[r.ID] = k
+	return k, nil
+}
+
+// putTCP sends the runs as DATA frames then a fence, and waits for the
+// peer to acknowledge that everything before the fence is in memory.
+func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
+	seq, ch, err := l.ask()
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
+	defer stop()
+	l.sendMu.Lock()
+	for _, r := range runs {
+		if err = sendData(l.conn, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size]); err != nil {
+			break
+		}
+	}
+	if err == nil {
+		err = l.conn.Write(&wire.MemFence{Seq: seq})
+	}
+	l.sendMu.Unlock()
+	if err != nil {
+		l.close(err)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return err
+	}
+	m, err := l.await(ctx, seq, ch)
+	if err != nil {
+		return err
+	}
+	ack, ok := m.(*wire.MemFenceAck)
+	if !ok {
+		return fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
+	}
+	if ack.Err != "" {
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
+}

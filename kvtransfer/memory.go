@@ -1,0 +1,505 @@
+package kvtransfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"slices"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// Engine-owned memory (Mooncake-style): an engine registers memory it
+// allocated itself by passing a memfd of those pages; the kvproxy maps it,
+// registers the mapping with its transport once and translates the engine's
+// addresses into (region, offset). Writes name source and destination by
+// engine addresses; peers exchange their region tables once per link and
+// again when a destination is unknown.
+
+// maxMemoryRegion bounds one registration (1 TiB).
+const maxMemoryRegion = 1 << 40
+
+// Triple is one range of a memory write: Len bytes from engine address Src
+// (this engine's registered memory) to Dst (the peer engine's).
+type Triple struct{ Src, Dst, Len uint64 }
+
+// Errors of the engine-memory API.
+var (
+	ErrCUDAUnsupported = errors.New("cuda memory is not supported in this build")
+	ErrNotRegistered   = errors.New("address range not registered")
+)
+
+// MemoryConfig configures a MemoryPlane. Zero values take the defaults.
+type MemoryConfig struct {
+	Name string
+	// Transport must implement MemoryTransport (tcp and ucx do).
+	Transport Transport
+	// Listener accepts links from peer kvproxies; its address is the one
+	// engines name this kvproxy by (Mooncake's session id).
+	Listener net.Listener
+	// WriteTimeout bounds a whole Write or Probe (dial, table refresh,
+	// transfer, completion), so a dead peer fails it instead of hanging it.
+	WriteTimeout time.Duration // default 5 s
+	Logger       *zap.Logger
+	Registry     prometheus.Registerer // nil: metrics not exported
+}
+
+// MemoryPlane serves engine-owned memory: the region table, the links to
+// peer kvproxies and the writes between them. Safe for concurrent use.
+type MemoryPlane struct {
+	cfg        MemoryConfig
+	mt         MemoryTransport
+	log        *zap.Logger
+	m          memMetrics
+	workerAddr []byte
+	// remoteWriters: peers store into our mappings behind our back (ucx),
+	// so a dropped mapping is replaced by junk memory for a grace period
+	// rather than unmapped at once.
+	remoteWriters bool
+	ctx           context.Context
+	cancel        context.CancelFunc
+	wg            sync.WaitGroup
+
+	mu         sync.Mutex
+	regions    []*memRegion // sorted by base
+	byID       map[uint32]*memRegion
+	nextID     uint32
+	quarantine []quarantined
+	links      map[*memLink]struct{}
+	byAddr     map[string]*memLink
+	dialing    map[string]*linkDial
+	closed     bool
+
+	bmu sync.Mutex // orders region-table pushes
+}
+
+// memRegion is one registered region.
+type memRegion struct {
+	id    uint32
+	kind  wire.MemKind
+	base  uint64
+	mem   []byte // the kvproxy's mapping
+	reg   MemoryRegistration
+	owner *MemorySession
+	// use is read-held while bytes move out of or into mem and write-held
+	// to drop the region, so its mapping never goes away under a transfer.
+	use  sync.RWMutex
+	gone bool // under use (write)
+}
+
+func (r *memRegion) end() uint64 { return r.base + uint64(len(r.mem)) }
+
+type quarantined struct {
+	mem   []byte
+	until time.Time
+}
+
+type memMetrics struct {
+	regions, bytes, peers prometheus.Gauge
+	writes                *prometheus.CounterVec
+	written               prometheus.Counter
+}
+
+func newMemMetrics(reg prometheus.Registerer) memMetrics {
+	m := memMetrics{
+		regions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_registered_regions", Help: "Engine memory regions registered now."}),
+		bytes:   prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_registered_bytes", Help: "Bytes of engine memory registered now."}),
+		peers:   prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_memory_links", Help: "Engine-memory links to peer kvproxies."}),
+		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvproxy_memory_writes_total", Help: "Engine-memory writes by result.",
+		}, []string{"result"}),
+		written: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_memory_write_bytes_total", Help: "Bytes written into peer engines' memory."}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.regions, m.bytes, m.peers, m.writes, m.written)
+	}
+	return m
+}
+
+// NewMemoryPlane starts accepting peer links on cfg.Listener.
+func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
+	mt, ok := cfg.Transport.(MemoryTransport)
+	if !ok {
+		return nil, fmt.Errorf("kvtransfer: transport %T cannot move engine memory", cfg.Transport)
+	}
+	if cfg.Listener == nil {
+		return nil, errors.New("kvtransfer: memory plane needs a peer listener")
+	}
+	if cfg.WriteTimeout <= 0 {
+		cfg.WriteTimeout = 5 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	wa, err := mt.WorkerAddress()
+	if err != nil {
+		return nil, fmt.Errorf("kvtransfer: worker address: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &MemoryPlane{
+		cfg: cfg, mt: mt, log: cfg.Logger, m: newMemMetrics(cfg.Registry), workerAddr: wa, remoteWriters: wa != nil,
+		ctx: ctx, cancel: cancel, byID: map[uint32]*memRegion{}, links: map[*memLink]struct{}{},
+		byAddr: map[string]*memLink{}, dialing: map[string]*linkDial{},
+	}
+	p.wg.Add(1)
+	go p.acceptLoop()
+	return p, nil
+}
+
+// PeerAddr is where peers reach this kvproxy ("host:port"): what its
+// engine reports as its rpc address.
+func (p *MemoryPlane) PeerAddr() string { return p.cfg.Listener.Addr().String() }
+
+// TransportName is the transport's name.
+func (p *MemoryPlane) TransportName() string { return p.cfg.Transport.Name() }
+
+// Regions counts registered regions.
+func (p *MemoryPlane) Regions() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.regions)
+}
+
+// Mappings counts the engine-memory mappings this process holds: the
+// registered regions and dropped ones still in their grace period.
+func (p *MemoryPlane) Mappings() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.regions) + len(p.quarantine)
+}
+
+// Links counts open links to peer kvproxies.
+func (p *MemoryPlane) Links() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.links)
+}
+
+// Close fails writes in flight, closes every link and drops every region;
+// call before closing the transport.
+func (p *MemoryPlane) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	links := make([]*memLink, 0, len(p.links))
+	for l := range p.links {
+		links = append(links, l)
+	}
+	p.mu.Unlock()
+	p.cancel()
+	err := p.cfg.Listener.Close()
+	for _, l := range links {
+		l.close(ErrClosed)
+	}
+	p.wg.Wait()
+	p.mu.Lock()
+	regions := slices.Clone(p.regions)
+	p.mu.Unlock()
+	for _, r := range regions {
+		err = errors.Join(err, p.drop(r, false))
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, q := range p.quarantine {
+		err = errors.Join(err, unmap(q.mem))
+	}
+	p.quarantine = nil
+	return err
+}
+
+// MemorySession is one engine connection's view: what it registers is
+// dropped when it closes, and its writes fail then.
+type MemorySession struct {
+	p      *MemoryPlane
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+// NewSession opens a session.
+func (p *MemoryPlane) NewSession() *MemorySession {
+	ctx, cancel := context.WithCancel(p.ctx)
+	return &MemorySession{p: p, ctx: ctx, cancel: cancel}
+}
+
+// Close fails the session's writes in flight and unregisters everything it
+// registered (waiting for transfers that use those regions to end).
+func (s *MemorySession) Close() error {
+	s.cancel()
+	p := s.p
+	p.mu.Lock()
+	var mine []*memRegion // drop edits p.regions: collect first
+	for _, r := range p.regions {
+		if r.owner == s {
+			mine = append(mine, r)
+		}
+	}
+	p.mu.Unlock()
+	var err error
+	for _, r := range mine {
+		err = errors.Join(err, p.drop(r, true))
+	}
+	return err
+}
+
+// Register maps the memfd fd, which holds the engine's memory [addr,
+// addr+length) from file offset 0, and registers the mapping. It takes fd
+// (closed on return; -1: none). A range identical to one this session
+// registered replaces it (the engine remapped it onto a new memfd); any
+// other overlap is an error.
+func (s *MemorySession) Register(kind wire.MemKind, addr, length uint64, fd int) error {
+	if fd >= 0 {
+		defer unix.Close(fd)
+	}
+	switch {
+	case kind == wire.MemCUDA:
+		return ErrCUDAUnsupported
+	case kind != wire.MemHost:
+		return fmt.Errorf("register memory: unknown kind %d", kind)
+	case fd < 0:
+		return errors.New("register memory: no memfd came with the request")
+	case length == 0 || addr+length < addr:
+		return fmt.Errorf("register memory: bad range [%#x,+%d)", addr, length)
+	case addr%uint64(os.Getpagesize()) != 0:
+		return fmt.Errorf("register memory: address %#x is not page-aligned", addr)
+	case length > maxMemoryRegion:
+		return fmt.Errorf("register memory: %d bytes is too large", length)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("register memory: fstat memfd: %w", err)
+	}
+	if uint64(st.Size) < length {
+		return fmt.Errorf("register memory: memfd holds %d bytes, region is %d", st.Size, length)
+	}
+	ptr, err := unix.MmapPtr(fd, 0, nil, uintptr(length), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fmt.Errorf("register memory: mmap %d bytes: %w", length, err)
+	}
+	mem := unsafe.Slice((*byte)(ptr), length)
+	p := s.p
+	p.mu.Lock()
+	var replaced *memRegion
+	for _, r := range p.regions {
+		if r.base < addr+length && addr < r.end() {
+			if r.base != addr || r.end() != addr+length || r.owner != s || replaced != nil {
+				p.mu.Unlock()
+				return errors.Join(fmt.Errorf("register memory: [%#x,+%d) overlaps registered [%#x,+%d)", addr, length, r.base, len(r.mem)), unmap(mem))
+			}
+			replaced = r
+		}
+	}
+	if p.closed {
+		p.mu.Unlock()
+		return errors.Join(ErrClosed, unmap(mem))
+	}
+	reg, err := p.mt.RegisterMemory(mem)
+	if err != nil {
+		p.mu.Unlock()
+		return errors.Join(fmt.Errorf("register memory with %s: %w", p.cfg.Transport.Name(), err), unmap(mem))
+	}
+	p.nextID++
+	r := &memRegion{id: p.nextID, kind: kind, base: addr, mem: mem, reg: reg, owner: s}
+	if replaced != nil {
+		p.removeLocked(replaced)
+	}
+	i, _ := slices.BinarySearchFunc(p.regions, addr, func(r *memRegion, a uint64) int { return cmpU64(r.base, a) })
+	p.regions = slices.Insert(p.regions, i, r)
+	p.byID[r.id] = r
+	p.m.regions.Inc()
+	p.m.bytes.Add(float64(length))
+	p.mu.Unlock()
+	if replaced != nil {
+		return p.release(replaced, true)
+	}
+	return nil
+}
+
+// Unregister drops the region holding engine address addr.
+func (s *MemorySession) Unregister(addr uint64) error {
+	p := s.p
+	p.mu.Lock()
+	r := p.findLocked(addr, 1)
+	p.mu.Unlock()
+	if r == nil || r.owner != s {
+		return fmt.Errorf("unregister memory: %#x: %w", addr, ErrNotRegistered)
+	}
+	return p.drop(r, true)
+}
+
+// Write copies every triple into the peer engine behind peer (its kvproxy's
+// PeerAddr) and returns once the bytes are complete there.
+func (s *MemorySession) Write(ctx context.Context, peer string, ts []Triple) error {
+	ctx, cancel := context.WithTimeout(ctx, s.p.cfg.WriteTimeout)
+	defer cancel()
+	stop := context.AfterFunc(s.ctx, cancel)
+	defer stop()
+	err := s.p.write(ctx, peer, ts)
+	if err != nil {
+		s.p.m.writes.WithLabelValues("error").Inc()
+		if s.ctx.Err() != nil {
+			return fmt.Errorf("write to %s: engine disconnected: %w", peer, err)
+		}
+		return fmt.Errorf("write to %s: %w", peer, err)
+	}
+	s.p.m.writes.WithLabelValues("ok").Inc()
+	return nil
+}
+
+// Probe connects to peer (if not yet) and fetches its region table.
+func (s *MemorySession) Probe(ctx context.Context, peer string) error {
+	ctx, cancel := context.WithTimeout(ctx, s.p.cfg.WriteTimeout)
+	defer cancel()
+	stop := context.AfterFunc(s.ctx, cancel)
+	defer stop()
+	l, err := s.p.link(ctx, peer)
+	if err == nil {
+		err = l.refresh(ctx)
+	}
+	if err != nil {
+		return fmt.Errorf("probe %s: %w", peer, err)
+	}
+	return nil
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// findLocked returns the region holding [addr, addr+n), or nil.
+func (p *MemoryPlane) findLocked(addr, n uint64) *memRegion {
+	i, _ := slices.BinarySearchFunc(p.regions, addr+1, func(r *memRegion, a uint64) int { return cmpU64(r.base, a) })
+	if i == 0 {
+		return nil
+	}
+	r := p.regions[i-1]
+	if addr+n < addr || addr+n > r.end() {
+		return nil
+	}
+	return r
+}
+
+func (p *MemoryPlane) removeLocked(r *memRegion) {
+	if p.byID[r.id] != r {
+		return
+	}
+	delete(p.byID, r.id)
+	p.regions = slices.DeleteFunc(p.regions, func(x *memRegion) bool { return x == r })
+	p.m.regions.Dec()
+	p.m.bytes.Sub(float64(len(r.mem)))
+}
+
+// drop removes r from the table and releases it.
+func (p *MemoryPlane) drop(r *memRegion, push bool) error {
+	p.mu.Lock()
+	if p.byID[r.id] != r {
+		p.mu.Unlock()
+		return nil // dropped meanwhile
+	}
+	p.removeLocked(r)
+	p.mu.Unlock()
+	return p.release(r, push)
+}
+
+// release waits for transfers using r, unregisters it and unmaps it (or
+// puts it in quarantine), then tells peers the table changed.
+func (p *MemoryPlane) release(r *memRegion, push bool) error {
+	r.use.Lock()
+	r.gone = true
+	err := r.reg.Close()
+	if p.remoteWriters {
+		err = errors.Join(err, p.quarantineMapping(r.mem))
+	} else {
+		err = errors.Join(err, unmap(r.mem))
+	}
+	r.mem = nil
+	r.use.Unlock()
+	if push {
+		p.pushTable()
+	}
+	return err
+}
+
+// quarantineGrace is how long a dropped mapping stays as junk memory: a
+// peer's put already posted against it (or sent before our table push
+// reached it) lands there instead of in unmapped or reused memory.
+const quarantineGrace = 30 * time.Second
+
+// quarantineMapping replaces mem in place with private anonymous memory,
+// freeing the engine's pages now and the address range after the grace.
+func (p *MemoryPlane) quarantineMapping(mem []byte) error {
+	_, err := unix.MmapPtr(-1, 0, unsafe.Pointer(unsafe.SliceData(mem)), uintptr(len(mem)),
+		unix.PROT_READ|unix.PROT_WRITE, unix.MAP_FIXED|unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+	if err != nil {
+		return errors.Join(fmt.Errorf("quarantine mapping: %w", err), unmap(mem))
+	}
+	now := time.Now()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	keep := p.quarantine[:0]
+	for _, q := range p.quarantine {
+		if now.Before(q.until) {
+			keep = append(keep, q)
+		} else {
+			err = errors.Join(err, unmap(q.mem))
+		}
+	}
+	clear(p.quarantine[len(keep):])
+	p.quarantine = append(keep, quarantined{mem: mem, until: now.Add(quarantineGrace)})
+	return err
+}
+
+func unmap(mem []byte) error {
+	if len(mem) == 0 {
+		return nil
+	}
+	return unix.MunmapPtr(unsafe.Pointer(unsafe.SliceData(mem)), uintptr(len(mem)))
+}
+
+// table is the region table as peers see it.
+func (p *MemoryPlane) table() []wire.MemRegion {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	t := make([]wire.MemRegion, len(p.regions))
+	for i, r := range p.regions {
+		t[i] = wire.MemRegion{ID: r.id, Kind: r.kind, Base: r.base, Len: uint64(len(r.mem)),
+			Addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(r.mem)))), RKey: r.reg.RKey()}
+	}
+	return t
+}
+
+// pushTable sends the current table to every linked peer, so none keeps
+// writing into a region that went away.
+func (p *MemoryPlane) pushTable() {
+	p.bmu.Lock()
+	defer p.bmu.Unlock()
+	t := p.table()
+	p.mu.Lock()
+	links := make([]*memLink, 0, len(p.links))
+	for l := range p.links {
+		links = append(links, l)
+	}
+	p.mu.Unlock()
+	for _, l := range links {
+		if err := l.conn.Write(&wire.MemRegions{Regions: t}); err != nil {
+			l.close(fmt.Errorf("push region table: %w", err))
+		}
+	}
+}

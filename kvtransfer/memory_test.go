@@ -1,0 +1,392 @@
+package kvtransfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"golang.org/x/sys/unix"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// engineMemory is what an engine owns: a shared mapping of a fresh memfd
+// (as the Python client leaves a tensor after its in-place remap). It
+// returns the mapping and an fd for each registration to hand over.
+func engineMemory(t testing.TB, size int) ([]byte, func() int) {
+	t.Helper()
+	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = unix.Munmap(mem)
+		_ = unix.Close(fd)
+	})
+	dup := func() int {
+		d, err := unix.Dup(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	return mem, dup
+}
+
+func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
+type memSide struct {
+	p   *MemoryPlane
+	s   *MemorySession
+	tr  Transport
+	reg *prometheus.Registry
+}
+
+func newMemSide(t testing.TB, transport string, timeout time.Duration) *memSide {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := newTransport(t, transport)
+	reg := prometheus.NewRegistry()
+	p, err := NewMemoryPlane(MemoryConfig{Name: "m", Transport: tr, Listener: ln, WriteTimeout: timeout, Registry: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &memSide{p: p, s: p.NewSession(), tr: tr, reg: reg}
+	t.Cleanup(func() {
+		if err := m.p.Close(); err != nil {
+			t.Error(err)
+		}
+		if err := m.tr.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return m
+}
+
+func (m *memSide) register(t testing.TB, mem []byte, dup func() int) {
+	t.Helper()
+	if err := m.s.Register(wire.MemHost, addrOf(mem), uint64(len(mem)), dup()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// gauge reads kvproxy_registered_regions as /metrics would show it.
+func (m *memSide) gauge() float64 {
+	mfs, err := m.reg.Gather()
+	if err != nil {
+		panic(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "kvproxy_registered_regions" {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	return -1
+}
+
+var _ = dto.Metric{}
+
+const page = 4096
+
+func fill(b []byte, seed byte) {
+	for i := range b {
+		b[i] = byte(i*7) + seed
+	}
+}
+
+func memoryTransports() []struct{ name, tls string } {
+	return []struct{ name, tls string }{{"tcp", ""}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}}
+}
+
+func TestMemoryWrite(t *testing.T) {
+	for _, tc := range memoryTransports() {
+		t.Run(tc.name+"/"+tc.tls, func(t *testing.T) {
+			if tc.tls != "" {
+				t.Setenv("UCX_TLS", tc.tls)
+			}
+			a, b := newMemSide(t, tc.name, 5*time.Second), newMemSide(t, tc.name, 5*time.Second)
+			src, srcFd := engineMemory(t, 64*page)
+			fill(src, 1)
+			a.register(t, src, srcFd)
+			dst, dstFd := engineMemory(t, 64*page)
+			b.register(t, dst, dstFd)
+			ctx := context.Background()
+			// Pages 0..7 to 10..17 (one merged run), then scattered pages.
+			var ts []Triple
+			for i := range 8 {
+				ts = append(ts, Triple{Src: addrOf(src) + uint64(i*page), Dst: addrOf(dst) + uint64((10+i)*page), Len: page})
+			}
+			ts = append(ts, Triple{Src: addrOf(src) + 40*page, Dst: addrOf(dst) + 2*page, Len: 100},
+				Triple{Src: addrOf(src) + 30*page, Dst: addrOf(dst) + 50*page, Len: 3 * page})
+			if err := a.s.Write(ctx, b.p.PeerAddr(), ts); err != nil {
+				t.Fatal(err)
+			}
+			for i, tr := range ts {
+				got := dst[tr.Dst-addrOf(dst):][:tr.Len]
+				if !bytes.Equal(got, src[tr.Src-addrOf(src):][:tr.Len]) {
+					t.Fatalf("triple %d did not land", i)
+				}
+			}
+			if dst[0] != 0 || dst[9*page] != 0 {
+				t.Fatal("bytes outside the triples changed")
+			}
+			// Memory registered after the link came up: found by a refresh.
+			late, lateFd := engineMemory(t, 4*page)
+			b.register(t, late, lateFd)
+			if err := a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: addrOf(src) + 5*page, Dst: addrOf(late), Len: 4 * page}}); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(late, src[5*page:9*page]) {
+				t.Fatal("write into late registration did not land")
+			}
+			if a.p.Links() != 1 || b.p.Links() != 1 {
+				t.Fatalf("links %d %d, want one each", a.p.Links(), b.p.Links())
+			}
+			if g := b.gauge(); g != 2 {
+				t.Fatalf("registered regions gauge %v, want 2", g)
+			}
+		})
+	}
+}
+
+func TestMemoryWriteMergesRuns(t *testing.T) {
+	a, b := newMemSide(t, "tcp", 5*time.Second), newMemSide(t, "tcp", 5*time.Second)
+	src, srcFd := engineMemory(t, 16*page)
+	a.register(t, src, srcFd)
+	dst, dstFd := engineMemory(t, 16*page)
+	b.register(t, dst, dstFd)
+	ctx := context.Background()
+	l, err := a.p.link(ctx, b.p.PeerAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ts []Triple
+	for i := range 4 { // contiguous on both sides
+		ts = append(ts, Triple{Src: addrOf(src) + uint64(i*page), Dst: addrOf(dst) + uint64(i*page), Len: page})
+	}
+	ts = append(ts, Triple{Src: addrOf(src) + 4*page, Dst: addrOf(dst) + 8*page, Len: page}) // dst jumps
+	ts = append(ts, Triple{Src: addrOf(src) + 5*page, Dst: addrOf(dst) + 9*page, Len: page}) // continues that
+	ts = append(ts, Triple{Src: addrOf(src) + 7*page, Dst: addrOf(dst) + 10*page, Len: 0})   // empty: skipped
+	runs, srcs, err := a.p.resolve(ctx, l, ts)
+	for _, r := range srcs {
+		r.use.RUnlock()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(runs) != 2 || runs[0].size != 4*page || runs[1].size != 2*page || runs[1].dstOff != 8*page {
+		t.Fatalf("runs %+v, want [4 pages at 0, 2 pages at 8]", runs)
+	}
+}
+
+func TestMemoryWriteRejectsUnregistered(t *testing.T) {
+	a, b := newMemSide(t, "tcp", 2*time.Second), newMemSide(t, "tcp", 2*time.Second)
+	src, srcFd := engineMemory(t, 8*page)
+	fill(src, 3)
+	a.register(t, src, srcFd)
+	dst, dstFd := engineMemory(t, 8*page)
+	b.register(t, dst, dstFd)
+	ctx := context.Background()
+	peer := b.p.PeerAddr()
+	good := Triple{Src: addrOf(src), Dst: addrOf(dst), Len: page}
+	for name, bad := range map[string]Triple{
+		"source outside":          {Src: addrOf(src) + 8*page, Dst: addrOf(dst), Len: page},
+		"source past the end":     {Src: addrOf(src) + 7*page, Dst: addrOf(dst), Len: 2 * page},
+		"destination outside":     {Src: addrOf(src), Dst: addrOf(dst) + 8*page, Len: page},
+		"destination past end":    {Src: addrOf(src), Dst: addrOf(dst) + 7*page + 1, Len: page},
+		"source wraps the space":  {Src: 1<<64 - page, Dst: addrOf(dst), Len: 2 * page},
+		"destination wraps space": {Src: addrOf(src), Dst: 1<<64 - page, Len: 2 * page},
+	} {
+		err := a.s.Write(ctx, peer, []Triple{good, bad})
+		if !errors.Is(err, ErrNotRegistered) {
+			t.Errorf("%s: %v, want ErrNotRegistered", name, err)
+		}
+	}
+	if dst[0] != 0 {
+		t.Fatal("a rejected write moved bytes")
+	}
+	// The peer drops its region: its push makes the next write fail.
+	if err := b.s.Unregister(addrOf(dst) + 5); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		err := a.s.Write(ctx, peer, []Triple{good})
+		if errors.Is(err, ErrNotRegistered) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("write into an unregistered peer region: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := b.s.Unregister(addrOf(dst)); !errors.Is(err, ErrNotRegistered) {
+		t.Fatalf("second unregister: %v", err)
+	}
+	if b.gauge() != 0 || b.p.Mappings() != 0 {
+		t.Fatalf("after unregister: gauge %v, mappings %d", b.gauge(), b.p.Mappings())
+	}
+}
+
+func TestMemoryRegisterChecks(t *testing.T) {
+	a := newMemSide(t, "tcp", time.Second)
+	mem, dup := engineMemory(t, 4*page)
+	base := addrOf(mem)
+	cases := []struct {
+		name       string
+		kind       wire.MemKind
+		addr, size uint64
+		fd         int
+		want       string
+	}{
+		{"cuda", wire.MemCUDA, base, page, -1, "not supported in this build"},
+		{"unknown kind", 7, base, page, -1, "unknown kind"},
+		{"no fd", wire.MemHost, base, page, -1, "no memfd"},
+		{"unaligned", wire.MemHost, base + 1, page, dup(), "page-aligned"},
+		{"empty", wire.MemHost, base, 0, dup(), "bad range"},
+		{"longer than the memfd", wire.MemHost, base, 8 * page, dup(), "memfd holds"},
+	}
+	for _, c := range cases {
+		if err := a.s.Register(c.kind, c.addr, c.size, c.fd); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: %v, want %q", c.name, err, c.want)
+		}
+	}
+	a.register(t, mem, dup)
+	if err := a.s.Register(wire.MemHost, base+page, page, dup()); err == nil || !strings.Contains(err.Error(), "overlaps") {
+		t.Fatalf("overlapping register: %v", err)
+	}
+	other := a.p.NewSession()
+	if err := other.Register(wire.MemHost, base, 4*page, dup()); err == nil || !strings.Contains(err.Error(), "overlaps") {
+		t.Fatalf("same range from another session: %v", err)
+	}
+	if err := other.Unregister(base); !errors.Is(err, ErrNotRegistered) {
+		t.Fatalf("unregister of another session's region: %v", err)
+	}
+	// The same range again replaces the registration (a new memfd).
+	a.register(t, mem, dup)
+	if a.gauge() != 1 || a.p.Mappings() != 1 {
+		t.Fatalf("after re-register: gauge %v, mappings %d", a.gauge(), a.p.Mappings())
+	}
+	if err := a.s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if a.gauge() != 0 || a.p.Regions() != 0 {
+		t.Fatalf("after session close: gauge %v, regions %d", a.gauge(), a.p.Regions())
+	}
+}
+
+// TestMemoryDeadPeerBounded: a peer that completes the handshake and then
+// never answers, and a peer that went away, both fail writes within the
+// write timeout.
+func TestMemoryDeadPeerBounded(t *testing.T) {
+	const timeout = 700 * time.Millisecond
+	a := newMemSide(t, "tcp", timeout)
+	src, srcFd := engineMemory(t, 4*page)
+	a.register(t, src, srcFd)
+	peer, stopPeer := silentMemPeer(t, false)
+	t0 := time.Now()
+	err := a.s.Write(context.Background(), peer, []Triple{{Src: addrOf(src), Dst: 1 << 30, Len: page}})
+	if err == nil || time.Since(t0) > 3*timeout {
+		t.Fatalf("write to a silent peer: %v after %s", err, time.Since(t0))
+	}
+	stopPeer()
+	if a.p.Links() != 0 {
+		t.Fatalf("%d links left after the silent peer failed", a.p.Links())
+	}
+
+	b := newMemSide(t, "tcp", timeout)
+	dst, dstFd := engineMemory(t, 4*page)
+	b.register(t, dst, dstFd)
+	good := []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: page}}
+	if err := a.s.Write(context.Background(), b.p.PeerAddr(), good); err != nil {
+		t.Fatal(err)
+	}
+	peer = b.p.PeerAddr()
+	if err := b.p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	t0 = time.Now()
+	if err := a.s.Write(context.Background(), peer, good); err == nil || time.Since(t0) > 3*timeout {
+		t.Fatalf("write to a closed peer: %v after %s", err, time.Since(t0))
+	}
+}
+
+// TestMemorySessionCloseFailsWrites: closing the engine's session fails its
+// write in flight promptly and drops its regions.
+func TestMemorySessionCloseFailsWrites(t *testing.T) {
+	a := newMemSide(t, "tcp", 5*time.Second)
+	src, srcFd := engineMemory(t, 4*page)
+	a.register(t, src, srcFd)
+	peer, stopPeer := silentMemPeer(t, true)
+	defer stopPeer()
+	errc := make(chan error, 1)
+	go func() {
+		errc <- a.s.Write(context.Background(), peer, []Triple{{Src: addrOf(src), Dst: 1 << 30, Len: page}})
+	}()
+	time.Sleep(100 * time.Millisecond)
+	t0 := time.Now()
+	if err := a.s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errc; err == nil || !strings.Contains(err.Error(), "engine disconnected") {
+		t.Fatalf("write in flight when the session closed: %v", err)
+	}
+	if time.Since(t0) > time.Second {
+		t.Fatalf("session close took %s", time.Since(t0))
+	}
+	if a.gauge() != 0 || a.p.Mappings() != 0 {
+		t.Fatalf("after session close: gauge %v, mappings %d", a.gauge(), a.p.Mappings())
+	}
+}
+
+// silentMemPeer is a kvproxy that completes the link handshake (advertising one
+// region at 1<<30) and then acknowledges nothing; with drain it keeps
+// reading what arrives, else it reads nothing more.
+func silentMemPeer(t *testing.T, drain bool) (addr string, stop func()) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		nc, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		c := wire.NewConn(nc)
+		if _, err := c.Read(); err == nil {
+			_ = c.Write(&wire.MemHello{Transport: "tcp", Regions: []wire.MemRegion{{ID: 1, Base: 1 << 30, Len: 1 << 20}}})
+		}
+		for drain {
+			m, err := c.Read()
+			if err != nil {
+				return
+			}
+			if _, ok := m.(*wire.Data); ok {
+				_ = c.DiscardData()
+			}
+		}
+		buf := make([]byte, 1)
+		_, _ = nc.Read(buf) // until the link is closed
+	}()
+	return ln.Addr().String(), func() { ln.Close(); <-done }
+}

@@ -1,0 +1,162 @@
+package wire
+
+import "fmt"
+
+// Engine-memory messages, used on the links between kvproxies that move
+// bytes between memory the engines registered themselves (control
+// OpRegisterMemory/OpWrite), not between pools and pages:
+//
+//	MEM_HELLO        each side once, dialer first: transport, worker address,
+//	                 listen address and the current region table
+//	MEM_REGIONS_REQ  "send me your table" (a write's destination was unknown)
+//	MEM_REGIONS      the whole table: the answer (Seq of the request) or,
+//	                 with Seq 0, pushed after a local region went away
+//	MEM_FENCE        tcp transport: after a write's DATA frames
+//	MEM_FENCE_ACK    every DATA frame before the fence is in memory (or Err
+//	                 says why some were dropped)
+//
+// DATA frames on such a link address a region by its ID (Data.Region) and an
+// offset inside it; IDs are never reused, so a stale ID fails instead of
+// landing in a newer region at the same address.
+
+// MemKind is where an engine's registered memory lives.
+type MemKind uint8
+
+const (
+	MemHost MemKind = iota
+	MemCUDA
+)
+
+func (k MemKind) String() string {
+	switch k {
+	case MemHost:
+		return "host"
+	case MemCUDA:
+		return "cuda"
+	}
+	return fmt.Sprintf("MemKind(%d)", uint8(k))
+}
+
+// MemRegion is one region of an engine's registered memory as its kvproxy
+// advertises it: Base and Len in the engine's address space (what the peer
+// engine names as destinations), Addr where the kvproxy mapped it and RKey
+// the transport's packed key for that mapping (empty for tcp).
+type MemRegion struct {
+	ID   uint32
+	Kind MemKind
+	Base uint64
+	Len  uint64
+	Addr uint64
+	RKey []byte
+}
+
+// MemHello opens an engine-memory link.
+type MemHello struct {
+	Name       string
+	Transport  string
+	WorkerAddr []byte
+	ListenAddr string // where the sender accepts links ("host:port")
+	Regions    []MemRegion
+}
+
+// MemRegionsReq asks for the peer's region table.
+type MemRegionsReq struct{ Seq uint64 }
+
+// MemRegions is a whole region table; Seq answers a request (0: pushed).
+type MemRegions struct {
+	Seq     uint64
+	Regions []MemRegion
+}
+
+// MemFence follows a write's DATA frames (tcp transport).
+type MemFence struct{ Seq uint64 }
+
+// MemFenceAck answers a fence once every earlier DATA frame is in memory;
+// Err is non-empty if some of them could not be placed (and were dropped).
+type MemFenceAck struct {
+	Seq uint64
+	Err string
+}
+
+func (*MemHello) Type() Type      { return TMemHello }
+func (*MemRegionsReq) Type() Type { return TMemRegionsReq }
+func (*MemRegions) Type() Type    { return TMemRegions }
+func (*MemFence) Type() Type      { return TMemFence }
+func (*MemFenceAck) Type() Type   { return TMemFenceAck }
+
+func encodeMemRegions(e *Enc, rs []MemRegion) {
+	e.U32(uint32(len(rs)))
+	for _, r := range rs {
+		e.U32(r.ID)
+		e.U8(uint8(r.Kind))
+		e.U64(r.Base)
+		e.U64(r.Len)
+		e.U64(r.Addr)
+		e.Bytes(r.RKey)
+	}
+}
+
+func decodeMemRegions(d *Dec) ([]MemRegion, error) {
+	n := d.U32()
+	if n > maxRegions {
+		return nil, fmt.Errorf("%w: %d regions", ErrMalformed, n)
+	}
+	var rs []MemRegion
+	for i := uint32(0); i < n && d.Err == nil; i++ {
+		r := MemRegion{ID: d.U32(), Kind: MemKind(d.U8()), Base: d.U64(), Len: d.U64(), Addr: d.U64(), RKey: d.Bytes()}
+		if d.Err == nil && (r.Kind > MemCUDA || r.Len == 0 || r.Base+r.Len < r.Base) {
+			return nil, fmt.Errorf("%w: bad memory region %d", ErrMalformed, i)
+		}
+		rs = append(rs, r)
+	}
+	return rs, nil
+}
+
+func (m *MemHello) encode(e *Enc) {
+	e.String(m.Name)
+	e.String(m.Transport)
+	e.Bytes(m.WorkerAddr)
+	e.String(m.ListenAddr)
+	encodeMemRegions(e, m.Regions)
+}
+
+func (m *MemRegionsReq) encode(e *Enc) { e.U64(m.Seq) }
+
+func (m *MemRegions) encode(e *Enc) {
+	e.U64(m.Seq)
+	encodeMemRegions(e, m.Regions)
+}
+
+func (m *MemFence) encode(e *Enc) { e.U64(m.Seq) }
+
+func (m *MemFenceAck) encode(e *Enc) {
+	e.U64(m.Seq)
+	e.String(m.Err)
+}
+
+// decodeMem parses the engine-memory payloads (see Decode).
+func decodeMem(t Type, d *Dec) (Msg, error) {
+	switch t {
+	case TMemHello:
+		h := &MemHello{Name: d.String(), Transport: d.String(), WorkerAddr: d.Bytes(), ListenAddr: d.String()}
+		var err error
+		if h.Regions, err = decodeMemRegions(d); err != nil {
+			return nil, err
+		}
+		return h, nil
+	case TMemRegionsReq:
+		return &MemRegionsReq{Seq: d.U64()}, nil
+	case TMemRegions:
+		m := &MemRegions{Seq: d.U64()}
+		var err error
+		if m.Regions, err = decodeMemRegions(d); err != nil {
+			return nil, err
+		}
+		return m, nil
+	case TMemFence:
+		return &MemFence{Seq: d.U64()}, nil
+	case TMemFenceAck:
+		return &MemFenceAck{Seq: d.U64(), Err: d.String()}, nil
+	}
+	return nil, fmt.Errorf("%w: type %s has no control payload", ErrMalformed, t)
+}
