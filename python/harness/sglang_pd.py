@@ -1,0 +1,304 @@
+"""SGLang 0.5.23's own mooncake PD backend, outside a server, moving real KV.
+
+`worker` runs one side (prefill or decode) the way SGLang's scheduler does:
+SGLang's MHATokenToKVPool and MetadataBuffers on CPU, KVArgs filled by SGLang's
+own _init_kv_manager, MooncakeKVManager/Sender/Receiver, SGLang's bootstrap
+server (or kvproxy's). Whichever `mooncake.engine` is first on sys.path moves
+the bytes: Mooncake's real one or pdrouter's (python/mooncake).
+
+Both sides read one plan (rooms and prompt lengths). Prefill fills each
+request's pages with a pattern derived from (room, layer, K/V, token) and
+sends them in chunks; decode checks every page and the aux row on arrival.
+Each side writes a JSON result: per-request state, timings, bytes.
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import types
+
+PAGE_SIZE = 16
+
+
+def log(*a):
+    print("[%s %s]" % (os.environ.get("HARNESS_ROLE", "?"), time.strftime("%H:%M:%S")), *a, file=sys.stderr, flush=True)
+
+
+def write_model_dir(path, layers, kv_heads, head_dim):
+    os.makedirs(path, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": kv_heads * head_dim * 4, "num_attention_heads": kv_heads * 4,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": layers,
+        "intermediate_size": 256, "vocab_size": 32000, "max_position_embeddings": 65536,
+        "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+class Side:
+    """One SGLang scheduler's KV transfer state: pools, manager, page allocator."""
+
+    def __init__(self, a):
+        import torch
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.runtime_context import publish, SpawnRanks
+        from sglang.srt.distributed.bootstrap import init_parallel_runtime
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.disaggregation.utils import MetadataBuffers, TransferBackend
+
+        self.torch, self.a, self.role = torch, a, a.role
+        write_model_dir(a.model_dir, a.layers, a.kv_heads, a.head_dim)
+        sa = ServerArgs(
+            model_path=a.model_dir, device="cpu", tp_size=1, page_size=PAGE_SIZE,
+            disaggregation_mode=a.role, disaggregation_transfer_backend="mooncake",
+            disaggregation_bootstrap_port=a.bootstrap_port, host="127.0.0.1",
+            skip_tokenizer_init=True, load_format="dummy",
+        )
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+        init_parallel_runtime(server_args=sa, device="cpu", dist_port=a.dist_port)
+        self.server_args = sa
+        self.bootstrap = None
+        if a.role == "prefill" and a.sglang_bootstrap:
+            from sglang.srt.managers.disagg_service import start_disagg_service
+            self.bootstrap = start_disagg_service()
+        model_config = ModelConfig.from_server_args(sa)
+        pool_pages = a.pool_tokens // PAGE_SIZE
+        self.kv_pool = MHATokenToKVPool(
+            size=pool_pages * PAGE_SIZE, page_size=PAGE_SIZE, dtype=torch.bfloat16,
+            head_num=a.kv_heads, head_dim=a.head_dim, layer_num=a.layers, device="cpu",
+            enable_memory_saver=False, start_layer=0, end_layer=a.layers,
+        )
+        self.metadata = MetadataBuffers(a.aux_slots, hidden_size=model_config.hidden_size,
+                                        hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=16)
+        fake = types.SimpleNamespace(
+            transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, is_mla_backend=False, enable_staging=False,
+            token_to_kv_pool=self.kv_pool, draft_token_to_kv_pool=None, metadata_buffers=self.metadata,
+            scheduler=types.SimpleNamespace(
+                rust_server=None, enable_hisparse=False, model_config=model_config, server_args=sa,
+                tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="bfloat16")),
+            ),
+        )
+        if a.role == "prefill":
+            from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue as Q
+        else:
+            from sglang.srt.disaggregation.decode import DecodePreallocQueue as Q
+        self.mgr = Q._init_kv_manager(fake)
+        self.kv_args = self.mgr.kv_args
+        # Page 0 is SGLang's padding page; hand out the rest.
+        self.free_pages = list(range(1, pool_pages))
+        self.free_aux = list(range(a.aux_slots))
+        self.lock = threading.Lock()
+        # Views of every K and V buffer as [pages, page_size * per_token] int16.
+        self.bufs = []
+        for layer in range(a.layers):
+            for t in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer]):
+                self.bufs.append(t.view(torch.int16).reshape(-1, PAGE_SIZE * a.kv_heads * a.head_dim))
+        self.bytes_per_page = sum(self.kv_args.kv_item_lens)
+
+    def alloc(self, n):
+        with self.lock:
+            if len(self.free_pages) < n or not self.free_aux:
+                return None, None
+            pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+            return pages, self.free_aux.pop()
+
+    def free(self, pages, aux):
+        with self.lock:
+            self.free_pages.extend(pages)
+            self.free_aux.append(aux)
+
+    def pattern(self, room, pages_count):
+        """[buffers, pages, row] int16 pattern for one request, the same on both sides."""
+        torch = self.torch
+        row = self.bufs[0].shape[1]
+        g = torch.Generator().manual_seed(room & 0x7FFFFFFF)
+        base = torch.randint(-32768, 32767, (len(self.bufs), 1, row), generator=g, dtype=torch.int16)
+        page_ids = torch.arange(pages_count, dtype=torch.int16).view(1, -1, 1)
+        return base + page_ids  # wraps in int16, which is fine for a pattern
+
+    def fill(self, room, pages):
+        idx = self.torch.tensor(pages)
+        pat = self.pattern(room, len(pages))
+        for b, buf in enumerate(self.bufs):
+            buf[idx] = pat[b]
+
+    def check(self, room, pages):
+        idx = self.torch.tensor(pages)
+        pat = self.pattern(room, len(pages))
+        bad = 0
+        for b, buf in enumerate(self.bufs):
+            got = buf[idx]
+            bad += int((got != pat[b]).any(dim=1).sum())
+        return bad
+
+    def clear(self, pages):
+        idx = self.torch.tensor(pages)
+        for buf in self.bufs:
+            buf[idx] = 0
+
+
+def run_prefill(side, plan, a, res):
+    import numpy as np
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    boot = "127.0.0.1:%d" % a.bootstrap_port
+    pending = list(plan)
+    live = {}
+    deadline_s = a.request_timeout
+    chunk_pages = a.chunk_tokens // PAGE_SIZE
+    while pending or live:
+        while pending and len(live) < a.concurrency:
+            r = pending[0]
+            npages = -(-r["tokens"] // PAGE_SIZE)
+            pages, aux = side.alloc(npages)
+            if pages is None:
+                break
+            pending.pop(0)
+            s = MooncakeKVSender(side.mgr, boot, r["room"])
+            s.init(npages, aux)
+            live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False)
+        for room, st in list(live.items()):
+            s = st["s"]
+            p = s.poll()
+            now = time.perf_counter()
+            if not st["sent"] and p == KVPoll.WaitingForInput:
+                side.fill(room, st["pages"])
+                side.metadata.output_ids[st["aux"]][0] = room % 30000
+                side.metadata.bootstrap_room[st["aux"]][0] = room
+                st["t_send"] = time.perf_counter()
+                pages = np.array(st["pages"], dtype=np.int32)
+                for i in range(0, len(pages), chunk_pages):
+                    s.send(pages[i:i + chunk_pages], None, num_kv_tokens=min(chunk_pages, len(pages) - i) * PAGE_SIZE)
+                st["sent"] = True
+                if a.abort_room == room:
+                    s.abort()
+                continue
+            if p in (KVPoll.Success, KVPoll.Failed) or now - st["t0"] > deadline_s:
+                state = {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(p, "timeout")
+                reason = None
+                if p == KVPoll.Failed:
+                    try:
+                        s.failure_exception()
+                    except Exception as e:  # SGLang raises KVTransferError by design
+                        reason = str(e)
+                res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason,
+                                transfer_s=now - st.get("t_send", now), wall_s=now - st["t0"]))
+                side.free(st["pages"], st["aux"])
+                del live[room]
+        time.sleep(0.0005)
+
+
+def run_decode(side, plan, a, res):
+    import numpy as np
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    boot = "127.0.0.1:%d" % a.bootstrap_port
+    # As the decode scheduler does before it makes receivers for an address.
+    end = time.time() + a.request_timeout
+    while not side.mgr.try_ensure_parallel_info(boot) and time.time() < end:
+        time.sleep(0.2)
+    pending = list(plan)
+    live = {}
+    while pending or live:
+        while pending and len(live) < a.concurrency:
+            r = pending[0]
+            npages = -(-r["tokens"] // PAGE_SIZE)
+            pages, aux = side.alloc(npages)
+            if pages is None:
+                break
+            pending.pop(0)
+            side.clear(pages)
+            t0 = time.perf_counter()
+            rcv = MooncakeKVReceiver(side.mgr, boot, r["room"])
+            rcv.init(0)
+            live[r["room"]] = dict(r=r, rcv=rcv, pages=pages, aux=aux, t0=t0, meta=False)
+        for room, st in list(live.items()):
+            rcv = st["rcv"]
+            p = rcv.poll()
+            now = time.perf_counter()
+            if not st["meta"] and p == KVPoll.WaitingForInput:
+                rcv.send_metadata(np.array(st["pages"], dtype=np.int32), st["aux"], None)
+                st["meta"], st["t_meta"] = True, now
+                if a.abort_room == room:
+                    rcv.abort()
+                continue
+            if p in (KVPoll.Success, KVPoll.Failed) or now - st["t0"] > a.request_timeout:
+                state = {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(p, "timeout")
+                bad = aux_ok = reason = None
+                if p == KVPoll.Success:
+                    bad = side.check(room, st["pages"])
+                    aux_ok = int(side.metadata.output_ids[st["aux"]][0]) == room % 30000
+                    if bad or not aux_ok:
+                        state = "corrupt"
+                elif p == KVPoll.Failed:
+                    try:
+                        rcv.failure_exception()
+                    except Exception as e:
+                        reason = str(e)
+                res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason, bad_pages=bad,
+                                aux_ok=aux_ok, wall_s=now - st["t0"], after_meta_s=now - st.get("t_meta", now)))
+                side.free(st["pages"], st["aux"])
+                del live[room]
+        time.sleep(0.0005)
+
+
+def worker(a):
+    os.environ["HARNESS_ROLE"] = a.role
+    import mooncake.engine
+    engine_origin = os.path.dirname(mooncake.engine.__file__)
+    t0 = time.perf_counter()
+    side = Side(a)
+    with open(a.plan) as f:
+        plan = json.load(f)
+    ready = dict(ready=True, role=a.role, engine=engine_origin, setup_s=time.perf_counter() - t0,
+                 bytes_per_page=side.bytes_per_page, regions=len(side.kv_args.kv_data_ptrs) + len(side.kv_args.aux_data_ptrs),
+                 session_id=side.mgr.get_session_id())
+    print(json.dumps(ready), flush=True)
+    # The driver says go once both sides are up (stdin line), so neither
+    # side's set-up time counts against a request's timeout.
+    sys.stdin.readline()
+    res = []
+    t1 = time.perf_counter()
+    (run_prefill if a.role == "prefill" else run_decode)(side, plan, a, res)
+    out = dict(ready, results=res, run_s=time.perf_counter() - t1)
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+    print(json.dumps(dict(done=True)), flush=True)
+    if a.linger:
+        sys.stdin.readline()
+    side.mgr.deregister_buffer_to_engine()
+    os._exit(0)  # SGLang's manager threads are not daemonic everywhere
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--plan", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--bootstrap-port", type=int, required=True)
+    p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument("--sglang-bootstrap", type=int, default=1)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--pool-tokens", type=int, default=65536)
+    p.add_argument("--aux-slots", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--chunk-tokens", type=int, default=2048)
+    p.add_argument("--request-timeout", type=float, default=60)
+    p.add_argument("--abort-room", type=int, default=-1)
+    p.add_argument("--linger", type=int, default=0)
+    worker(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()

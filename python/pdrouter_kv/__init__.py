@@ -1,0 +1,1 @@
+"""pdrouter's Python side of kvproxy: the control client and a Mooncake-compatible TransferEngine."""

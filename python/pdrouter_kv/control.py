@@ -1,0 +1,235 @@
+"""Client for kvproxy's control socket (kvtransfer/control/proto.go).
+
+Frame: u32 LE length, then op (u8), request id (u64), body. A reply echoes op
+and id, then an error string (empty: ok) and the op's body. Replies may come
+out of order, so one reader thread hands each to the request with its id;
+any number of threads may call at once.
+"""
+
+import array
+import os
+import socket
+import struct
+import threading
+
+from . import remap
+
+OP_HELLO = 6
+OP_REGISTER_MEMORY = 7
+OP_UNREGISTER_MEMORY = 8
+OP_WRITE = 9
+OP_PROBE = 10
+
+KIND_HOST = 0
+
+DEFAULT_SOCK = "/tmp/kvproxy.sock"
+MAX_FRAME = 1 << 20
+# Triples per write frame: 24 bytes each must fit kvproxy's 1 MiB frame limit.
+MAX_TRIPLES = (MAX_FRAME - 4096) // 24
+
+_U32 = struct.Struct("<I")
+_HEAD = struct.Struct("<IBQ")
+_TRIPLE = struct.Struct("<QQQ")
+
+
+class KVProxyError(Exception):
+    """kvproxy answered a request with an error."""
+
+
+class ControlClosed(ConnectionError):
+    """The control connection to kvproxy is closed."""
+
+
+def _string(s):
+    b = s.encode()
+    return _U32.pack(len(b)) + b
+
+
+class _Reader:
+    def __init__(self, body):
+        self.b, self.i = body, 0
+
+    def take(self, n):
+        if self.i + n > len(self.b):
+            raise KVProxyError("malformed reply from kvproxy")
+        v = self.b[self.i:self.i + n]
+        self.i += n
+        return v
+
+    def u8(self):
+        return self.take(1)[0]
+
+    def u64(self):
+        return struct.unpack("<Q", self.take(8))[0]
+
+    def string(self):
+        return self.take(_U32.unpack(self.take(4))[0]).decode()
+
+
+class _Pending:
+    __slots__ = ("done", "reply", "error")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.reply = None
+        self.error = None
+
+
+class Client:
+    """One control connection to the kvproxy at sock_path.
+
+    kvproxy ties what an engine registers to its connection: closing it
+    (or the process exiting) unregisters everything.
+    """
+
+    def __init__(self, sock_path=None, timeout=30.0):
+        self.sock_path = sock_path or os.environ.get("PDROUTER_KVPROXY_SOCK", DEFAULT_SOCK)
+        self.timeout = timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(self.sock_path)
+        except OSError as e:
+            self._sock.close()
+            raise ControlClosed("connect to kvproxy at %s: %s" % (self.sock_path, e)) from e
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending = {}
+        self._next_id = 0
+        self._closed = None
+        self._thread = threading.Thread(target=self._read_loop, name="kvproxy-control", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        self._fail_all(ControlClosed("control connection closed"))
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # Ops.
+
+    def hello(self):
+        """Returns (peer_addr, transport): this kvproxy's "host:port" and transport name."""
+        r = self._call(OP_HELLO, b"")
+        return r.string(), r.string()
+
+    def register_memory(self, addr, length, fd):
+        """Registers [addr, addr+length) backed by fd (file offset 0 == addr)."""
+        self._call(OP_REGISTER_MEMORY, struct.pack("<BQQ", KIND_HOST, addr, length), fd=fd)
+
+    def register_host_memory(self, ptr, length):
+        """Remaps [ptr, ptr+length) in place (page-aligned outward) and registers it.
+
+        Returns the registered (start, size).
+        """
+        start, size = remap.page_span(ptr, length)
+        fd = remap.remap(start, size)
+        try:
+            self.register_memory(start, size, fd)
+        finally:
+            os.close(fd)
+        return start, size
+
+    def unregister_memory(self, addr):
+        self._call(OP_UNREGISTER_MEMORY, struct.pack("<Q", addr))
+
+    def write(self, peer, srcs, dsts, lens, timeout=None):
+        """Writes src[i] -> the peer engine's dst[i] for len[i] bytes; returns once remotely complete."""
+        n = len(srcs)
+        if len(dsts) != n or len(lens) != n:
+            raise ValueError("write: %d sources, %d destinations, %d lengths" % (n, len(dsts), len(lens)))
+        if n > MAX_TRIPLES:
+            raise ValueError("write: %d ranges in one call, at most %d" % (n, MAX_TRIPLES))
+        parts = [_string(peer), _U32.pack(n)]
+        try:
+            parts.extend(_TRIPLE.pack(s, d, l) for s, d, l in zip(srcs, dsts, lens))
+        except struct.error as e:
+            raise ValueError("write: addresses and lengths must be unsigned 64-bit ints: %s" % e) from None
+        self._call(OP_WRITE, b"".join(parts), timeout=timeout)
+
+    def probe(self, peer):
+        self._call(OP_PROBE, _string(peer))
+
+    # Plumbing.
+
+    def _call(self, op, body, fd=None, timeout=None):
+        p = _Pending()
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            self._next_id += 1
+            rid = self._next_id
+            self._pending[rid] = p
+        frame = _HEAD.pack(len(body) + 9, op, rid) + body
+        try:
+            with self._send_lock:
+                if fd is None:
+                    self._sock.sendall(frame)
+                else:
+                    # The fd rides on the frame's first byte; send the rest plainly.
+                    sent = self._sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+                    if sent < len(frame):
+                        self._sock.sendall(frame[sent:])
+        except OSError as e:
+            err = ControlClosed("send to kvproxy: %s" % e)
+            self._fail_all(err)
+            raise err from e
+        if not p.done.wait(self.timeout if timeout is None else timeout):
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise TimeoutError("kvproxy did not answer op %d within %.1fs" % (op, self.timeout if timeout is None else timeout))
+        if p.error is not None:
+            raise p.error
+        return p.reply
+
+    def _fail_all(self, err):
+        with self._lock:
+            if self._closed is None:
+                self._closed = err
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.error = err
+            p.done.set()
+
+    def _read_loop(self):
+        buf = bytearray()
+        try:
+            while True:
+                chunk = self._sock.recv(1 << 16)
+                if not chunk:
+                    raise ControlClosed("kvproxy closed the control connection")
+                buf += chunk
+                while len(buf) >= 4:
+                    n = _U32.unpack_from(buf)[0]
+                    if n > MAX_FRAME:
+                        raise ControlClosed("kvproxy sent a %d-byte frame" % n)
+                    if len(buf) < 4 + n:
+                        break
+                    self._dispatch(bytes(buf[4:4 + n]))
+                    del buf[:4 + n]
+        except (OSError, KVProxyError) as e:
+            self._fail_all(e if isinstance(e, ControlClosed) else ControlClosed("control connection: %s" % e))
+
+    def _dispatch(self, body):
+        r = _Reader(body)
+        r.u8()
+        rid = r.u64()
+        err = r.string()
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is None:
+            return  # its caller gave up waiting
+        if err:
+            p.error = KVProxyError(err)
+        else:
+            p.reply = r
+        p.done.set()

@@ -1,0 +1,226 @@
+"""A Mooncake-compatible TransferEngine whose bytes move through kvproxy.
+
+It implements the subset of mooncake.engine.TransferEngine that SGLang's
+mooncake disaggregation backend calls, with the same arguments and return
+conventions (0 = success, negative = failure). The session id SGLang passes
+is "host:rpc_port" of the peer engine, and get_rpc_port() names this engine's
+kvproxy peer port, so the session id is the peer kvproxy's peer address.
+
+kvproxy's control socket: $PDROUTER_KVPROXY_SOCK (default /tmp/kvproxy.sock).
+"""
+
+import logging
+import os
+import threading
+
+from . import control, remap
+
+logger = logging.getLogger("pdrouter_kv")
+
+# Mooncake 0.3.13's return codes for the same cases (its error.h; checked
+# against its TCP engine): transfers fail with -1 whatever the cause.
+ERR_INVALID_ARGUMENT = -1
+ERR_ADDRESS_NOT_REGISTERED = -3
+ERR_ADDRESS_OVERLAPPED = -7
+ERR_SOCKET = -102
+ERR_TRANSFER = -1
+ERR_NOT_INITIALIZED = -1
+
+
+def _ints(name, values):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError("%s: want a list of int, got %s" % (name, type(values).__name__))
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError("%s: want int, got %s" % (name, type(v).__name__))
+        out.append(v)
+    return out
+
+
+def _int(name, v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError("%s: want int, got %s" % (name, type(v).__name__))
+    return v
+
+
+def _session(session_id):
+    if not isinstance(session_id, str):
+        raise TypeError("session_id: want str, got %s" % type(session_id).__name__)
+    return session_id
+
+
+def _overlapping(ranges):
+    ranges = sorted(ranges)
+    return any(a + n > b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+
+
+class TransferEngine:
+    """mooncake.engine.TransferEngine over kvproxy."""
+
+    def __init__(self):
+        self._client = None
+        self._peer_addr = None
+        self.transport = None
+        self._lock = threading.Lock()
+        # Registered engine ranges (ptr -> length) and the page-aligned
+        # segments kvproxy holds (start -> size); several ranges may share
+        # one segment (small buffers on the same page).
+        self._ranges = {}
+        self._segments = {}
+
+    # Set-up.
+
+    def initialize(self, local_hostname, metadata_server, protocol, device_name):
+        """Connects to kvproxy. The arguments are Mooncake's; kvproxy's own
+        flags choose the transport, so protocol and device are not used."""
+        for name, v in (("local_hostname", local_hostname), ("metadata_server", metadata_server), ("protocol", protocol), ("device_name", device_name)):
+            if not isinstance(v, str):
+                raise TypeError("initialize: %s: want str, got %s" % (name, type(v).__name__))
+        if self._client is not None:
+            return 0
+        try:
+            client = control.Client(timeout=float(os.environ.get("PDROUTER_KVPROXY_TIMEOUT", "30")))
+            self._peer_addr, self.transport = client.hello()
+        except (OSError, control.KVProxyError) as e:
+            logger.error("TransferEngine.initialize: %s", e)
+            return -1
+        self._client = client
+        return 0
+
+    def get_rpc_port(self):
+        if self._peer_addr is None:
+            return -1
+        return int(self._peer_addr.rsplit(":", 1)[1])
+
+    def get_engine(self):
+        return self
+
+    def close(self):
+        """Drops the control connection; kvproxy unregisters everything with it."""
+        with self._lock:
+            client, self._client = self._client, None
+            self._ranges.clear()
+            self._segments.clear()
+        if client is not None:
+            client.close()
+
+    # Memory.
+
+    def register_memory(self, buffer_addr, capacity):
+        return self.batch_register_memory([buffer_addr], [capacity])
+
+    def batch_register_memory(self, buffer_addresses, capacities):
+        ptrs = _ints("buffer_addresses", buffer_addresses)
+        lens = _ints("capacities", capacities)
+        if len(ptrs) != len(lens):
+            raise ValueError("batch_register_memory: %d addresses, %d capacities" % (len(ptrs), len(lens)))
+        client = self._client
+        if client is None:
+            return ERR_NOT_INITIALIZED
+        try:
+            spans = [remap.page_span(p, n) for p, n in zip(ptrs, lens)]
+        except ValueError as e:
+            logger.error("batch_register_memory: %s", e)
+            return ERR_INVALID_ARGUMENT
+        with self._lock:
+            if _overlapping(list(zip(ptrs, lens)) + list(self._ranges.items())):
+                logger.error("batch_register_memory: overlapping memory regions")
+                return ERR_ADDRESS_OVERLAPPED
+            try:
+                self._register_spans(client, spans)
+            except (OSError, control.KVProxyError) as e:
+                logger.error("batch_register_memory: %s", e)
+                return -1
+            for p, n in zip(ptrs, lens):
+                self._ranges[p] = n
+        return 0
+
+    def _register_spans(self, client, spans):
+        # A new span overlapping registered segments replaces them by their
+        # union (remapping a page twice would detach it from the first memfd).
+        merged = remap.merge_spans(spans + list(self._segments.items()))
+        for start, size in merged:
+            if self._segments.get(start) == size:
+                continue
+            for s in [s for s, n in self._segments.items() if s < start + size and start < s + n]:
+                client.unregister_memory(s)
+                del self._segments[s]
+            client.register_host_memory(start, size)
+            self._segments[start] = size
+
+    def unregister_memory(self, buffer_addr):
+        return self.batch_unregister_memory([buffer_addr])
+
+    def batch_unregister_memory(self, buffer_addresses):
+        ptrs = _ints("buffer_addresses", buffer_addresses)
+        client = self._client
+        if client is None:
+            return ERR_NOT_INITIALIZED
+        ret = 0
+        with self._lock:
+            for p in ptrs:
+                if self._ranges.pop(p, None) is None:
+                    logger.error("unregister_memory: %#x is not registered", p)
+                    ret = ERR_ADDRESS_NOT_REGISTERED
+            live = [remap.page_span(p, n) for p, n in self._ranges.items()]
+            for start, size in list(self._segments.items()):
+                if any(s < start + size and start < s + n for s, n in live):
+                    continue
+                try:
+                    client.unregister_memory(start)
+                except (OSError, control.KVProxyError) as e:
+                    logger.error("unregister_memory: %s", e)
+                    ret = -1
+                del self._segments[start]
+        return ret
+
+    # Transfers.
+
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length):
+        return self.batch_transfer_sync_write(target_hostname, [buffer], [peer_buffer_address], [length])
+
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths):
+        """Writes each local buffer into the peer engine's memory; returns 0 once
+        every byte is in the peer's memory, negative on any failure."""
+        peer = _session(target_hostname)
+        srcs = _ints("buffers", buffers)
+        dsts = _ints("peer_buffer_addresses", peer_buffer_addresses)
+        lens = _ints("lengths", lengths)
+        if not len(srcs) == len(dsts) == len(lens):
+            raise ValueError("batch_transfer_sync_write: %d buffers, %d peer addresses, %d lengths" % (len(srcs), len(dsts), len(lens)))
+        client = self._client
+        if client is None:
+            return ERR_NOT_INITIALIZED
+        if not srcs:
+            return 0
+        if not self._local_ok(srcs, lens):
+            return ERR_TRANSFER
+        try:
+            for i in range(0, len(srcs), control.MAX_TRIPLES):
+                j = i + control.MAX_TRIPLES
+                client.write(peer, srcs[i:j], dsts[i:j], lens[i:j])
+        except (OSError, ValueError, control.KVProxyError) as e:
+            logger.warning("batch_transfer_sync_write to %s: %s", peer, e)
+            return ERR_TRANSFER
+        return 0
+
+    def _local_ok(self, srcs, lens):
+        segs = sorted(self._segments.items())
+        for s, n in zip(srcs, lens):
+            if n < 0 or not any(start <= s and s + n <= start + size for start, size in segs):
+                logger.warning("batch_transfer_sync_write: source [%#x,+%d) is not registered memory", s, n)
+                return False
+        return True
+
+    def send_probe(self, target_hostname):
+        peer = _session(target_hostname)
+        client = self._client
+        if client is None:
+            return ERR_NOT_INITIALIZED
+        try:
+            client.probe(peer)
+        except (OSError, control.KVProxyError) as e:
+            logger.info("send_probe %s: %s", peer, e)
+            return ERR_SOCKET
+        return 0
