@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 
-from . import remap
+from . import cuda, remap
 
 OP_HELLO = 6
 OP_REGISTER_MEMORY = 7
@@ -138,6 +138,10 @@ class Client:
         finally:
             os.close(fd)
         return start, size
+
+    def register_cuda_memory(self, ptr, length):
+        """Registers device memory [ptr, ptr+length) by its allocation's CUDA IPC handle (no remap)."""
+        self._call(OP_REGISTER_MEMORY, cuda.register_body(ptr, length))
 
     def unregister_memory(self, addr):
         self._call(OP_UNREGISTER_MEMORY, struct.pack("<Q", addr))

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 
-from . import control, remap
+from . import control, cuda, remap
 
 logger = logging.getLogger("pdrouter_kv")
 
@@ -68,6 +68,8 @@ class TransferEngine:
         # one segment (small buffers on the same page).
         self._ranges = {}
         self._segments = {}
+        # Device ranges, registered as they are (ptr -> length).
+        self._cuda = {}
 
     # Set-up.
 
@@ -102,6 +104,7 @@ class TransferEngine:
             client, self._client = self._client, None
             self._ranges.clear()
             self._segments.clear()
+            self._cuda.clear()
         if client is not None:
             client.close()
 
@@ -120,20 +123,26 @@ class TransferEngine:
             return ERR_NOT_INITIALIZED
         try:
             spans = [remap.page_span(p, n) for p, n in zip(ptrs, lens)]
-        except ValueError as e:
+            on_gpu = [cuda.is_cuda_pointer(p) for p in ptrs]
+        except (ValueError, cuda.CudaError) as e:
             logger.error("batch_register_memory: %s", e)
             return ERR_INVALID_ARGUMENT
         with self._lock:
-            if _overlapping(list(zip(ptrs, lens)) + list(self._ranges.items())):
+            if _overlapping(list(zip(ptrs, lens)) + list(self._ranges.items()) + list(self._cuda.items())):
                 logger.error("batch_register_memory: overlapping memory regions")
                 return ERR_ADDRESS_OVERLAPPED
             try:
-                self._register_spans(client, spans)
-            except (OSError, control.KVProxyError) as e:
+                self._register_spans(client, [s for s, g in zip(spans, on_gpu) if not g])
+                for p, n, g in zip(ptrs, lens, on_gpu):
+                    if g:
+                        client.register_cuda_memory(p, n)
+                        self._cuda[p] = n
+            except (OSError, ValueError, control.KVProxyError, cuda.CudaError) as e:
                 logger.error("batch_register_memory: %s", e)
                 return -1
-            for p, n in zip(ptrs, lens):
-                self._ranges[p] = n
+            for p, n, g in zip(ptrs, lens, on_gpu):
+                if not g:
+                    self._ranges[p] = n
         return 0
 
     def _register_spans(self, client, spans):
@@ -160,7 +169,13 @@ class TransferEngine:
         ret = 0
         with self._lock:
             for p in ptrs:
-                if self._ranges.pop(p, None) is None:
+                if self._cuda.pop(p, None) is not None:
+                    try:
+                        client.unregister_memory(p)
+                    except (OSError, control.KVProxyError) as e:
+                        logger.error("unregister_memory: %s", e)
+                        ret = -1
+                elif self._ranges.pop(p, None) is None:
                     logger.error("unregister_memory: %#x is not registered", p)
                     ret = ERR_ADDRESS_NOT_REGISTERED
             live = [remap.page_span(p, n) for p, n in self._ranges.items()]
@@ -206,7 +221,7 @@ class TransferEngine:
         return 0
 
     def _local_ok(self, srcs, lens):
-        segs = sorted(self._segments.items())
+        segs = list(self._segments.items()) + list(self._cuda.items())
         for s, n in zip(srcs, lens):
             if n < 0 or not any(start <= s and s + n <= start + size for start, size in segs):
                 logger.warning("batch_transfer_sync_write: source [%#x,+%d) is not registered memory", s, n)
