@@ -69,7 +69,7 @@ func (r *Resolver) Resolve(ctx context.Context, bootstrapAddr string) (string, e
 	if _, err := r.get(ctx, base+"/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0", &a); err != nil {
 		return "", err
 	}
-	addr := net.JoinHostPort(a.RankIP, strconv.Itoa(a.RankPort))
+	addr := net.JoinHostPort(a.RankIP, strconv.FormatInt(a.RankPort, 10))
 	r.mu.Lock()
 	r.cache[bootstrapAddr] = cached{addr: addr, at: time.Now()}
 	r.mu.Unlock()

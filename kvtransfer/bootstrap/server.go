@@ -1,21 +1,29 @@
 // Package bootstrap is SGLang's prefill-side bootstrap HTTP API
-// (CommonKVBootstrapServer): prefill ranks register with PUT /route, decode
-// reads the topology and a rank's address with GET /route, DP ranks of rooms
-// go through /register_dp_rank and /query_dp_ranks. The prefill kvproxy
-// serves it on the bootstrap port and registers itself as the only rank, so
-// the router's bootstrap_host/port/room need no change.
+// (CommonKVBootstrapServer, as of SGLang 0.5.23): prefill ranks register
+// with PUT /route, decode reads the topology and a rank's address with GET
+// /route, DP ranks of rooms go through /register_dp_rank and
+// /query_dp_ranks, /health answers "OK". It answers SGLang's own clients
+// exactly as SGLang's server does (status codes, texts, reply fields, the
+// first registration fixing the topology), so either server can stand in
+// for the other. The prefill kvproxy serves it on the bootstrap port; in
+// pool mode it registers itself as the only rank, so the router's
+// bootstrap_host/port/room need no change.
 package bootstrap
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
+	"reflect"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
 
-// RankInfo is the body of PUT /route (SGLang's field names).
+// RankInfo is what the kvproxy registers for itself (PUT /route's fields).
 type RankInfo struct {
 	AttnTPSize               int    `json:"attn_tp_size"`
 	AttnTPRank               int    `json:"attn_tp_rank"`
@@ -31,12 +39,14 @@ type RankInfo struct {
 	RankPort                 int    `json:"rank_port"`
 	PageSize                 int    `json:"page_size"`
 	KVCacheDtype             string `json:"kv_cache_dtype"`
-	LoadBalanceMethod        string `json:"load_balance_method"`
+	LoadBalanceMethod        string `json:"load_balance_method,omitempty"`
 	EnableDSACacheLayerSplit bool   `json:"enable_dsa_cache_layer_split"`
-	PrefillHTTPPort          int    `json:"prefill_http_port"`
+	EnableKVCacheSharding    bool   `json:"enable_kv_cache_sharding"`
+	PrefillHTTPPort          int    `json:"prefill_http_port,omitempty"` // 0: none
 }
 
-// Topology is GET /route with every rank -1.
+// Topology is GET /route with every rank -1 (the fields the kvproxy's
+// resolver reads).
 type Topology struct {
 	AttnTPSize               int    `json:"attn_tp_size"`
 	AttnCPSize               int    `json:"attn_cp_size"`
@@ -52,13 +62,13 @@ type Topology struct {
 // RankAddr is GET /route for one rank: where its transfer engine listens.
 type RankAddr struct {
 	RankIP   string `json:"rank_ip"`
-	RankPort int    `json:"rank_port"`
+	RankPort int64  `json:"rank_port"`
 }
 
-type rankKey struct{ dp, cp, tp, pp int }
+type rankKey struct{ dp, cp, tp, pp int64 }
 
 type dpEntry struct {
-	rank int
+	rank int64
 	at   time.Time
 }
 
@@ -67,88 +77,368 @@ type Server struct {
 	// EntryTTL is how long a room's DP rank is kept (SGLang: 120 s).
 	EntryTTL time.Duration
 
-	mu    sync.Mutex
-	topo  *Topology
-	ranks map[rankKey]RankAddr
-	dp    map[uint64]dpEntry
-	now   func() time.Time
+	mu  sync.Mutex
+	now func() time.Time
+	// The topology, fixed field by field by the first registration that
+	// sets it (nil: not yet, Python's None).
+	attnTPSize, attnCPSize, dpSize, ppSize, pageSize, prefillHTTPPort *int64
+	kvCacheDtype, kvLayout                                            any
+	dsv41SpecLayout                                                   any
+	followBootstrapRoom, enableDSA, enableSharding                    *bool
+	decodeAllocationPolicy                                            any
+	registered                                                        int
+	ranks                                                             map[rankKey]RankAddr
+	dp                                                                map[int64]dpEntry
 }
 
 // NewServer returns an empty server.
 func NewServer() *Server {
-	return &Server{EntryTTL: 120 * time.Second, ranks: map[rankKey]RankAddr{}, dp: map[uint64]dpEntry{}, now: time.Now}
+	return &Server{EntryTTL: 120 * time.Second, now: time.Now, decodeAllocationPolicy: "early",
+		ranks: map[rankKey]RankAddr{}, dp: map[int64]dpEntry{}}
 }
 
 // Register records a prefill rank, as PUT /route does.
-func (s *Server) Register(r RankInfo) {
+func (s *Server) Register(r RankInfo) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	body, err := decodeObject(b)
+	if err != nil {
+		return err
+	}
+	if code, text := s.register(body); code != http.StatusOK {
+		return fmt.Errorf("bootstrap register: %d %s", code, text)
+	}
+	return nil
+}
+
+// httpError is an answer other than 200; internal ones stand for the
+// exceptions (missing keys, bad numbers) that make aiohttp answer 500.
+type httpError struct {
+	code int
+	text string
+}
+
+func internal(format string, a ...any) *httpError {
+	return &httpError{http.StatusInternalServerError, "500 Internal Server Error\n\nServer got itself in trouble: " + fmt.Sprintf(format, a...)}
+}
+
+// body is a decoded JSON object; numbers stay json.Number.
+type body map[string]any
+
+func decodeObject(b []byte) (body, error) {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var v body
+	if err := d.Decode(&v); err != nil {
+		return nil, err
+	}
+	if v == nil {
+		return nil, fmt.Errorf("JSON body is not an object")
+	}
+	return v, nil
+}
+
+// need returns data[key] or the KeyError SGLang would raise.
+func (b body) need(key string) (any, *httpError) {
+	v, ok := b[key]
+	if !ok {
+		return nil, internal("KeyError: '%s'", key)
+	}
+	return v, nil
+}
+
+// pyInt converts v as Python's int() does for what JSON can carry.
+func pyInt(v any) (int64, bool) {
+	switch x := v.(type) {
+	case json.Number:
+		if n, err := x.Int64(); err == nil {
+			return n, true
+		}
+		if f, err := x.Float64(); err == nil && !math.IsInf(f, 0) && math.Abs(f) < 1<<63 {
+			return int64(f), true // int() truncates
+		}
+	case string:
+		n, err := strconv.ParseInt(strings.ReplaceAll(strings.TrimSpace(x), "_", ""), 10, 64)
+		return n, err == nil
+	case bool:
+		if x {
+			return 1, true
+		}
+		return 0, true
+	}
+	return 0, false
+}
+
+func (b body) needInt(key string) (int64, *httpError) {
+	v, herr := b.need(key)
+	if herr != nil {
+		return 0, herr
+	}
+	n, ok := pyInt(v)
+	if !ok {
+		return 0, internal("int() of %s=%v", key, v)
+	}
+	return n, nil
+}
+
+// truthy is Python's bool() of a JSON value.
+func truthy(v any) bool {
+	switch x := v.(type) {
+	case nil:
+		return false
+	case bool:
+		return x
+	case json.Number:
+		f, err := x.Float64()
+		return err != nil || f != 0
+	case string:
+		return x != ""
+	case []any:
+		return len(x) > 0
+	case map[string]any:
+		return len(x) > 0
+	}
+	return true
+}
+
+func setOnce(p **int64, v int64) {
+	if *p == nil {
+		*p = &v
+	}
+}
+
+func setOnceBool(p **bool, v bool) {
+	if *p == nil {
+		*p = &v
+	}
+}
+
+// register is _handle_route_put on a decoded body.
+func (s *Server) register(data body) (int, string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.topo == nil {
-		s.topo = &Topology{}
+	if herr := s.registerLocked(data); herr != nil {
+		return herr.code, herr.text
 	}
-	*s.topo = Topology{
-		AttnTPSize: max(r.AttnTPSize, 1), AttnCPSize: max(r.AttnCPSize, 1),
-		DPSize: max(r.SystemDPSize, r.AttnDPSize, 1), PPSize: max(r.PPSize, 1),
-		PageSize: r.PageSize, KVCacheDtype: r.KVCacheDtype,
-		FollowBootstrapRoom:      r.LoadBalanceMethod == "follow_bootstrap_room",
-		EnableDSACacheLayerSplit: r.EnableDSACacheLayerSplit, PrefillHTTPPort: r.PrefillHTTPPort,
+	return http.StatusOK, "OK"
+}
+
+func (s *Server) registerLocked(data body) *httpError {
+	var n [10]int64
+	for i, key := range []string{"attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size",
+		"attn_dp_rank", "pp_size", "pp_rank", "system_dp_size", "system_dp_rank"} {
+		v, herr := data.needInt(key)
+		if herr != nil {
+			return herr
+		}
+		n[i] = v
 	}
-	dp := r.SystemDPRank
-	if r.SystemDPSize <= 1 {
-		dp = r.AttnDPRank
+	tpSize, tpRank, cpSize, cpRank, dpSize, dpRank, ppSize, ppRank, sysDPSize, sysDPRank := n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], n[8], n[9]
+	ip, herr := data.need("rank_ip")
+	if herr != nil {
+		return herr
 	}
-	s.ranks[rankKey{dp, r.AttnCPRank, r.AttnTPRank, r.PPRank}] = RankAddr{RankIP: r.RankIP, RankPort: r.RankPort}
+	port, herr := data.needInt("rank_port")
+	if herr != nil {
+		return herr
+	}
+	pageSize, herr := data.needInt("page_size")
+	if herr != nil {
+		return herr
+	}
+	dtype, herr := data.need("kv_cache_dtype")
+	if herr != nil {
+		return herr
+	}
+	var httpPort *int64
+	if v := data["prefill_http_port"]; v != nil {
+		p, ok := pyInt(v)
+		if !ok {
+			return internal("int() of prefill_http_port=%v", v)
+		}
+		httpPort = &p
+	}
+	spec := data["dsv41_spec_layout"]
+	if s.registered > 0 && !reflect.DeepEqual(s.dsv41SpecLayout, spec) {
+		return &httpError{http.StatusBadRequest, "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"}
+	}
+	policy, ok := data["decode_allocation_policy"]
+	if !ok {
+		policy = "early"
+	}
+	if s.registered > 0 && !reflect.DeepEqual(s.decodeAllocationPolicy, policy) {
+		return &httpError{http.StatusBadRequest, "Inconsistent prefill allocation policies"}
+	}
+	s.dsv41SpecLayout, s.decodeAllocationPolicy = spec, policy
+	setOnce(&s.attnTPSize, tpSize)
+	setOnce(&s.attnCPSize, cpSize)
+	if sysDPSize == 1 {
+		setOnce(&s.dpSize, dpSize)
+	} else {
+		setOnce(&s.dpSize, sysDPSize)
+	}
+	setOnce(&s.ppSize, ppSize)
+	setOnce(&s.pageSize, pageSize)
+	if s.kvCacheDtype == nil {
+		s.kvCacheDtype = dtype
+	}
+	if s.kvLayout == nil {
+		s.kvLayout = data["kv_layout"]
+	}
+	if s.prefillHTTPPort == nil && httpPort != nil {
+		s.prefillHTTPPort = httpPort
+	}
+	if s.followBootstrapRoom == nil {
+		lb, ok := data["load_balance_method"]
+		if !ok {
+			lb = "follow_bootstrap_room"
+		}
+		setOnceBool(&s.followBootstrapRoom, lb == "follow_bootstrap_room")
+	}
+	setOnceBool(&s.enableDSA, truthy(data["enable_dsa_cache_layer_split"]))
+	setOnceBool(&s.enableSharding, truthy(data["enable_kv_cache_sharding"]))
+	group := dpRank
+	if sysDPSize != 1 {
+		group = sysDPRank
+	}
+	s.ranks[rankKey{group, cpRank, tpRank, ppRank}] = RankAddr{RankIP: pyStr(ip), RankPort: port}
+	s.registered++
+	return nil
+}
+
+// pyStr is Python's str() of a JSON scalar.
+func pyStr(v any) string {
+	switch x := v.(type) {
+	case string:
+		return x
+	case nil:
+		return "None"
+	case bool:
+		if x {
+			return "True"
+		}
+		return "False"
+	}
+	return fmt.Sprint(v)
+}
+
+func (s *Server) readyLocked() bool {
+	if s.attnTPSize == nil || s.attnCPSize == nil || s.ppSize == nil || s.dpSize == nil {
+		return false
+	}
+	return int64(s.registered) >= *s.dpSize * *s.attnCPSize * *s.attnTPSize * *s.ppSize
 }
 
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	switch {
-	case r.URL.Path == "/health" && r.Method == http.MethodGet:
-		_, _ = w.Write([]byte("OK"))
-	case r.URL.Path == "/route" && r.Method == http.MethodPut:
-		var info RankInfo
-		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&info); err != nil {
-			http.Error(w, "bad rank info: "+err.Error(), http.StatusBadRequest)
-			return
-		}
-		s.Register(info)
-		_, _ = w.Write([]byte("OK"))
-	case r.URL.Path == "/route" && r.Method == http.MethodGet:
-		s.getRoute(w, r)
-	case r.URL.Path == "/register_dp_rank" && r.Method == http.MethodPost:
-		var body struct {
-			Room   uint64 `json:"bootstrap_room"`
-			DPRank int    `json:"dp_rank"`
-		}
-		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&body); err != nil {
-			http.Error(w, "bad body: "+err.Error(), http.StatusBadRequest)
-			return
-		}
-		s.mu.Lock()
-		s.expireLocked()
-		s.dp[body.Room] = dpEntry{rank: body.DPRank, at: s.now()}
-		s.mu.Unlock()
-		_, _ = w.Write([]byte("OK"))
-	case r.URL.Path == "/query_dp_ranks" && r.Method == http.MethodPost:
-		var body struct {
-			Rooms []uint64 `json:"bootstrap_rooms"`
-		}
-		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&body); err != nil {
-			http.Error(w, "bad body: "+err.Error(), http.StatusBadRequest)
-			return
-		}
-		out := map[string]int{}
-		s.mu.Lock()
-		s.expireLocked()
-		for _, room := range body.Rooms {
-			if e, ok := s.dp[room]; ok {
-				out[strconv.FormatUint(room, 10)] = e.rank
+	switch r.URL.Path {
+	case "/route":
+		switch r.Method {
+		case http.MethodPut:
+			data, herr := readObject(w, r)
+			if herr == nil {
+				code, text := s.register(data)
+				herr = &httpError{code, text}
 			}
+			writeText(w, herr.code, herr.text)
+		case http.MethodGet:
+			s.getRoute(w, r)
+		default:
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusMethodNotAllowed)
+			_, _ = w.Write([]byte("Method not allowed"))
 		}
+	case "/register_dp_rank":
+		if !allow(w, r, http.MethodPost) {
+			return
+		}
+		data, herr := readObject(w, r)
+		var room, rank int64
+		if herr == nil {
+			room, herr = data.needInt("bootstrap_room")
+		}
+		if herr == nil {
+			rank, herr = data.needInt("dp_rank")
+		}
+		if herr != nil {
+			writeText(w, herr.code, herr.text)
+			return
+		}
+		s.mu.Lock()
+		s.expireLocked()
+		s.dp[room] = dpEntry{rank: rank, at: s.now()}
 		s.mu.Unlock()
-		writeJSON(w, out)
+		writeText(w, http.StatusOK, "OK")
+	case "/query_dp_ranks":
+		if !allow(w, r, http.MethodPost) {
+			return
+		}
+		s.queryDPRanks(w, r)
+	case "/health":
+		if !allow(w, r, http.MethodGet, http.MethodHead) {
+			return
+		}
+		writeText(w, http.StatusOK, "OK")
 	default:
-		http.NotFound(w, r)
+		writeText(w, http.StatusNotFound, "404: Not Found")
 	}
+}
+
+// allow answers 405 (as aiohttp does for a route of other methods) unless
+// r's method is one of methods.
+func allow(w http.ResponseWriter, r *http.Request, methods ...string) bool {
+	for _, m := range methods {
+		if r.Method == m {
+			return true
+		}
+	}
+	w.Header().Set("Allow", strings.Join(methods, ","))
+	writeText(w, http.StatusMethodNotAllowed, "405: Method Not Allowed")
+	return false
+}
+
+func readObject(w http.ResponseWriter, r *http.Request) (body, *httpError) {
+	var buf bytes.Buffer
+	if _, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, 1<<20)); err != nil {
+		return nil, internal("reading the body: %v", err)
+	}
+	data, err := decodeObject(buf.Bytes())
+	if err != nil {
+		return nil, internal("JSONDecodeError: %v", err)
+	}
+	return data, nil
+}
+
+func (s *Server) queryDPRanks(w http.ResponseWriter, r *http.Request) {
+	data, herr := readObject(w, r)
+	var rooms any
+	if herr == nil {
+		rooms, herr = data.need("bootstrap_rooms")
+	}
+	list, ok := rooms.([]any)
+	if herr == nil && !ok {
+		herr = internal("bootstrap_rooms is not a list")
+	}
+	if herr != nil {
+		writeText(w, herr.code, herr.text)
+		return
+	}
+	var out pyObject
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.expireLocked()
+	for _, v := range list {
+		room, ok := pyInt(v)
+		if !ok {
+			writeText(w, http.StatusInternalServerError, internal("int() of room %v", v).text)
+			return
+		}
+		if e, ok := s.dp[room]; ok {
+			out.set(strconv.FormatInt(room, 10), e.rank)
+		}
+	}
+	writeJSON(w, out)
 }
 
 func (s *Server) expireLocked() {
@@ -162,43 +452,125 @@ func (s *Server) expireLocked() {
 
 func (s *Server) getRoute(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	var k [4]int
-	for i, name := range []string{"prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"} {
-		v := q.Get(name)
-		if v == "" && name == "prefill_cp_rank" {
-			// Older SGLang sends no cp rank: -1 in the topology form, else 0.
-			v = "0"
-			if q.Get("prefill_dp_rank") == "-1" {
-				v = "-1"
-			}
+	names := [4]string{"prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"}
+	var raw [4]string
+	for i, name := range names {
+		if raw[i] = q.Get(name); raw[i] == "" {
+			writeText(w, http.StatusBadRequest, "Missing inputs for bootstrap server.")
+			return
 		}
-		n, err := strconv.Atoi(v)
-		if err != nil {
-			http.Error(w, fmt.Sprintf("bad %s %q", name, v), http.StatusBadRequest)
+	}
+	var k [4]int64
+	for i := range raw {
+		n, ok := pyInt(raw[i])
+		if !ok {
+			writeText(w, http.StatusInternalServerError, internal("ValueError: invalid literal for int() with base 10: '%s'", raw[i]).text)
 			return
 		}
 		k[i] = n
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if k == [4]int{-1, -1, -1, -1} {
-		t := s.topo
-		if t == nil || len(s.ranks) < t.DPSize*t.AttnCPSize*t.AttnTPSize*t.PPSize {
-			http.Error(w, "prefill ranks not all registered yet", http.StatusServiceUnavailable)
-			return
-		}
-		writeJSON(w, t)
+	if !s.readyLocked() {
+		writeText(w, http.StatusServiceUnavailable, fmt.Sprintf("Prefill server not fully registered yet (%d workers registered).", s.registered))
+		return
+	}
+	if k == [4]int64{-1, -1, -1, -1} {
+		writeJSON(w, s.topologyLocked())
 		return
 	}
 	a, ok := s.ranks[rankKey{k[0], k[1], k[2], k[3]}]
 	if !ok {
-		http.Error(w, "unknown rank", http.StatusNotFound)
+		writeText(w, http.StatusNotFound, fmt.Sprintf("Bootstrap info not found for dp_rank=%s cp_rank=%s tp_rank=%s pp_rank=%s", raw[0], raw[1], raw[2], raw[3]))
 		return
 	}
-	writeJSON(w, a)
+	var out pyObject
+	out.set("rank_ip", a.RankIP)
+	out.set("rank_port", a.RankPort)
+	writeJSON(w, out)
 }
 
-func writeJSON(w http.ResponseWriter, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(v)
+// topologyLocked is dataclasses.asdict(PrefillServerInfo(...)) in field
+// order, without kv_layout and dsv41_spec_layout when they are None.
+func (s *Server) topologyLocked() pyObject {
+	var o pyObject
+	o.set("attn_tp_size", *s.attnTPSize)
+	o.set("attn_cp_size", *s.attnCPSize)
+	o.set("dp_size", *s.dpSize)
+	o.set("pp_size", *s.ppSize)
+	o.set("page_size", *s.pageSize)
+	if s.kvCacheDtype == nil {
+		o.set("kv_cache_dtype", nil)
+	} else {
+		o.set("kv_cache_dtype", pyStr(s.kvCacheDtype))
+	}
+	o.set("follow_bootstrap_room", s.followBootstrapRoom == nil || *s.followBootstrapRoom)
+	o.set("enable_dsa_cache_layer_split", s.enableDSA != nil && *s.enableDSA)
+	if s.dsv41SpecLayout != nil {
+		o.set("dsv41_spec_layout", s.dsv41SpecLayout)
+	}
+	if s.kvLayout != nil {
+		o.set("kv_layout", s.kvLayout)
+	}
+	o.set("decode_allocation_policy", s.decodeAllocationPolicy)
+	o.set("enable_kv_cache_sharding", s.enableSharding != nil && *s.enableSharding)
+	if s.prefillHTTPPort == nil {
+		o.set("prefill_http_port", nil)
+	} else {
+		o.set("prefill_http_port", *s.prefillHTTPPort)
+	}
+	for _, k := range []string{"target_tp_rank", "target_tp_ranks", "target_cp_ranks", "target_pp_ranks", "required_dst_info_num", "required_prefill_response_num"} {
+		o.set(k, nil)
+	}
+	return o
+}
+
+// pyObject is a JSON object that keeps its key order and is written the
+// way Python's json.dumps writes (", " and ": " separators).
+type pyObject struct {
+	keys []string
+	vals []any
+}
+
+func (o *pyObject) set(k string, v any) {
+	o.keys = append(o.keys, k)
+	o.vals = append(o.vals, v)
+}
+
+func (o pyObject) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for i, k := range o.keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		kb, _ := json.Marshal(k)
+		b.Write(kb)
+		b.WriteString(": ")
+		var vb bytes.Buffer
+		enc := json.NewEncoder(&vb)
+		enc.SetEscapeHTML(false)
+		if err := enc.Encode(o.vals[i]); err != nil {
+			return nil, err
+		}
+		b.Write(bytes.TrimSuffix(vb.Bytes(), []byte("\n")))
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
+}
+
+func writeText(w http.ResponseWriter, code int, text string) {
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.WriteHeader(code)
+	_, _ = w.Write([]byte(text))
+}
+
+func writeJSON(w http.ResponseWriter, o pyObject) {
+	b, err := o.MarshalJSON()
+	if err != nil {
+		writeText(w, http.StatusInternalServerError, internal("%v", err).text)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json; charset=utf-8")
+	_, _ = w.Write(b)
 }

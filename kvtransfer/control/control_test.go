@@ -237,7 +237,7 @@ func TestDecodeRejectsBadMemoryRequests(t *testing.T) {
 	short := EncodeRequest(&Request{Op: OpRegisterMemory, Kind: wire.MemCUDA, Handle: make([]byte, 10)})[4:]
 	kind := EncodeRequest(&Request{Op: OpRegisterMemory, Kind: 9})[4:]
 	// A Write that claims more triples than its bytes hold.
-	many := EncodeRequest(&Request{Op: OpWrite, Peer: "p", Triples: []Triple{{1, 2, 3}}})[4:]
+	many := EncodeRequest(&Request{Op: OpWrite, Peer: "p", Triples: []Triple{{Src: 1, Dst: 2, Len: 3}}})[4:]
 	binary.LittleEndian.PutUint32(many[9+4+1:], 1000)
 	huge := EncodeRequest(&Request{Op: OpWrite, Peer: "p"})[4:]
 	binary.LittleEndian.PutUint32(huge[9+4+1:], 1<<31)
@@ -258,7 +258,7 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Add(EncodeRequest(&Request{Op: OpRegisterMemory, Addr: 4096, Len: 4096})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpRegisterMemory, Kind: wire.MemCUDA, Handle: make([]byte, cudaHandleLen)})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpUnregisterMemory, Addr: 1})[4:])
-	f.Add(EncodeRequest(&Request{Op: OpWrite, Peer: "h:1", Triples: []Triple{{1, 2, 3}}})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpWrite, Peer: "h:1", Triples: []Triple{{Src: 1, Dst: 2, Len: 3}}})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpProbe, Peer: "h:1"})[4:])
 	f.Add(EncodeReply(&Reply{Op: OpHello, PeerAddr: "h:1", Transport: "tcp"})[4:])
 	f.Fuzz(func(t *testing.T, b []byte) {
