@@ -1,0 +1,261 @@
+// Package sidecar is kvproxy, the KV-transfer sidecar next to one engine,
+// as a value: Start brings up its transport, transfer engine, control
+// socket, bootstrap API (prefill) and /health and /metrics, and Close takes
+// them down in the order that keeps every page mapped until nothing can
+// move it. cmd/kvproxy only parses flags into a Config; tests run it in
+// process.
+//
+// The pool segment is allocated when the engine registers its pool over the
+// control socket, so a sidecar runs without one until then.
+package sidecar
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/bootstrap"
+	"github.com/pdrouter/pdrouter/kvtransfer/control"
+)
+
+// Config is one sidecar. Zero ports mean any free port; zero durations the
+// engine's defaults.
+type Config struct {
+	Role      string // prefill or decode
+	Transport string // see Transports
+	Control   string // Unix socket the engine connects to
+	Host      string // address to listen on and advertise to peers
+	// Prefill only: the bootstrap HTTP API and the peer protocol.
+	BootstrapPort, PeerPort int
+	MetricsPort             int // /health and /metrics
+	BootstrapTimeout        time.Duration
+	WaitingTimeout          time.Duration
+	Heartbeat               time.Duration
+	Logger                  *zap.Logger // nil: no logs
+}
+
+// Addrs is where a started sidecar listens; Peer and Bootstrap are empty on
+// a decode sidecar, which listens for neither.
+type Addrs struct {
+	Control   string
+	Metrics   string
+	Peer      string
+	Bootstrap string
+}
+
+// Sidecar is a running kvproxy.
+type Sidecar struct {
+	cfg      Config
+	addrs    Addrs
+	tr       kvtransfer.Transport
+	eng      *kvtransfer.Engine
+	ctl      *control.Server
+	resolver *bootstrap.Resolver // decode
+	servers  []*http.Server
+	cancel   context.CancelFunc // stops the control server
+	wg       sync.WaitGroup     // serving goroutines
+
+	stopped   chan struct{} // closed once, by the first of stop's callers
+	stopOnce  sync.Once
+	err       error // why it stopped by itself; set before stopped closes
+	closeOnce sync.Once
+}
+
+// Start brings a sidecar up; when it returns without error everything
+// listens and serves.
+func Start(cfg Config) (*Sidecar, error) {
+	if cfg.Role != "prefill" && cfg.Role != "decode" {
+		return nil, fmt.Errorf("role %q: want prefill or decode", cfg.Role)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	log := cfg.Logger.With(zap.String("role", cfg.Role))
+	tr, err := newTransport(cfg.Transport)
+	if err != nil {
+		return nil, err
+	}
+	s := &Sidecar{cfg: cfg, tr: tr, stopped: make(chan struct{})}
+	lns, err := s.listen()
+	if err != nil {
+		_ = tr.Close()
+		return nil, err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	ecfg := kvtransfer.Config{
+		Name: cfg.Role + "@" + cfg.Host, Transport: tr, Listener: lns.peer, Logger: log, Metrics: kvtransfer.NewMetrics(reg),
+		BootstrapTimeout: cfg.BootstrapTimeout, WaitingTimeout: cfg.WaitingTimeout, Heartbeat: cfg.Heartbeat,
+	}
+	var boot *bootstrap.Server
+	if cfg.Role == "prefill" {
+		boot = bootstrap.NewServer()
+	} else {
+		s.resolver = bootstrap.NewResolver(0, "")
+		// Its own connections, so Close leaves no idle ones behind.
+		s.resolver.Client.Transport = http.DefaultTransport.(*http.Transport).Clone()
+		ecfg.Resolve = s.resolver.Resolve
+	}
+	if s.eng, err = kvtransfer.New(ecfg); err != nil {
+		lns.close()
+		_ = tr.Close()
+		return nil, err
+	}
+	s.ctl = &control.Server{Engine: s.eng, Log: log}
+	if boot != nil {
+		peerPort := lns.peer.Addr().(*net.TCPAddr).Port
+		s.ctl.OnRegister = func(p *kvtransfer.Pool) {
+			boot.Register(bootstrap.RankInfo{
+				AttnTPSize: 1, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
+				RankIP: cfg.Host, RankPort: peerPort, PageSize: int(p.PageSize), KVCacheDtype: p.Dtype,
+				LoadBalanceMethod: "follow_bootstrap_room",
+			})
+		}
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/health", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintf(w, "OK rooms_active=%d peers=%d pool_registered=%t\n", s.eng.ActiveRooms(), s.eng.Peers(), s.eng.Pool() != nil)
+	})
+	s.addrs = Addrs{Control: cfg.Control, Metrics: lns.metrics.Addr().String()}
+	s.serve(&http.Server{Handler: mux}, lns.metrics)
+	if boot != nil {
+		s.addrs.Peer, s.addrs.Bootstrap = lns.peer.Addr().String(), lns.boot.Addr().String()
+		s.serve(&http.Server{Handler: boot}, lns.boot)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	s.wg.Add(2)
+	go func() {
+		defer s.wg.Done()
+		if err := s.ctl.Serve(ctx, lns.control); err != nil {
+			s.stop(fmt.Errorf("control socket: %w", err))
+		}
+	}()
+	go func() {
+		defer s.wg.Done()
+		select {
+		case <-ctx.Done():
+		case <-tr.Done():
+			// Every later transfer would fail: stop, so the deployment
+			// restarts us, rather than fail each room with the same error.
+			err := fmt.Errorf("transport %s stopped: %v", tr.Name(), tr.Err())
+			log.Error("transport failed, exiting", zap.Error(err))
+			s.stop(err)
+		}
+	}()
+	return s, nil
+}
+
+type listeners struct {
+	peer, boot, metrics net.Listener // peer and boot: prefill only
+	control             *net.UnixListener
+}
+
+func (s *Sidecar) listen() (*listeners, error) {
+	l := &listeners{}
+	tcp := func(port int) (net.Listener, error) {
+		return net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(port)))
+	}
+	var err error
+	if s.cfg.Role == "prefill" {
+		if l.peer, err = tcp(s.cfg.PeerPort); err == nil {
+			l.boot, err = tcp(s.cfg.BootstrapPort)
+		}
+	}
+	if err == nil {
+		l.metrics, err = tcp(s.cfg.MetricsPort)
+	}
+	if err == nil {
+		_ = os.Remove(s.cfg.Control) // a stale socket of an earlier run
+		l.control, err = net.ListenUnix("unix", &net.UnixAddr{Name: s.cfg.Control, Net: "unix"})
+	}
+	if err != nil {
+		l.close()
+		return nil, err
+	}
+	return l, nil
+}
+
+func (l *listeners) close() {
+	for _, ln := range []net.Listener{l.peer, l.boot, l.metrics} {
+		if ln != nil {
+			_ = ln.Close()
+		}
+	}
+	if l.control != nil {
+		_ = l.control.Close()
+	}
+}
+
+func (s *Sidecar) serve(srv *http.Server, ln net.Listener) {
+	s.servers = append(s.servers, srv)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			s.stop(fmt.Errorf("serve %s: %w", ln.Addr(), err))
+		}
+	}()
+}
+
+// stop records why the sidecar stopped by itself; the first reason wins.
+func (s *Sidecar) stop(err error) {
+	s.stopOnce.Do(func() {
+		s.err = err
+		close(s.stopped)
+	})
+}
+
+// Addrs is where it listens.
+func (s *Sidecar) Addrs() Addrs { return s.addrs }
+
+// TransportName is the transport's own name.
+func (s *Sidecar) TransportName() string { return s.tr.Name() }
+
+// Engine is its transfer engine.
+func (s *Sidecar) Engine() *kvtransfer.Engine { return s.eng }
+
+// Done is closed when the sidecar stopped by itself (its transport broke or
+// a server failed); Close then says why.
+func (s *Sidecar) Done() <-chan struct{} { return s.stopped }
+
+// Close shuts down: the control socket and the HTTP servers first (the
+// engine's connections close, so their rooms are aborted), then the
+// transfer engine (no page moves any more), then the transport (pages
+// unregistered), and only then is the pool segment unmapped. It returns
+// why the sidecar stopped by itself, if it did.
+func (s *Sidecar) Close() error {
+	s.closeOnce.Do(func() {
+		s.cancel()
+		for _, srv := range s.servers {
+			_ = srv.Close()
+		}
+		s.wg.Wait()
+		_ = s.eng.Close()
+		_ = s.tr.Close()
+		_ = s.ctl.Close()
+		if s.resolver != nil {
+			s.resolver.Client.CloseIdleConnections()
+		}
+		_ = os.Remove(s.cfg.Control)
+	})
+	select {
+	case <-s.stopped:
+		return s.err
+	default:
+		return nil
+	}
+}

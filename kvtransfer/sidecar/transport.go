@@ -1,0 +1,30 @@
+package sidecar
+
+import (
+	"fmt"
+
+	"github.com/pdrouter/pdrouter/kvtransfer"
+)
+
+// Transports names the transports this build offers: tcp, and ucx in cgo
+// builds (it needs libucp).
+func Transports() []string {
+	if ucxBuilt {
+		return []string{"tcp", "ucx"}
+	}
+	return []string{"tcp"}
+}
+
+func newTransport(name string) (kvtransfer.Transport, error) {
+	switch {
+	case name == "tcp":
+		return &kvtransfer.TCP{}, nil
+	case name == "ucx" && ucxBuilt:
+		tr, err := newUCX()
+		if err != nil {
+			return nil, fmt.Errorf("transport ucx: %w", err)
+		}
+		return tr, nil
+	}
+	return nil, fmt.Errorf("transport %q not available in this build", name)
+}
