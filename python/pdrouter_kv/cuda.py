@@ -9,9 +9,11 @@ pointer's offset in it (what torch.multiprocessing does with _share_cuda_).
     from pdrouter_kv import cuda
     if cuda.is_cuda_pointer(ptr):
         r = cuda.ipc_region(ptr)   # r.handle (64 bytes), r.base, r.offset, r.size, r.device
+        body = cuda.register_body(ptr, length)  # kvproxy's OpRegisterMemory body, kind cuda
 """
 
 import ctypes
+import struct
 import threading
 from collections import namedtuple
 
@@ -142,4 +144,19 @@ def ipc_region(ptr):
     finally:
         popped = ctypes.c_void_p()
         lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
-    return IpcRegion(bytes(h.reserved), base.value, size.value, ptr - base.value, dev.value)
+    return IpcRegion(ctypes.string_at(ctypes.addressof(h), HANDLE_SIZE), base.value, size.value,
+                     ptr - base.value, dev.value)
+
+
+_KIND_CUDA = 1
+
+
+def register_body(ptr, length):
+    """The body of kvproxy's OpRegisterMemory for device memory [ptr, ptr+length):
+    kind, address, length, the allocation's IPC handle and ptr's offset in it."""
+    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+        raise ValueError("bad length %r" % (length,))
+    r = ipc_region(ptr)
+    if r.offset + length > r.size:
+        raise ValueError("[%#x,+%d) runs past its CUDA allocation [%#x,+%d)" % (ptr, length, r.base, r.size))
+    return struct.pack("<BQQI", _KIND_CUDA, ptr, length, HANDLE_SIZE) + r.handle + struct.pack("<Q", r.offset)

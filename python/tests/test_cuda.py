@@ -23,9 +23,10 @@ class CudaPointerTest(unittest.TestCase):
     def test_without_driver_ipc_region_says_so(self):
         if cuda.available():
             self.skipTest("a CUDA driver is present: covered by the GPU test")
-        with self.assertRaises(cuda.CudaUnavailable) as cm:
-            cuda.ipc_region(0x1000)
-        self.assertIn("CUDA", str(cm.exception))
+        for call in (lambda: cuda.ipc_region(0x1000), lambda: cuda.register_body(0x1000, 16)):
+            with self.assertRaises(cuda.CudaUnavailable) as cm:
+                call()
+            self.assertIn("CUDA", str(cm.exception))
 
     @unittest.skipUnless(HAVE_GPU, "GPU-only")
     def test_torch_tensor_region_matches_torch_ipc(self):
@@ -37,13 +38,23 @@ class CudaPointerTest(unittest.TestCase):
         st = view.untyped_storage()
         # torch's own IPC view: (device, handle, size, offset in the allocation, ...)
         shared = st._share_cuda_()
-        self.assertEqual(r.handle, shared[1])
+        # torch prefixes the cudaIpcMemHandle with its own type bytes.
+        self.assertEqual(len(r.handle), cuda.HANDLE_SIZE)
+        self.assertTrue(shared[1].endswith(r.handle), (shared[1], r.handle))
         self.assertEqual(r.offset, ptr - r.base)
         self.assertEqual(r.base + shared[3], st.data_ptr())
         self.assertEqual(r.device, torch.cuda.current_device())
         self.assertGreaterEqual(r.size, r.offset + view.numel())
         with self.assertRaises(ValueError):
             cuda.ipc_region(ctypes.addressof(ctypes.create_string_buffer(64)))
+        body = cuda.register_body(ptr, 4096)
+        self.assertEqual(len(body), 1 + 8 + 8 + 4 + cuda.HANDLE_SIZE + 8)
+        self.assertEqual(body[0], 1)
+        self.assertEqual(int.from_bytes(body[1:9], "little"), ptr)
+        self.assertEqual(body[21:21 + cuda.HANDLE_SIZE], r.handle)
+        self.assertEqual(int.from_bytes(body[-8:], "little"), r.offset)
+        with self.assertRaises(ValueError):
+            cuda.register_body(ptr, r.size)  # past the allocation
 
 
 if __name__ == "__main__":
