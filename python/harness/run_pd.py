@@ -35,13 +35,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def make_plan(n, lo, hi, seed, fixed=None):
+def make_plan(n, lo, hi, seed, sizes=""):
+    """n prompt lengths log-uniform in [lo, hi], or sizes "128x20,4096x5" in that order."""
     rng = random.Random(seed)
-    plan = []
-    for i in range(n):
-        tokens = fixed if fixed else int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-        plan.append(dict(room=seed * 100000 + i + 1, tokens=tokens))
-    return plan
+    if sizes:
+        lengths = [int(t) for part in sizes.split(",") for t in [part.split("x")[0]] * int(part.split("x")[1])]
+    else:
+        lengths = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n)]
+    return [dict(room=seed * 100000 + i + 1, tokens=t) for i, t in enumerate(lengths)]
 
 
 class Proc:
@@ -159,7 +160,9 @@ def main():
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--fixed-tokens", type=int, default=0)
+    p.add_argument("--sizes", default="", help='fixed plan, e.g. "128x20,32768x3" (overrides --requests)')
+    p.add_argument("--fill", choices=["full", "sample"], default="full")
+    p.add_argument("--out", help="write the summary JSON here too")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=1)
@@ -173,7 +176,8 @@ def main():
 
     work = a.workdir or tempfile.mkdtemp(prefix="sglang-pd-")
     os.makedirs(work, exist_ok=True)
-    plan = make_plan(a.requests, a.min_tokens, a.max_tokens, a.seed, a.fixed_tokens or None)
+    plan = make_plan(a.requests, a.min_tokens, a.max_tokens, a.seed, a.sizes)
+    a.requests = len(plan)
     plan_path = os.path.join(work, "plan.json")
     with open(plan_path, "w") as f:
         json.dump(plan, f)
@@ -214,7 +218,8 @@ def main():
                     "--sglang-bootstrap", "1" if a.bootstrap == "sglang" else "0",
                     "--layers", str(a.layers), "--kv-heads", str(a.kv_heads), "--head-dim", str(a.head_dim),
                     "--pool-tokens", str(pool_tokens), "--concurrency", str(a.concurrency),
-                    "--chunk-tokens", str(a.chunk_tokens), "--request-timeout", str(a.bound * 2), "--linger", "1"]
+                    "--chunk-tokens", str(a.chunk_tokens), "--request-timeout", str(a.bound * 2), "--linger", "1",
+                    "--fill", a.fill]
             if a.scenario == "abort":
                 argv += ["--abort-room", str(plan[len(plan) // 2]["room"])]
             sides[role] = Proc(role, argv, e, log_path=os.path.join(work, role + ".log"))
@@ -272,7 +277,7 @@ def main():
             bpt = summary["bytes_per_token"]
             moved = sum(x["tokens"] for x in ok) * bpt
             summary["bytes_moved"] = moved
-            summary["per_request"] = [dict(tokens=x["tokens"], transfer_s=round(x["transfer_s"], 6), wall_s=round(x["wall_s"], 6)) for x in ok]
+            summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges")} for x in ok]
         # Engines exit; kvproxy must drop what they registered.
         for role in survivors:
             sides[role].send("exit")
@@ -293,6 +298,10 @@ def main():
             pr.stop()
     summary["failures"] = failures
     summary["ok"] = not failures
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(summary, f)
+    summary.pop("per_request", None)
     print(json.dumps(summary), flush=True)
     sys.exit(0 if not failures else 1)
 

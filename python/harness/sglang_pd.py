@@ -100,6 +100,27 @@ class Side:
             for t in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer]):
                 self.bufs.append(t.view(torch.int16).reshape(-1, PAGE_SIZE * a.kv_heads * a.head_dim))
         self.bytes_per_page = sum(self.kv_args.kv_item_lens)
+        self._count_engine_calls()
+
+    def _count_engine_calls(self):
+        """Times every batch_transfer_sync SGLang makes (its wrapper of the engine)."""
+        te = self.mgr.engine
+        inner = te.batch_transfer_sync
+        self.calls = [0, 0.0, 0, 0]  # calls, seconds, bytes, ranges
+        lock = threading.Lock()
+
+        def timed(session_id, srcs, dsts, lens):
+            t = time.perf_counter()
+            ret = inner(session_id, srcs, dsts, lens)
+            dt = time.perf_counter() - t
+            with lock:
+                self.calls[0] += 1
+                self.calls[1] += dt
+                self.calls[2] += sum(lens)
+                self.calls[3] += len(lens)
+            return ret
+
+        te.batch_transfer_sync = timed
 
     def alloc(self, n):
         with self.lock:
@@ -114,9 +135,10 @@ class Side:
             self.free_aux.append(aux)
 
     def pattern(self, room, pages_count):
-        """[buffers, pages, row] int16 pattern for one request, the same on both sides."""
+        """[buffers, pages, row] int16 pattern for one request, the same on both sides
+        (row: a whole page, or its first 32 values with --fill sample)."""
         torch = self.torch
-        row = self.bufs[0].shape[1]
+        row = self.bufs[0].shape[1] if self.a.fill == "full" else 32
         g = torch.Generator().manual_seed(room & 0x7FFFFFFF)
         base = torch.randint(-32768, 32767, (len(self.bufs), 1, row), generator=g, dtype=torch.int16)
         page_ids = torch.arange(pages_count, dtype=torch.int16).view(1, -1, 1)
@@ -126,21 +148,21 @@ class Side:
         idx = self.torch.tensor(pages)
         pat = self.pattern(room, len(pages))
         for b, buf in enumerate(self.bufs):
-            buf[idx] = pat[b]
+            buf[idx, :pat.shape[2]] = pat[b]
 
     def check(self, room, pages):
         idx = self.torch.tensor(pages)
         pat = self.pattern(room, len(pages))
         bad = 0
         for b, buf in enumerate(self.bufs):
-            got = buf[idx]
+            got = buf[idx, :pat.shape[2]]
             bad += int((got != pat[b]).any(dim=1).sum())
         return bad
 
     def clear(self, pages):
         idx = self.torch.tensor(pages)
         for buf in self.bufs:
-            buf[idx] = 0
+            buf[idx, :32 if self.a.fill == "sample" else buf.shape[1]] = 0
 
 
 def run_prefill(side, plan, a, res):
@@ -163,7 +185,7 @@ def run_prefill(side, plan, a, res):
             pending.pop(0)
             s = MooncakeKVSender(side.mgr, boot, r["room"])
             s.init(npages, aux)
-            live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False)
+            live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False, calls0=list(side.calls))
         for room, st in list(live.items()):
             s = st["s"]
             p = s.poll()
@@ -188,8 +210,10 @@ def run_prefill(side, plan, a, res):
                         s.failure_exception()
                     except Exception as e:  # SGLang raises KVTransferError by design
                         reason = str(e)
+                c = [x - y for x, y in zip(side.calls, st["calls0"])]
                 res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason,
-                                transfer_s=now - st.get("t_send", now), wall_s=now - st["t0"]))
+                                transfer_s=now - st.get("t_send", now), wall_s=now - st["t0"],
+                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3]))
                 side.free(st["pages"], st["aux"])
                 del live[room]
         time.sleep(0.0005)
@@ -297,6 +321,7 @@ def main():
     p.add_argument("--request-timeout", type=float, default=60)
     p.add_argument("--abort-room", type=int, default=-1)
     p.add_argument("--linger", type=int, default=0)
+    p.add_argument("--fill", choices=["full", "sample"], default="full")
     worker(p.parse_args())
 
 

@@ -7,9 +7,11 @@ any number of threads may call at once.
 """
 
 import array
+import itertools
 import os
 import socket
 import struct
+import sys
 import threading
 
 from . import cuda, remap
@@ -29,7 +31,6 @@ MAX_TRIPLES = (MAX_FRAME - 4096) // 24
 
 _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<IBQ")
-_TRIPLE = struct.Struct("<QQQ")
 
 
 class KVProxyError(Exception):
@@ -153,12 +154,13 @@ class Client:
             raise ValueError("write: %d sources, %d destinations, %d lengths" % (n, len(dsts), len(lens)))
         if n > MAX_TRIPLES:
             raise ValueError("write: %d ranges in one call, at most %d" % (n, MAX_TRIPLES))
-        parts = [_string(peer), _U32.pack(n)]
         try:
-            parts.extend(_TRIPLE.pack(s, d, l) for s, d, l in zip(srcs, dsts, lens))
-        except struct.error as e:
+            triples = array.array("Q", itertools.chain.from_iterable(zip(srcs, dsts, lens)))
+        except (OverflowError, TypeError) as e:
             raise ValueError("write: addresses and lengths must be unsigned 64-bit ints: %s" % e) from None
-        self._call(OP_WRITE, b"".join(parts), timeout=timeout)
+        if sys.byteorder != "little":
+            triples.byteswap()
+        self._call(OP_WRITE, _string(peer) + _U32.pack(n) + triples.tobytes(), timeout=timeout)
 
     def probe(self, peer):
         self._call(OP_PROBE, _string(peer))

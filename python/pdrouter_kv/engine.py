@@ -12,6 +12,7 @@ kvproxy's control socket: $PDROUTER_KVPROXY_SOCK (default /tmp/kvproxy.sock).
 import logging
 import os
 import threading
+import time
 
 from . import control, cuda, remap
 
@@ -56,19 +57,28 @@ def _overlapping(ranges):
 
 
 class TransferEngine:
-    """mooncake.engine.TransferEngine over kvproxy."""
+    """mooncake.engine.TransferEngine over kvproxy.
+
+    If kvproxy goes away, calls fail (negative) and the next call after it
+    is back on the same socket reconnects and registers everything again;
+    give kvproxy a fixed --peer-port so the session id peers hold stays right.
+    """
+
+    RECONNECT_INTERVAL = 0.5
 
     def __init__(self):
         self._client = None
+        self._initialized = False
+        self._last_dial = 0.0
         self._peer_addr = None
         self.transport = None
-        self._lock = threading.Lock()
-        # Registered engine ranges (ptr -> length) and the page-aligned
-        # segments kvproxy holds (start -> size); several ranges may share
-        # one segment (small buffers on the same page).
+        self._lock = threading.RLock()
+        # Registered engine ranges (ptr -> length); the page-aligned
+        # segments kvproxy holds (start -> (size, memfd kept for
+        # re-registering)), several ranges may share one segment (small
+        # buffers on the same page); device ranges (ptr -> length).
         self._ranges = {}
         self._segments = {}
-        # Device ranges, registered as they are (ptr -> length).
         self._cuda = {}
 
     # Set-up.
@@ -79,16 +89,51 @@ class TransferEngine:
         for name, v in (("local_hostname", local_hostname), ("metadata_server", metadata_server), ("protocol", protocol), ("device_name", device_name)):
             if not isinstance(v, str):
                 raise TypeError("initialize: %s: want str, got %s" % (name, type(v).__name__))
-        if self._client is not None:
-            return 0
+        with self._lock:
+            if self._initialized:
+                return 0
+            if self._dial() is None:
+                return -1
+            self._initialized = True
+        return 0
+
+    def _dial(self):
+        self._last_dial = time.monotonic()
         try:
             client = control.Client(timeout=float(os.environ.get("PDROUTER_KVPROXY_TIMEOUT", "30")))
+        except OSError as e:
+            logger.error("TransferEngine: %s", e)
+            return None
+        try:
             self._peer_addr, self.transport = client.hello()
-        except (OSError, control.KVProxyError) as e:
-            logger.error("TransferEngine.initialize: %s", e)
-            return -1
+            for start, (size, fd) in self._segments.items():
+                client.register_memory(start, size, fd)
+            for p, n in self._cuda.items():
+                client.register_cuda_memory(p, n)
+        except (OSError, control.KVProxyError, cuda.CudaError) as e:
+            logger.error("TransferEngine: kvproxy at %s: %s", client.sock_path, e)
+            client.close()
+            return None
         self._client = client
-        return 0
+        return client
+
+    def _conn(self):
+        """The live control connection, re-dialled (rate-limited) after kvproxy went away."""
+        client = self._client
+        if client is not None or not self._initialized:
+            return client
+        with self._lock:
+            if self._client is None and time.monotonic() - self._last_dial >= self.RECONNECT_INTERVAL:
+                if self._dial() is not None:
+                    logger.warning("TransferEngine: reconnected to kvproxy, %d regions registered again", len(self._segments) + len(self._cuda))
+            return self._client
+
+    def _lost(self, client, err):
+        if isinstance(err, control.ControlClosed):
+            with self._lock:
+                if self._client is client:
+                    self._client = None
+            client.close()
 
     def get_rpc_port(self):
         if self._peer_addr is None:
@@ -102,6 +147,9 @@ class TransferEngine:
         """Drops the control connection; kvproxy unregisters everything with it."""
         with self._lock:
             client, self._client = self._client, None
+            self._initialized = False
+            for _, fd in self._segments.values():
+                os.close(fd)
             self._ranges.clear()
             self._segments.clear()
             self._cuda.clear()
@@ -118,7 +166,7 @@ class TransferEngine:
         lens = _ints("capacities", capacities)
         if len(ptrs) != len(lens):
             raise ValueError("batch_register_memory: %d addresses, %d capacities" % (len(ptrs), len(lens)))
-        client = self._client
+        client = self._conn()
         if client is None:
             return ERR_NOT_INITIALIZED
         try:
@@ -139,6 +187,7 @@ class TransferEngine:
                         self._cuda[p] = n
             except (OSError, ValueError, control.KVProxyError, cuda.CudaError) as e:
                 logger.error("batch_register_memory: %s", e)
+                self._lost(client, e)
                 return -1
             for p, n, g in zip(ptrs, lens, on_gpu):
                 if not g:
@@ -148,46 +197,57 @@ class TransferEngine:
     def _register_spans(self, client, spans):
         # A new span overlapping registered segments replaces them by their
         # union (remapping a page twice would detach it from the first memfd).
-        merged = remap.merge_spans(spans + list(self._segments.items()))
+        merged = remap.merge_spans(spans + [(s, n) for s, (n, _) in self._segments.items()])
         for start, size in merged:
-            if self._segments.get(start) == size:
+            if start in self._segments and self._segments[start][0] == size:
                 continue
-            for s in [s for s, n in self._segments.items() if s < start + size and start < s + n]:
+            for s in [s for s, (n, _) in self._segments.items() if s < start + size and start < s + n]:
                 client.unregister_memory(s)
-                del self._segments[s]
-            client.register_host_memory(start, size)
-            self._segments[start] = size
+                os.close(self._segments.pop(s)[1])
+            fd = remap.remap(start, size)
+            try:
+                client.register_memory(start, size, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._segments[start] = (size, fd)
 
     def unregister_memory(self, buffer_addr):
         return self.batch_unregister_memory([buffer_addr])
 
     def batch_unregister_memory(self, buffer_addresses):
         ptrs = _ints("buffer_addresses", buffer_addresses)
-        client = self._client
-        if client is None:
+        if not self._initialized:
             return ERR_NOT_INITIALIZED
+        client = self._conn()
         ret = 0
+
+        def unregister(addr):
+            nonlocal ret, client
+            if client is None:
+                return  # kvproxy is gone, and with it what we had registered
+            try:
+                client.unregister_memory(addr)
+            except (OSError, control.KVProxyError) as e:
+                logger.error("unregister_memory: %s", e)
+                self._lost(client, e)
+                client = None
+                ret = -1
+
         with self._lock:
             for p in ptrs:
                 if self._cuda.pop(p, None) is not None:
-                    try:
-                        client.unregister_memory(p)
-                    except (OSError, control.KVProxyError) as e:
-                        logger.error("unregister_memory: %s", e)
-                        ret = -1
+                    unregister(p)
                 elif self._ranges.pop(p, None) is None:
                     logger.error("unregister_memory: %#x is not registered", p)
                     ret = ERR_ADDRESS_NOT_REGISTERED
             live = [remap.page_span(p, n) for p, n in self._ranges.items()]
-            for start, size in list(self._segments.items()):
+            for start, (size, fd) in list(self._segments.items()):
                 if any(s < start + size and start < s + n for s, n in live):
                     continue
-                try:
-                    client.unregister_memory(start)
-                except (OSError, control.KVProxyError) as e:
-                    logger.error("unregister_memory: %s", e)
-                    ret = -1
+                unregister(start)
                 del self._segments[start]
+                os.close(fd)
         return ret
 
     # Transfers.
@@ -204,38 +264,32 @@ class TransferEngine:
         lens = _ints("lengths", lengths)
         if not len(srcs) == len(dsts) == len(lens):
             raise ValueError("batch_transfer_sync_write: %d buffers, %d peer addresses, %d lengths" % (len(srcs), len(dsts), len(lens)))
-        client = self._client
+        client = self._conn()
         if client is None:
             return ERR_NOT_INITIALIZED
         if not srcs:
             return 0
-        if not self._local_ok(srcs, lens):
-            return ERR_TRANSFER
+        # kvproxy checks both ends against the registrations: an address
+        # outside them fails the call and nothing moves.
         try:
             for i in range(0, len(srcs), control.MAX_TRIPLES):
                 j = i + control.MAX_TRIPLES
                 client.write(peer, srcs[i:j], dsts[i:j], lens[i:j])
         except (OSError, ValueError, control.KVProxyError) as e:
             logger.warning("batch_transfer_sync_write to %s: %s", peer, e)
+            self._lost(client, e)
             return ERR_TRANSFER
         return 0
 
-    def _local_ok(self, srcs, lens):
-        segs = list(self._segments.items()) + list(self._cuda.items())
-        for s, n in zip(srcs, lens):
-            if n < 0 or not any(start <= s and s + n <= start + size for start, size in segs):
-                logger.warning("batch_transfer_sync_write: source [%#x,+%d) is not registered memory", s, n)
-                return False
-        return True
-
     def send_probe(self, target_hostname):
         peer = _session(target_hostname)
-        client = self._client
+        client = self._conn()
         if client is None:
             return ERR_NOT_INITIALIZED
         try:
             client.probe(peer)
         except (OSError, control.KVProxyError) as e:
             logger.info("send_probe %s: %s", peer, e)
+            self._lost(client, e)
             return ERR_SOCKET
         return 0

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Makes (once) and prints the path of a cached venv holding SGLang 0.5.23's
+# KV-transfer code with its import-time deps, pdrouter's python/ package, and
+# Mooncake's real TransferEngine in a folder of its own (selected per process
+# with PYTHONPATH). Keyed by a hash of the pinned requirements and python/, so
+# a second run only re-installs python/ when it changed.
+#   prints: VENV=<dir> MOONCAKE=<dir>
+set -euo pipefail
+cd "$(dirname "$0")/.."
+req=python/harness/requirements-sglang.txt
+mooncake_req="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+py=${PYTHON:-python3}
+key=$( (cat "$req"; echo "$mooncake_req"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+root=${PDROUTER_VENV_CACHE:-$HOME/.cache/pdrouter-venv}/$key
+venv=$root/venv
+if [ ! -e "$root/.complete" ]; then
+	echo "sglang-venv: installing into $root (first run: about 5 minutes, ~6 GB with torch's CUDA wheels)" >&2
+	rm -rf "$root"
+	mkdir -p "$root"
+	$py -m venv "$venv"
+	"$venv/bin/pip" install -q --no-deps -r "$req" >&2
+	"$venv/bin/pip" install -q --no-deps --target "$root/mooncake" "$mooncake_req" >&2
+	touch "$root/.complete"
+fi
+# python/ changes with the tree: install it when its hash moved.
+pkg=$(find python/pdrouter_kv python/mooncake python/pyproject.toml -type f -name '*.py' -o -name pyproject.toml | sort | xargs cat | sha256sum | cut -c1-16)
+if [ "$(cat "$root/.pkg" 2>/dev/null)" != "$pkg" ]; then
+	"$venv/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall ./python >&2
+	echo "$pkg" > "$root/.pkg"
+fi
+echo "VENV=$venv MOONCAKE=$root/mooncake"
