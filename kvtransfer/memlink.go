@@ -391,6 +391,9 @@ func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error
 	if err != nil {
 		return err
 	}
+	if p.gpu.holds(ts) {
+		return p.gpu.write(ctx, p, l, ts)
+	}
 	runs, srcs, err := p.resolve(ctx, l, ts)
 	for _, r := range srcs {
 		defer r.use.RUnlock()

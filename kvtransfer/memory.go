@@ -80,6 +80,8 @@ type MemoryPlane struct {
 	closed     bool
 
 	bmu sync.Mutex // orders region-table pushes
+
+	gpu gpuPlane // GPU regions (gpu.go)
 }
 
 // memRegion is one registered region.
@@ -170,7 +172,8 @@ func (p *MemoryPlane) Regions() int {
 }
 
 // Mappings counts the engine-memory mappings this process holds: the
-// registered regions and dropped ones still in their grace period.
+// registered regions and dropped ones still in their grace period (which
+// outlives Close: see quarantineGrace).
 func (p *MemoryPlane) Mappings() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -210,13 +213,10 @@ func (p *MemoryPlane) Close() error {
 	for _, r := range regions {
 		err = errors.Join(err, p.drop(r, false))
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, q := range p.quarantine {
-		err = errors.Join(err, unmap(q.mem))
-	}
-	p.quarantine = nil
-	return err
+	// Quarantined mappings stay until their grace ends: the transport
+	// still runs and a peer's put may still arrive. A process exiting
+	// after Close frees them.
+	return errors.Join(err, p.sweepQuarantine(time.Now()), p.gpu.close(p))
 }
 
 // MemorySession is one engine connection's view: what it registers is
@@ -246,7 +246,7 @@ func (s *MemorySession) Close() error {
 		}
 	}
 	p.mu.Unlock()
-	var err error
+	err := p.gpu.dropSession(p, s, true)
 	for _, r := range mine {
 		err = errors.Join(err, p.drop(r, true))
 	}
@@ -333,6 +333,9 @@ func (s *MemorySession) Unregister(addr uint64) error {
 	r := p.findLocked(addr, 1)
 	p.mu.Unlock()
 	if r == nil || r.owner != s {
+		if ok, err := p.gpu.unregister(p, s, addr); ok {
+			return err
+		}
 		return fmt.Errorf("unregister memory: %#x: %w", addr, ErrNotRegistered)
 	}
 	return p.drop(r, true)
@@ -451,8 +454,18 @@ func (p *MemoryPlane) quarantineMapping(mem []byte) error {
 		return errors.Join(fmt.Errorf("quarantine mapping: %w", err), unmap(mem))
 	}
 	now := time.Now()
+	err = p.sweepQuarantine(now)
+	p.mu.Lock()
+	p.quarantine = append(p.quarantine, quarantined{mem: mem, until: now.Add(quarantineGrace)})
+	p.mu.Unlock()
+	return err
+}
+
+// sweepQuarantine unmaps quarantined mappings whose grace ended by now.
+func (p *MemoryPlane) sweepQuarantine(now time.Time) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	var err error
 	keep := p.quarantine[:0]
 	for _, q := range p.quarantine {
 		if now.Before(q.until) {
@@ -462,7 +475,7 @@ func (p *MemoryPlane) quarantineMapping(mem []byte) error {
 		}
 	}
 	clear(p.quarantine[len(keep):])
-	p.quarantine = append(keep, quarantined{mem: mem, until: now.Add(quarantineGrace)})
+	p.quarantine = keep
 	return err
 }
 
@@ -482,7 +495,7 @@ func (p *MemoryPlane) table() []wire.MemRegion {
 		t[i] = wire.MemRegion{ID: r.id, Kind: r.kind, Base: r.base, Len: uint64(len(r.mem)),
 			Addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(r.mem)))), RKey: r.reg.RKey()}
 	}
-	return t
+	return append(t, p.gpu.table()...)
 }
 
 // pushTable sends the current table to every linked peer, so none keeps

@@ -308,7 +308,7 @@ func TestMemoryDeadPeerBounded(t *testing.T) {
 	}
 	stopPeer()
 	if a.p.Links() != 0 {
-		t.Fatalf("%d links left after the silent peer failed", a.p.Links())
+		t.Fatalf("%d links left after the silent peer failed (%v)", a.p.Links(), err)
 	}
 
 	b := newMemSide(t, "tcp", timeout)
@@ -364,7 +364,7 @@ func silentMemPeer(t *testing.T, drain bool) (addr string, stop func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan struct{})
+	quit, done := make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
 		nc, err := ln.Accept()
@@ -385,8 +385,7 @@ func silentMemPeer(t *testing.T, drain bool) (addr string, stop func()) {
 				_ = c.DiscardData()
 			}
 		}
-		buf := make([]byte, 1)
-		_, _ = nc.Read(buf) // until the link is closed
+		<-quit
 	}()
-	return ln.Addr().String(), func() { ln.Close(); <-done }
+	return ln.Addr().String(), func() { close(quit); ln.Close(); <-done }
 }

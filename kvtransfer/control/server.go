@@ -264,7 +264,11 @@ func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
 	case OpHello:
 		r.PeerAddr, r.Transport = c.s.Memory.PeerAddr(), c.s.Memory.TransportName()
 	case OpRegisterMemory:
-		err = c.mem.Register(req.Kind, req.Addr, req.Len, fd)
+		if req.Kind == wire.MemCUDA {
+			err = c.mem.RegisterCUDA(req.Addr, req.Len, req.Handle, req.HandleOffset)
+		} else {
+			err = c.mem.Register(req.Kind, req.Addr, req.Len, fd)
+		}
 	case OpUnregisterMemory:
 		err = c.mem.Unregister(req.Addr)
 	case OpWrite:
