@@ -59,11 +59,6 @@ func (s *Server) admin(ctx *fasthttp.RequestCtx, path, method string) bool {
 	return true
 }
 
-// adminError is the worker API's error shape: {"error","code"}.
-func adminError(ctx *fasthttp.RequestCtx, status int, code, msg string) {
-	writeJSON(ctx, status, map[string]string{"error": msg, "code": code})
-}
-
 func (s *Server) listWorkers(ctx *fasthttp.RequestCtx) {
 	infos := s.manager.List()
 	stats := map[string]int{"prefill_count": 0, "decode_count": 0, "regular_count": 0}

@@ -1,12 +1,32 @@
 package router
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 
 	"github.com/valyala/fasthttp"
 )
+
+// Why a request's or an attempt's scope ended, besides context.Canceled
+// (the last reference released, or hard shutdown).
+var (
+	// errClientGone cancels upstream legs when the client disconnects.
+	errClientGone = errors.New("client disconnected")
+	// errRequestTimeout ends a request at --request-timeout-secs; it is a
+	// context.DeadlineExceeded so callers can tell a timeout from a failure.
+	errRequestTimeout = fmt.Errorf("request timed out: %w", context.DeadlineExceeded)
+	// errPrefillFailed ends a PD attempt whose prefill leg failed.
+	errPrefillFailed = errors.New("prefill leg failed")
+	// errAttemptOver ends a PD attempt that is abandoned for another reason.
+	errAttemptOver = errors.New("attempt abandoned")
+)
+
+// errUpstreamClosed is a keep-alive connection the worker had closed.
+var errUpstreamClosed = errors.New("worker closed the connection")
 
 // apiError is a router-made error in sglang-router 0.3.x's OpenAI-style shape.
 type apiError struct {
@@ -43,6 +63,14 @@ func (e *apiError) sseFrame() []byte {
 	return append(b, "\n\n"...)
 }
 
+// forStream renders an error as an SSE frame when the client asked for a stream.
+func (e *apiError) forStream(stream bool) *apiError {
+	if stream {
+		e.sse = true
+	}
+	return e
+}
+
 // errorType is the OpenAI "type": invalid_request_error for client faults,
 // the canonical reason phrase otherwise (as sglang-router does).
 func errorType(status int) string {
@@ -62,6 +90,26 @@ func writeError(ctx *fasthttp.RequestCtx, e *apiError) {
 	ctx.SetContentType("application/json")
 	ctx.Response.Header.Set("X-SMG-Error-Code", e.Code)
 	ctx.SetBody(e.body())
+}
+
+// write sends a failure to the client: a router-made JSON error, an SSE
+// error frame for streams, or an upstream reply passed through.
+func (e *apiError) write(ctx *fasthttp.RequestCtx) {
+	switch {
+	case e.raw != nil:
+		ctx.SetStatusCode(e.Status)
+		if e.rawType != "" {
+			ctx.SetContentType(e.rawType)
+		}
+		ctx.SetBody(e.raw)
+	case e.sse:
+		ctx.SetStatusCode(e.Status)
+		ctx.SetContentType("text/event-stream")
+		ctx.Response.Header.Set("X-SMG-Error-Code", e.Code)
+		ctx.SetBody(e.sseFrame())
+	default:
+		writeError(ctx, e)
+	}
 }
 
 func badRequest(msg string) *apiError {
@@ -116,4 +164,29 @@ func upstreamMessage(body []byte) string {
 		}
 	}
 	return string(body)
+}
+
+// selectionError is the 503 for an empty or unavailable pool.
+func selectionError(side string, total int) *apiError {
+	msg := "No available " + side + " workers (all circuits open or unhealthy)"
+	if total == 0 {
+		msg = "No " + side + " workers available. Please check if " + side + " servers are configured and healthy."
+	}
+	return &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + msg}
+}
+
+// adminError is the worker API's error shape: {"error","code"}.
+func adminError(ctx *fasthttp.RequestCtx, status int, code, msg string) {
+	writeJSON(ctx, status, map[string]string{"error": msg, "code": code})
+}
+
+// transportError answers what fasthttp could not read as a request.
+func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
+	s.setRequestID(ctx)
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
+		writeError(ctx, &apiError{Status: 413, Code: "payload_too_large",
+			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.MaxPayloadSize)})
+		return
+	}
+	writeError(ctx, &apiError{Status: 400, Code: "bad_request", Message: err.Error()})
 }

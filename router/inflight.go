@@ -35,6 +35,14 @@ type inflight struct {
 	done      chan struct{}
 }
 
+// tracking is what the tracker keeps in each request, under its lock.
+type tracking struct {
+	watch     *connWatcher  // started once the request is watchDelay old
+	responded bool          // the response is complete: no watch may start
+	released  bool          // the last reference is gone
+	long      *list.Element // its place in the long list, if there
+}
+
 const (
 	sweepTick = time.Millisecond
 	// sweepIdleTicks of nothing in flight put the sweeper to sleep; under
@@ -74,8 +82,8 @@ func (f *inflight) add(r *request) {
 // returns the watch to stop if one was started.
 func (f *inflight) finished(r *request) *connWatcher {
 	f.mu.Lock()
-	r.responded = true
-	w := r.watch
+	r.track.responded = true
+	w := r.track.watch
 	f.mu.Unlock()
 	return w
 }
@@ -83,15 +91,15 @@ func (f *inflight) finished(r *request) *connWatcher {
 // remove stops tracking r (its last reference is gone).
 func (f *inflight) remove(r *request) {
 	f.mu.Lock()
-	r.released = true
+	r.track.released = true
 	f.unlinkLocked(r)
 	f.mu.Unlock()
 }
 
 func (f *inflight) unlinkLocked(r *request) {
-	if r.long != nil {
-		f.long.Remove(r.long)
-		r.long = nil
+	if r.track.long != nil {
+		f.long.Remove(r.track.long)
+		r.track.long = nil
 	}
 }
 
@@ -139,13 +147,13 @@ func (f *inflight) sweep(now time.Time) bool {
 		}
 		f.young[f.youngHead] = nil
 		f.youngHead++
-		if r.released {
+		if r.track.released {
 			continue
 		}
-		if !r.responded && r.conn != nil {
-			r.watch = startWatch(r.conn, r.clientLeft)
+		if !r.track.responded && r.conn != nil {
+			r.track.watch = startWatch(r.conn, r.clientLeft)
 		}
-		r.long = f.long.PushBack(r)
+		r.track.long = f.long.PushBack(r)
 	}
 	// Under steady traffic the queue never drains: move what is left to the
 	// front once the consumed part is the larger half.
@@ -179,7 +187,7 @@ func (f *inflight) close() {
 	f.closed = true
 	var all []*request
 	for _, r := range f.young[f.youngHead:] {
-		if !r.released {
+		if !r.track.released {
 			all = append(all, r)
 		}
 	}

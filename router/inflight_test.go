@@ -30,25 +30,25 @@ func TestInflightTimesOutOldestFirstAndOnlyLiveRequests(t *testing.T) {
 	f.remove(ended)
 
 	f.sweep(t0.Add(10 * time.Millisecond))
-	if old.ctx.Err() != nil || young.ctx.Err() != nil {
+	if old.scope.Err() != nil || young.scope.Err() != nil {
 		t.Fatal("cancelled before the timeout")
 	}
 	if f.long.Len() != 1 || f.long.Front().Value != old {
 		t.Fatalf("long list should hold only the old live request")
 	}
 	f.sweep(t0.Add(time.Second))
-	if old.ctx.Cause() != errRequestTimeout {
-		t.Fatalf("old request: cause %v, want the request timeout", old.ctx.Cause())
+	if old.scope.Cause() != errRequestTimeout {
+		t.Fatalf("old request: cause %v, want the request timeout", old.scope.Cause())
 	}
-	if ended.ctx.Cause() != nil {
+	if ended.scope.Cause() != nil {
 		t.Fatal("a released request was cancelled")
 	}
-	if young.ctx.Err() != nil {
+	if young.scope.Err() != nil {
 		t.Fatal("young request timed out early")
 	}
 	f.sweep(t0.Add(1500 * time.Millisecond))
-	if young.ctx.Cause() != errRequestTimeout {
-		t.Fatalf("young request: cause %v", young.ctx.Cause())
+	if young.scope.Cause() != errRequestTimeout {
+		t.Fatalf("young request: cause %v", young.scope.Cause())
 	}
 	if !f.emptyLocked() {
 		t.Fatal("tracker not empty after every request ended")
@@ -73,21 +73,21 @@ func TestInflightWatchesOnlyLongRequests(t *testing.T) {
 		t.Fatal("watch started before watchDelay")
 	}
 	f.sweep(t0.Add(watchDelay))
-	if quick.watch != nil {
+	if quick.track.watch != nil {
 		t.Fatal("a request answered in time got a watch")
 	}
 	f.remove(quick)
 
 	slow := trackedRequest(f, t0, server)
 	f.sweep(t0.Add(watchDelay))
-	if slow.watch == nil {
+	if slow.track.watch == nil {
 		t.Fatal("no watch on a request older than watchDelay")
 	}
 	client.Close()
 	select {
-	case <-slow.ctx.Done():
-		if slow.ctx.Cause() != errClientGone {
-			t.Fatalf("cause %v, want errClientGone", slow.ctx.Cause())
+	case <-slow.scope.Done():
+		if slow.scope.Cause() != errClientGone {
+			t.Fatalf("cause %v, want errClientGone", slow.scope.Cause())
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("client disconnect not seen")
@@ -128,12 +128,12 @@ func TestInflightCloseCancelsEverythingAndLaterRequests(t *testing.T) {
 	time.Sleep(5 * sweepTick)
 	f.close()
 	for _, r := range []*request{a, b} {
-		if r.ctx.Err() == nil {
+		if r.scope.Err() == nil {
 			t.Fatal("request still live after close")
 		}
 	}
 	late := trackedRequest(f, time.Now(), nil)
-	if late.ctx.Err() == nil {
+	if late.scope.Err() == nil {
 		t.Fatal("request added after close is live")
 	}
 }
@@ -147,9 +147,9 @@ func TestInflightSweeperSleepsWhenIdle(t *testing.T) {
 	f.remove(r)
 	waitFor(t, func() bool { f.mu.Lock(); defer f.mu.Unlock(); return f.idle })
 	r = trackedRequest(f, time.Now().Add(-time.Hour), nil) // already past the timeout
-	waitFor(t, func() bool { return r.ctx.Err() != nil })
-	if r.ctx.Cause() != errRequestTimeout {
-		t.Fatalf("cause %v", r.ctx.Cause())
+	waitFor(t, func() bool { return r.scope.Err() != nil })
+	if r.scope.Cause() != errRequestTimeout {
+		t.Fatalf("cause %v", r.scope.Cause())
 	}
 }
 

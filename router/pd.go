@@ -49,13 +49,6 @@ func (p *prefillLeg) wait() bool {
 	}
 }
 
-// mergeLogprobs reports whether prefill's input_token_logprobs must be
-// prepended to decode's: SGLang /generate with return_logprob (the OpenAI
-// routes carry no meta_info, so there is nothing to merge).
-func (r *request) mergeLogprobs() bool {
-	return r.route == routeGenerate && r.info.ReturnLogprob
-}
-
 // pdAttempt runs one try on a fresh pair and room. It returns the failure to
 // report (nil when a reply was written) and whether a stream writer now owns
 // the request.
@@ -79,7 +72,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 
 	leg := &prefillLeg{done: make(chan struct{})}
 	actx := &leg.actx
-	actx.inherit(&r.ctx)
+	actx.inherit(&r.scope)
 	pw.IncLoad()
 	dw.IncLoad()
 	r.hold()
@@ -177,14 +170,6 @@ func (s *Server) runPrefill(ctx *scope, pw *balancer.Worker, r *request, body []
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, nil
 	}
 	return nil, out
-}
-
-// forStream renders an error as an SSE frame when the client asked for a stream.
-func (e *apiError) forStream(stream bool) *apiError {
-	if stream {
-		e.sse = true
-	}
-	return e
 }
 
 // readReply makes a worker's complete reply the client's: status, headers,

@@ -29,7 +29,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
 		return path
 	}
-	admit, err := s.admission.Acquire(&r.ctx)
+	admit, err := s.admission.Acquire(&r.scope)
 	if err != nil {
 		gone := r.clientGone()
 		r.finish()
@@ -77,11 +77,11 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 			t := time.NewTimer(backoff)
 			select {
 			case <-t.C:
-			case <-r.ctx.Done():
+			case <-r.scope.Done():
 				t.Stop()
 			}
 		}
-		if r.ctx.Err() != nil {
+		if r.scope.Err() != nil {
 			break
 		}
 		var streaming bool
@@ -108,7 +108,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, "client_disconnected").Inc()
 		return
 	}
-	if r.ctx.Cause() == errRequestTimeout {
+	if r.scope.Cause() == errRequestTimeout {
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
 	}
 	if fail != nil {
@@ -183,15 +183,6 @@ func (r *request) routingText() []byte {
 	return splice.FirstString(r.body, r.info.Text)
 }
 
-// selectionError is the 503 for an empty or unavailable pool.
-func selectionError(side string, total int) *apiError {
-	msg := "No available " + side + " workers (all circuits open or unhealthy)"
-	if total == 0 {
-		msg = "No " + side + " workers available. Please check if " + side + " servers are configured and healthy."
-	}
-	return &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + msg}
-}
-
 func (s *Server) pick(p balancer.Policy, snap *balancer.Snapshot, t balancer.WorkerType, pr *balancer.Request) (*balancer.Worker, *apiError) {
 	avail := snap.Available(t)
 	if len(avail) == 0 {
@@ -204,29 +195,3 @@ func (s *Server) pick(p balancer.Policy, snap *balancer.Snapshot, t balancer.Wor
 	s.bm.Selected(w, p.Name())
 	return w, nil
 }
-
-// write sends a failure to the client: a router-made JSON error, an SSE
-// error frame for streams, or an upstream reply passed through.
-func (e *apiError) write(ctx *fasthttp.RequestCtx) {
-	switch {
-	case e.raw != nil:
-		ctx.SetStatusCode(e.Status)
-		if e.rawType != "" {
-			ctx.SetContentType(e.rawType)
-		}
-		ctx.SetBody(e.raw)
-	case e.sse:
-		ctx.SetStatusCode(e.Status)
-		ctx.SetContentType("text/event-stream")
-		ctx.Response.Header.Set("X-SMG-Error-Code", e.Code)
-		ctx.SetBody(e.sseFrame())
-	default:
-		writeError(ctx, e)
-	}
-}
-
-// attemptCause tells why an attempt's context ended.
-var (
-	errPrefillFailed = errors.New("prefill leg failed")
-	errAttemptOver   = errors.New("attempt abandoned")
-)

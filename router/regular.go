@@ -20,7 +20,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		header = appendHeader(forwardHeaders(nil, ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
 	w.IncLoad()
-	resp, err := s.post(&r.ctx, w, r.path, r.body, header)
+	resp, err := s.post(&r.scope, w, r.path, r.body, header)
 	if err != nil {
 		w.DecLoad()
 		if r.clientGone() {

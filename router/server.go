@@ -4,8 +4,6 @@ package router
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -169,16 +167,6 @@ func (s *Server) Shutdown(ctx context.Context) error {
 
 // Registry exposes the worker registry (tests, admin).
 func (s *Server) Registry() *balancer.Registry { return s.reg }
-
-func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
-	s.setRequestID(ctx)
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		writeError(ctx, &apiError{Status: 413, Code: "payload_too_large",
-			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.MaxPayloadSize)})
-		return
-	}
-	writeError(ctx, &apiError{Status: 400, Code: "bad_request", Message: err.Error()})
-}
 
 // handle is the outermost layer: CORS, request id, metrics, auth, routing.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {

@@ -100,9 +100,6 @@ func (r *upstreamResponse) Close() error {
 	return nil
 }
 
-// errUpstreamClosed is a keep-alive connection the worker had closed.
-var errUpstreamClosed = errors.New("worker closed the connection")
-
 // post sends body to baseURL+path with the given extra header lines
 // ("Name: value\r\n" each) and returns once the reply's head has arrived.
 func (u *upstream) post(ctx *scope, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {

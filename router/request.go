@@ -1,0 +1,87 @@
+package router
+
+import (
+	"context"
+	"net"
+	"sync/atomic"
+	"time"
+
+	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
+)
+
+// request is one client request on its way through the router.
+type request struct {
+	s         *Server
+	route     routeKind
+	path      string
+	body      []byte // the client's body: fasthttp's buffer, valid until the handler returns
+	info      splice.Info
+	start     time.Time
+	requestID []byte
+	header    []byte // forwarded header lines, "Name: value\r\n" each
+	// headerSpace holds the usual header lines (only X-Request-Id) without
+	// an allocation of their own.
+	headerSpace [64]byte
+
+	// scope ends when the client goes away, at the request timeout or at
+	// hard shutdown. It lives until the handler and every leg it started
+	// are done (refs), because a prefill leg may outlive its handler.
+	scope   scope // embedded: no allocation of its own
+	refs    atomic.Int32
+	admit   func() // returns the admission token
+	policy  balancer.Request
+	metrics *routeMetrics // this route's series, set when routing starts
+	conn    net.Conn
+
+	track tracking // the inflight tracker's, guarded by its lock
+}
+
+// newRequest keeps the client's body in place: everything that outlives the
+// handler (a prefill leg, a stream) uses its own copies (the injected body,
+// the header lines), so fasthttp may reuse its buffer afterwards.
+func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
+	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
+	r.body = ctx.PostBody()
+	r.header = forwardHeaders(r.headerSpace[:0], ctx, false)
+	// The request timeout, the disconnect watch and hard shutdown all come
+	// from the inflight tracker, so the scope needs no parent.
+	r.conn = ctx.Conn()
+	r.refs.Store(1)
+	s.inflight.add(r)
+	return r
+}
+
+func (r *request) hold() { r.refs.Add(1) }
+
+// release drops one reference; the last one ends the request's context.
+func (r *request) release() {
+	if r.refs.Add(-1) == 0 {
+		r.s.inflight.remove(r)
+		r.cancel(context.Canceled)
+	}
+}
+
+// finish is called once when the response to the client is complete.
+func (r *request) finish() {
+	r.s.inflight.finished(r).stop()
+	if r.admit != nil {
+		r.admit()
+	}
+	r.release()
+}
+
+// cancel ends the request's scope, and with it every leg.
+func (r *request) cancel(cause error) { r.scope.cancel(cause) }
+
+// clientLeft is the disconnect watch's verdict.
+func (r *request) clientLeft() { r.cancel(errClientGone) }
+
+func (r *request) clientGone() bool { return r.scope.Cause() == errClientGone }
+
+// observeFirstByte records the router-side time to first byte.
+func (r *request) observeFirstByte() {
+	r.metrics.ttft.Observe(since(r.start))
+}
