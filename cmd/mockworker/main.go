@@ -12,8 +12,8 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/pdrouter/pdrouter/internal/enginesim"
 	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/kvtransfer/enginesim"
 )
 
 func main() {
