@@ -408,7 +408,13 @@ func (s *Sim) Decode(ctx context.Context, r mockworker.KVRequest) (*mockworker.K
 	a := s.auxSlot(aux)
 	clear(a)
 	if err := s.cl.Expect(ctx, r.Room, bootstrapAddr(r), pages, aux); err != nil {
-		s.release(pages, aux, false)
+		// The client left while Expect was in flight: the room may exist
+		// already, and data may land in its pages.
+		gone := ctx.Err() != nil
+		if gone {
+			s.abort(r.Room, "client disconnected")
+		}
+		s.release(pages, aux, gone)
 		return nil, fmt.Errorf("kvproxy expect: %w", err)
 	}
 	st, err := s.wait(ctx, r.Room)
