@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz cuda-bundle
+.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz cuda-bundle bench-kv-gpu
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -40,6 +40,11 @@ bench-kv: deps build
 # libucx-cu13 wheel) into bin/cuda, with the libraries they run with.
 cuda-bundle:
 	@scripts/cuda-bundle.sh
+
+# bench-kv-gpu builds the bundle; the benchmark itself runs on a GPU machine:
+# scripts/bench-kv-gpu.sh there (results in $$OUT or bench/out/kv-gpu.json).
+bench-kv-gpu: cuda-bundle
+	@echo "bundle ready: run scripts/bench-kv-gpu.sh on the GPU machine with bin/cuda carried"
 
 clean:
 	rm -rf $(BIN) bench/out

@@ -20,16 +20,17 @@ import (
 	"github.com/pdrouter/pdrouter/internal/cuda"
 )
 
-// The GPU test plays kvproxy's part: two processes (the "kvproxies") open
-// GPU allocations of a third (the "engine", the test itself) by CUDA IPC
-// handle, register them with UCX as CUDA memory and move bytes between
-// them with puts. cudaRoleEnv names the child's role.
+// The GPU test moves CUDA memory between two processes with UCX (cuda_ipc):
+// each child allocates its buffer with cuMemAlloc and registers it as CUDA
+// memory; the source puts into the target, which checks the bytes. (An
+// engine's memory that a kvproxy opened by IPC handle cannot be registered
+// so: the driver refuses to export an imported mapping again, which UCX's
+// cuda_ipc keys need; kvtransfer copies such memory itself.)
 const (
-	cudaRoleEnv   = "UCX_TEST_CUDA_ROLE" // "target" or "source"
-	cudaHandleEnv = "UCX_TEST_CUDA_HANDLE"
-	cudaPeerEnv   = "UCX_TEST_CUDA_PEER" // source: the target's line
-	cudaLen       = 32 << 20
-	cudaPage      = 32 << 10
+	cudaRoleEnv = "UCX_TEST_CUDA_ROLE" // "target" or "source"
+	cudaPeerEnv = "UCX_TEST_CUDA_PEER" // source: the target's line
+	cudaLen     = 32 << 20
+	cudaPage    = 32 << 10
 )
 
 func init() {
@@ -53,78 +54,58 @@ func cudaOps() []Op {
 	return ops
 }
 
+// cudaImage is what the target must hold afterwards.
+func cudaImage() []byte {
+	want := make([]byte, cudaLen)
+	fill(want, 5)
+	exp := make([]byte, cudaLen)
+	for _, o := range cudaOps() {
+		copy(exp[o.RemoteOff:o.RemoteOff+o.Len], want[o.LocalOff:o.LocalOff+o.Len])
+	}
+	return exp
+}
+
 func TestCUDAMemoryAcrossProcesses(t *testing.T) {
 	if err := cuda.Load(); err != nil {
 		// CI has no GPU; the cuda package's tests cover the no-driver path.
 		t.Skipf("GPU-only: %v", err)
 	}
-	d, err := cuda.Open(0)
-	must(t, err)
-	defer d.Close()
-	src, err := d.Alloc(cudaLen)
-	must(t, err)
-	defer d.Free(src)
-	dst, err := d.Alloc(cudaLen)
-	must(t, err)
-	defer d.Free(dst)
-	want := make([]byte, cudaLen)
-	fill(want, 5)
-	must(t, d.CopyFromHost(src, want))
-	must(t, d.Memset(dst, 0, cudaLen))
-	hs, err := d.IPCHandle(src)
-	must(t, err)
-	hd, err := d.IPCHandle(dst)
-	must(t, err)
-
 	target := exec.Command(os.Args[0])
-	target.Env = append(os.Environ(), cudaRoleEnv+"=target", cudaHandleEnv+"="+hex.EncodeToString(hd[:]))
-	target.Stderr = os.Stderr
+	target.Env = append(os.Environ(), cudaRoleEnv+"=target", "UCX_LOG_LEVEL=error")
+	var tout bytes.Buffer
+	target.Stderr = &tout
 	stdin, err := target.StdinPipe()
 	must(t, err)
 	out, err := target.StdoutPipe()
 	must(t, err)
 	must(t, target.Start())
-	defer target.Wait()
 	defer stdin.Close()
-	line, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil || !strings.HasPrefix(line, "TARGET ") {
-		target.Process.Kill()
-		t.Fatalf("target said %q: %v", line, err)
+	var line string
+	r := bufio.NewReader(out)
+	for !strings.HasPrefix(line, "TARGET ") { // UCX may log to stdout first
+		if line, err = r.ReadString('\n'); err != nil {
+			target.Process.Kill()
+			target.Wait()
+			t.Fatalf("target: %v: %s", err, tout.String())
+		}
 	}
 	source := exec.Command(os.Args[0])
-	source.Env = append(os.Environ(), cudaRoleEnv+"=source", cudaHandleEnv+"="+hex.EncodeToString(hs[:]),
-		cudaPeerEnv+"="+strings.TrimSpace(line))
+	source.Env = append(os.Environ(), cudaRoleEnv+"=source", cudaPeerEnv+"="+strings.TrimSpace(line))
 	b, err := source.CombinedOutput()
 	if err != nil {
+		target.Process.Kill()
+		target.Wait()
 		t.Fatalf("source: %v: %s", err, b)
 	}
 	t.Logf("source: %s", b)
 	stdin.Close()
-	must(t, target.Wait())
-
-	got := make([]byte, cudaLen)
-	must(t, d.CopyToHost(got, dst))
-	exp := make([]byte, cudaLen)
-	for _, o := range cudaOps() {
-		copy(exp[o.RemoteOff:o.RemoteOff+o.Len], want[o.LocalOff:o.LocalOff+o.Len])
-	}
-	if !bytes.Equal(got, exp) {
-		i := 0
-		for i < len(got) && got[i] == exp[i] {
-			i++
-		}
-		t.Fatalf("target memory differs from the expected image at byte %d", i)
+	if err := target.Wait(); err != nil {
+		t.Fatalf("target: %v: %s", err, tout.String())
 	}
 }
 
 func cudaChild(role string) error {
 	runtime.LockOSThread()
-	var h cuda.Handle
-	if b, err := hex.DecodeString(os.Getenv(cudaHandleEnv)); err != nil || len(b) != cuda.HandleSize {
-		return fmt.Errorf("bad handle")
-	} else {
-		copy(h[:], b)
-	}
 	d, err := cuda.Open(0)
 	if err != nil {
 		return err
@@ -133,11 +114,18 @@ func cudaChild(role string) error {
 	if err := d.MakeCurrent(); err != nil {
 		return err
 	}
-	ptr, err := d.OpenIPC(h)
+	ptr, err := d.Alloc(cudaLen)
 	if err != nil {
 		return err
 	}
-	defer d.CloseIPC(ptr)
+	defer d.Free(ptr)
+	img := make([]byte, cudaLen)
+	if role == "source" {
+		fill(img, 5)
+	}
+	if err := d.CopyFromHost(ptr, img); err != nil {
+		return err
+	}
 	ctx, err := NewContext(Config{})
 	if err != nil {
 		return err
@@ -165,14 +153,21 @@ func cudaChild(role string) error {
 		fmt.Printf("TARGET %x %x %x\n", mem.Addr(), rkey, addr)
 		eof := make(chan struct{})
 		go func() { io.Copy(io.Discard, os.Stdin); close(eof) }()
-		for {
+		for done := false; !done; {
 			select {
 			case <-eof:
-				return nil
+				done = true
 			default:
 				w.Progress()
 			}
 		}
+		if err := d.CopyToHost(img, ptr); err != nil {
+			return err
+		}
+		if !bytes.Equal(img, cudaImage()) {
+			return fmt.Errorf("target GPU memory differs from the expected image")
+		}
+		return nil
 	}
 	f := strings.Fields(os.Getenv(cudaPeerEnv))
 	if len(f) != 4 {

@@ -33,3 +33,35 @@ const (
 	PointerDevice  PointerKind = 2
 	PointerUnified PointerKind = 4
 )
+
+// Run is one device-to-device copy: Len bytes from Src to Dst, both device
+// addresses of this process (its own memory or mappings opened by IPC).
+type Run struct{ Src, Dst, Len uint64 }
+
+// CopyMode is how a Copier moves a batch.
+type CopyMode int
+
+// Copy modes.
+const (
+	CopyAuto   CopyMode = iota
+	CopyKernel          // one launch of the copy kernel for the whole batch
+	CopyMemcpy          // one cuMemcpyDtoDAsync per run
+)
+
+func (m CopyMode) String() string {
+	switch m {
+	case CopyKernel:
+		return "kernel"
+	case CopyMemcpy:
+		return "memcpy"
+	}
+	return "auto"
+}
+
+const (
+	// memcpyRuns: up to this many runs CopyAuto issues one copy per run
+	// (a launch costs a few µs, so few long runs go faster so).
+	memcpyRuns = 8
+	// maxGrid bounds the kernel's blocks; each loops over its share.
+	maxGrid = 4096
+)

@@ -100,6 +100,7 @@ func testDevice(t *testing.T) {
 	if _, err := d.OpenIPC(Handle{}); err == nil {
 		t.Fatal("OpenIPC of a zero handle succeeded")
 	}
+	testCopier(t, d, ptr, want)
 	h, err := d.IPCHandle(ptr)
 	if err != nil {
 		t.Fatal(err)
@@ -152,6 +153,11 @@ func child(hexHandle string) error {
 	if err := d.CopyFromHost(ptr, b); err != nil {
 		return err
 	}
+	if base, size, err := d.AddressRange(ptr + 64); err != nil || base != ptr || size < n {
+		fmt.Printf("address range of imported memory: %#x %d %v (mapped at %#x)\n", base, size, err, ptr)
+	} else {
+		fmt.Println("address range of imported memory: ok")
+	}
 	// Whether an imported mapping can be exported again (UCX's cuda_ipc
 	// packs rkeys of registered memory that way): report, do not fail.
 	if _, err := d.IPCHandle(ptr); err != nil {
@@ -160,4 +166,46 @@ func child(hexHandle string) error {
 		fmt.Println("re-export of imported memory: ok")
 	}
 	return d.CloseIPC(ptr)
+}
+
+// testCopier copies scattered runs of the first half of the buffer into the
+// second half in both modes, aligned and not, and checks every byte.
+func testCopier(t *testing.T, d *Device, ptr uint64, want []byte) {
+	c, err := d.NewCopier()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	half := uint64(len(want) / 2)
+	for _, mode := range []CopyMode{CopyKernel, CopyMemcpy, CopyAuto} {
+		for _, shift := range []uint64{0, 3} {
+			if err := d.Memset(ptr+half, 0, int(half)); err != nil {
+				t.Fatal(err)
+			}
+			var runs []Run
+			for off := uint64(0); off+200<<10 < half; off += 300 << 10 { // 200 KiB runs, 100 KiB gaps
+				runs = append(runs, Run{Src: ptr + off + shift, Dst: ptr + half + off, Len: 200<<10 - shift})
+			}
+			used, err := c.Copy(runs, mode)
+			if err != nil {
+				t.Fatalf("%v copy: %v", mode, err)
+			}
+			got := make([]byte, half)
+			if err := d.CopyToHost(got, ptr+half); err != nil {
+				t.Fatal(err)
+			}
+			exp := make([]byte, half)
+			for _, r := range runs {
+				o := r.Src - ptr
+				copy(exp[r.Dst-ptr-half:], want[o:o+r.Len])
+			}
+			if !bytes.Equal(got, exp) {
+				t.Fatalf("%v (used %v) shift %d: copied bytes differ", mode, used, shift)
+			}
+		}
+	}
+	// Restore the pattern the IPC part expects.
+	if err := d.CopyFromHost(ptr, want); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -34,6 +34,16 @@ typedef struct {
 	CUresult (*memset8)(CUdeviceptr, unsigned char, size_t);
 	CUresult (*address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
 	CUresult (*pointer_attr)(void *, int, CUdeviceptr);
+	CUresult (*stream_create)(void **, unsigned);
+	CUresult (*stream_destroy)(void *);
+	CUresult (*stream_sync)(void *);
+	CUresult (*module_load_data)(void **, const void *);
+	CUresult (*module_unload)(void *);
+	CUresult (*module_get_function)(void **, void *, const char *);
+	CUresult (*launch_kernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+				  unsigned, void *, void **, void **);
+	CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, void *);
+	CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, void *);
 } table_t;
 
 static table_t cu;
@@ -64,6 +74,15 @@ static const struct {
 	{AT(memset8), {"cuMemsetD8_v2", "cuMemsetD8"}},
 	{AT(address_range), {"cuMemGetAddressRange_v2", "cuMemGetAddressRange"}},
 	{AT(pointer_attr), {"cuPointerGetAttribute", NULL}},
+	{AT(stream_create), {"cuStreamCreate", NULL}},
+	{AT(stream_destroy), {"cuStreamDestroy_v2", "cuStreamDestroy"}},
+	{AT(stream_sync), {"cuStreamSynchronize", NULL}},
+	{AT(module_load_data), {"cuModuleLoadData", NULL}},
+	{AT(module_unload), {"cuModuleUnload", NULL}},
+	{AT(module_get_function), {"cuModuleGetFunction", NULL}},
+	{AT(launch_kernel), {"cuLaunchKernel", NULL}},
+	{AT(memcpy_dtod_async), {"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"}},
+	{AT(memcpy_htod_async), {"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"}},
 };
 
 // cudag_load fills a table and installs it only when every entry point
@@ -225,4 +244,73 @@ void cudag_ctx_pop(void)
 {
 	CUcontext c;
 	cu.ctx_pop(&c);
+}
+
+#define CU_STREAM_NON_BLOCKING 1
+
+int cudag_copier_create(void *ctx, const char *ptx, void **stream, void **module, void **fn)
+{
+	CUresult r = cu.ctx_push(ctx);
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	CUcontext popped;
+	r = cu.stream_create(stream, CU_STREAM_NON_BLOCKING);
+	if (r != CUDA_SUCCESS) {
+		cu.ctx_pop(&popped);
+		return r;
+	}
+	r = cu.module_load_data(module, ptx);
+	if (r == CUDA_SUCCESS) {
+		r = cu.module_get_function(fn, *module, "copy_runs");
+		if (r != CUDA_SUCCESS) {
+			cu.module_unload(*module);
+		}
+	}
+	if (r != CUDA_SUCCESS) {
+		cu.stream_destroy(*stream);
+	}
+	cu.ctx_pop(&popped);
+	return r;
+}
+
+void cudag_copier_destroy(void *ctx, void *stream, void *module)
+{
+	if (cu.ctx_push(ctx) != CUDA_SUCCESS) {
+		return;
+	}
+	cu.stream_destroy(stream);
+	cu.module_unload(module);
+	CUcontext popped;
+	cu.ctx_pop(&popped);
+}
+
+// cudag_copy_runs moves n runs (src, dst, len triples at host address
+// runs): with the kernel (desc: device buffer of at least n triples) when
+// kernel is set, else one cuMemcpyDtoDAsync per run; then waits.
+int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
+		    unsigned n, int kernel, unsigned grid, unsigned block)
+{
+	CUresult r = cu.ctx_push(ctx);
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	if (kernel) {
+		r = cu.memcpy_htod_async(desc, runs, (size_t)n * 24, stream);
+		if (r == CUDA_SUCCESS) {
+			void *args[] = {&desc, &n};
+			r = cu.launch_kernel(fn, grid, 1, 1, block, 1, 1, 0, stream, args, NULL);
+		}
+	} else {
+		for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
+			r = cu.memcpy_dtod_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], stream);
+		}
+	}
+	CUresult s = cu.stream_sync(stream);
+	if (r == CUDA_SUCCESS) {
+		r = s;
+	}
+	CUcontext popped;
+	cu.ctx_pop(&popped);
+	return r;
 }

@@ -41,4 +41,10 @@ int cudag_address_range(void *ctx, uint64_t ptr, uint64_t *base, size_t *size);
 // with the device ordinal of device memory.
 int cudag_pointer_kind(uint64_t ptr, int *kind, int *ordinal);
 
+// The batched copier: a stream and the copy_runs kernel (copy.ptx).
+int cudag_copier_create(void *ctx, const char *ptx, void **stream, void **module, void **fn);
+void cudag_copier_destroy(void *ctx, void *stream, void *module);
+int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
+		    unsigned n, int kernel, unsigned grid, unsigned block);
+
 #endif

@@ -60,3 +60,15 @@ func Kind(uint64) (PointerKind, int, error) { return 0, -1, errNoCgo }
 
 // With returns ErrNoDriver.
 func (*Device) With(func() error) error { return errNoCgo }
+
+// Copier is unavailable without cgo.
+type Copier struct{}
+
+// NewCopier returns ErrNoDriver.
+func (*Device) NewCopier() (*Copier, error) { return nil, errNoCgo }
+
+// Copy returns ErrNoDriver.
+func (*Copier) Copy([]Run, CopyMode) (CopyMode, error) { return 0, errNoCgo }
+
+// Close returns nil.
+func (*Copier) Close() error { return nil }

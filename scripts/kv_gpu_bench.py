@@ -1,0 +1,264 @@
+"""GPU KV transfer through kvproxy on one GPU (make bench-kv-gpu, run on the
+GPU machine). Two engine processes (this one as prefill, a child as decode),
+each with its own kvproxy, hold the Llama-3.1-8B KV layout on the GPU
+(32 layers x K and V, 8 heads x 128 x bf16 = 2 KiB a token, page 16 =
+32 KiB a page a buffer) and register it with their kvproxy by CUDA IPC
+handle. The prefill engine writes 128..32k tokens of pages, contiguous or
+every other page, into the decode engine's pool through kvproxy (triples
+merged like SGLang's group_concurrent_contiguous, as many calls as the
+control frame needs); every received page is checksummed on the GPU against
+the sender's, and the pages between them must be untouched.
+
+    PYTHONPATH=python python3 scripts/kv_gpu_bench.py --kvproxy bin/cuda/bin/kvproxy --out kv-gpu.json
+"""
+import argparse
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from pdrouter_kv import control  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+TOKEN_BYTES = HEADS * HEAD_DIM * 2
+PAGE_BYTES = PAGE * TOKEN_BYTES
+BUFFERS = 2 * LAYERS
+TOKENS = [128, 1024, 4096, 32768]
+POOL_PAGES = 2 * max(TOKENS) // PAGE + 8  # room for every other page of 32k tokens
+FILL = 0x3EEE  # what decode pages hold before a transfer
+MAX_CALL = 40000  # triples per control call (a 1 MiB frame)
+
+
+def pool():
+    """One tensor per layer for K and one for V, as SGLang's MHATokenToKVPool."""
+    return [torch.empty(POOL_PAGES * PAGE, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(BUFFERS)]
+
+
+def register(client, bufs):
+    for b in bufs:
+        client.register_cuda_memory(b.data_ptr(), b.numel() * b.element_size())
+
+
+_weights = None
+
+
+def checksums(bufs, pages):
+    """[buffers, len(pages), 2] int64: sum and position-weighted sum of each page's int32 words."""
+    global _weights
+    words = PAGE_BYTES // 4
+    if _weights is None:
+        _weights = torch.arange(1, words + 1, dtype=torch.int64, device="cuda")
+    idx = torch.tensor(pages, dtype=torch.int64, device="cuda")
+    out = []
+    for b in bufs:
+        p = b.view(torch.int32).view(POOL_PAGES, words).index_select(0, idx).to(torch.int64)
+        out.append(torch.stack([p.sum(1), (p * _weights).sum(1)], 1))
+    return torch.stack(out)
+
+
+def page_sets(tokens, pattern):
+    n = tokens // PAGE
+    if pattern == "contiguous":
+        return list(range(n)), list(range(n))
+    return [2 * i for i in range(n)], [2 * i + 1 for i in range(n)]
+
+
+def triples(src_ptrs, dst_ptrs, src_pages, dst_pages):
+    """Per-page ranges with runs contiguous on both sides merged."""
+    s, d, n = [], [], []
+    for sp, dp in zip(src_ptrs, dst_ptrs):
+        for a, b in zip(src_pages, dst_pages):
+            sa, da = sp + a * PAGE_BYTES, dp + b * PAGE_BYTES
+            if n and s[-1] + n[-1] == sa and d[-1] + n[-1] == da:
+                n[-1] += PAGE_BYTES
+            else:
+                s.append(sa), d.append(da), n.append(PAGE_BYTES)
+    return s, d, n
+
+
+# Decode engine: a child process driven by JSON lines on stdin.
+
+def decode_engine(sock):
+    torch.cuda.init()
+    bufs = pool()
+    cl = control.Client(sock)
+    peer, transport = cl.hello()
+    register(cl, bufs)
+    reply({"peer": peer, "transport": transport, "ptrs": [b.data_ptr() for b in bufs]})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "fill":
+            for b in bufs:
+                b.view(torch.int16).fill_(FILL)
+            torch.cuda.synchronize()
+            reply({})
+        elif cmd["op"] == "verify":
+            reply(verify(bufs, cmd))
+        elif cmd["op"] == "quit":
+            break
+    cl.close()  # kvproxy drops every region of this engine
+
+
+def verify(bufs, cmd):
+    want = torch.load(cmd["file"]).cuda()
+    got = checksums(bufs, cmd["pages"])
+    bad = (got != want).any(2)
+    res = {"pages": int(bad.numel()), "mismatched": int(bad.sum())}
+    if res["mismatched"]:
+        b, i = (bad.nonzero()[0]).tolist()
+        res["first"] = {"buffer": b, "page": cmd["pages"][i]}
+    # Pages between the received ones must still hold the fill.
+    gaps = sorted(set(range(max(cmd["pages"]) + 2)) - set(cmd["pages"]))
+    if gaps:
+        g = checksums(bufs, gaps)
+        fill = torch.full((PAGE_BYTES // 2,), FILL, dtype=torch.int16, device="cuda").view(torch.int32).to(torch.int64)
+        ref = torch.stack([fill.sum(), (fill * _weights).sum()])
+        res["gaps"], res["gaps_touched"] = len(gaps) * BUFFERS, int((g != ref).any(2).sum())
+    return res
+
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# Prefill engine and driver.
+
+class Proxy:
+    def __init__(self, binary, role, transport, env, logdir):
+        self.sock = os.path.join(logdir, role + ".sock")
+        argv = [binary, "--role", role, "--transport", transport, "--control", self.sock, "--host", "127.0.0.1",
+                "--metrics-port", "0", "--log-level", "warn"]
+        if role == "prefill":
+            argv += ["--bootstrap-port", "0"]
+        self.log = open(os.path.join(logdir, role + ".log"), "a")
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.p.stdout.readline()
+        if not line.startswith("kvproxy ready"):
+            self.p.kill()
+            raise RuntimeError("kvproxy %s did not start: %r (log %s)" % (role, line, self.log.name))
+        self.fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+
+    def regions(self):
+        import urllib.request
+        text = urllib.request.urlopen("http://%s/metrics" % self.fields["metrics"], timeout=5).read().decode()
+        return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("kvproxy_registered_regions"))
+
+    def stop(self):
+        self.p.terminate()
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def run_mode(args, mode, tmp):
+    env = dict(os.environ)
+    if mode != "auto":
+        env["PDROUTER_CUDA_COPY"] = mode
+    pp = Proxy(args.kvproxy, "prefill", args.transport, env, tmp)
+    dp = Proxy(args.kvproxy, "decode", args.transport, env, tmp)
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", dp.sock], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+
+    def ask(obj):
+        child.stdin.write(json.dumps(obj) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError("decode engine died")
+        return json.loads(line)
+
+    hello = json.loads(child.stdout.readline())
+    bufs = pool()
+    cl = control.Client(pp.sock)
+    cl.hello()
+    t0 = time.perf_counter()
+    register(cl, bufs)
+    reg_us = (time.perf_counter() - t0) * 1e6 / BUFFERS
+    src_ptrs = [b.data_ptr() for b in bufs]
+    rows = []
+    for pattern in ("contiguous", "scattered"):
+        for tokens in TOKENS:
+            sp, dpages = page_sets(tokens, pattern)
+            s, d, n = triples(src_ptrs, hello["ptrs"], sp, dpages)
+            calls = [(s[i:i + MAX_CALL], d[i:i + MAX_CALL], n[i:i + MAX_CALL]) for i in range(0, len(s), MAX_CALL)]
+            # The same calls prepacked: kvproxy's time without Python's packing.
+            peer = hello["peer"].encode()
+            bodies = [struct.pack("<I", len(peer)) + peer + struct.pack("<I", len(c[0])) +
+                      b"".join(struct.pack("<QQQ", *t) for t in zip(*c)) for c in calls]
+            for b in bufs:
+                b.view(torch.int32).random_()
+            torch.cuda.synchronize()
+            ask({"op": "fill"})
+            reps = 5 if tokens >= 32768 else 20
+            times, e2e = [], []
+            for i in range(3 + reps):
+                t = time.perf_counter()
+                for body in bodies:
+                    cl._call(control.OP_WRITE, body)
+                if i >= 3:
+                    times.append(time.perf_counter() - t)
+            for i in range(min(reps, 5)):
+                t = time.perf_counter()
+                for c in calls:
+                    cl.write(hello["peer"], *c)
+                e2e.append(time.perf_counter() - t)
+            f = os.path.join(tmp, "want.pt")
+            torch.save(checksums(bufs, sp).cpu(), f)
+            v = ask({"op": "verify", "file": f, "pages": dpages})
+            total = tokens * TOKEN_BYTES * BUFFERS
+            med = statistics.median(times)
+            row = {"mode": mode, "pattern": pattern, "tokens": tokens, "bytes": total, "runs": len(s), "calls": len(calls),
+                   "reps": reps, "median_us": med * 1e6, "min_us": min(times) * 1e6, "max_us": max(times) * 1e6,
+                   "gbps": total / med / 1e9, "run_bytes": n[0], "verify": v,
+                   "client_write_median_us": statistics.median(e2e) * 1e6,
+                   "verified": v["mismatched"] == 0 and v.get("gaps_touched", 0) == 0}
+            rows.append(row)
+            print("%-7s %-10s %6d tok %7d runs %9.1f us %8.1f GB/s verified=%s" % (
+                mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["verified"]), file=sys.stderr, flush=True)
+    ask({"op": "quit"})
+    child.wait(30)
+    cl.close()
+    time.sleep(0.5)
+    left = {"prefill": pp.regions(), "decode": dp.regions()}
+    pp.stop()
+    dp.stop()
+    return {"mode": mode, "transport": hello["transport"], "register_us_per_buffer": reg_us, "rows": rows,
+            "regions_after_close": left}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    ap.add_argument("--kvproxy", default="bin/cuda/bin/kvproxy")
+    ap.add_argument("--transport", default="ucx")
+    ap.add_argument("--modes", default="auto,kernel,memcpy")
+    ap.add_argument("--out", default="bench/out/kv-gpu.json")
+    args = ap.parse_args()
+    if args.engine:
+        return decode_engine(args.engine)
+    tmp = tempfile.mkdtemp(prefix="kv-gpu-")
+    res = {"gpu": torch.cuda.get_device_name(), "layout": {"layers": LAYERS, "buffers": BUFFERS, "page_tokens": PAGE,
+           "page_bytes": PAGE_BYTES, "token_bytes_per_buffer": TOKEN_BYTES}, "runs": []}
+    for mode in args.modes.split(","):
+        res["runs"].append(run_mode(args, mode, tmp))
+    res["logs"] = {n: open(os.path.join(tmp, n)).read()[-3000:] for n in os.listdir(tmp) if n.endswith(".log")}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    bad = [r for run in res["runs"] for r in run["rows"] if not r["verified"]]
+    if bad:
+        print("VERIFY FAILED: %d configurations" % len(bad), file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
