@@ -1,8 +1,12 @@
-// Command kvproxy is the KV-transfer sidecar next to one engine: it
-// allocates the engine's KV pool in shared memory (UCX-allocated with ucx
-// over shared memory, else a memfd), registers it with the transport once,
-// hands the engine the segment's fd over the control socket, and moves
-// pages to/from peer kvproxies. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health
+// Command kvproxy is the KV-transfer sidecar next to one engine. Pool mode
+// (our mock engine): it allocates the engine's KV pool in shared memory
+// (UCX-allocated with ucx over shared memory, else a memfd), registers it
+// with the transport once, hands the engine the segment's fd over the
+// control socket, and moves pages to/from peer kvproxies. Engine-memory
+// mode (SGLang through the Mooncake-compatible TransferEngine in python/):
+// the engine registers memory it owns by memfd and writes into peer
+// engines by address; peers name this kvproxy by its peer address (the
+// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health
 // and /metrics are on the metrics port. The sidecar itself is package
 // kvtransfer/sidecar; this command parses flags and runs it until SIGINT or
 // SIGTERM.
@@ -36,11 +40,12 @@ func main() {
 	flag.StringVar(&cfg.Control, "control", "/tmp/kvproxy.sock", "Unix socket the engine connects to")
 	flag.StringVar(&cfg.Host, "host", "127.0.0.1", "address to listen on and advertise to peers")
 	flag.IntVar(&cfg.BootstrapPort, "bootstrap-port", 8998, "prefill: bootstrap HTTP API port")
-	flag.IntVar(&cfg.PeerPort, "peer-port", 0, "prefill: peer protocol port (0: any)")
+	flag.IntVar(&cfg.PeerPort, "peer-port", 0, "peer protocol port: rooms (prefill) and engine memory (both roles) (0: any)")
 	flag.IntVar(&cfg.MetricsPort, "metrics-port", 0, "/health and /metrics port (0: any)")
 	flag.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", 300*time.Second, "a room not matched by its peer within this fails")
 	flag.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", 300*time.Second, "a matched room not finished within this fails")
 	flag.DurationVar(&cfg.Heartbeat, "heartbeat-interval", 5*time.Second, "peer heartbeat; two missed intervals fail the peer's rooms")
+	flag.DurationVar(&cfg.WriteTimeout, "write-timeout", 5*time.Second, "an engine-memory write (or probe) not complete within this fails")
 	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	if err := run(cfg, logLevel); err != nil {

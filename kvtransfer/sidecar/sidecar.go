@@ -37,17 +37,21 @@ type Config struct {
 	Transport string // see Transports
 	Control   string // Unix socket the engine connects to
 	Host      string // address to listen on and advertise to peers
-	// Prefill only: the bootstrap HTTP API and the peer protocol.
-	BootstrapPort, PeerPort int
-	MetricsPort             int // /health and /metrics
+	// Prefill only: the bootstrap HTTP API.
+	BootstrapPort int
+	// The peer protocol: rooms (prefill) and engine-owned memory (both
+	// roles; an engine reports this address as its rpc address).
+	PeerPort     int
+	MetricsPort  int           // /health and /metrics
+	WriteTimeout time.Duration // bounds an engine-memory write; 0: 5 s
 	BootstrapTimeout        time.Duration
 	WaitingTimeout          time.Duration
 	Heartbeat               time.Duration
 	Logger                  *zap.Logger // nil: no logs
 }
 
-// Addrs is where a started sidecar listens; Peer and Bootstrap are empty on
-// a decode sidecar, which listens for neither.
+// Addrs is where a started sidecar listens; Bootstrap is empty on a decode
+// sidecar, whose peer port serves engine-owned memory only.
 type Addrs struct {
 	Control   string
 	Metrics   string
@@ -61,6 +65,7 @@ type Sidecar struct {
 	addrs    Addrs
 	tr       kvtransfer.Transport
 	eng      *kvtransfer.Engine
+	mem      *kvtransfer.MemoryPlane
 	ctl      *control.Server
 	resolver *bootstrap.Resolver // decode
 	servers  []*http.Server
@@ -95,25 +100,37 @@ func Start(cfg Config) (*Sidecar, error) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	roomLn, memLn := kvtransfer.SplitPeerListener(lns.peer)
 	ecfg := kvtransfer.Config{
-		Name: cfg.Role + "@" + cfg.Host, Transport: tr, Listener: lns.peer, Logger: log, Metrics: kvtransfer.NewMetrics(reg),
+		Name: cfg.Role + "@" + cfg.Host, Transport: tr, Logger: log, Metrics: kvtransfer.NewMetrics(reg),
 		BootstrapTimeout: cfg.BootstrapTimeout, WaitingTimeout: cfg.WaitingTimeout, Heartbeat: cfg.Heartbeat,
 	}
 	var boot *bootstrap.Server
 	if cfg.Role == "prefill" {
 		boot = bootstrap.NewServer()
+		ecfg.Listener = roomLn
 	} else {
+		_ = roomLn.Close() // decode accepts no room peers
 		s.resolver = bootstrap.NewResolver(0, "")
 		// Its own connections, so Close leaves no idle ones behind.
 		s.resolver.Client.Transport = http.DefaultTransport.(*http.Transport).Clone()
 		ecfg.Resolve = s.resolver.Resolve
 	}
-	if s.eng, err = kvtransfer.New(ecfg); err != nil {
+	s.mem, err = kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: ecfg.Name, Transport: tr, Listener: memLn,
+		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg})
+	if err == nil {
+		if s.eng, err = kvtransfer.New(ecfg); err != nil {
+			_ = s.mem.Close()
+		}
+	}
+	if err != nil {
+		_ = roomLn.Close()
+		_ = memLn.Close()
 		lns.close()
 		_ = tr.Close()
 		return nil, err
 	}
-	s.ctl = &control.Server{Engine: s.eng, Log: log}
+	s.ctl = &control.Server{Engine: s.eng, Memory: s.mem, Log: log}
 	if boot != nil {
 		peerPort := lns.peer.Addr().(*net.TCPAddr).Port
 		s.ctl.OnRegister = func(p *kvtransfer.Pool) {
@@ -129,10 +146,10 @@ func Start(cfg Config) (*Sidecar, error) {
 	mux.HandleFunc("/health", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintf(w, "OK rooms_active=%d peers=%d pool_registered=%t\n", s.eng.ActiveRooms(), s.eng.Peers(), s.eng.Pool() != nil)
 	})
-	s.addrs = Addrs{Control: cfg.Control, Metrics: lns.metrics.Addr().String()}
+	s.addrs = Addrs{Control: cfg.Control, Metrics: lns.metrics.Addr().String(), Peer: lns.peer.Addr().String()}
 	s.serve(&http.Server{Handler: mux}, lns.metrics)
 	if boot != nil {
-		s.addrs.Peer, s.addrs.Bootstrap = lns.peer.Addr().String(), lns.boot.Addr().String()
+		s.addrs.Bootstrap = lns.boot.Addr().String()
 		s.serve(&http.Server{Handler: boot}, lns.boot)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -160,7 +177,7 @@ func Start(cfg Config) (*Sidecar, error) {
 }
 
 type listeners struct {
-	peer, boot, metrics net.Listener // peer and boot: prefill only
+	peer, boot, metrics net.Listener // boot: prefill only
 	control             *net.UnixListener
 }
 
@@ -170,10 +187,9 @@ func (s *Sidecar) listen() (*listeners, error) {
 		return net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(port)))
 	}
 	var err error
-	if s.cfg.Role == "prefill" {
-		if l.peer, err = tcp(s.cfg.PeerPort); err == nil {
-			l.boot, err = tcp(s.cfg.BootstrapPort)
-		}
+	l.peer, err = tcp(s.cfg.PeerPort)
+	if err == nil && s.cfg.Role == "prefill" {
+		l.boot, err = tcp(s.cfg.BootstrapPort)
 	}
 	if err == nil {
 		l.metrics, err = tcp(s.cfg.MetricsPort)
@@ -244,6 +260,7 @@ func (s *Sidecar) Close() error {
 			_ = srv.Close()
 		}
 		s.wg.Wait()
+		_ = s.mem.Close() // the engines' connections are gone, so are their regions
 		_ = s.eng.Close()
 		_ = s.tr.Close()
 		_ = s.ctl.Close()

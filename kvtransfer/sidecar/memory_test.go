@@ -1,0 +1,93 @@
+package sidecar
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/control"
+)
+
+// TestEngineOwnedMemory: two kvproxies as cmd/kvproxy runs them; each
+// engine registers memory it owns (a memfd mapping) and the prefill engine
+// writes into the decode engine's by address, Mooncake-style, while the
+// prefill kvproxy also serves rooms on the same peer port.
+func TestEngineOwnedMemory(t *testing.T) {
+	withTransports(t, func(t *testing.T, transport string) {
+		p, d := start(t, "prefill", transport), start(t, "decode", transport)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		engine := func(s *Sidecar, size int) (*control.Client, []byte) {
+			cl, err := control.Dial(s.Addrs().Control)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { cl.Close() })
+			fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(fd)
+			if err := unix.Ftruncate(fd, int64(size)); err != nil {
+				t.Fatal(err)
+			}
+			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = unix.Munmap(mem) })
+			if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
+				t.Fatal(err)
+			}
+			return cl, mem
+		}
+		const size = 1 << 20
+		pcl, src := engine(p, size)
+		dcl, dst := engine(d, size)
+		for i := range src {
+			src[i] = byte(i*31 + 7)
+		}
+		peer, tr, err := dcl.Hello(ctx)
+		if err != nil || peer != d.Addrs().Peer || tr != transport {
+			t.Fatalf("decode hello: %q %q %v", peer, tr, err)
+		}
+		// SGLang's shape: per layer and page, consecutive pages merge.
+		var ts []control.Triple
+		for layer := range 4 {
+			for pg := range 16 {
+				off := uint64(layer*64+pg) * 4096
+				ts = append(ts, control.Triple{Src: addr(src) + off, Dst: addr(dst) + off + 8*4096, Len: 4096})
+			}
+		}
+		if err := pcl.Write(ctx, peer, ts); err != nil {
+			t.Fatal(err)
+		}
+		for i, tr := range ts {
+			if !bytes.Equal(dst[tr.Dst-addr(dst):][:tr.Len], src[tr.Src-addr(src):][:tr.Len]) {
+				t.Fatalf("triple %d did not land", i)
+			}
+		}
+		if m := get(t, "http://"+d.Addrs().Metrics+"/metrics"); !strings.Contains(m, "kvproxy_registered_regions 1") {
+			t.Fatalf("decode metrics lack the registration:\n%s", m)
+		}
+		// The engines leave: their registrations go (what tests read).
+		pcl.Close()
+		dcl.Close()
+		for _, s := range []*Sidecar{p, d} {
+			deadline := time.Now().Add(5 * time.Second)
+			for !strings.Contains(get(t, "http://"+s.Addrs().Metrics+"/metrics"), "kvproxy_registered_regions 0") {
+				if time.Now().After(deadline) {
+					t.Fatal("registrations did not go with the engine's connection")
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	})
+}
+
+func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
