@@ -1,0 +1,454 @@
+package kvtransfer
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// Engine GPU memory (issue 16). An engine registers device memory by the
+// CUDA IPC handle of the allocation holding it plus the offset; the kvproxy
+// opens the handle through the driver API. UCX cannot carry such memory:
+// the driver refuses to export a mapping that was itself imported
+// (cuIpcGetMemHandle: invalid argument, measured on the H200), and UCX's
+// cuda_ipc rkeys are exactly such exports. So a cuda region's key in the
+// peer table is the engine's own handle, and the writing kvproxy, on the
+// same host, opens the peer engine's allocation itself and copies GPU to
+// GPU on its own stream: one kernel launch per write for many runs (or a
+// copy per run for a few), with contiguous runs merged. That is what UCX's
+// cuda_ipc transport does inside, minus the re-export.
+
+// gpuCopyMode forces the copier's mode (PDROUTER_CUDA_COPY=kernel|memcpy)
+// for benchmarks; the default picks per batch.
+var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": cuda.CopyMemcpy}[os.Getenv("PDROUTER_CUDA_COPY")]
+
+// gpuPlane is a MemoryPlane's GPU state; its zero value opens the device on
+// first use.
+type gpuPlane struct {
+	init sync.Once
+	dev  *cuda.Device
+	cp   *cuda.Copier
+	err  error
+	host string // boot id: peers' handles open only on the same host
+
+	mu      sync.Mutex
+	regions []*gpuRegion // sorted by base
+	imports map[cuda.Handle]*gpuImport
+	// peers maps a peer region (by link and ID) to its import; pmu is
+	// write-held to drop imports no peer table names any more.
+	peers map[gpuPeerKey]*gpuImport
+	seen  map[*memLink]*wire.MemRegion // the peer table each link was last pruned at
+	pmu   sync.RWMutex
+}
+
+type gpuPeerKey struct {
+	l  *memLink
+	id uint32
+}
+
+// gpuImport is one opened IPC handle, shared by the regions inside it.
+type gpuImport struct {
+	ptr  uint64 // the mapping's base in this process
+	size uint64 // 0: unknown
+	refs int
+}
+
+// gpuRegion is one registered GPU region.
+type gpuRegion struct {
+	id        uint32
+	base, n   uint64 // engine address range
+	handle    cuda.Handle
+	handleOff uint64 // base minus the allocation's base
+	imp       *gpuImport
+	owner     *MemorySession
+	use       sync.RWMutex
+	gone      bool
+	ptr       uint64 // base's address in this process
+}
+
+func (r *gpuRegion) end() uint64 { return r.base + r.n }
+
+func (g *gpuPlane) open() error {
+	g.init.Do(func() {
+		if g.dev, g.err = cuda.Open(0); g.err != nil {
+			return
+		}
+		if g.cp, g.err = g.dev.NewCopier(); g.err != nil {
+			g.dev.Close()
+			return
+		}
+		b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+		if err != nil {
+			g.err = fmt.Errorf("read boot id: %w", err)
+			return
+		}
+		g.host = strings.TrimSpace(string(b))
+		g.imports, g.peers, g.seen = map[cuda.Handle]*gpuImport{}, map[gpuPeerKey]*gpuImport{}, map[*memLink]*wire.MemRegion{}
+	})
+	return g.err
+}
+
+// importLocked opens h (once per process) and takes a reference.
+func (g *gpuPlane) importLocked(h cuda.Handle) (*gpuImport, error) {
+	if imp := g.imports[h]; imp != nil {
+		imp.refs++
+		return imp, nil
+	}
+	ptr, err := g.dev.OpenIPC(h)
+	if err != nil {
+		return nil, err
+	}
+	// The allocation's size bounds registrations; 0 if the driver won't
+	// say for an imported mapping (then the engine's ranges are trusted).
+	imp := &gpuImport{ptr: ptr, refs: 1}
+	if base, size, err := g.dev.AddressRange(ptr); err == nil && base == ptr {
+		imp.size = uint64(size)
+	}
+	g.imports[h] = imp
+	return imp, nil
+}
+
+func (g *gpuPlane) releaseLocked(h cuda.Handle, imp *gpuImport) error {
+	if imp.refs--; imp.refs > 0 {
+		return nil
+	}
+	delete(g.imports, h)
+	return g.dev.CloseIPC(imp.ptr)
+}
+
+// RegisterCUDA registers device memory [addr, addr+length) of the engine,
+// which lies handleOffset bytes into the allocation whose IPC handle is
+// handle. Registering the identical range again replaces it.
+func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleOffset uint64) error {
+	p, g := s.p, &s.p.gpu
+	switch {
+	case len(handle) != cuda.HandleSize:
+		return fmt.Errorf("register cuda memory: handle of %d bytes, want %d", len(handle), cuda.HandleSize)
+	case length == 0 || addr+length < addr || handleOffset > addr:
+		return fmt.Errorf("register cuda memory: bad range [%#x,+%d) at offset %d", addr, length, handleOffset)
+	case length > maxMemoryRegion:
+		return fmt.Errorf("register cuda memory: %d bytes is too large", length)
+	}
+	if err := g.open(); err != nil {
+		return fmt.Errorf("register cuda memory: %w", err)
+	}
+	var h cuda.Handle
+	copy(h[:], handle)
+	// The ID comes first: table() holds p.mu while it takes g.mu.
+	p.mu.Lock()
+	closed := p.closed
+	p.nextID++
+	id := p.nextID
+	p.mu.Unlock()
+	if closed {
+		return ErrClosed
+	}
+	g.mu.Lock()
+	var replaced *gpuRegion
+	for _, r := range g.regions {
+		if r.base < addr+length && addr < r.end() {
+			if r.base != addr || r.n != length || r.owner != s || replaced != nil {
+				g.mu.Unlock()
+				return fmt.Errorf("register cuda memory: [%#x,+%d) overlaps registered [%#x,+%d)", addr, length, r.base, r.n)
+			}
+			replaced = r
+		}
+	}
+	imp, err := g.importLocked(h)
+	if err != nil {
+		g.mu.Unlock()
+		return fmt.Errorf("register cuda memory: open IPC handle: %w", err)
+	}
+	if imp.size != 0 && handleOffset+length > imp.size {
+		err := g.releaseLocked(h, imp)
+		g.mu.Unlock()
+		return errors.Join(fmt.Errorf("register cuda memory: [%d,+%d) runs past the %d-byte allocation", handleOffset, length, imp.size), err)
+	}
+	r := &gpuRegion{id: id, base: addr, n: length, handle: h, handleOff: handleOffset, imp: imp, owner: s, ptr: imp.ptr + handleOffset}
+	if replaced != nil {
+		g.regions = slices.DeleteFunc(g.regions, func(x *gpuRegion) bool { return x == replaced })
+	}
+	i, _ := slices.BinarySearchFunc(g.regions, addr, func(r *gpuRegion, a uint64) int { return cmpU64(r.base, a) })
+	g.regions = slices.Insert(g.regions, i, r)
+	g.mu.Unlock()
+	p.m.regions.Inc()
+	p.m.bytes.Add(float64(length))
+	if replaced != nil {
+		return g.release(p, replaced, true)
+	}
+	return nil
+}
+
+// release waits for writes using r, then closes its handle reference.
+func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion, push bool) error {
+	r.use.Lock()
+	r.gone = true
+	r.use.Unlock()
+	g.mu.Lock()
+	err := g.releaseLocked(r.handle, r.imp)
+	g.mu.Unlock()
+	p.m.regions.Dec()
+	p.m.bytes.Sub(float64(r.n))
+	if push {
+		p.pushTable()
+	}
+	return err
+}
+
+// unregister drops s's GPU region holding addr; false if there is none.
+func (g *gpuPlane) unregister(p *MemoryPlane, s *MemorySession, addr uint64) (bool, error) {
+	g.mu.Lock()
+	r := g.findLocked(addr, 1)
+	if r == nil || r.owner != s {
+		g.mu.Unlock()
+		return false, nil
+	}
+	g.regions = slices.DeleteFunc(g.regions, func(x *gpuRegion) bool { return x == r })
+	g.mu.Unlock()
+	return true, g.release(p, r, true)
+}
+
+// dropSession drops every GPU region s registered (nil s: all of them).
+func (g *gpuPlane) dropSession(p *MemoryPlane, s *MemorySession, push bool) error {
+	g.mu.Lock()
+	var mine []*gpuRegion
+	g.regions = slices.DeleteFunc(g.regions, func(r *gpuRegion) bool {
+		if s == nil || r.owner == s {
+			mine = append(mine, r)
+			return true
+		}
+		return false
+	})
+	g.mu.Unlock()
+	var err error
+	for _, r := range mine {
+		err = errors.Join(err, g.release(p, r, false))
+	}
+	if push && len(mine) > 0 {
+		p.pushTable()
+	}
+	return err
+}
+
+// close drops every region and peer import and frees the device.
+func (g *gpuPlane) close(p *MemoryPlane) error {
+	if g.dev == nil {
+		return nil
+	}
+	err := g.dropSession(p, nil, false)
+	g.pmu.Lock()
+	g.mu.Lock()
+	for k, imp := range g.peers {
+		delete(g.peers, k)
+		err = errors.Join(err, g.releaseLocked(imp.key(g), imp))
+	}
+	g.mu.Unlock()
+	g.pmu.Unlock()
+	return errors.Join(err, g.cp.Close(), g.dev.Close())
+}
+
+// key finds imp's handle (peer imports are few; only close needs it).
+func (imp *gpuImport) key(g *gpuPlane) cuda.Handle {
+	for h, x := range g.imports {
+		if x == imp {
+			return h
+		}
+	}
+	return cuda.Handle{}
+}
+
+func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
+	i, _ := slices.BinarySearchFunc(g.regions, addr+1, func(r *gpuRegion, a uint64) int { return cmpU64(r.base, a) })
+	if i == 0 {
+		return nil
+	}
+	r := g.regions[i-1]
+	if addr+n < addr || addr+n > r.end() {
+		return nil
+	}
+	return r
+}
+
+// holds reports whether the write's first source is GPU memory.
+func (g *gpuPlane) holds(ts []Triple) bool {
+	if len(ts) == 0 {
+		return false
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.findLocked(ts[0].Src, max(ts[0].Len, 1)) != nil
+}
+
+// table lists the GPU regions for peers: the key is the engine's handle,
+// the offset and this host's boot id.
+func (g *gpuPlane) table() []wire.MemRegion {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	t := make([]wire.MemRegion, len(g.regions))
+	for i, r := range g.regions {
+		t[i] = wire.MemRegion{ID: r.id, Kind: wire.MemCUDA, Base: r.base, Len: r.n, Addr: r.ptr, RKey: gpuKey(r.handle, r.handleOff, g.host)}
+	}
+	return t
+}
+
+func gpuKey(h cuda.Handle, off uint64, host string) []byte {
+	k := append(h[:], make([]byte, 8)...)
+	binary.LittleEndian.PutUint64(k[cuda.HandleSize:], off)
+	return append(k, host...)
+}
+
+func parseGPUKey(k []byte) (cuda.Handle, uint64, string, error) {
+	var h cuda.Handle
+	if len(k) < cuda.HandleSize+8 {
+		return h, 0, "", fmt.Errorf("cuda region key of %d bytes", len(k))
+	}
+	copy(h[:], k)
+	return h, binary.LittleEndian.Uint64(k[cuda.HandleSize:]), string(k[cuda.HandleSize+8:]), nil
+}
+
+// prune drops peer imports whose region left l's table (or whose link
+// closed); called when l's table changed since the last write.
+func (g *gpuPlane) prune(l *memLink) error {
+	l.mu.Lock()
+	cur := unsafe.SliceData(l.regions)
+	ids := make(map[uint32]bool, len(l.regions))
+	for _, r := range l.regions {
+		ids[r.ID] = true
+	}
+	l.mu.Unlock()
+	g.mu.Lock()
+	same := g.seen[l] == cur
+	g.mu.Unlock()
+	if same {
+		return nil
+	}
+	g.pmu.Lock()
+	defer g.pmu.Unlock()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var err error
+	for k, imp := range g.peers {
+		if k.l == l && !ids[k.id] || k.l != l && k.l.isClosed() {
+			delete(g.peers, k)
+			err = errors.Join(err, g.releaseLocked(imp.key(g), imp))
+		}
+	}
+	for x := range g.seen {
+		if x.isClosed() {
+			delete(g.seen, x)
+		}
+	}
+	g.seen[l] = cur
+	return err
+}
+
+func (l *memLink) isClosed() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.closed
+}
+
+// peerPtr returns where peer region r (behind l) is mapped here, opening
+// its engine's allocation on first use. Call with pmu read-held.
+func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion) (uint64, error) {
+	k := gpuPeerKey{l, r.ID}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if imp := g.peers[k]; imp != nil {
+		return imp.ptr, nil
+	}
+	h, off, host, err := parseGPUKey(r.RKey)
+	if err != nil {
+		return 0, err
+	}
+	if host != g.host {
+		return 0, fmt.Errorf("peer region %d is GPU memory on another host: GPU-to-GPU writes need both engines on one host", r.ID)
+	}
+	imp, err := g.importLocked(h)
+	if err != nil {
+		return 0, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
+	}
+	if imp.size != 0 && off+r.Len > imp.size {
+		return 0, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(h, imp))
+	}
+	g.peers[k] = imp
+	return imp.ptr + off, nil
+}
+
+// write moves GPU triples into the peer engine's GPU memory behind l.
+func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple) error {
+	if err := g.prune(l); err != nil {
+		p.log.Warn("close peer GPU mappings: " + err.Error())
+	}
+	g.pmu.RLock()
+	defer g.pmu.RUnlock()
+	var srcs []*gpuRegion
+	defer func() {
+		for _, r := range srcs {
+			r.use.RUnlock()
+		}
+	}()
+	var runs []cuda.Run
+	var total uint64
+	refreshed := false
+	for i, t := range ts {
+		if t.Len == 0 {
+			continue
+		}
+		g.mu.Lock()
+		src := g.findLocked(t.Src, t.Len)
+		g.mu.Unlock()
+		if src == nil {
+			return fmt.Errorf("triple %d: source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", i, t.Src, t.Len, ErrNotRegistered)
+		}
+		if !slices.Contains(srcs, src) {
+			src.use.RLock()
+			srcs = append(srcs, src)
+			if src.gone {
+				return fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
+			}
+		}
+		dst, ok := l.remoteRegion(t.Dst, t.Len)
+		if !ok && !refreshed {
+			refreshed = true
+			if err := l.refresh(ctx); err != nil {
+				return fmt.Errorf("refresh peer regions: %w", err)
+			}
+			dst, ok = l.remoteRegion(t.Dst, t.Len)
+		}
+		if !ok {
+			return fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
+		}
+		if dst.Kind != wire.MemCUDA {
+			return fmt.Errorf("triple %d: destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", i, t.Dst, t.Len)
+		}
+		dptr, err := g.peerPtr(l, dst)
+		if err != nil {
+			return err
+		}
+		run := cuda.Run{Src: src.ptr + (t.Src - src.base), Dst: dptr + (t.Dst - dst.Base), Len: t.Len}
+		total += t.Len
+		if n := len(runs); n > 0 && runs[n-1].Src+runs[n-1].Len == run.Src && runs[n-1].Dst+runs[n-1].Len == run.Dst {
+			runs[n-1].Len += run.Len
+			continue
+		}
+		runs = append(runs, run)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if _, err := g.cp.Copy(runs, gpuCopyMode); err != nil {
+		return fmt.Errorf("GPU copy: %w", err)
+	}
+	p.m.written.Add(float64(total))
+	return nil
+}
