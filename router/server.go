@@ -58,8 +58,12 @@ type Server struct {
 	background sync.WaitGroup // prefill legs that outlive their handler
 }
 
-// New builds a router from cfg. Metrics are registered on promReg.
+// New builds a router from cfg, which must pass Config.Validate. Metrics
+// are registered on promReg.
 func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
 	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg)}
 	var err error
 	if s.bm, err = balancer.NewMetrics(promReg); err != nil {
