@@ -212,9 +212,7 @@ func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
 	w.APIKey = cmp.Or(spec.APIKey, m.cfg.APIKey)
 	w.DisableHealthCheck = spec.DisableHealthCheck
 	w.Labels = spec.Labels
-	if spec.ModelID != "" {
-		w.ModelID = spec.ModelID
-	}
+	w.ModelID = cmp.Or(spec.ModelID, w.ModelID)
 	if spec.Priority != nil {
 		w.Priority = *spec.Priority
 	}
@@ -243,9 +241,7 @@ func (m *Manager) register(ctx context.Context, j *job) {
 		j.status = newJobStatus(w.URL, JobFailed, err.Error())
 		m.log.Warn("worker registration failed", zap.String("url", w.URL), zap.Error(err))
 	default:
-		if id != "" {
-			w.ModelID = id // under mu: Get may be reading the pending worker
-		}
+		w.ModelID = cmp.Or(id, w.ModelID) // under mu: Get may be reading the pending worker
 		if _, added := m.reg.Add(w); added {
 			delete(m.jobs, w.ID)
 			m.log.Info("worker registered", zap.String("url", w.URL), zap.String("type", w.Type.String()), zap.String("model", w.ModelID))

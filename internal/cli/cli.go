@@ -6,9 +6,11 @@
 package cli
 
 import (
+	"cmp"
 	"fmt"
 	"io"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -66,21 +68,12 @@ func (p *Parser) add(f *Flag) *Flag {
 	if _, dup := p.byName[f.Name]; dup {
 		panic("cli: duplicate flag --" + f.Name)
 	}
-	if !containsString(p.groups, f.Group) {
+	if !slices.Contains(p.groups, f.Group) {
 		p.groups = append(p.groups, f.Group)
 	}
 	p.flags = append(p.flags, f)
 	p.byName[f.Name] = f
 	return f
-}
-
-func containsString(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // Bool is a store_true flag.
@@ -256,7 +249,7 @@ func (p *Parser) Parse(args []string) error {
 		}
 		if len(f.Choices) > 0 {
 			for _, v := range vals {
-				if !containsString(f.Choices, v) {
+				if !slices.Contains(f.Choices, v) {
 					return &UsageError{fmt.Sprintf("argument --%s: invalid choice: '%s' (choose from %s)",
 						f.Name, v, "'"+strings.Join(f.Choices, "', '")+"'")}
 				}
@@ -302,10 +295,7 @@ func (p *Parser) Help(w io.Writer) {
 				continue
 			}
 			spec := "--" + f.Name
-			meta := f.Metavar
-			if meta == "" {
-				meta = strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-			}
+			meta := cmp.Or(f.Metavar, strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_")))
 			switch f.nargs {
 			case one:
 				spec += " " + meta
