@@ -7,8 +7,6 @@ import (
 	"unsafe"
 
 	"github.com/valyala/fasthttp"
-
-	"github.com/pdrouter/pdrouter/balancer"
 )
 
 // forwardHeaders renders sglang-router's whitelist of client headers as
@@ -41,11 +39,6 @@ func appendHeader(b, name, value []byte) []byte {
 	return append(b, "\r\n"...)
 }
 
-// post sends body to w. The caller closes the response.
-func (s *Server) post(ctx *scope, w *balancer.Worker, path string, body, header []byte) (*upstreamResponse, error) {
-	return s.hot.post(ctx, w.URL, path, body, header)
-}
-
 // maxErrorBody bounds what is read of an upstream error reply.
 const maxErrorBody = 64 << 10
 
@@ -54,31 +47,8 @@ func readError(resp *upstreamResponse) []byte {
 	return b
 }
 
-// hopHeaders are not copied from a worker's reply; fasthttp sets its own
-// framing headers.
-var hopHeaders = map[string]bool{
-	"Connection": true, "Keep-Alive": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
-	"Te": true, "Trailer": true, "Trailers": true, "Transfer-Encoding": true, "Upgrade": true,
-	"Content-Encoding": true, "Host": true, "Content-Length": true, "Date": true, "Server": true,
-	"X-Request-Id": true,
-}
-
-func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
-	for k, v := range resp.Header.All() {
-		if !hopHeaders[bstr(k)] {
-			ctx.Response.Header.AddBytesKV(k, v)
-		}
-	}
-}
-
 // bstr views bytes as a string without copying, for comparisons only.
 func bstr(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
 
 // chunkPool holds the buffers streams are relayed through.
 var chunkPool = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
-
-// isSuccess is the breaker outcome: PD counts 4xx as success (the worker
-// answered; the client was wrong), regular mode only 2xx.
-func isSuccess(status int, pd bool) bool {
-	return status/100 == 2 || (pd && status/100 == 4)
-}

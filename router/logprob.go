@@ -24,15 +24,25 @@ type logprobMerger struct {
 }
 
 func newLogprobMerger(prefillBody []byte) *logprobMerger {
+	prefix, ok := prefillLogprobs(prefillBody)
+	if !ok {
+		return nil
+	}
+	return &logprobMerger{prefix: prefix}
+}
+
+// prefillLogprobs are the elements of prefill's input_token_logprobs,
+// without brackets, from a JSON reply or the first event of an SSE one.
+func prefillLogprobs(prefillBody []byte) ([]byte, bool) {
 	doc := prefillBody
 	if ev := firstSSEData(prefillBody); ev != nil {
 		doc = ev
 	}
 	sp := logprobSpan(doc)
 	if !sp.OK() {
-		return nil
+		return nil, false
 	}
-	return &logprobMerger{prefix: bytes.TrimSpace(doc[sp.Start+1 : sp.End-1])}
+	return bytes.TrimSpace(doc[sp.Start+1 : sp.End-1]), true
 }
 
 // feed returns the complete events of chunk, merged; a partial event is
@@ -77,15 +87,11 @@ func (m *logprobMerger) mergeEvent(dst, ev []byte) []byte {
 // mergeLogprobsJSON merges a non-streaming reply. A decode body that is not
 // an object with the array (a batch, an OpenAI reply) passes unchanged.
 func mergeLogprobsJSON(prefillBody, decodeBody []byte) []byte {
-	doc := prefillBody
-	if ev := firstSSEData(prefillBody); ev != nil {
-		doc = ev
-	}
-	sp := logprobSpan(doc)
-	if !sp.OK() {
+	prefix, ok := prefillLogprobs(prefillBody)
+	if !ok {
 		return decodeBody
 	}
-	return spliceLogprobs(bytes.TrimSpace(doc[sp.Start+1:sp.End-1]), decodeBody)
+	return spliceLogprobs(prefix, decodeBody)
 }
 
 // spliceLogprobs returns doc with prefix's elements put at the front of its

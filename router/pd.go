@@ -9,189 +9,182 @@ import (
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
-// The PD request path, top to bottom:
+// The PD request path, top to bottom (pdAttempt):
 //
 //  1. pick a prefill and a decode worker with each side's policy;
-//  2. splice bootstrap_host/port/room into the body bytes (inject.go);
-//  3. send the same body to both at once;
-//  4. relay decode's answer as it arrives, never waiting for prefill's body
-//     (unlike sglang-router, sgl-project/sglang#22853), while a goroutine
-//     watches prefill: if prefill fails, decode is cancelled and the client
-//     gets prefill's error (before the first byte) or an SSE error frame
-//     (after it);
-//  5. a client that goes away cancels both legs (connwatch.go, stream.go).
-
-// prefillLeg is the prefill request running beside decode, with the
-// attempt's scope (one allocation for both).
-type prefillLeg struct {
-	actx scope // ends both legs: prefill failed, or the attempt is over
-	done chan struct{}
-	err  *apiError // set before done closes when prefill failed
-	body []byte    // prefill's reply, kept only for logprob merging
-}
-
-// failure returns prefill's error if prefill is what ended the attempt.
-func (p *prefillLeg) failure() *apiError {
-	if p.actx.Cause() != errPrefillFailed {
-		return nil
-	}
-	<-p.done
-	return p.err
-}
-
-// wait blocks until prefill has answered or the attempt ends.
-func (p *prefillLeg) wait() bool {
-	select {
-	case <-p.done:
-		return p.err == nil
-	case <-p.actx.Done():
-		return false
-	}
-}
+//  2. splice bootstrap_host/port/room into the body bytes (splice/);
+//  3. start the prefill leg on its own goroutine; if it fails, the decode
+//     leg is cancelled and the client gets prefill's error (before the
+//     first byte) or an SSE error frame (after it);
+//  4. open the decode leg with the same body, at once, not after prefill;
+//  5. reply with decode's answer as it arrives (reply.go, stream.go),
+//     never waiting for prefill's body (unlike sglang-router,
+//     sgl-project/sglang#22853) except to merge logprobs.
+//
+// A client that goes away cancels both legs (connwatch.go, stream.go).
 
 // pdAttempt runs one try on a fresh pair and room. It returns the failure to
 // report (nil when a reply was written) and whether a stream writer now owns
 // the request.
 func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, bool) {
+	pw, dw, fail := s.pickPair(ctx, r)
+	if fail != nil {
+		return fail, false
+	}
+	body := bootstrapBody(r, pw)
+	a := s.startPrefill(r, pw, body)
+	if fail, ok := s.openDecode(r, a, dw, body); !ok {
+		return fail, false
+	}
+	return s.reply(ctx, r, &r.leg, a)
+}
+
+func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balancer.Worker, fail *apiError) {
 	snap := s.reg.Snapshot()
 	pr := s.policyRequest(ctx, r)
-	pw, fail := s.pick(s.prefill, snap, balancer.Prefill, pr)
-	if fail != nil {
-		return fail, false
+	if pw, fail = s.pick(s.prefill, snap, balancer.Prefill, pr); fail != nil {
+		return nil, nil, fail
 	}
-	dw, fail := s.pick(s.decode, snap, balancer.Decode, pr)
-	if fail != nil {
-		return fail, false
-	}
+	dw, fail = s.pick(s.decode, snap, balancer.Decode, pr)
+	return pw, dw, fail
+}
+
+// bootstrapBody is the client's body with pw's bootstrap fields and a fresh
+// room, in a buffer of its own that both legs share.
+func bootstrapBody(r *request, pw *balancer.Worker) []byte {
 	port := pw.BootstrapPort
 	if port == balancer.NoBootstrapPort {
 		port = splice.NoPort
 	}
 	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port,
 		batchSize(r.route, r.body, &r.info))
+	return body
+}
 
-	leg := &prefillLeg{done: make(chan struct{})}
-	actx := &leg.actx
-	actx.inherit(&r.scope)
-	pw.IncLoad()
-	dw.IncLoad()
+// attempt is one PD try: the scope both legs run under and the prefill leg
+// running beside decode (one allocation for all; the decode leg is the
+// request's). Its methods are no-ops on nil, which is regular mode.
+type attempt struct {
+	scope   scope // ends both legs: prefill failed, or the attempt is over
+	prefill leg
+	done    chan struct{} // closed when the prefill leg has ended
+	err     *apiError     // set before done closes when prefill failed
+	body    []byte        // prefill's reply, kept only for logprob merging
+}
+
+// startPrefill opens the prefill leg and runs it on its own goroutine; it
+// holds a reference to r, since it may outlive the handler.
+func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte) *attempt {
+	a := &attempt{done: make(chan struct{})}
+	a.scope.inherit(&r.scope)
+	a.prefill.open(s, pw)
 	r.hold()
 	s.background.Add(1)
-	go s.runPrefillLeg(leg, pw, r, body)
-
-	resp, err := s.post(actx, dw, r.path, body, r.header)
-	if err != nil {
-		dw.DecLoad()
-		if f := leg.failure(); f != nil {
-			return f.forStream(r.info.Stream), false
-		}
-		actx.cancel(errAttemptOver)
-		if r.clientGone() {
-			return nil, false
-		}
-		dw.Breaker.Record(false)
-		s.bm.WorkerError(dw, "connect")
-		return &apiError{Status: 502, Code: "decode_server_error", Message: "Decode server error: " + err.Error()}, false
-	}
-	dw.Breaker.Record(isSuccess(resp.StatusCode, true))
-	if resp.StatusCode/100 != 2 {
-		eb := readError(resp)
-		resp.Close()
-		dw.DecLoad()
-		actx.cancel(errAttemptOver)
-		s.bm.WorkerError(dw, "status_"+statusLabel(resp.StatusCode))
-		e := upstreamError("decode", resp.StatusCode, eb)
-		if r.info.Stream {
-			e.Status, e.sse = resp.StatusCode, true
-		}
-		return e, false
-	}
-	if r.info.Stream {
-		return s.startStream(ctx, r, resp, dw, leg)
-	}
-	defer dw.DecLoad()
-	defer resp.Close()
-	if err := readReply(ctx, resp); err != nil {
-		if f := leg.failure(); f != nil {
-			return f, false
-		}
-		actx.cancel(errAttemptOver)
-		if r.clientGone() {
-			return nil, false
-		}
-		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read decode response: " + err.Error()}, false
-	}
-	if r.mergeLogprobs() && leg.wait() {
-		ctx.SetBody(mergeLogprobsJSON(leg.body, ctx.Response.Body()))
-	}
-	r.observeFirstByte()
-	return nil, false
+	go s.runPrefill(a, r, body)
+	return a
 }
 
-// runPrefillLeg runs the prefill leg on its own goroutine (a method with
-// arguments rather than a closure: nothing to allocate for it).
-func (s *Server) runPrefillLeg(leg *prefillLeg, pw *balancer.Worker, r *request, body []byte) {
+// runPrefill is the prefill leg's goroutine (a method with arguments rather
+// than a closure: nothing to allocate for it). The leg closes before its
+// failure cancels the attempt, so that its connection may be pooled, and
+// before done, so that its breaker has heard of it when the client does.
+func (s *Server) runPrefill(a *attempt, r *request, body []byte) {
 	defer s.background.Done()
 	defer r.release()
-	defer pw.DecLoad()
-	defer close(leg.done)
-	leg.err, leg.body = s.runPrefill(&leg.actx, pw, r, body)
-	if leg.err != nil {
-		leg.actx.cancel(errPrefillFailed)
+	defer close(a.done)
+	a.err, a.body = a.readPrefill(r, body)
+	a.prefill.close()
+	if a.err != nil {
+		a.scope.cancel(errPrefillFailed)
 	}
 }
 
-// runPrefill sends the prefill leg and reads its reply. An error caused by
+// readPrefill sends the prefill leg and reads its reply. An error caused by
 // the attempt ending for another reason is not a prefill failure.
-func (s *Server) runPrefill(ctx *scope, pw *balancer.Worker, r *request, body []byte) (*apiError, []byte) {
-	resp, err := s.post(ctx, pw, r.path, body, r.header)
-	if err != nil {
-		if ctx.Err() != nil {
+func (a *attempt) readPrefill(r *request, body []byte) (*apiError, []byte) {
+	l := &a.prefill
+	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
+		if a.scope.Err() != nil {
 			return nil, nil
 		}
-		pw.Breaker.Record(false)
-		s.bm.WorkerError(pw, "connect")
 		return &apiError{Status: 502, Code: "prefill_server_error",
 			Message: "Prefill server error: " + err.Error() + ". This will cause decode timeout."}, nil
 	}
-	defer resp.Close()
-	pw.Breaker.Record(isSuccess(resp.StatusCode, true))
-	if resp.StatusCode/100 != 2 {
-		s.bm.WorkerError(pw, "status_"+statusLabel(resp.StatusCode))
-		return upstreamError("prefill", resp.StatusCode, readError(resp)), nil
+	if status := l.resp.StatusCode; status/100 != 2 {
+		return upstreamError("prefill", status, readError(l.resp)), nil
 	}
 	var out []byte
+	var err error
 	if r.mergeLogprobs() {
-		out, err = io.ReadAll(resp)
+		out, err = io.ReadAll(l.resp)
 	} else {
-		_, err = io.Copy(io.Discard, resp)
+		_, err = io.Copy(io.Discard, l.resp)
 	}
-	if err != nil && ctx.Err() == nil {
+	if err != nil && a.scope.Err() == nil {
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, nil
 	}
 	return nil, out
 }
 
-// readReply makes a worker's complete reply the client's: status, headers,
-// and the body read into the response's own (pooled) buffer.
-func readReply(ctx *fasthttp.RequestCtx, resp *upstreamResponse) error {
-	ctx.Response.ResetBody()
-	bufp := chunkPool.Get().(*[]byte)
-	defer chunkPool.Put(bufp)
-	for {
-		n, err := resp.Read(*bufp)
-		ctx.Response.AppendBody((*bufp)[:n])
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			ctx.Response.ResetBody()
-			return err
-		}
+// failure returns prefill's error if prefill is what ended the attempt.
+func (a *attempt) failure() *apiError {
+	if a == nil || a.scope.Cause() != errPrefillFailed {
+		return nil
 	}
-	ctx.SetStatusCode(resp.StatusCode)
-	copyHeaders(ctx, resp)
-	return nil
+	<-a.done
+	return a.err
+}
+
+// abandon ends the attempt for a reason other than prefill: prefill's leg
+// is cancelled if still running.
+func (a *attempt) abandon() {
+	if a != nil {
+		a.scope.cancel(errAttemptOver)
+	}
+}
+
+// logprobs is prefill's reply when decode's must be merged with it, once
+// prefill has answered; false when there is nothing to merge.
+func (a *attempt) logprobs(r *request) ([]byte, bool) {
+	if a == nil || !r.mergeLogprobs() {
+		return nil, false
+	}
+	select {
+	case <-a.done:
+		return a.body, a.err == nil
+	case <-a.scope.Done():
+		return nil, false
+	}
+}
+
+// openDecode opens the request's leg on dw and sends it. False means no
+// reply follows: the failure to report is returned (nil when the client is
+// gone).
+func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker, body []byte) (*apiError, bool) {
+	l := &r.leg
+	l.open(s, dw)
+	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
+		l.close()
+		if f := a.failure(); f != nil {
+			return f.forStream(r.info.Stream), false
+		}
+		a.abandon()
+		if r.clientGone() {
+			return nil, false
+		}
+		return &apiError{Status: 502, Code: "decode_server_error", Message: "Decode server error: " + err.Error()}, false
+	}
+	if status := l.resp.StatusCode; status/100 != 2 {
+		eb := readError(l.resp)
+		l.close()
+		a.abandon()
+		e := upstreamError("decode", status, eb)
+		if r.info.Stream {
+			e.Status, e.sse = status, true
+		}
+		return e, false
+	}
+	return nil, true
 }
 
 // batchSize is the number of prompts in a request for bootstrap purposes:

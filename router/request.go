@@ -32,6 +32,7 @@ type request struct {
 	scope   scope // embedded: no allocation of its own
 	refs    atomic.Int32
 	admit   func() // returns the admission token
+	leg     leg    // the worker leg whose reply is the client's (decode in PD mode)
 	policy  balancer.Request
 	metrics *routeMetrics // this route's series, set when routing starts
 	conn    net.Conn

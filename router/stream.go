@@ -6,44 +6,38 @@ import (
 	"io"
 
 	"github.com/valyala/fasthttp"
-
-	"github.com/pdrouter/pdrouter/balancer"
 )
 
-// startStream waits for the worker's first body bytes, so that a failure
-// before them can still be answered with a proper status (and retried),
-// then makes the rest the response body (streamRelay). leg is nil in
-// regular mode.
-func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, resp *upstreamResponse, w *balancer.Worker,
-	leg *prefillLeg) (*apiError, bool) {
+// startStream waits for the first body bytes of l's reply, so that a
+// failure before them can still be answered with a proper status (and
+// retried), then makes the rest the response body (streamRelay), which now
+// owns the leg. a is nil in regular mode.
+func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
-	n, err := readSome(resp, *bufp)
+	n, err := readSome(l.resp, *bufp)
 	if n == 0 && err != nil && err != io.EOF {
-		resp.Close()
-		w.DecLoad()
+		l.close()
 		chunkPool.Put(bufp)
-		if leg != nil {
-			if f := leg.failure(); f != nil {
-				return f.forStream(true), false
-			}
+		if f := a.failure(); f != nil {
+			return f.forStream(true), false
 		}
 		if r.clientGone() {
 			return nil, false
 		}
-		return &apiError{Status: 502, Code: w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
+		return &apiError{Status: 502, Code: l.w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
 	}
 	var merge *logprobMerger
-	if leg != nil && r.mergeLogprobs() && leg.wait() {
-		merge = newLogprobMerger(leg.body)
+	if prefill, ok := a.logprobs(r); ok {
+		merge = newLogprobMerger(prefill)
 	}
-	ctx.SetStatusCode(resp.StatusCode)
-	copyHeaders(ctx, resp)
+	ctx.SetStatusCode(l.resp.StatusCode)
+	copyHeaders(ctx, l.resp)
 	ctx.SetContentType("text/event-stream")
 	first := (*bufp)[:n]
 	if merge != nil {
 		first = merge.feed(first)
 	}
-	ctx.Response.SetBodyStream(&streamRelay{r: r, resp: resp, w: w, leg: leg, bufp: bufp,
+	ctx.Response.SetBodyStream(&streamRelay{r: r, leg: l, attempt: a, bufp: bufp,
 		pending: first, readErr: err, merge: merge}, -1)
 	return nil, true
 }
@@ -64,9 +58,8 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 // in-memory pipe between the two for every stream.)
 type streamRelay struct {
 	r       *request
-	resp    *upstreamResponse
-	w       *balancer.Worker
-	leg     *prefillLeg
+	leg     *leg     // the worker's reply, whose body is relayed
+	attempt *attempt // the PD attempt, for prefill's failure; nil in regular mode
 	bufp    *[]byte
 	pending []byte // next bytes for the client
 	readErr error  // how the worker's body ended, once it has
@@ -100,7 +93,7 @@ func (sr *streamRelay) next() []byte {
 	if sr.readErr == nil {
 		buf := *sr.bufp
 		var n int
-		n, sr.readErr = sr.resp.Read(buf)
+		n, sr.readErr = sr.leg.resp.Read(buf)
 		if n > 0 {
 			if sr.merge != nil {
 				return sr.merge.feed(buf[:n])
@@ -118,15 +111,12 @@ func (sr *streamRelay) next() []byte {
 		}
 		return nil
 	}
-	var e *apiError
-	if sr.leg != nil {
-		e = sr.leg.failure()
-	}
+	e := sr.attempt.failure()
 	if e == nil {
 		if sr.r.clientGone() {
 			return nil
 		}
-		e = &apiError{Status: 502, Code: sr.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
+		e = &apiError{Status: 502, Code: sr.leg.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
 		// A cancelled read fails with the connection's deadline error; the
 		// request's scope says whether the request timeout was the reason.
 		if errors.Is(sr.r.scope.Cause(), context.DeadlineExceeded) {
@@ -146,8 +136,7 @@ func (sr *streamRelay) CloseWithError(writeErr error) error {
 	if writeErr != nil || !sr.ended || len(sr.pending) > 0 {
 		sr.r.cancel(errClientGone)
 	}
-	sr.resp.Close()
-	sr.w.DecLoad()
+	sr.leg.close()
 	chunkPool.Put(sr.bufp)
 	sr.r.finish()
 	return nil

@@ -1,0 +1,76 @@
+package router
+
+import (
+	"io"
+
+	"github.com/valyala/fasthttp"
+)
+
+// reply makes the 2xx reply of l, the request's leg, the client's: as a
+// stream (stream.go), or read whole here. Regular mode and PD share it; a is
+// the PD attempt (nil in regular mode), whose prefill may have failed or
+// have logprobs to merge. It returns what pdAttempt and regularAttempt do.
+func (s *Server) reply(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
+	if r.info.Stream {
+		return s.startStream(ctx, r, l, a)
+	}
+	defer l.close()
+	if err := readReply(ctx, l.resp); err != nil {
+		if f := a.failure(); f != nil {
+			return f, false
+		}
+		a.abandon()
+		if r.clientGone() {
+			return nil, false
+		}
+		side := "worker"
+		if a != nil {
+			side = "decode"
+		}
+		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read " + side + " response: " + err.Error()}, false
+	}
+	if prefill, ok := a.logprobs(r); ok {
+		ctx.SetBody(mergeLogprobsJSON(prefill, ctx.Response.Body()))
+	}
+	r.observeFirstByte()
+	return nil, false
+}
+
+// readReply makes a worker's complete reply the client's: status, headers,
+// and the body read into the response's own (pooled) buffer.
+func readReply(ctx *fasthttp.RequestCtx, resp *upstreamResponse) error {
+	ctx.Response.ResetBody()
+	bufp := chunkPool.Get().(*[]byte)
+	defer chunkPool.Put(bufp)
+	for {
+		n, err := resp.Read(*bufp)
+		ctx.Response.AppendBody((*bufp)[:n])
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			ctx.Response.ResetBody()
+			return err
+		}
+	}
+	ctx.SetStatusCode(resp.StatusCode)
+	copyHeaders(ctx, resp)
+	return nil
+}
+
+// hopHeaders are not copied from a worker's reply; fasthttp sets its own
+// framing headers.
+var hopHeaders = map[string]bool{
+	"Connection": true, "Keep-Alive": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
+	"Te": true, "Trailer": true, "Trailers": true, "Transfer-Encoding": true, "Upgrade": true,
+	"Content-Encoding": true, "Host": true, "Content-Length": true, "Date": true, "Server": true,
+	"X-Request-Id": true,
+}
+
+func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
+	for k, v := range resp.Header.All() {
+		if !hopHeaders[bstr(k)] {
+			ctx.Response.Header.AddBytesKV(k, v)
+		}
+	}
+}
