@@ -54,6 +54,7 @@ class Proc:
         self.p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
         self.lines = []
+        self.pos = 0  # lines before pos were consumed by an earlier wait
         self.cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -69,13 +70,12 @@ class Proc:
     def wait_line(self, pred, timeout):
         end = time.time() + timeout
         with self.cv:
-            i = 0
             while True:
-                while i < len(self.lines):
-                    line = self.lines[i]
-                    i += 1
+                while self.pos < len(self.lines):
+                    line = self.lines[self.pos]
                     if line is None:
                         raise RuntimeError("%s exited (rc=%s) before the expected line" % (self.name, self.p.poll()))
+                    self.pos += 1
                     if pred(line):
                         return line
                 left = end - time.time()
@@ -121,6 +121,13 @@ class KVProxy(Proc):
         line = self.wait_line(lambda l: l.startswith("kvproxy ready"), 20)
         self.fields = dict(kv.split("=", 1) for kv in line.split()[2:])
 
+    def restart(self):
+        """Starts the same kvproxy again (same control socket and ports)."""
+        Proc.__init__(self, "kvproxy-" + self.role, self.argv, self.env, stdin=False,
+                      log_path=os.path.join(self.workdir, "kvproxy-%s.log.%d" % (self.role, int(time.time()))))
+        line = self.wait_line(lambda l: l.startswith("kvproxy ready"), 20)
+        self.fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+
     def metrics(self):
         url = "http://%s/metrics" % self.fields["metrics"]
         text = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -147,6 +154,13 @@ def wait_gauge(kp, name, want, timeout=10):
     return got
 
 
+def counts(results):
+    states = {}
+    for x in results:
+        states[x["state"]] = states.get(x["state"], 0) + 1
+    return states
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--python", default=sys.executable)
@@ -156,141 +170,164 @@ def main():
     p.add_argument("--transport", default="tcp")
     p.add_argument("--ucx-tls", default="")
     p.add_argument("--bootstrap", choices=["sglang", "kvproxy"], default="sglang")
-    p.add_argument("--scenario", choices=["normal", "abort", "kill-decode", "kill-prefill-kvproxy"], default="normal")
+    p.add_argument("--phases", default="normal",
+                   help="comma list of normal, kill-prefill-kvproxy (then restarts it), recover, kill-decode (last)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8192)
-    p.add_argument("--sizes", default="", help='fixed plan, e.g. "128x20,32768x3" (overrides --requests)')
+    p.add_argument("--sizes", default="", help='normal phase plan, e.g. "128x20,32768x3" (overrides --requests)')
+    p.add_argument("--fault-requests", type=int, default=40)
+    p.add_argument("--fault-tokens", type=int, default=8192)
+    p.add_argument("--fault-after", type=float, default=0.3, help="seconds into a fault phase to strike")
+    p.add_argument("--abort", type=int, default=1, help="abort one room of the normal phase")
     p.add_argument("--fill", choices=["full", "sample"], default="full")
-    p.add_argument("--out", help="write the summary JSON here too")
-    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--chunk-tokens", type=int, default=2048)
-    p.add_argument("--bound", type=float, default=30, help="a fault's rooms must all end within this many seconds")
+    p.add_argument("--bound", type=float, default=20, help="a fault's rooms must all end within this many seconds")
     p.add_argument("--workdir")
     p.add_argument("--label", default="")
+    p.add_argument("--out", help="write the summary JSON (with per-request figures) here")
     a = p.parse_args()
 
     work = a.workdir or tempfile.mkdtemp(prefix="sglang-pd-")
     os.makedirs(work, exist_ok=True)
-    plan = make_plan(a.requests, a.min_tokens, a.max_tokens, a.seed, a.sizes)
-    a.requests = len(plan)
-    plan_path = os.path.join(work, "plan.json")
-    with open(plan_path, "w") as f:
-        json.dump(plan, f)
+    phases = a.phases.split(",")
+    plans = {}
+    seed = 1
+    for ph in phases:
+        if ph == "normal":
+            plans[ph] = make_plan(a.requests, a.min_tokens, a.max_tokens, seed, a.sizes)
+        elif ph == "recover":
+            plans[ph] = make_plan(20, a.min_tokens, a.max_tokens, seed)
+        else:
+            plans[ph] = make_plan(a.fault_requests, 0, 0, seed, "%dx%d" % (a.fault_tokens, a.fault_requests))
+        seed += 1
     bport = free_port()
-    max_tokens = max(r["tokens"] for r in plan)
+    max_tokens = max(r["tokens"] for pl in plans.values() for r in pl)
     pool_tokens = (a.concurrency * (-(-max_tokens // 16)) + 2) * 16
-    kvp = {}
-    procs = []
-    failures = []
+    kvp, sides, procs, failures = {}, {}, [], []
     summary = dict(label=a.label, engine=a.engine, transport=a.transport if a.engine == "kvproxy" else "mooncake-tcp",
-                   ucx_tls=a.ucx_tls, bootstrap=a.bootstrap, scenario=a.scenario, requests=a.requests, workdir=work)
+                   ucx_tls=a.ucx_tls, bootstrap=a.bootstrap, phases={}, workdir=work)
 
     def check(ok, what):
         if not ok:
             failures.append(what)
+
+    def regions(role):
+        return gauge(kvp[role].metrics(), "kvproxy_registered_regions")
 
     try:
         env = dict(os.environ, SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1",
                    SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(int(a.bound / 2)),
                    SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(int(a.bound / 2)),
                    SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="1", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2",
-                   PYTHONUNBUFFERED="1")
+                   SGLANG_ENABLE_FAILED_SESSION_PROBE="1", SGLANG_FAILED_SESSION_PROBE_INTERVAL_S="0.5",
+                   SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S="1", PYTHONUNBUFFERED="1")
         if a.engine == "mooncake":
             env["PYTHONPATH"] = a.mooncake_path + os.pathsep + env.get("PYTHONPATH", "")
         else:
             for role in ("prefill", "decode"):
-                kvp[role] = KVProxy(a.kvproxy, role, work, a.transport, a.ucx_tls, bport, free_port(), [])
+                # A fixed peer port: a restarted kvproxy keeps the session id SGLang holds.
+                # With SGLang's bootstrap server, kvproxy's own stays off its port.
+                kvp[role] = KVProxy(a.kvproxy, role, work, a.transport, a.ucx_tls,
+                                    bport if a.bootstrap == "kvproxy" else free_port(), free_port(), [])
                 procs.append(kvp[role])
-            summary["baseline"] = {r: gauge(k.metrics(), "kvproxy_registered_regions") for r, k in kvp.items()}
-        sides = {}
+            summary["baseline_regions"] = {r: regions(r) for r in kvp}
         for role in ("prefill", "decode"):
             e = dict(env, HARNESS_ROLE=role)
             if role in kvp:
                 e["PDROUTER_KVPROXY_SOCK"] = kvp[role].sock
-            argv = [a.python, os.path.join(HERE, "sglang_pd.py"), "--role", role, "--plan", plan_path,
-                    "--out", os.path.join(work, role + ".json"), "--model-dir", os.path.join(work, "model"),
+            argv = [a.python, os.path.join(HERE, "sglang_pd.py"), "--role", role,
+                    "--model-dir", os.path.join(work, "model-" + role),
                     "--bootstrap-port", str(bport), "--dist-port", str(free_port()),
                     "--sglang-bootstrap", "1" if a.bootstrap == "sglang" else "0",
                     "--layers", str(a.layers), "--kv-heads", str(a.kv_heads), "--head-dim", str(a.head_dim),
                     "--pool-tokens", str(pool_tokens), "--concurrency", str(a.concurrency),
-                    "--chunk-tokens", str(a.chunk_tokens), "--request-timeout", str(a.bound * 2), "--linger", "1",
-                    "--fill", a.fill]
-            if a.scenario == "abort":
-                argv += ["--abort-room", str(plan[len(plan) // 2]["room"])]
+                    "--chunk-tokens", str(a.chunk_tokens), "--request-timeout", str(a.bound * 2), "--fill", a.fill]
             sides[role] = Proc(role, argv, e, log_path=os.path.join(work, role + ".log"))
             procs.append(sides[role])
-            # Prefill first: its bootstrap server must be up before decode asks it.
-            sides[role].ready = sides[role].json_line("ready", 180)
+        for role, s in sides.items():  # both set up at once
+            s.ready = s.json_line("ready", 300)
         summary["engine_module"] = sides["prefill"].ready["engine"]
         summary["setup_s"] = {r: round(s.ready["setup_s"], 2) for r, s in sides.items()}
         summary["bytes_per_token"] = sides["prefill"].ready["bytes_per_page"] // 16
-        if a.engine == "kvproxy":
-            summary["registered"] = {r: gauge(k.metrics(), "kvproxy_registered_regions") for r, k in kvp.items()}
-        t0 = time.time()
-        for s in sides.values():
-            s.send("go")
-        fault_at = None
-        if a.scenario in ("kill-decode", "kill-prefill-kvproxy"):
-            # Strike once a few requests are through, so others are mid-transfer.
-            time.sleep(1.0)
-            fault_at = time.time()
-            victim = sides["decode"] if a.scenario == "kill-decode" else kvp["prefill"]
-            victim.kill()
-            victim.p.wait()
-        survivors = [r for r in ("prefill", "decode") if not (a.scenario == "kill-decode" and r == "decode")]
-        results = {}
-        for role in survivors:
-            sides[role].json_line("done", a.bound * 3 + a.requests * 2)
-            with open(os.path.join(work, role + ".json")) as f:
-                results[role] = json.load(f)
-        summary["run_s"] = round(time.time() - t0, 2)
-        if fault_at is not None:
-            summary["ended_after_fault_s"] = round(time.time() - fault_at, 2)
-            check(time.time() - fault_at < a.bound * 3, "rooms ended %.1fs after the fault" % (time.time() - fault_at))
-        for role, r in results.items():
-            states = {}
-            for x in r["results"]:
-                states[x["state"]] = states.get(x["state"], 0) + 1
-            summary[role + "_states"] = states
-            check(len(r["results"]) == a.requests, "%s: %d results for %d requests" % (role, len(r["results"]), a.requests))
-            check(states.get("timeout", 0) == 0, "%s: %d rooms never ended (hung)" % (role, states.get("timeout", 0)))
-            check(states.get("corrupt", 0) == 0, "%s: %d rooms with wrong bytes" % (role, states.get("corrupt", 0)))
-            if a.scenario == "normal":
-                check(states.get("success", 0) == a.requests, "%s: not every room succeeded: %s" % (role, states))
-            elif a.scenario == "abort":
-                aborted = plan[len(plan) // 2]["room"]
-                byroom = {x["room"]: x["state"] for x in r["results"]}
-                check(byroom.get(aborted) == "failed", "%s: aborted room ended %s" % (role, byroom.get(aborted)))
-                check(states.get("success", 0) == a.requests - 1, "%s: the others did not all succeed: %s" % (role, states))
-            else:
-                check(states.get("failed", 0) > 0, "%s: the fault failed no room: %s" % (role, states))
-        if "decode" in results:
-            d = [x for x in results["decode"]["results"] if x["state"] == "success"]
-            summary["pages_checked"] = sum(-(-x["tokens"] // 16) for x in d)
-        if "prefill" in results:
-            ok = [x for x in results["prefill"]["results"] if x["state"] == "success"]
-            bpt = summary["bytes_per_token"]
-            moved = sum(x["tokens"] for x in ok) * bpt
-            summary["bytes_moved"] = moved
-            summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges")} for x in ok]
-        # Engines exit; kvproxy must drop what they registered.
-        for role in survivors:
-            sides[role].send("exit")
-        for role in survivors:
+        if kvp:
+            summary["registered_regions"] = {r: regions(r) for r in kvp}
+            check(all(v > 0 for v in summary["registered_regions"].values()), "engines registered nothing with kvproxy")
+
+        alive = ["prefill", "decode"]
+        for ph in phases:
+            plan = plans[ph]
+            plan_path = os.path.join(work, ph + "-plan.json")
+            with open(plan_path, "w") as f:
+                json.dump(plan, f)
+            aborted = plan[len(plan) // 2]["room"] if ph == "normal" and a.abort else -1
+            t0 = time.time()
+            for role in alive:
+                sides[role].send(json.dumps(dict(cmd="run", plan=plan_path, out=os.path.join(work, "%s-%s.json" % (ph, role)), abort_room=aborted)))
+            fault_at = None
+            if ph in ("kill-decode", "kill-prefill-kvproxy"):
+                time.sleep(a.fault_after)
+                fault_at = time.time()
+                victim = sides["decode"] if ph == "kill-decode" else kvp["prefill"]
+                victim.kill()
+                victim.p.wait()
+                if ph == "kill-decode":
+                    alive = ["prefill"]
+            res = {}
+            for role in alive:
+                sides[role].json_line("done", a.bound * 3 + len(plan) * 2)
+                with open(os.path.join(work, "%s-%s.json" % (ph, role))) as f:
+                    res[role] = json.load(f)["results"]
+            ps = dict(requests=len(plan), run_s=round(time.time() - t0, 2))
+            if fault_at is not None:
+                ps["ended_after_fault_s"] = round(time.time() - fault_at, 2)
+                check(time.time() - fault_at < a.bound * 3, "%s: rooms ended %.1fs after the fault" % (ph, time.time() - fault_at))
+            for role, r in res.items():
+                st = counts(r)
+                ps[role] = st
+                check(len(r) == len(plan), "%s %s: %d results for %d requests" % (ph, role, len(r), len(plan)))
+                check(st.get("timeout", 0) == 0, "%s %s: %d rooms never ended (hung)" % (ph, role, st.get("timeout", 0)))
+                check(st.get("corrupt", 0) == 0, "%s %s: %d rooms with wrong bytes" % (ph, role, st.get("corrupt", 0)))
+                if ph in ("normal", "recover"):
+                    want = len(plan) - (1 if aborted >= 0 else 0)
+                    check(st.get("success", 0) == want, "%s %s: %d of %d rooms succeeded: %s" % (ph, role, st.get("success", 0), want, st))
+                    if aborted >= 0:
+                        got = [x["state"] for x in r if x["room"] == aborted]
+                        check(got == ["failed"], "%s %s: the aborted room ended %s" % (ph, role, got))
+                else:
+                    check(st.get("failed", 0) > 0, "%s %s: the fault failed no room: %s" % (ph, role, st))
+            if "decode" in res:
+                ps["pages_checked"] = sum(-(-x["tokens"] // 16) for x in res["decode"] if x["state"] == "success")
+            if ph == "normal" and "prefill" in res:
+                ok = [x for x in res["prefill"] if x["state"] == "success"]
+                ps["bytes_moved"] = sum(x["tokens"] for x in ok) * summary["bytes_per_token"]
+                summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges", "fill_s")} for x in ok]
+                dec = {x["room"]: x for x in res.get("decode", [])}
+                for pr, x in zip(summary["per_request"], ok):
+                    d = dec.get(x["room"])
+                    pr["decode_wall_s"] = d["wall_s"] if d else None
+                    pr["check_s"] = d["check_s"] if d else None
+            if ph == "kill-prefill-kvproxy":
+                kvp["prefill"].restart()
+            if ph == "kill-decode" and kvp:
+                got = wait_gauge(kvp["decode"], "kvproxy_registered_regions", summary["baseline_regions"]["decode"], a.bound)
+                ps["decode_kvproxy_regions_after"] = got
+                check(got == summary["baseline_regions"]["decode"], "kill-decode: decode kvproxy still holds %s regions of the dead engine" % got)
+            summary["phases"][ph] = ps
+        for role in alive:
+            sides[role].send(json.dumps(dict(cmd="exit")))
+        for role in alive:
             sides[role].p.wait(30)
-        if a.engine == "kvproxy":
+        if kvp:
             after = {}
             for role, k in kvp.items():
-                if k.p.poll() is not None:
-                    continue
-                after[role] = wait_gauge(k, "kvproxy_registered_regions", summary["baseline"][role])
-                check(after[role] == summary["baseline"][role], "kvproxy %s: %s regions registered after its engine left (baseline %s)" % (role, after[role], summary["baseline"][role]))
-            summary["registered_after"] = after
+                after[role] = wait_gauge(k, "kvproxy_registered_regions", summary["baseline_regions"][role])
+                check(after[role] == summary["baseline_regions"][role], "kvproxy %s: %s regions registered after its engine left (baseline %s)" % (role, after[role], summary["baseline_regions"][role]))
+            summary["regions_after_exit"] = after
     except Exception as e:
         failures.append("%s: %s" % (type(e).__name__, e))
     finally:

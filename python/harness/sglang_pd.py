@@ -134,35 +134,54 @@ class Side:
             self.free_pages.extend(pages)
             self.free_aux.append(aux)
 
-    def pattern(self, room, pages_count):
-        """[buffers, pages, row] int16 pattern for one request, the same on both sides
-        (row: a whole page, or its first 32 values with --fill sample)."""
+    def width(self):
+        """Values of each page row that are filled and checked: all, or 32 with --fill sample."""
+        return self.bufs[0].shape[1] if self.a.fill == "full" else 32
+
+    def pattern(self, room, b, pages_count):
+        """Buffer b's [pages, width] int16 pattern for one request, the same on both
+        sides: it differs per room, buffer, page and position in the page."""
         torch = self.torch
-        row = self.bufs[0].shape[1] if self.a.fill == "full" else 32
-        g = torch.Generator().manual_seed(room & 0x7FFFFFFF)
-        base = torch.randint(-32768, 32767, (len(self.bufs), 1, row), generator=g, dtype=torch.int16)
-        page_ids = torch.arange(pages_count, dtype=torch.int16).view(1, -1, 1)
-        return base + page_ids  # wraps in int16, which is fine for a pattern
+        w = self.width()
+        base = (room * 2654435761 + b * 40503) & 0x7FFF
+        page = torch.arange(pages_count, dtype=torch.int16).mul_(w + 7).view(-1, 1)
+        pos = torch.arange(w, dtype=torch.int16).view(1, -1)
+        return (page + pos).add_(base)  # int16 arithmetic wraps, fine for a pattern
+
+    @staticmethod
+    def runs(pages):
+        """(offset in the request, first page, count) for each run of consecutive pages."""
+        out, i = [], 0
+        while i < len(pages):
+            j = i
+            while j + 1 < len(pages) and pages[j + 1] == pages[j] + 1:
+                j += 1
+            out.append((i, pages[i], j - i + 1))
+            i = j + 1
+        return out
 
     def fill(self, room, pages):
-        idx = self.torch.tensor(pages)
-        pat = self.pattern(room, len(pages))
+        w, runs = self.width(), self.runs(pages)
         for b, buf in enumerate(self.bufs):
-            buf[idx, :pat.shape[2]] = pat[b]
+            pat = self.pattern(room, b, len(pages))
+            for i, p, n in runs:
+                buf[p:p + n, :w] = pat[i:i + n]
 
     def check(self, room, pages):
-        idx = self.torch.tensor(pages)
-        pat = self.pattern(room, len(pages))
-        bad = 0
+        """Number of (buffer, page) rows that differ from the pattern."""
+        w, runs, bad = self.width(), self.runs(pages), 0
         for b, buf in enumerate(self.bufs):
-            got = buf[idx, :pat.shape[2]]
-            bad += int((got != pat[b]).any(dim=1).sum())
+            pat = self.pattern(room, b, len(pages))
+            for i, p, n in runs:
+                if not self.torch.equal(buf[p:p + n, :w], pat[i:i + n]):
+                    bad += int((buf[p:p + n, :w] != pat[i:i + n]).any(dim=1).sum())
         return bad
 
     def clear(self, pages):
-        idx = self.torch.tensor(pages)
-        for buf in self.bufs:
-            buf[idx, :32 if self.a.fill == "sample" else buf.shape[1]] = 0
+        w = self.width()
+        for _, p, n in self.runs(pages):
+            for buf in self.bufs:
+                buf[p:p + n, :w] = 0
 
 
 def run_prefill(side, plan, a, res):
@@ -191,7 +210,9 @@ def run_prefill(side, plan, a, res):
             p = s.poll()
             now = time.perf_counter()
             if not st["sent"] and p == KVPoll.WaitingForInput:
+                tf = time.perf_counter()
                 side.fill(room, st["pages"])
+                st["fill_s"] = time.perf_counter() - tf
                 side.metadata.output_ids[st["aux"]][0] = room % 30000
                 side.metadata.bootstrap_room[st["aux"]][0] = room
                 st["t_send"] = time.perf_counter()
@@ -213,7 +234,7 @@ def run_prefill(side, plan, a, res):
                 c = [x - y for x, y in zip(side.calls, st["calls0"])]
                 res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason,
                                 transfer_s=now - st.get("t_send", now), wall_s=now - st["t0"],
-                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3]))
+                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3], fill_s=st.get("fill_s", 0)))
                 side.free(st["pages"], st["aux"])
                 del live[room]
         time.sleep(0.0005)
@@ -257,6 +278,7 @@ def run_decode(side, plan, a, res):
             if p in (KVPoll.Success, KVPoll.Failed) or now - st["t0"] > a.request_timeout:
                 state = {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(p, "timeout")
                 bad = aux_ok = reason = None
+                tc = time.perf_counter()
                 if p == KVPoll.Success:
                     bad = side.check(room, st["pages"])
                     aux_ok = int(side.metadata.output_ids[st["aux"]][0]) == room % 30000
@@ -268,7 +290,8 @@ def run_decode(side, plan, a, res):
                     except Exception as e:
                         reason = str(e)
                 res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason, bad_pages=bad,
-                                aux_ok=aux_ok, wall_s=now - st["t0"], after_meta_s=now - st.get("t_meta", now)))
+                                aux_ok=aux_ok, wall_s=now - st["t0"], after_meta_s=now - st.get("t_meta", now),
+                                check_s=time.perf_counter() - tc))
                 side.free(st["pages"], st["aux"])
                 del live[room]
         time.sleep(0.0005)
@@ -280,24 +303,25 @@ def worker(a):
     engine_origin = os.path.dirname(mooncake.engine.__file__)
     t0 = time.perf_counter()
     side = Side(a)
-    with open(a.plan) as f:
-        plan = json.load(f)
     ready = dict(ready=True, role=a.role, engine=engine_origin, setup_s=time.perf_counter() - t0,
                  bytes_per_page=side.bytes_per_page, regions=len(side.kv_args.kv_data_ptrs) + len(side.kv_args.aux_data_ptrs),
                  session_id=side.mgr.get_session_id())
     print(json.dumps(ready), flush=True)
-    # The driver says go once both sides are up (stdin line), so neither
-    # side's set-up time counts against a request's timeout.
-    sys.stdin.readline()
-    res = []
-    t1 = time.perf_counter()
-    (run_prefill if a.role == "prefill" else run_decode)(side, plan, a, res)
-    out = dict(ready, results=res, run_s=time.perf_counter() - t1)
-    with open(a.out, "w") as f:
-        json.dump(out, f)
-    print(json.dumps(dict(done=True)), flush=True)
-    if a.linger:
-        sys.stdin.readline()
+    # The driver sends one command per phase on stdin, so set-up time never
+    # counts against a request's timeout and phases share one set-up.
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        with open(cmd["plan"]) as f:
+            plan = json.load(f)
+        a.abort_room = cmd.get("abort_room", -1)
+        res = []
+        t1 = time.perf_counter()
+        (run_prefill if a.role == "prefill" else run_decode)(side, plan, a, res)
+        with open(cmd["out"], "w") as f:
+            json.dump(dict(results=res, run_s=time.perf_counter() - t1), f)
+        print(json.dumps(dict(done=cmd["out"])), flush=True)
     side.mgr.deregister_buffer_to_engine()
     os._exit(0)  # SGLang's manager threads are not daemonic everywhere
 
@@ -305,8 +329,6 @@ def worker(a):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
-    p.add_argument("--plan", required=True)
-    p.add_argument("--out", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--bootstrap-port", type=int, required=True)
     p.add_argument("--dist-port", type=int, required=True)
@@ -319,8 +341,6 @@ def main():
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--chunk-tokens", type=int, default=2048)
     p.add_argument("--request-timeout", type=float, default=60)
-    p.add_argument("--abort-room", type=int, default=-1)
-    p.add_argument("--linger", type=int, default=0)
     p.add_argument("--fill", choices=["full", "sample"], default="full")
     worker(p.parse_args())
 

@@ -39,10 +39,13 @@ class KVProxy:
         self.start()
 
     def start(self):
-        self.p = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stderr=open(os.path.join(self.dir, "log"), "a"), text=True)
+        self.log = open(os.path.join(self.dir, "log"), "a")
+        self.p = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.p.stdout.readline()
         if not line.startswith("kvproxy ready"):
             self.p.kill()
+            self.p.wait()
+            self.log.close()
             raise RuntimeError("kvproxy did not start: %r; log: %s" % (line, open(os.path.join(self.dir, "log")).read()[-2000:]))
         self.fields = dict(kv.split("=", 1) for kv in line.split()[2:])
         self.peer = self.fields["peer"]
@@ -68,6 +71,8 @@ class KVProxy:
         if self.p.poll() is None:
             self.p.kill()
         self.p.wait()
+        self.p.stdout.close()
+        self.log.close()
 
     def stop(self):
         if self.p.poll() is None:
@@ -78,3 +83,4 @@ class KVProxy:
                 self.p.kill()
                 self.p.wait()
         self.p.stdout.close()
+        self.log.close()

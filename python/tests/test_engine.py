@@ -1,4 +1,5 @@
 import ctypes
+import mmap
 import os
 import threading
 import time
@@ -11,11 +12,32 @@ from tests.kvproxy_proc import KVProxy
 MiB = 1 << 20
 
 
-def buffer(size, fill=0):
-    b = ctypes.create_string_buffer(size)
+_maps = []
+
+
+def buffer(size, fill=0, offset=0):
+    """An ordinary private buffer at offset into pages of its own: two
+    engines of one test process must not remap the same page (two engines of
+    one real process don't exist: SGLang shares one)."""
+    m = mmap.mmap(-1, offset + size + mmap.PAGESIZE)
+    _maps.append(m)
+    b = (ctypes.c_char * size).from_buffer(m, offset)
     if fill:
         ctypes.memset(b, fill, size)
     return b
+
+
+def carve(size, count, fill=None):
+    """count buffers of size bytes packed back to back on shared pages."""
+    m = mmap.mmap(-1, size * count + mmap.PAGESIZE)
+    _maps.append(m)
+    out = []
+    for i in range(count):
+        b = (ctypes.c_char * size).from_buffer(m, i * size)
+        if fill is not None:
+            ctypes.memset(b, fill(i), size)
+        out.append(b)
+    return out
 
 
 def engine_on(kp):
@@ -97,7 +119,7 @@ class EngineTest(unittest.TestCase):
 
     def test_write_moves_bytes_into_the_peer_engines_memory(self):
         size = 3 * MiB + 100
-        src, dst = buffer(size), buffer(size)
+        src, dst = buffer(size, offset=123), buffer(size, offset=4000)
         for i in range(0, size, 4096):
             src[i] = bytes([i // 4096 % 251])
         before = src.raw
@@ -146,8 +168,8 @@ class EngineTest(unittest.TestCase):
         # SGLang's aux buffers are small tensors that share pages: each is
         # registered on its own, kvproxy sees them as one remapped region.
         n = 12
-        bufs = [buffer(200, i + 1) for i in range(n)]
-        dsts = [buffer(200) for _ in range(n)]
+        bufs = carve(200, n, lambda i: i + 1)
+        dsts = carve(200, n)
         self.assertEqual(self.src_eng.batch_register_memory([ctypes.addressof(b) for b in bufs[:6]], [200] * 6), 0)
         for b in bufs[6:]:
             self.assertEqual(self.src_eng.register_memory(ctypes.addressof(b), 200), 0)
