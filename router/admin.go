@@ -145,7 +145,7 @@ func (s *Server) legacyAdd(ctx *fasthttp.RequestCtx) {
 	spec := balancer.WorkerSpec{URL: string(args.Peek("url")), APIKey: string(args.Peek("api_key")),
 		WorkerType: string(args.Peek("worker_type"))}
 	if spec.WorkerType == "" && s.cfg.PDDisaggregation {
-		spec.WorkerType = "decode"
+		spec.WorkerType = balancer.Decode.String()
 	}
 	if p, err := args.GetUint("bootstrap_port"); err == nil {
 		spec.BootstrapPort = p

@@ -129,7 +129,7 @@ func (s *Server) call(method string, w *balancer.Worker, path string, timeout ti
 	if s.cfg.APIKey != "" {
 		req.Header.Set("Authorization", "Bearer "+s.cfg.APIKey)
 	}
-	resp, err := s.upstream.Do(req)
+	resp, err := s.infoCalls.Do(req)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -196,7 +196,7 @@ func (s *Server) getLoads(ctx *fasthttp.RequestCtx) {
 		if w.Type != balancer.Regular {
 			l.WorkerType = w.Type.String()
 		}
-		if n, err := balancer.FetchLoad(s.base, s.upstream, w, 5*time.Second); err == nil {
+		if n, err := balancer.FetchLoad(s.base, s.infoCalls, w, 5*time.Second); err == nil {
 			l.Load = n
 			mu.Lock()
 			ok++

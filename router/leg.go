@@ -34,7 +34,7 @@ func (l *leg) open(s *Server, w *balancer.Worker) {
 // for another reason than the request timeout: a client gone, a failed
 // prefill or an abandoned attempt says nothing about this worker.
 func (l *leg) send(sc *scope, path string, body, header []byte) error {
-	resp, err := l.s.hot.post(sc, l.w.URL, path, body, header)
+	resp, err := l.s.upstream.post(sc, l.w.URL, path, body, header)
 	if err != nil {
 		cause := sc.Cause()
 		l.blame = cause == nil || errors.Is(cause, context.DeadlineExceeded)

@@ -42,10 +42,10 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balancer.Worker, fail *apiError) {
 	snap := s.reg.Snapshot()
 	pr := s.policyRequest(ctx, r)
-	if pw, fail = s.pick(s.prefill, snap, balancer.Prefill, pr); fail != nil {
+	if pw, fail = s.pick(snap, balancer.Prefill, pr); fail != nil {
 		return nil, nil, fail
 	}
-	dw, fail = s.pick(s.decode, snap, balancer.Decode, pr)
+	dw, fail = s.pick(snap, balancer.Decode, pr)
 	return pw, dw, fail
 }
 

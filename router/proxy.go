@@ -153,7 +153,7 @@ func boolLabel(b bool) string {
 // It lives in the request, so a selection allocates nothing for it.
 func (s *Server) policyRequest(ctx *fasthttp.RequestCtx, r *request) *balancer.Request {
 	r.policy = balancer.Request{Header: (*clientHeaders)(&ctx.Request.Header)}
-	if s.prefill.NeedsText() || s.decode.NeedsText() {
+	if s.needsText {
 		r.policy.Text = string(r.routingText())
 		r.policy.Model = string(splice.FirstString(r.body, r.info.Model))
 	}
@@ -183,7 +183,8 @@ func (r *request) routingText() []byte {
 	return splice.FirstString(r.body, r.info.Text)
 }
 
-func (s *Server) pick(p balancer.Policy, snap *balancer.Snapshot, t balancer.WorkerType, pr *balancer.Request) (*balancer.Worker, *apiError) {
+func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, pr *balancer.Request) (*balancer.Worker, *apiError) {
+	p := s.policies[t]
 	avail := snap.Available(t)
 	if len(avail) == 0 {
 		return nil, selectionError(t.String(), len(snap.ByType[t]))

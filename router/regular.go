@@ -11,7 +11,7 @@ import (
 
 // regularAttempt sends the body unchanged to one worker (non-PD mode).
 func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, bool) {
-	w, fail := s.pick(s.prefill, s.reg.Snapshot(), balancer.Regular, s.policyRequest(ctx, r))
+	w, fail := s.pick(s.reg.Snapshot(), balancer.Regular, s.policyRequest(ctx, r))
 	if fail != nil {
 		return fail, false
 	}

@@ -41,12 +41,14 @@ type Server struct {
 	log       *zap.Logger
 	reg       *balancer.Registry
 	manager   *balancer.Manager
-	prefill   balancer.Policy // PD prefill side, or the regular policy
-	decode    balancer.Policy
 	admission *balancer.Admission
-	hot       *upstream    // generation requests
+	// policies pick the worker of each type a request goes to: Regular, or
+	// Prefill and Decode in PD mode (the others stay nil).
+	policies  [3]balancer.Policy
+	needsText bool         // some policy reads the request's routing text
+	upstream  *upstream    // generation requests to workers
 	inflight  *inflight    // generation requests in progress
-	upstream  *http.Client // info and fan-out calls
+	infoCalls *http.Client // info endpoints and their fan-out to every worker
 	metrics   *metrics
 	bm        *balancer.Metrics
 	srv       *fasthttp.Server
@@ -70,25 +72,16 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		return nil, err
 	}
 	cfg.PolicyOptions.Metrics = s.bm
-	prefillName, decodeName := cfg.Policy, cfg.Policy
-	if cfg.PDDisaggregation {
-		if cfg.PrefillPolicy != "" {
-			prefillName = cfg.PrefillPolicy
+	for _, t := range s.sides() {
+		if s.policies[t], err = balancer.NewPolicy(policyName(&cfg, t), cfg.PolicyOptions); err != nil {
+			return nil, err
 		}
-		if cfg.DecodePolicy != "" {
-			decodeName = cfg.DecodePolicy
-		}
-	}
-	if s.prefill, err = balancer.NewPolicy(prefillName, cfg.PolicyOptions); err != nil {
-		return nil, err
-	}
-	if s.decode, err = balancer.NewPolicy(decodeName, cfg.PolicyOptions); err != nil {
-		return nil, err
+		s.needsText = s.needsText || s.policies[t].NeedsText()
 	}
 	s.admission = balancer.NewAdmission(cfg.Admission)
-	s.hot = newUpstream()
+	s.upstream = newUpstream()
 	s.inflight = newInflight(cfg.RequestTimeout)
-	s.upstream = newUpstreamClient()
+	s.infoCalls = newInfoClient()
 	s.base, s.cancelBase = context.WithCancel(context.Background())
 	mcfg := cfg.Manager
 	mcfg.PD = cfg.PDDisaggregation
@@ -96,9 +89,8 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	mcfg.Metrics = s.bm
 	s.manager = balancer.NewManager(mcfg)
 	s.reg = s.manager.Registry()
-	s.manager.AttachPolicy(s.prefill)
-	if cfg.PDDisaggregation {
-		s.manager.AttachPolicy(s.decode)
+	for _, t := range s.sides() {
+		s.manager.AttachPolicy(s.policies[t])
 	}
 	s.srv = &fasthttp.Server{
 		Handler:                       s.handle,
@@ -120,9 +112,21 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	return s, nil
 }
 
-// newUpstreamClient serves the info endpoints' fan-out calls, where
+// policyName is the policy cfg gives workers of type t: PD mode may name
+// one per side, falling back to --policy.
+func policyName(cfg *Config, t balancer.WorkerType) string {
+	switch {
+	case t == balancer.Prefill && cfg.PrefillPolicy != "":
+		return cfg.PrefillPolicy
+	case t == balancer.Decode && cfg.DecodePolicy != "":
+		return cfg.DecodePolicy
+	}
+	return cfg.Policy
+}
+
+// newInfoClient serves the info endpoints and their fan-out calls, where
 // convenience matters more than speed.
-func newUpstreamClient() *http.Client {
+func newInfoClient() *http.Client {
 	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: 50 * time.Second}}
 }
 
@@ -135,14 +139,14 @@ func (s *Server) Start() error {
 	var specs []balancer.WorkerSpec
 	if s.cfg.PDDisaggregation {
 		for _, p := range s.cfg.Prefill {
-			specs = append(specs, balancer.WorkerSpec{URL: p.URL, WorkerType: "prefill", BootstrapPort: p.BootstrapPort})
+			specs = append(specs, balancer.WorkerSpec{URL: p.URL, WorkerType: balancer.Prefill.String(), BootstrapPort: p.BootstrapPort})
 		}
 		for _, d := range s.cfg.Decode {
-			specs = append(specs, balancer.WorkerSpec{URL: d, WorkerType: "decode"})
+			specs = append(specs, balancer.WorkerSpec{URL: d, WorkerType: balancer.Decode.String()})
 		}
 	} else {
 		for _, u := range s.cfg.WorkerURLs {
-			specs = append(specs, balancer.WorkerSpec{URL: u, WorkerType: "regular"})
+			specs = append(specs, balancer.WorkerSpec{URL: u, WorkerType: balancer.Regular.String()})
 		}
 	}
 	for _, spec := range specs {
@@ -164,8 +168,8 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.inflight.close()
 	s.background.Wait()
 	s.manager.Stop()
-	s.upstream.CloseIdleConnections()
-	s.hot.closeIdle()
+	s.infoCalls.CloseIdleConnections()
+	s.upstream.closeIdle()
 	return err
 }
 

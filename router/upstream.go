@@ -102,7 +102,7 @@ func (r *upstreamResponse) Close() error {
 
 // post sends body to baseURL+path with the given extra header lines
 // ("Name: value\r\n" each) and returns once the reply's head has arrived.
-func (u *upstream) post(ctx *scope, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {
+func (u *upstream) post(sc *scope, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {
 	addr, host, tlsHost, err := hostPort(baseURL)
 	if err != nil {
 		return nil, err
@@ -110,35 +110,35 @@ func (u *upstream) post(ctx *scope, baseURL, path string, body []byte, extra []b
 	for attempt := 0; ; attempt++ {
 		conn, reused := u.get(addr)
 		if conn == nil {
-			c, err := u.dial(ctx, addr, tlsHost)
+			c, err := u.dial(sc, addr, tlsHost)
 			if err != nil {
-				if cause := ctx.Cause(); cause != nil { // say why the dial was cut short
+				if cause := sc.Cause(); cause != nil { // say why the dial was cut short
 					return nil, cause
 				}
 				return nil, err
 			}
 			conn = &upConn{c: c, br: bufio.NewReaderSize(c, 16<<10), bw: bufio.NewWriterSize(c, 16<<10), addr: addr}
 		}
-		resp, err := u.roundTrip(ctx, conn, host, path, body, extra)
+		resp, err := u.roundTrip(sc, conn, host, path, body, extra)
 		// A reused connection the worker closed while idle fails before any
 		// reply byte: send again on a fresh one, as net/http does.
-		if err != nil && reused && attempt == 0 && ctx.Err() == nil && errors.Is(err, errUpstreamClosed) {
+		if err != nil && reused && attempt == 0 && sc.Err() == nil && errors.Is(err, errUpstreamClosed) {
 			continue
 		}
 		return resp, err
 	}
 }
 
-func (u *upstream) roundTrip(ctx *scope, conn *upConn, host, path string, body, extra []byte) (*upstreamResponse, error) {
+func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, extra []byte) (*upstreamResponse, error) {
 	fail := func(err error) (*upstreamResponse, error) {
-		ctx.unregister(conn)
+		sc.unregister(conn)
 		conn.c.Close()
-		if cause := ctx.Cause(); cause != nil {
+		if cause := sc.Cause(); cause != nil {
 			return nil, cause
 		}
 		return nil, err
 	}
-	if !ctx.register(conn) {
+	if !sc.register(conn) {
 		return fail(nil)
 	}
 	bw := conn.bw
@@ -164,7 +164,7 @@ func (u *upstream) roundTrip(ctx *scope, conn *upConn, host, path string, body, 
 		}
 		return fail(err)
 	}
-	r := &upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, scope: ctx}
+	r := &upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, scope: sc}
 	r.body = resp.BodyStream()
 	if r.body == nil { // no body (e.g. 204)
 		r.body = strings.NewReader("")
