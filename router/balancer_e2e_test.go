@@ -143,21 +143,6 @@ func balWaitHealth(t *testing.T, r router, u string, healthy bool, d time.Durati
 	}
 }
 
-func balDo(t *testing.T, method, u, body string) (*http.Response, []byte) {
-	t.Helper()
-	req, err := http.NewRequest(method, u, strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(resp.Body)
-	return resp, out
-}
-
 // balMetric returns the value of the first sample of name whose labels
 // contain every one of labels (`key="value"` strings).
 func balMetric(t *testing.T, r router, name string, labels ...string) (float64, bool) {
@@ -444,7 +429,7 @@ func TestBalancerConsistentHashing(t *testing.T) {
 
 	// Removing a worker moves only its keys; adding it back restores the map.
 	victim := ws["c"]
-	if resp, out := balDo(t, "DELETE", r.url+"/workers/"+url.PathEscape(victim.URL()), ""); resp.StatusCode != 202 {
+	if resp, out := send(t, "DELETE", r.url+"/workers/"+url.PathEscape(victim.URL()), ""); resp.StatusCode != 202 {
 		t.Fatalf("DELETE: %d %s", resp.StatusCode, out)
 	}
 	after := route()
@@ -669,7 +654,7 @@ func TestBalancerPendingWorkerAdmin(t *testing.T) {
 		t.Errorf("pending worker: %d %+v", code, wi)
 	}
 	// Deleting it cancels the registration: when it comes up it is not added.
-	if resp, out := balDo(t, "DELETE", r.url+"/workers/"+added.WorkerID, ""); resp.StatusCode != 202 {
+	if resp, out := send(t, "DELETE", r.url+"/workers/"+added.WorkerID, ""); resp.StatusCode != 202 {
 		t.Fatalf("DELETE pending: %d %s", resp.StatusCode, out)
 	}
 	if code, _ := balGet(t, r, added.WorkerID); code != 404 {
@@ -1108,7 +1093,7 @@ func TestBalancerRemoveWorkerLetsStreamFinish(t *testing.T) {
 		t.Fatalf("first stream line %q: %v", line, err)
 	}
 
-	if dr, out := balDo(t, "DELETE", r.url+"/workers/"+url.PathEscape(victim.URL()), ""); dr.StatusCode != 202 {
+	if dr, out := send(t, "DELETE", r.url+"/workers/"+url.PathEscape(victim.URL()), ""); dr.StatusCode != 202 {
 		t.Fatalf("DELETE: %d %s", dr.StatusCode, out)
 	}
 	if ws := balList(t, r); len(ws) != 1 || ws[0].URL == victim.URL() {
@@ -1146,7 +1131,7 @@ func TestBalancerUpdateWorker(t *testing.T) {
 
 	slow := balAsync(r.url+"/generate", `{"text":"hi"}`)
 	w.waitStats(t, 5*time.Second, "request in flight", func(s mockworker.Stats) bool { return s.InFlight == 1 })
-	resp, out := balDo(t, "PUT", r.url+"/workers/"+id, `{"priority":7,"cost":2.5,"labels":{"zone":"eu"}}`)
+	resp, out := send(t, "PUT", r.url+"/workers/"+id, `{"priority":7,"cost":2.5,"labels":{"zone":"eu"}}`)
 	var put struct {
 		Status string        `json:"status"`
 		Worker balWorkerInfo `json:"worker"`
@@ -1175,13 +1160,13 @@ func TestBalancerUpdateWorker(t *testing.T) {
 		t.Errorf("after PUT answered by %s", id)
 	}
 	// A second PUT changes only what it names.
-	if resp, out := balDo(t, "PUT", r.url+"/workers/"+id, `{"priority":9}`); resp.StatusCode != 202 {
+	if resp, out := send(t, "PUT", r.url+"/workers/"+id, `{"priority":9}`); resp.StatusCode != 202 {
 		t.Fatalf("second PUT: %d %s", resp.StatusCode, out)
 	}
 	if _, wi := balGet(t, r, id); wi.Priority != 9 || wi.Cost != 2.5 || wi.Metadata["zone"] != "eu" {
 		t.Errorf("after partial PUT: %+v", wi)
 	}
-	if resp, _ := balDo(t, "PUT", r.url+"/workers/00000000-0000-0000-0000-000000000000", `{"priority":1}`); resp.StatusCode != 404 {
+	if resp, _ := send(t, "PUT", r.url+"/workers/00000000-0000-0000-0000-000000000000", `{"priority":1}`); resp.StatusCode != 404 {
 		t.Errorf("PUT unknown worker: %d", resp.StatusCode)
 	}
 }

@@ -20,7 +20,8 @@ type worker struct{ *testenv.Proc }
 
 func startWorker(t *testing.T, role string, args ...string) worker {
 	t.Helper()
-	p := testenv.Start(t, testenv.Binary(t, "mockworker"), append([]string{"--role", role, "--port", "0"}, args...)...)
+	p := testenv.StartWith(t, testenv.Binary(t, "mockworker"), testenv.Options{Ready: "listening on "},
+		append([]string{"--role", role, "--port", "0"}, args...)...)
 	return worker{p}
 }
 

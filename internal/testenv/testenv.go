@@ -6,7 +6,9 @@ package testenv
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -36,13 +38,30 @@ func ModuleRoot(t testing.TB) string {
 	return filepath.Dir(string(bytes.TrimSpace(out)))
 }
 
-// Binary builds ./cmd/name once per test process and returns its path. It is
-// built with -race when the tests are, so the binary's races fail tests too.
-func Binary(t testing.TB, name string) string {
+// Build is how BuildBinary builds a command. The zero value builds as the
+// binary ships, with cgo off, plus -race when the tests run with it (which
+// needs cgo), so the binary's races fail tests too.
+type Build struct {
+	CGO    bool // cgo on (kvproxy's ucx transport needs it)
+	NoRace bool // never -race: for binaries whose speed the tests rely on
+}
+
+// Binary builds ./cmd/name with the zero Build.
+func Binary(t testing.TB, name string) string { return BuildBinary(t, name, Build{}) }
+
+// BuildBinary builds ./cmd/name once per test process and Build and
+// returns its path.
+func BuildBinary(t testing.TB, name string, b Build) string {
 	t.Helper()
+	race := raceEnabled && !b.NoRace
+	cgo := "0"
+	if b.CGO || race {
+		cgo = "1"
+	}
+	key := fmt.Sprintf("%s-cgo%s-race%t", name, cgo, race)
 	buildMu.Lock()
 	defer buildMu.Unlock()
-	if p, ok := built[name]; ok {
+	if p, ok := built[key]; ok {
 		return p
 	}
 	if buildDir == "" {
@@ -52,18 +71,30 @@ func Binary(t testing.TB, name string) string {
 		}
 		buildDir = d
 	}
-	out := filepath.Join(buildDir, name)
+	out := filepath.Join(buildDir, key, name)
 	args := []string{"build", "-o", out}
-	if raceEnabled {
+	if race {
 		args = append(args, "-race")
 	}
 	cmd := exec.Command("go", append(args, "./cmd/"+name)...)
 	cmd.Dir = ModuleRoot(t)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED="+cgo)
 	if msg, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building %s: %v\n%s", name, err, msg)
 	}
-	built[name] = out
+	built[key] = out
 	return out
+}
+
+// Main runs the tests, then removes the binaries they built.
+func Main(m *testing.M) {
+	code := m.Run()
+	buildMu.Lock()
+	if buildDir != "" {
+		os.RemoveAll(buildDir)
+	}
+	buildMu.Unlock()
+	os.Exit(code)
 }
 
 // FreePort returns a loopback port that was free a moment ago, for a
@@ -104,11 +135,13 @@ var (
 
 // Proc is a running binary.
 type Proc struct {
-	Cmd  *exec.Cmd
-	Addr string // from a "listening on HOST:PORT" first line, if the binary prints one
+	Cmd *exec.Cmd
+	// Line is the ready line (Options.Ready); Addr is what follows Ready
+	// on it when that is a HOST:PORT, as in "listening on HOST:PORT".
+	Line string
+	Addr string
 	log  *syncBuffer
 	done chan struct{}
-	err  error
 }
 
 type syncBuffer struct {
@@ -128,37 +161,57 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// Start runs bin with args; the process is killed when the test ends and
-// its output is logged if the test failed.
+// Options say how Start runs a binary.
+type Options struct {
+	Env []string // added to the tests' environment
+	// Ready makes Start wait until a line of the binary's output (stdout
+	// or stderr) contains it, failing the test after ReadyTimeout
+	// (default 30 s) or if the binary exits first.
+	Ready        string
+	ReadyTimeout time.Duration
+}
+
+// Start runs bin with args and does not wait for it.
 func Start(t testing.TB, bin string, args ...string) *Proc {
 	t.Helper()
+	return StartWith(t, bin, Options{}, args...)
+}
+
+// StartWith runs bin with args as o says. The process is stopped when the
+// test ends and its output is logged if the test failed.
+func StartWith(t testing.TB, bin string, o Options, args ...string) *Proc {
+	t.Helper()
 	p := &Proc{Cmd: exec.Command(bin, args...), log: &syncBuffer{}, done: make(chan struct{})}
-	p.Cmd.Env = childEnv()
-	stdout, err := p.Cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
+	p.Cmd.Env = append(childEnv(), o.Env...)
+	ready := make(chan string, 1)
+	var scanned sync.WaitGroup
+	for _, stream := range []func() (io.ReadCloser, error){p.Cmd.StdoutPipe, p.Cmd.StderrPipe} {
+		r, err := stream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		scanned.Go(func() {
+			sc := bufio.NewScanner(r)
+			sc.Buffer(make([]byte, 64<<10), 1<<20)
+			for sc.Scan() {
+				line := sc.Text()
+				if o.Ready != "" && strings.Contains(line, o.Ready) {
+					select {
+					case ready <- line:
+					default: // only the first ready line counts
+					}
+				}
+				fmt.Fprintln(p.log, line)
+			}
+			_, _ = io.Copy(io.Discard, r) // an overlong line: keep the pipe drained
+		})
 	}
-	p.Cmd.Stderr = p.log
 	if err := p.Cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", bin, err)
 	}
-	first := make(chan string, 1)
 	go func() {
-		sc := bufio.NewScanner(stdout)
-		sent := false
-		for sc.Scan() {
-			if !sent {
-				first <- sc.Text()
-				sent = true
-			}
-			fmt.Fprintln(p.log, sc.Text())
-		}
-		if !sent {
-			close(first)
-		}
-	}()
-	go func() {
-		p.err = p.Cmd.Wait()
+		scanned.Wait()   // Wait closes the pipes: read them to the end first
+		_ = p.Cmd.Wait() // the exit status stays in Cmd.ProcessState
 		close(p.done)
 	}()
 	t.Cleanup(func() {
@@ -167,17 +220,24 @@ func Start(t testing.TB, bin string, args ...string) *Proc {
 			t.Logf("%s %s output:\n%s", filepath.Base(bin), strings.Join(args, " "), p.log.String())
 		}
 	})
-	if strings.HasSuffix(bin, "mockworker") {
+	if o.Ready == "" {
+		return p
+	}
+	wait := cmp.Or(o.ReadyTimeout, 30*time.Second)
+	select {
+	case p.Line = <-ready:
+	case <-p.done:
 		select {
-		case line := <-first:
-			addr, ok := strings.CutPrefix(line, "listening on ")
-			if !ok {
-				t.Fatalf("%s: first line %q, output:\n%s", bin, line, p.log.String())
-			}
-			p.Addr = addr
-		case <-time.After(30 * time.Second):
-			t.Fatalf("%s did not start:\n%s", bin, p.log.String())
+		case p.Line = <-ready: // it printed the line, then exited
+		default:
+			t.Fatalf("%s exited before %q:\n%s", bin, o.Ready, p.log.String())
 		}
+	case <-time.After(wait):
+		t.Fatalf("%s: no %q within %v:\n%s", bin, o.Ready, wait, p.log.String())
+	}
+	rest := strings.TrimSpace(p.Line[strings.Index(p.Line, o.Ready)+len(o.Ready):])
+	if _, _, err := net.SplitHostPort(rest); err == nil && !strings.ContainsAny(rest, " \t") {
+		p.Addr = rest
 	}
 	return p
 }

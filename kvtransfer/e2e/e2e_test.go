@@ -17,14 +17,11 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -35,113 +32,30 @@ var kvFlags = []string{"--kv-layers", "2", "--kv-bytes-per-token", "64", "--kv-p
 
 const bytesPerPage = 2 * 2 * 64 * 16 // buffers × bytes per token × page size
 
-var (
-	buildOnce sync.Once
-	binDir    string
-	buildErr  error
-)
+func TestMain(m *testing.M) { testenv.Main(m) }
 
-func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "kv-e2e")
-	if err != nil {
-		panic(err)
-	}
-	binDir = dir
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
-}
-
-func bins(t *testing.T) {
+// bin builds the named command the way these tests run it: without -race
+// (the data path is what they time; pdrouter and mockworker as they ship,
+// cgo off), kvproxy with cgo for its ucx transport.
+func bin(t *testing.T, name string) string {
 	t.Helper()
 	if testing.Short() {
 		t.Skip("end-to-end: skipped with -short")
 	}
-	buildOnce.Do(func() {
-		root, err := exec.Command("go", "env", "GOMOD").Output()
-		if err != nil {
-			buildErr = err
-			return
-		}
-		for _, b := range []struct {
-			name string
-			cgo  string
-		}{{"kvproxy", "1"}, {"mockworker", "0"}, {"pdrouter", "0"}} {
-			cmd := exec.Command("go", "build", "-o", filepath.Join(binDir, b.name), "./cmd/"+b.name)
-			cmd.Dir = filepath.Dir(string(bytes.TrimSpace(root)))
-			cmd.Env = append(os.Environ(), "CGO_ENABLED="+b.cgo)
-			if out, err := cmd.CombinedOutput(); err != nil {
-				buildErr = fmt.Errorf("build %s: %v\n%s", b.name, err, out)
-				return
-			}
-		}
-	})
-	if buildErr != nil {
-		t.Fatal(buildErr)
-	}
-}
-
-type proc struct {
-	cmd *exec.Cmd
-	mu  sync.Mutex
-	out bytes.Buffer
-}
-
-func (p *proc) Write(b []byte) (int, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.Write(b)
-}
-
-func (p *proc) output() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.String()
+	return testenv.BuildBinary(t, name, testenv.Build{CGO: name == "kvproxy", NoRace: true})
 }
 
 // start runs a binary until the test ends and waits for its ready line.
-func start(t *testing.T, env []string, ready string, name string, args ...string) *proc {
+func start(t *testing.T, env []string, ready string, name string, args ...string) *testenv.Proc {
 	t.Helper()
-	p := &proc{cmd: exec.Command(filepath.Join(binDir, name), args...)}
-	p.cmd.Env = append(os.Environ(), env...)
-	p.cmd.Stdout, p.cmd.Stderr = p, p
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = p.cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			_ = p.cmd.Process.Kill()
-			<-done
-		}
-		if t.Failed() {
-			t.Logf("%s output:\n%s", name, tail(p.output(), 3000))
-		}
-	})
-	for deadline := time.Now().Add(20 * time.Second); !strings.Contains(p.output(), ready); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not ready:\n%s", name, p.output())
-		}
-	}
-	return p
-}
-
-func tail(s string, n int) string {
-	if len(s) > n {
-		return s[len(s)-n:]
-	}
-	return s
+	return testenv.StartWith(t, bin(t, name), testenv.Options{Env: env, Ready: ready, ReadyTimeout: 20 * time.Second}, args...)
 }
 
 type worker struct {
 	url     string
 	boot    int    // prefill: bootstrap port
 	metrics string // its kvproxy's metrics URL
-	proxy   *proc
+	proxy   *testenv.Proc
 }
 
 type cluster struct {
@@ -160,7 +74,6 @@ type opts struct {
 }
 
 func startCluster(t *testing.T, o opts) *cluster {
-	bins(t)
 	dir := t.TempDir()
 	env := []string{}
 	if o.tls != "" {
@@ -410,7 +323,7 @@ func TestFaults(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 		killed := time.Now()
-		if err := p.proxy.cmd.Process.Kill(); err != nil {
+		if err := p.proxy.Cmd.Process.Kill(); err != nil {
 			t.Fatal(err)
 		}
 		r := <-rc
