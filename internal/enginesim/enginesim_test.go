@@ -14,35 +14,21 @@ import (
 
 	"github.com/pdrouter/pdrouter/internal/mockworker"
 	"github.com/pdrouter/pdrouter/kvtransfer"
-	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// proxy runs an engine and its control server in-process, like kvproxy.
-func proxy(t *testing.T, name string, ln net.Listener, resolve func(context.Context, string) (string, error)) (string, *kvtransfer.Engine) {
+// proxy runs a kvproxy in process.
+func proxy(t *testing.T, role string) *sidecar.Sidecar {
 	t.Helper()
-	eng, err := kvtransfer.New(kvtransfer.Config{Name: name, Transport: &kvtransfer.TCP{}, Listener: ln, Resolve: resolve,
-		Heartbeat: time.Second, WaitingTimeout: 500 * time.Millisecond})
+	s, err := sidecar.Start(sidecar.Config{Role: role, Transport: "tcp", Host: "127.0.0.1",
+		Control: filepath.Join(t.TempDir(), role+".sock"), Heartbeat: time.Second, WaitingTimeout: 500 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sock := filepath.Join(t.TempDir(), name)
-	ul, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &control.Server{Engine: eng}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = srv.Serve(ctx, ul) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-		eng.Close()
-		srv.Close()
-	})
-	return sock, eng
+	t.Cleanup(func() { _ = s.Close() })
+	return s
 }
 
 func opts(sock string) Options {
@@ -50,25 +36,32 @@ func opts(sock string) Options {
 		PoolTokens: 1024, ChunkTokens: 64, AuxSlots: 8, QueueTimeout: 200 * time.Millisecond}
 }
 
-func pair(t *testing.T) (p, d *Sim, pe, de *kvtransfer.Engine) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ps, pe := proxy(t, "p", ln, nil)
-	ds, de := proxy(t, "d", nil, func(context.Context, string) (string, error) { return ln.Addr().String(), nil })
-	if p, err = New(context.Background(), opts(ps)); err != nil {
-		t.Fatal(err)
-	}
-	if d, err = New(context.Background(), opts(ds)); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Close(); d.Close() })
-	return p, d, pe, de
+// sims is a prefill and a decode Sim on their kvproxies.
+type sims struct {
+	p, d   *Sim
+	pe, de *kvtransfer.Engine
+	boot   *net.TCPAddr // the prefill kvproxy's bootstrap API
 }
 
-func req(room uint64, prompt string, tokens int) mockworker.KVRequest {
-	return mockworker.KVRequest{Room: room, BootstrapHost: "127.0.0.1", BootstrapPort: 8998, Prompt: []byte(prompt), PromptTokens: tokens}
+func pair(t *testing.T) *sims {
+	ps, ds := proxy(t, "prefill"), proxy(t, "decode")
+	c := &sims{pe: ps.Engine(), de: ds.Engine()}
+	var err error
+	if c.p, err = New(context.Background(), opts(ps.Addrs().Control)); err != nil {
+		t.Fatal(err)
+	}
+	if c.d, err = New(context.Background(), opts(ds.Addrs().Control)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.p.Close(); c.d.Close() })
+	if c.boot, err = net.ResolveTCPAddr("tcp", ps.Addrs().Bootstrap); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func (c *sims) req(room uint64, prompt string, tokens int) mockworker.KVRequest {
+	return mockworker.KVRequest{Room: room, BootstrapHost: c.boot.IP.String(), BootstrapPort: c.boot.Port, Prompt: []byte(prompt), PromptTokens: tokens}
 }
 
 func run(p, d *Sim, pr, dr mockworker.KVRequest) (pres, dres *mockworker.KVResult, perr, derr error) {
@@ -80,9 +73,10 @@ func run(p, d *Sim, pr, dr mockworker.KVRequest) (pres, dres *mockworker.KVResul
 }
 
 func TestPrefillToDecodeVerified(t *testing.T) {
-	p, d, _, _ := pair(t)
+	c := pair(t)
+	p, d := c.p, c.d
 	for i, tokens := range []int{0, 1, 16, 17, 300, 1024} {
-		r := req(uint64(1000+i), strings.Repeat("x", i+1), tokens)
+		r := c.req(uint64(1000+i), strings.Repeat("x", i+1), tokens)
 		pres, dres, perr, derr := run(p, d, r, r)
 		if perr != nil || derr != nil {
 			t.Fatalf("%d tokens: prefill %v decode %v", tokens, perr, derr)
@@ -99,23 +93,24 @@ func TestPrefillToDecodeVerified(t *testing.T) {
 }
 
 func TestMismatchIsAnError(t *testing.T) {
-	p, d, _, _ := pair(t)
+	c := pair(t)
 	// The decode side derives other bytes from another prompt: the check must catch it.
-	_, _, perr, derr := run(p, d, req(5, "hello", 40), req(5, "hellO", 40))
+	_, _, perr, derr := run(c.p, c.d, c.req(5, "hello", 40), c.req(5, "hellO", 40))
 	if perr != nil || derr == nil || !strings.Contains(derr.Error(), "checksum mismatch") {
 		t.Fatalf("prefill %v decode %v", perr, derr)
 	}
 }
 
 func TestPoolExhaustionQueuesThen503(t *testing.T) {
-	_, d, _, de := pair(t)
+	c := pair(t)
+	d, de := c.d, c.de
 	// Hold the whole decode pool with a room whose prefill never comes.
 	held := make(chan error, 1)
-	go func() { _, err := d.Decode(context.Background(), req(1, "a", 1024)); held <- err }()
+	go func() { _, err := d.Decode(context.Background(), c.req(1, "a", 1024)); held <- err }()
 	for de.ActiveRooms() == 0 {
 		time.Sleep(time.Millisecond)
 	}
-	_, err := d.Decode(context.Background(), req(2, "b", 16))
+	_, err := d.Decode(context.Background(), c.req(2, "b", 16))
 	var hs interface{ HTTPStatus() int }
 	if !errors.Is(err, ErrPoolExhausted) || !errors.As(err, &hs) || hs.HTTPStatus() != 503 {
 		t.Fatalf("second decode: %v", err)
@@ -126,10 +121,11 @@ func TestPoolExhaustionQueuesThen503(t *testing.T) {
 }
 
 func TestClientGoneAbortsBothRooms(t *testing.T) {
-	_, d, pe, de := pair(t)
+	c := pair(t)
+	d, pe, de := c.d, c.pe, c.de
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
-	go func() { _, err := d.Decode(ctx, req(9, "z", 64)); errc <- err }()
+	go func() { _, err := d.Decode(ctx, c.req(9, "z", 64)); errc <- err }()
 	for pe.ActiveRooms() == 0 {
 		time.Sleep(time.Millisecond)
 	}
