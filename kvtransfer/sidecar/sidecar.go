@@ -41,13 +41,13 @@ type Config struct {
 	BootstrapPort int
 	// The peer protocol: rooms (prefill) and engine-owned memory (both
 	// roles; an engine reports this address as its rpc address).
-	PeerPort     int
-	MetricsPort  int           // /health and /metrics
-	WriteTimeout time.Duration // bounds an engine-memory write; 0: 5 s
-	BootstrapTimeout        time.Duration
-	WaitingTimeout          time.Duration
-	Heartbeat               time.Duration
-	Logger                  *zap.Logger // nil: no logs
+	PeerPort         int
+	MetricsPort      int           // /health and /metrics
+	WriteTimeout     time.Duration // bounds an engine-memory write; 0: 5 s
+	BootstrapTimeout time.Duration
+	WaitingTimeout   time.Duration
+	Heartbeat        time.Duration
+	Logger           *zap.Logger // nil: no logs
 }
 
 // Addrs is where a started sidecar listens; Bootstrap is empty on a decode
