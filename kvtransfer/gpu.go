@@ -9,7 +9,10 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/pdrouter/pdrouter/internal/cuda"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
@@ -39,6 +42,9 @@ type gpuPlane struct {
 	cp   *cuda.Copier
 	err  error
 	host string // boot id: peers' handles open only on the same host
+	// Where a write's time goes: resolving triples into runs (CPU) and the
+	// GPU copy including its launch and wait.
+	resolveSec, copySec prometheus.Counter
 
 	mu      sync.Mutex
 	regions []*gpuRegion // sorted by base
@@ -77,8 +83,17 @@ type gpuRegion struct {
 
 func (r *gpuRegion) end() uint64 { return r.base + r.n }
 
-func (g *gpuPlane) open() error {
+func (g *gpuPlane) open(reg prometheus.Registerer) error {
 	g.init.Do(func() {
+		g.resolveSec = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_resolve_seconds_total",
+			Help: "Time GPU writes spent turning triples into merged runs."})
+		g.copySec = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_copy_seconds_total",
+			Help: "Time GPU writes spent in the GPU copy (launch to completion)."})
+		if reg != nil {
+			if g.err = errors.Join(reg.Register(g.resolveSec), reg.Register(g.copySec)); g.err != nil {
+				return
+			}
+		}
 		if g.dev, g.err = cuda.Open(0); g.err != nil {
 			return
 		}
@@ -138,7 +153,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	case length > maxMemoryRegion:
 		return fmt.Errorf("register cuda memory: %d bytes is too large", length)
 	}
-	if err := g.open(); err != nil {
+	if err := g.open(p.cfg.Registry); err != nil {
 		return fmt.Errorf("register cuda memory: %w", err)
 	}
 	var h cuda.Handle
@@ -391,6 +406,7 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	}
 	g.pmu.RLock()
 	defer g.pmu.RUnlock()
+	start := time.Now()
 	var srcs []*gpuRegion
 	defer func() {
 		for _, r := range srcs {
@@ -400,40 +416,53 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	var runs []cuda.Run
 	var total uint64
 	refreshed := false
+	// SGLang's triples walk one buffer's pages at a time: the last source
+	// and destination regions usually hold the next triple too.
+	var src *gpuRegion
+	var dst wire.MemRegion
+	var dptr uint64
 	for i, t := range ts {
 		if t.Len == 0 {
 			continue
 		}
-		g.mu.Lock()
-		src := g.findLocked(t.Src, t.Len)
-		g.mu.Unlock()
-		if src == nil {
-			return fmt.Errorf("triple %d: source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", i, t.Src, t.Len, ErrNotRegistered)
+		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
+			return fmt.Errorf("triple %d: range wraps", i)
 		}
-		if !slices.Contains(srcs, src) {
-			src.use.RLock()
-			srcs = append(srcs, src)
-			if src.gone {
-				return fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
+		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
+			g.mu.Lock()
+			src = g.findLocked(t.Src, t.Len)
+			g.mu.Unlock()
+			if src == nil {
+				return fmt.Errorf("triple %d: source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", i, t.Src, t.Len, ErrNotRegistered)
+			}
+			if !slices.Contains(srcs, src) {
+				src.use.RLock()
+				srcs = append(srcs, src)
+				if src.gone {
+					return fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
+				}
 			}
 		}
-		dst, ok := l.remoteRegion(t.Dst, t.Len)
-		if !ok && !refreshed {
-			refreshed = true
-			if err := l.refresh(ctx); err != nil {
-				return fmt.Errorf("refresh peer regions: %w", err)
-			}
+		if dptr == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
+			var ok bool
 			dst, ok = l.remoteRegion(t.Dst, t.Len)
-		}
-		if !ok {
-			return fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
-		}
-		if dst.Kind != wire.MemCUDA {
-			return fmt.Errorf("triple %d: destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", i, t.Dst, t.Len)
-		}
-		dptr, err := g.peerPtr(l, dst)
-		if err != nil {
-			return err
+			if !ok && !refreshed {
+				refreshed = true
+				if err := l.refresh(ctx); err != nil {
+					return fmt.Errorf("refresh peer regions: %w", err)
+				}
+				dst, ok = l.remoteRegion(t.Dst, t.Len)
+			}
+			if !ok {
+				return fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
+			}
+			if dst.Kind != wire.MemCUDA {
+				return fmt.Errorf("triple %d: destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", i, t.Dst, t.Len)
+			}
+			var err error
+			if dptr, err = g.peerPtr(l, dst); err != nil {
+				return err
+			}
 		}
 		run := cuda.Run{Src: src.ptr + (t.Src - src.base), Dst: dptr + (t.Dst - dst.Base), Len: t.Len}
 		total += t.Len
@@ -446,7 +475,11 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if _, err := g.cp.Copy(runs, gpuCopyMode); err != nil {
+	copyStart := time.Now()
+	g.resolveSec.Add(copyStart.Sub(start).Seconds())
+	_, err := g.cp.Copy(runs, gpuCopyMode)
+	g.copySec.Add(time.Since(copyStart).Seconds())
+	if err != nil {
 		return fmt.Errorf("GPU copy: %w", err)
 	}
 	p.m.written.Add(float64(total))
