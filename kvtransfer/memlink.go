@@ -32,6 +32,11 @@ type memLink struct {
 	closed  bool
 	err     error
 
+	// keyUse is read-held by a write from its first key lookup until its
+	// Put returns, and write-held to forget keys of regions the peer
+	// dropped, so no key goes while a write may still use it.
+	keyUse sync.RWMutex
+
 	// sendMu keeps a tcp write's DATA frames and its fence together, so a
 	// fence answers for exactly the frames of its own write.
 	sendMu sync.Mutex
@@ -290,12 +295,43 @@ func (l *memLink) land(d *wire.Data) error {
 	return l.conn.SetReadTimeout(0)
 }
 
+// setRegions installs the peer's table; keys of regions it no longer
+// lists are forgotten (beside the reader: a write may hold them), so a
+// mapping of a departed engine's memory does not live as long as the link.
 func (l *memLink) setRegions(t []wire.MemRegion) {
 	t = slices.Clone(t)
 	slices.SortFunc(t, func(a, b wire.MemRegion) int { return cmpU64(a.Base, b.Base) })
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	l.regions = t
+	var stale []uint32
+	for id := range l.keys {
+		if !slices.ContainsFunc(t, func(r wire.MemRegion) bool { return r.ID == id }) {
+			stale = append(stale, id)
+		}
+	}
+	if len(stale) > 0 && l.ep != nil {
+		l.p.wg.Add(1)
+		go l.forget(l.ep, stale)
+	}
+}
+
+func (l *memLink) forget(ep MemoryEndpoint, ids []uint32) {
+	defer l.p.wg.Done()
+	l.keyUse.Lock()
+	defer l.keyUse.Unlock()
+	l.mu.Lock()
+	var keys []RemoteKey
+	for _, id := range ids {
+		if k, ok := l.keys[id]; ok && l.ep == ep {
+			keys = append(keys, k)
+			delete(l.keys, id)
+		}
+	}
 	l.mu.Unlock()
+	for _, k := range keys {
+		ep.Forget(k)
+	}
 }
 
 // ask registers a waiter for the answer to a new sequence number.
@@ -469,6 +505,8 @@ func (l *memLink) put(ctx context.Context, runs []memRun) error {
 	if ep == nil {
 		return l.putTCP(ctx, runs)
 	}
+	l.keyUse.RLock()
+	defer l.keyUse.RUnlock()
 	ops := make([]MemoryOp, len(runs))
 	for i, r := range runs {
 		key, err := l.key(ep, r.dst)
@@ -506,9 +544,7 @@ func (l *memLink) endpoint() (MemoryEndpoint, error) {
 	return l.ep, nil
 }
 
-// key unpacks a peer region's key once per endpoint. Keys of regions the
-// peer dropped live on until the endpoint closes: one may still be in use
-// by a write posted before the table changed.
+// key unpacks a peer region's key once per endpoint.
 func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 	l.mu.Lock()
 	k, ok := l.keys[r.ID]
@@ -524,14 +560,19 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 		return nil, fmt.Errorf("unpack key of peer region %d: %w", r.ID, err)
 	}
 	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.closed {
-		return nil, fmt.Errorf("link lost: %w", l.err)
+	prev, raced := l.keys[r.ID]
+	closed, cause := l.closed, l.err
+	if !raced && !closed {
+		l.keys[r.ID] = k
 	}
-	if prev, ok := l.keys[r.ID]; ok {
-		return prev, nil // a concurrent write unpacked it too; both live until the endpoint closes
+	l.mu.Unlock()
+	switch {
+	case closed: // the endpoint's Close releases k
+		return nil, fmt.Errorf("link lost: %w", cause)
+	case raced: // a concurrent write unpacked it first
+		ep.Forget(k)
+		return prev, nil
 	}
-	l.keys[r.ID] = k
 	return k, nil
 }
 

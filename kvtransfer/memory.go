@@ -90,6 +90,7 @@ type memRegion struct {
 	kind  wire.MemKind
 	base  uint64
 	mem   []byte // the kvproxy's mapping
+	fd    int    // the engine's memfd, open while registered
 	reg   MemoryRegistration
 	owner *MemorySession
 	// use is read-held while bytes move out of or into mem and write-held
@@ -255,12 +256,18 @@ func (s *MemorySession) Close() error {
 
 // Register maps the memfd fd, which holds the engine's memory [addr,
 // addr+length) from file offset 0, and registers the mapping. It takes fd
-// (closed on return; -1: none). A range identical to one this session
+// (-1: none): kept while registered (the shm transport's peers open it),
+// else closed on return. A range identical to one this session
 // registered replaces it (the engine remapped it onto a new memfd); any
 // other overlap is an error.
 func (s *MemorySession) Register(kind wire.MemKind, addr, length uint64, fd int) error {
+	keep := false
 	if fd >= 0 {
-		defer unix.Close(fd)
+		defer func() {
+			if !keep {
+				unix.Close(fd)
+			}
+		}()
 	}
 	switch {
 	case kind == wire.MemCUDA:
@@ -304,13 +311,14 @@ func (s *MemorySession) Register(kind wire.MemKind, addr, length uint64, fd int)
 		p.mu.Unlock()
 		return errors.Join(ErrClosed, unmap(mem))
 	}
-	reg, err := p.mt.RegisterMemory(mem)
+	reg, err := p.mt.RegisterMemory(mem, fd)
 	if err != nil {
 		p.mu.Unlock()
 		return errors.Join(fmt.Errorf("register memory with %s: %w", p.cfg.Transport.Name(), err), unmap(mem))
 	}
 	p.nextID++
-	r := &memRegion{id: p.nextID, kind: kind, base: addr, mem: mem, reg: reg, owner: s}
+	r := &memRegion{id: p.nextID, kind: kind, base: addr, mem: mem, fd: fd, reg: reg, owner: s}
+	keep = true
 	if replaced != nil {
 		p.removeLocked(replaced)
 	}
@@ -426,7 +434,7 @@ func (p *MemoryPlane) drop(r *memRegion, push bool) error {
 func (p *MemoryPlane) release(r *memRegion, push bool) error {
 	r.use.Lock()
 	r.gone = true
-	err := r.reg.Close()
+	err := errors.Join(r.reg.Close(), unix.Close(r.fd))
 	if p.remoteWriters {
 		err = errors.Join(err, p.quarantineMapping(r.mem))
 	} else {

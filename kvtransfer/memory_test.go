@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -111,8 +112,12 @@ func fill(b []byte, seed byte) {
 	}
 }
 
+func init() {
+	transports["shm"] = func() (Transport, error) { return &SHM{}, nil }
+}
+
 func memoryTransports() []struct{ name, tls string } {
-	return []struct{ name, tls string }{{"tcp", ""}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}}
+	return []struct{ name, tls string }{{"tcp", ""}, {"shm", ""}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}}
 }
 
 func TestMemoryWrite(t *testing.T) {
@@ -388,4 +393,45 @@ func silentMemPeer(t *testing.T, drain bool) (addr string, stop func()) {
 		<-quit
 	}()
 	return ln.Addr().String(), func() { close(quit); ln.Close(); <-done }
+}
+
+// memfdMappings counts this process's mappings of engine memfds.
+func memfdMappings(t testing.TB) int {
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(b), "/memfd:engine")
+}
+
+// TestSHMForgetsDroppedRegions: the shm transport maps the peer engine's
+// memfd; once the peer drops that region, the writer's mapping goes too
+// (else a departed engine's memory would live as long as the link).
+func TestSHMForgetsDroppedRegions(t *testing.T) {
+	a, b := newMemSide(t, "shm", 2*time.Second), newMemSide(t, "shm", 2*time.Second)
+	src, srcFd := engineMemory(t, 4*page)
+	fill(src, 9)
+	a.register(t, src, srcFd)
+	dst, dstFd := engineMemory(t, 4*page)
+	b.register(t, dst, dstFd)
+	base := memfdMappings(t) // the engines' two and each kvproxy's one
+	if err := a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 4 * page}}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, src) {
+		t.Fatal("shm write did not land")
+	}
+	if n := memfdMappings(t); n != base+1 {
+		t.Fatalf("%d memfd mappings after the write, want %d (+ the writer's view of the peer's)", n, base+1)
+	}
+	if err := b.s.Unregister(addrOf(dst)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for memfdMappings(t) != base-1 { // b's own went to quarantine, a's view of it went
+		if time.Now().After(deadline) {
+			t.Fatalf("%d memfd mappings after the peer dropped its region, want %d", memfdMappings(t), base-1)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }

@@ -75,7 +75,7 @@ func sendData(conn *wire.Conn, region uint32, off uint64, src []byte) error {
 var _ MemoryTransport = (*TCP)(nil)
 
 // RegisterMemory needs nothing: tcp reads and writes any mapping.
-func (*TCP) RegisterMemory([]byte) (MemoryRegistration, error) { return tcpRegistration{}, nil }
+func (*TCP) RegisterMemory([]byte, int) (MemoryRegistration, error) { return tcpRegistration{}, nil }
 
 // WorkerAddress is nil: tcp moves bytes on the peer link itself.
 func (*TCP) WorkerAddress() ([]byte, error) { return nil, nil }

@@ -116,9 +116,10 @@ type Writer interface {
 // (control RegisterMemory/Write): memory registered at run time, addressed
 // by the engine's own addresses, written in raw runs rather than pages.
 type MemoryTransport interface {
-	// RegisterMemory makes b, the kvproxy's mapping of engine memory, a
-	// source and target of transfers until the registration is closed.
-	RegisterMemory(b []byte) (MemoryRegistration, error)
+	// RegisterMemory makes b, the kvproxy's mapping of the memfd fd (which
+	// the caller keeps open until the registration is closed), a source and
+	// target of transfers until the registration is closed.
+	RegisterMemory(b []byte, fd int) (MemoryRegistration, error)
 	// WorkerAddress is what a peer's MemoryEndpoint connects to (nil: the
 	// transport needs no address of its own, tcp).
 	WorkerAddress() ([]byte, error)
@@ -155,5 +156,7 @@ type MemoryEndpoint interface {
 	// is complete at the target. If ctx ends first it closes the endpoint,
 	// so that no operation still reads local memory when it returns.
 	Put(ctx context.Context, ops []MemoryOp) error
+	// Forget releases a key no write uses any more (its region is gone).
+	Forget(RemoteKey)
 	Close()
 }

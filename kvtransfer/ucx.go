@@ -319,7 +319,7 @@ type ucxRegistration struct {
 func (r *ucxRegistration) RKey() []byte { return r.rkey }
 func (r *ucxRegistration) Close() error { return r.m.Close() }
 
-func (u *UCX) RegisterMemory(b []byte) (MemoryRegistration, error) {
+func (u *UCX) RegisterMemory(b []byte, _ int) (MemoryRegistration, error) {
 	m, err := u.ctx.Map(b)
 	if err != nil {
 		return nil, err
@@ -423,6 +423,19 @@ func (e *ucxMemEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
 		return fmt.Errorf("ucx put: %w; the cancelled flush did not complete within %s", ctx.Err(), cancelWait)
 	}
 	return ctx.Err()
+}
+
+func (e *ucxMemEndpoint) Forget(k RemoteKey) {
+	rk, ok := k.(*ucx.Rkey)
+	if !ok {
+		return
+	}
+	_ = e.u.loop.Do(func(*ucx.Worker) error {
+		if !e.closed {
+			rk.Close()
+		}
+		return nil
+	})
 }
 
 func (e *ucxMemEndpoint) closeOnLoop() {

@@ -36,7 +36,7 @@ func main() {
 	var cfg sidecar.Config
 	var logLevel string
 	flag.StringVar(&cfg.Role, "role", "prefill", "prefill or decode")
-	flag.StringVar(&cfg.Transport, "transport", "ucx", "ucx or tcp (UCX_TLS passes through to ucx)")
+	flag.StringVar(&cfg.Transport, "transport", "ucx", "ucx, tcp or shm (UCX_TLS passes through to ucx; shm: engine memory between kvproxies of one host)")
 	flag.StringVar(&cfg.Control, "control", "/tmp/kvproxy.sock", "Unix socket the engine connects to")
 	flag.StringVar(&cfg.Host, "host", "127.0.0.1", "address to listen on and advertise to peers")
 	flag.IntVar(&cfg.BootstrapPort, "bootstrap-port", 8998, "prefill: bootstrap HTTP API port")

@@ -328,7 +328,11 @@ func (s *Server) readyLocked() bool {
 	if s.attnTPSize == nil || s.attnCPSize == nil || s.ppSize == nil || s.dpSize == nil {
 		return false
 	}
-	return int64(s.registered) >= *s.dpSize * *s.attnCPSize * *s.attnTPSize * *s.ppSize
+	want := *s.dpSize
+	for _, n := range []*int64{s.attnCPSize, s.attnTPSize, s.ppSize} {
+		want *= *n
+	}
+	return int64(s.registered) >= want
 }
 
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {

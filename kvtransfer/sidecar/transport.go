@@ -6,19 +6,22 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer"
 )
 
-// Transports names the transports this build offers: tcp, and ucx in cgo
-// builds (it needs libucp).
+// Transports names the transports this build offers: tcp, shm (engine
+// memory copied between kvproxies of one host; pools as tcp), and ucx in
+// cgo builds (it needs libucp).
 func Transports() []string {
 	if ucxBuilt {
-		return []string{"tcp", "ucx"}
+		return []string{"tcp", "shm", "ucx"}
 	}
-	return []string{"tcp"}
+	return []string{"tcp", "shm"}
 }
 
 func newTransport(name string) (kvtransfer.Transport, error) {
 	switch {
 	case name == "tcp":
 		return &kvtransfer.TCP{}, nil
+	case name == "shm":
+		return &kvtransfer.SHM{}, nil
 	case name == "ucx" && ucxBuilt:
 		tr, err := newUCX()
 		if err != nil {
