@@ -24,13 +24,17 @@ type memProxy struct {
 	sock  string
 }
 
-func startMemProxy(t *testing.T) *memProxy {
+func startMemProxy(t testing.TB, transport string) *memProxy {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	plane, err := kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: "m", Transport: &kvtransfer.TCP{}, Listener: ln, WriteTimeout: 2 * time.Second})
+	tr := kvtransfer.Transport(&kvtransfer.TCP{})
+	if transport == "shm" {
+		tr = &kvtransfer.SHM{}
+	}
+	plane, err := kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: "m", Transport: tr, Listener: ln, WriteTimeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +66,7 @@ func startMemProxy(t *testing.T) *memProxy {
 
 // engineMem is engine memory as the Python client leaves it: a shared
 // mapping of a memfd at the engine's own addresses.
-func engineMem(t *testing.T, size int) ([]byte, int) {
+func engineMem(t testing.TB, size int) ([]byte, int) {
 	t.Helper()
 	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
 	if err != nil {
@@ -112,7 +116,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 func TestEngineMemoryThroughControl(t *testing.T) {
-	p, d := startMemProxy(t), startMemProxy(t)
+	p, d := startMemProxy(t, "tcp"), startMemProxy(t, "tcp")
 	ctx := context.Background()
 	peer, tr, err := d.cl.Hello(ctx)
 	if err != nil || peer != d.plane.PeerAddr() || tr != "tcp" {
@@ -214,7 +218,7 @@ func TestMemoryAPIsNeedTheirService(t *testing.T) {
 	if _, _, err := d.cl.Hello(context.Background()); err == nil || !strings.Contains(err.Error(), "no engine-memory API") {
 		t.Fatalf("hello on a pool-only kvproxy: %v", err)
 	}
-	m := startMemProxy(t)
+	m := startMemProxy(t, "tcp")
 	if err := m.cl.Expect(context.Background(), 1, "h:1", []uint32{1}, -1); err == nil || !strings.Contains(err.Error(), "no pool API") {
 		t.Fatalf("expect on a memory-only kvproxy: %v", err)
 	}
