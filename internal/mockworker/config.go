@@ -63,6 +63,8 @@ type Config struct {
 
 	KV KVTransfer // nil = no KV transfer
 
+	TLS *TLS // nil = plain HTTP
+
 	// Exit is called for CrashOnRequest; nil = os.Exit. Tests replace it.
 	Exit func(code int)
 }
@@ -137,8 +139,18 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.Int64Var(&c.Seed, "seed", 0, "random seed (0 = time-based)")
 	fs.IntVar(&c.BootstrapPort, "bootstrap-port", DefaultBootstrapPort, "bootstrap port assumed for a null bootstrap_port")
 	fs.IntVar(&c.RecordLimit, "record-requests", DefaultRecordLimit, "generation requests kept for /_mock/requests (negative = none)")
+	var tlsFlags TLS
+	fs.StringVar(&tlsFlags.CertFile, "tls-cert", "", "serve HTTPS with this PEM certificate (needs --tls-key)")
+	fs.StringVar(&tlsFlags.KeyFile, "tls-key", "", "PEM private key of --tls-cert")
+	fs.StringVar(&tlsFlags.ClientCAFile, "tls-client-ca", "", "require client certificates signed by this PEM CA (mTLS)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
+	}
+	if tlsFlags != (TLS{}) {
+		if tlsFlags.CertFile == "" || tlsFlags.KeyFile == "" {
+			return c, errors.New("--tls-cert and --tls-key go together (and --tls-client-ca needs them)")
+		}
+		c.TLS = &tlsFlags
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments: %v", fs.Args())

@@ -57,6 +57,9 @@ func Start(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mockworker: listen: %w", err)
 	}
+	if ln, err = cfg.listen(ln); err != nil {
+		return nil, err
+	}
 	s := &Server{cfg: cfg, workerID: cfg.WorkerID, ln: ln, rec: newRecorder(cfg.RecordLimit),
 		started: time.Now(), done: make(chan struct{})}
 	if s.workerID == "" {
@@ -90,8 +93,8 @@ func Start(cfg Config) (*Server, error) {
 // Addr is the bound host:port.
 func (s *Server) Addr() string { return s.ln.Addr().String() }
 
-// URL is http://host:port.
-func (s *Server) URL() string { return "http://" + s.Addr() }
+// URL is http://host:port, or https:// with TLS.
+func (s *Server) URL() string { return s.cfg.scheme() + s.Addr() }
 
 // WorkerID is the id sent in X-Worker-Id and worker_id.
 func (s *Server) WorkerID() string { return s.workerID }
