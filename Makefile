@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz cuda-bundle bench-kv-gpu
+.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -19,6 +19,15 @@ test: deps
 	$(GO) vet ./...
 	CGO_ENABLED=0 $(GO) build ./cmd/pdrouter
 	$(GO) test -race -count=1 -timeout 12m ./...
+	@scripts/test-kv-sglang.sh
+
+# SGLang 0.5.23's own PD code moving KV through kvproxy (and through Mooncake's
+# engine); the first run installs a cached venv (~6 GB, a few minutes).
+test-kv-sglang: deps
+	@scripts/test-kv-sglang.sh
+
+bench-kv-sglang: deps
+	@scripts/bench-kv-sglang.sh
 
 run: deps build
 	@scripts/run-local.sh

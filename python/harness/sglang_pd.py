@@ -237,6 +237,7 @@ def run_prefill(side, plan, a, res):
                                 engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3], fill_s=st.get("fill_s", 0)))
                 side.free(st["pages"], st["aux"])
                 del live[room]
+                print(json.dumps(dict(progress=len(res), state=state)), flush=True)
         time.sleep(0.0005)
 
 
@@ -294,6 +295,7 @@ def run_decode(side, plan, a, res):
                                 check_s=time.perf_counter() - tc))
                 side.free(st["pages"], st["aux"])
                 del live[room]
+                print(json.dumps(dict(progress=len(res), state=state)), flush=True)
         time.sleep(0.0005)
 
 

@@ -1,0 +1,136 @@
+"""make bench-kv-sglang: SGLang 0.5.23's mooncake backend moving Llama-3.1-8B-shaped
+KV (32 layers x K,V x 8 KV heads x 128 dim bf16) through Mooncake's TransferEngine
+(TCP) and through kvproxy (tcp, UCX over tcp, UCX over shared memory), plus a
+memcpy over the same working set and the per-call cost of a tiny write, all in
+one run. Writes bench/out/kv-sglang.json and prints a Markdown table.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CONFIGS = [
+    ("mooncake-tcp", ["--engine", "mooncake"]),
+    ("kvproxy-tcp", ["--engine", "kvproxy", "--transport", "tcp"]),
+    ("kvproxy-ucx-tcp", ["--engine", "kvproxy", "--transport", "ucx", "--ucx-tls", "tcp"]),
+    ("kvproxy-ucx-shm", ["--engine", "kvproxy", "--transport", "ucx", "--ucx-tls", "posix,cma,tcp"]),
+]
+
+
+def memcpy_gbps(nbytes, repeat=3):
+    """Best-of-repeat torch copy of nbytes between two fresh CPU tensors (one thread
+    of the copy touches the same amount of memory one transfer does)."""
+    import torch
+    src = torch.ones(nbytes // 2, dtype=torch.int16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return nbytes / best / 1e9
+
+
+def summarize(per_request, bytes_per_token, prefill_tps):
+    out = {}
+    for tokens in sorted({x["tokens"] for x in per_request}):
+        rs = [x for x in per_request if x["tokens"] == tokens]
+        # Skip each size's first request: it pays one-time peer set-up.
+        if len(rs) > 2:
+            rs = rs[1:]
+        nbytes = tokens * bytes_per_token
+        transfer = statistics.median(x["transfer_s"] for x in rs)
+        engine = statistics.median(x["engine_s"] for x in rs)
+        calls = statistics.median(x["engine_calls"] for x in rs)
+        wall = statistics.median(x["decode_wall_s"] for x in rs)
+        compute = tokens / prefill_tps
+        out[str(tokens)] = dict(
+            requests=len(rs), bytes=nbytes, transfer_s=transfer, engine_s=engine, engine_calls=calls,
+            gbps_engine=nbytes / engine / 1e9 if engine else None, gbps_transfer=nbytes / transfer / 1e9,
+            decode_wall_s=wall, ttft_model_s=compute + wall, kv_share_of_ttft=transfer / (compute + wall),
+        )
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--kvproxy", required=True)
+    p.add_argument("--mooncake-path", required=True)
+    p.add_argument("--sizes", default="128x6,1024x6,4096x5,32768x3")
+    p.add_argument("--prefill-tps", type=float, default=20000,
+                   help="modelled prefill compute, tokens/s (the harness has no model; TTFT = this + the measured PD hand-off)")
+    p.add_argument("--configs", default=",".join(c for c, _ in CONFIGS))
+    p.add_argument("--out", default="bench/out/kv-sglang.json")
+    p.add_argument("--workdir", default="/tmp/pdrouter-bench-kv-sglang")
+    a = p.parse_args()
+
+    res = dict(layout=dict(model="Llama-3.1-8B", layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16),
+               sizes=a.sizes, prefill_tps_model=a.prefill_tps, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               configs={}, memcpy_gbps={})
+    wanted = a.configs.split(",")
+    for name, args in CONFIGS:
+        if name not in wanted:
+            continue
+        sj = os.path.join(a.workdir, name + ".json")
+        argv = [a.python, os.path.join(HERE, "run_pd.py"), "--python", a.python, "--label", name,
+                "--kvproxy", a.kvproxy, "--mooncake-path", a.mooncake_path, "--phases", "normal", "--abort", "0",
+                "--sizes", a.sizes, "--concurrency", "1", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                "--chunk-tokens", "8192", "--fill", "sample", "--bound", "120",
+                "--workdir", os.path.join(a.workdir, name), "--out", sj] + args
+        print("bench-kv-sglang: %s ..." % name, file=sys.stderr, flush=True)
+        r = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+        with open(sj) as f:
+            s = json.load(f)
+        if not s["ok"]:
+            print("bench-kv-sglang: %s failed: %s" % (name, s["failures"]), file=sys.stderr)
+            res["configs"][name] = dict(ok=False, failures=s["failures"])
+            continue
+        res["bytes_per_token"] = s["bytes_per_token"]
+        res["configs"][name] = dict(ok=True, sizes=summarize(s["per_request"], s["bytes_per_token"], a.prefill_tps))
+    bpt = res.get("bytes_per_token", 32 * 2 * 8 * 128 * 2)
+    for part in a.sizes.split(","):
+        tokens = int(part.split("x")[0])
+        res["memcpy_gbps"][str(tokens)] = memcpy_gbps(tokens * bpt)
+    # Control cost of one call: a tiny write's round trip through each engine.
+    r = subprocess.run([a.python, os.path.join(HERE, "bench_control.py"), "--kvproxy", a.kvproxy,
+                        "--mooncake-path", a.mooncake_path], stdout=subprocess.PIPE, text=True, check=True)
+    res["call_cost"] = json.loads(r.stdout.strip().splitlines()[-1])
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(table(res))
+
+
+def table(res):
+    base = res["configs"].get("mooncake-tcp", {}).get("sizes", {})
+    lines = ["| engine | tokens | MiB | transfer ms | GB/s | vs Mooncake | memcpy GB/s | of memcpy | KV share of TTFT |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in res["configs"].items():
+        if not c.get("ok"):
+            lines.append("| %s | failed: %s |" % (name, "; ".join(c["failures"])[:200]))
+            continue
+        for tokens, x in c["sizes"].items():
+            b = base.get(tokens)
+            mc = res["memcpy_gbps"].get(tokens)
+            ratio = "%.2fx" % (x["gbps_transfer"] / b["gbps_transfer"]) if b else "-"
+            lines.append("| %s | %s | %.1f | %.1f | %.2f | %s | %.2f | %.0f %% | %.0f %% |" % (
+                name, tokens, x["bytes"] / 2**20, x["transfer_s"] * 1e3, x["gbps_transfer"], ratio,
+                mc or 0, 100 * x["gbps_transfer"] / mc if mc else 0, 100 * x["kv_share_of_ttft"]))
+    cc = res.get("call_cost", {})
+    for name, v in cc.items():
+        lines.append("")
+        lines.append("call cost %s: %s" % (name, json.dumps(v)))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

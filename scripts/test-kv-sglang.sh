@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The Python side of kvproxy's engine-owned memory: python/'s unit tests
+# against a real kvproxy, then SGLang 0.5.23's own mooncake PD backend
+# (python/harness) with pdrouter's TransferEngine over kvproxy, with
+# kvproxy's bootstrap server instead of SGLang's, and with Mooncake's real
+# TransferEngine. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+eval "$(scripts/install-deps.sh sglang)"
+GO=${GO:-go}
+bin=$(mktemp -d)
+trap 'rm -rf "$bin"' EXIT
+$GO build -o "$bin/kvproxy" ./cmd/kvproxy
+export KVPROXY=$bin/kvproxy
+work=${TMPDIR:-/tmp}/pdrouter-sglang-$$
+passed=0 failed=0
+run() {
+	local name=$1
+	shift
+	echo "--- sglang-kv: $name" >&2
+	if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: $name (logs in $work)" >&2; fi
+}
+run "python unit tests (control client, TransferEngine, remap) against kvproxy" \
+	bash -c 'cd python && python3 -m unittest discover -s tests -t .'
+harness() {
+	local name=$1
+	shift
+	"$VENV/bin/python" python/harness/run_pd.py --python "$VENV/bin/python" --workdir "$work/$name" --label "$name" "$@"
+}
+run "kvproxy tcp, SGLang's bootstrap: 200 requests, abort, kvproxy killed and restarted, decode killed" \
+	harness ours --engine kvproxy --kvproxy "$KVPROXY" --requests 200 --phases normal,kill-prefill-kvproxy,recover,kill-decode
+run "kvproxy tcp, kvproxy's bootstrap server: 100 requests, abort, decode killed" \
+	harness ours-kvproxy-bootstrap --engine kvproxy --kvproxy "$KVPROXY" --bootstrap kvproxy --requests 100 --phases normal,kill-decode
+run "Mooncake's TransferEngine (tcp): 100 requests, abort, decode killed" \
+	harness mooncake --engine mooncake --mooncake-path "$MOONCAKE" --requests 100 --phases normal,kill-decode
+[ "$failed" -eq 0 ] && rm -rf "$work"
+echo "sglang-kv: $(($(date +%s) - t0)) s" >&2
+echo "sglang-kv: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
