@@ -270,12 +270,18 @@ func (p *Proc) Signal(sig os.Signal) error { return p.Cmd.Process.Signal(sig) }
 // Wait waits up to d for the process to exit and returns its exit code
 // (-1 if it is still running).
 func (p *Proc) Wait(d time.Duration) int {
+	t := time.NewTimer(d)
+	defer t.Stop()
 	select {
 	case <-p.done:
-		return p.Cmd.ProcessState.ExitCode()
-	case <-time.After(d):
-		return -1
+	case <-t.C:
+		select {
+		case <-p.done: // exited as the time ran out
+		default:
+			return -1
+		}
 	}
+	return p.Cmd.ProcessState.ExitCode()
 }
 
 // Stop ends the process: SIGTERM, then SIGKILL after 5 s.

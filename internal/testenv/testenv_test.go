@@ -18,7 +18,7 @@ func sh(t *testing.T, o Options, script string) *Proc {
 
 func TestReadyLineAddrAndEnv(t *testing.T) {
 	p := sh(t, Options{Ready: "listening on ", Env: []string{"TESTENV_FOO=bar"}},
-		`echo "log foo=$TESTENV_FOO" >&2; echo "listening on 127.0.0.1:4242"; exec sleep 30`)
+		`echo "log foo=$TESTENV_FOO" >&2; echo "listening on 127.0.0.1:4242" >&2; exec sleep 30`)
 	if p.Line != "listening on 127.0.0.1:4242" || p.Addr != "127.0.0.1:4242" || p.URL() != "http://127.0.0.1:4242" {
 		t.Fatalf("line %q addr %q", p.Line, p.Addr)
 	}
