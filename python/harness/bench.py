@@ -1,6 +1,6 @@
 """make bench-kv-sglang: SGLang 0.5.23's mooncake backend moving Llama-3.1-8B-shaped
 KV (32 layers x K,V x 8 KV heads x 128 dim bf16) through Mooncake's TransferEngine
-(TCP) and through kvproxy (tcp, UCX over tcp, UCX over shared memory), plus a
+(TCP) and through kvproxy (tcp, UCX over tcp, UCX over shared memory, kvproxy's shm), plus a
 memcpy over the same working set and the per-call cost of a tiny write, all in
 one run. Writes bench/out/kv-sglang.json and prints a Markdown table.
 """
@@ -20,6 +20,8 @@ CONFIGS = [
     ("kvproxy-tcp", ["--engine", "kvproxy", "--transport", "tcp"]),
     ("kvproxy-ucx-tcp", ["--engine", "kvproxy", "--transport", "ucx", "--ucx-tls", "tcp"]),
     ("kvproxy-ucx-shm", ["--engine", "kvproxy", "--transport", "ucx", "--ucx-tls", "posix,cma,tcp"]),
+    # kvproxy's own same-host path: the writer maps the peer engine's memfd and copies.
+    ("kvproxy-shm", ["--engine", "kvproxy", "--transport", "shm"]),
 ]
 
 

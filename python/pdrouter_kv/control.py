@@ -2,17 +2,20 @@
 
 Frame: u32 LE length, then op (u8), request id (u64), body. A reply echoes op
 and id, then an error string (empty: ok) and the op's body. Replies may come
-out of order, so one reader thread hands each to the request with its id;
-any number of threads may call at once.
+out of order. Any number of threads may call at once: whichever caller is
+waiting reads the socket for everyone (one at a time) and hands each reply to
+its caller, so an uncontended call never waits for a thread switch.
 """
 
 import array
 import itertools
 import os
+import select
 import socket
 import struct
 import sys
 import threading
+import time
 
 from . import cuda, remap
 
@@ -68,10 +71,11 @@ class _Reader:
 
 
 class _Pending:
-    __slots__ = ("done", "reply", "error")
+    __slots__ = ("done", "wake", "reply", "error")
 
     def __init__(self):
-        self.done = threading.Event()
+        self.done = False
+        self.wake = threading.Event()  # set when done, or when the socket needs a reader
         self.reply = None
         self.error = None
 
@@ -93,12 +97,14 @@ class Client:
             self._sock.close()
             raise ControlClosed("connect to kvproxy at %s: %s" % (self.sock_path, e)) from e
         self._send_lock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._lock = threading.Lock()
         self._pending = {}
         self._next_id = 0
         self._closed = None
-        self._thread = threading.Thread(target=self._read_loop, name="kvproxy-control", daemon=True)
-        self._thread.start()
+        self._buf = bytearray()
+        self._poll = select.poll()
+        self._poll.register(self._sock, select.POLLIN)
 
     def close(self):
         self._fail_all(ControlClosed("control connection closed"))
@@ -106,9 +112,8 @@ class Client:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-        self._sock.close()
+        with self._read_lock:  # a reader in recv returns at the shutdown
+            self._sock.close()
 
     def __enter__(self):
         return self
@@ -189,30 +194,47 @@ class Client:
             err = ControlClosed("send to kvproxy: %s" % e)
             self._fail_all(err)
             raise err from e
-        if not p.done.wait(self.timeout if timeout is None else timeout):
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not p.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._read_lock.acquire(blocking=False):
+                try:
+                    self._read_until(p, deadline)
+                finally:
+                    self._read_lock.release()
+                    self._hand_over()
+            else:
+                p.wake.wait(left)
+                p.wake.clear()
+        if not p.done:
             with self._lock:
                 self._pending.pop(rid, None)
-            raise TimeoutError("kvproxy did not answer op %d within %.1fs" % (op, self.timeout if timeout is None else timeout))
+            raise TimeoutError("kvproxy did not answer op %d within %.1fs" % (op, limit))
         if p.error is not None:
             raise p.error
         return p.reply
 
-    def _fail_all(self, err):
+    def _hand_over(self):
+        """Wakes one waiting caller to read on, now that this one stopped."""
         with self._lock:
-            if self._closed is None:
-                self._closed = err
-            pending, self._pending = self._pending, {}
-        for p in pending.values():
-            p.error = err
-            p.done.set()
+            for q in self._pending.values():
+                q.wake.set()
+                return
 
-    def _read_loop(self):
-        buf = bytearray()
+    def _read_until(self, p, deadline):
+        """Reads and dispatches replies until p's arrives, the deadline passes or the connection ends."""
         try:
-            while True:
+            while not p.done:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
+                    return
                 chunk = self._sock.recv(1 << 16)
                 if not chunk:
                     raise ControlClosed("kvproxy closed the control connection")
+                buf = self._buf
                 buf += chunk
                 while len(buf) >= 4:
                     n = _U32.unpack_from(buf)[0]
@@ -224,6 +246,16 @@ class Client:
                     del buf[:4 + n]
         except (OSError, KVProxyError) as e:
             self._fail_all(e if isinstance(e, ControlClosed) else ControlClosed("control connection: %s" % e))
+
+    def _fail_all(self, err):
+        with self._lock:
+            if self._closed is None:
+                self._closed = err
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.error = err
+            p.done = True
+            p.wake.set()
 
     def _dispatch(self, body):
         r = _Reader(body)
@@ -238,4 +270,5 @@ class Client:
             p.error = KVProxyError(err)
         else:
             p.reply = r
-        p.done.set()
+        p.done = True
+        p.wake.set()
