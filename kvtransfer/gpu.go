@@ -49,9 +49,9 @@ type gpuPlane struct {
 	mu      sync.Mutex
 	regions []*gpuRegion // sorted by base
 	imports map[cuda.Handle]*gpuImport
-	// peers maps a peer region (by link and ID) to its import; pmu is
-	// write-held to drop imports no peer table names any more.
-	peers map[gpuPeerKey]*gpuImport
+	// peers maps a peer region (by link and ID) to where it is mapped here;
+	// pmu is write-held to drop imports no peer table names any more.
+	peers map[gpuPeerKey]gpuPeer
 	seen  map[*memLink]*wire.MemRegion // the peer table each link was last pruned at
 	pmu   sync.RWMutex
 }
@@ -59,6 +59,12 @@ type gpuPlane struct {
 type gpuPeerKey struct {
 	l  *memLink
 	id uint32
+}
+
+// gpuPeer is a peer region opened here: its import and its base address.
+type gpuPeer struct {
+	imp *gpuImport
+	ptr uint64
 }
 
 // gpuImport is one opened IPC handle, shared by the regions inside it.
@@ -107,7 +113,7 @@ func (g *gpuPlane) open(reg prometheus.Registerer) error {
 			return
 		}
 		g.host = strings.TrimSpace(string(b))
-		g.imports, g.peers, g.seen = map[cuda.Handle]*gpuImport{}, map[gpuPeerKey]*gpuImport{}, map[*memLink]*wire.MemRegion{}
+		g.imports, g.peers, g.seen = map[cuda.Handle]*gpuImport{}, map[gpuPeerKey]gpuPeer{}, map[*memLink]*wire.MemRegion{}
 	})
 	return g.err
 }
@@ -262,9 +268,9 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	err := g.dropSession(p, nil, false)
 	g.pmu.Lock()
 	g.mu.Lock()
-	for k, imp := range g.peers {
+	for k, pr := range g.peers {
 		delete(g.peers, k)
-		err = errors.Join(err, g.releaseLocked(imp.key(g), imp))
+		err = errors.Join(err, g.releaseLocked(pr.imp.key(g), pr.imp))
 	}
 	g.mu.Unlock()
 	g.pmu.Unlock()
@@ -351,10 +357,10 @@ func (g *gpuPlane) prune(l *memLink) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	var err error
-	for k, imp := range g.peers {
+	for k, pr := range g.peers {
 		if k.l == l && !ids[k.id] || k.l != l && k.l.isClosed() {
 			delete(g.peers, k)
-			err = errors.Join(err, g.releaseLocked(imp.key(g), imp))
+			err = errors.Join(err, g.releaseLocked(pr.imp.key(g), pr.imp))
 		}
 	}
 	for x := range g.seen {
@@ -378,8 +384,8 @@ func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion) (uint64, error) {
 	k := gpuPeerKey{l, r.ID}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if imp := g.peers[k]; imp != nil {
-		return imp.ptr, nil
+	if pr, ok := g.peers[k]; ok {
+		return pr.ptr, nil
 	}
 	h, off, host, err := parseGPUKey(r.RKey)
 	if err != nil {
@@ -395,7 +401,7 @@ func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion) (uint64, error) {
 	if imp.size != 0 && off+r.Len > imp.size {
 		return 0, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(h, imp))
 	}
-	g.peers[k] = imp
+	g.peers[k] = gpuPeer{imp, imp.ptr + off}
 	return imp.ptr + off, nil
 }
 
@@ -407,13 +413,40 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	g.pmu.RLock()
 	defer g.pmu.RUnlock()
 	start := time.Now()
-	var srcs []*gpuRegion
+	runs, srcs, total, err := g.resolve(ctx, l, ts)
+	defer gpuRuns.Put(&runs)
 	defer func() {
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
 	}()
-	var runs []cuda.Run
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		return err
+	}
+	copyStart := time.Now()
+	g.resolveSec.Add(copyStart.Sub(start).Seconds())
+	_, err = g.cp.Copy(runs, gpuCopyMode)
+	g.copySec.Add(time.Since(copyStart).Seconds())
+	if err != nil {
+		return fmt.Errorf("GPU copy: %w", err)
+	}
+	p.m.written.Add(float64(total))
+	return nil
+}
+
+// gpuRuns recycles run lists: a big write has 10^5 runs, and allocating
+// them per write keeps the collector busy.
+var gpuRuns = sync.Pool{New: func() any { return new([]cuda.Run) }}
+
+// resolve turns triples into device-address runs, merging runs contiguous
+// on both sides. The source regions it returns are read-locked (also on
+// error); the caller unlocks them. Call with pmu read-held.
+func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]cuda.Run, []*gpuRegion, uint64, error) {
+	var srcs []*gpuRegion
+	runs := (*gpuRuns.Get().(*[]cuda.Run))[:0]
 	var total uint64
 	refreshed := false
 	// SGLang's triples walk one buffer's pages at a time: the last source
@@ -426,20 +459,20 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 			continue
 		}
 		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
-			return fmt.Errorf("triple %d: range wraps", i)
+			return nil, srcs, 0, fmt.Errorf("triple %d: range wraps", i)
 		}
 		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
 			g.mu.Lock()
 			src = g.findLocked(t.Src, t.Len)
 			g.mu.Unlock()
 			if src == nil {
-				return fmt.Errorf("triple %d: source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", i, t.Src, t.Len, ErrNotRegistered)
+				return nil, srcs, 0, fmt.Errorf("triple %d: source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", i, t.Src, t.Len, ErrNotRegistered)
 			}
 			if !slices.Contains(srcs, src) {
 				src.use.RLock()
 				srcs = append(srcs, src)
 				if src.gone {
-					return fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
+					return nil, srcs, 0, fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
 				}
 			}
 		}
@@ -449,39 +482,28 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 			if !ok && !refreshed {
 				refreshed = true
 				if err := l.refresh(ctx); err != nil {
-					return fmt.Errorf("refresh peer regions: %w", err)
+					return nil, srcs, 0, fmt.Errorf("refresh peer regions: %w", err)
 				}
 				dst, ok = l.remoteRegion(t.Dst, t.Len)
 			}
 			if !ok {
-				return fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
+				return nil, srcs, 0, fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
 			}
 			if dst.Kind != wire.MemCUDA {
-				return fmt.Errorf("triple %d: destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", i, t.Dst, t.Len)
+				return nil, srcs, 0, fmt.Errorf("triple %d: destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", i, t.Dst, t.Len)
 			}
 			var err error
 			if dptr, err = g.peerPtr(l, dst); err != nil {
-				return err
+				return nil, srcs, 0, err
 			}
 		}
-		run := cuda.Run{Src: src.ptr + (t.Src - src.base), Dst: dptr + (t.Dst - dst.Base), Len: t.Len}
+		s, d := src.ptr+(t.Src-src.base), dptr+(t.Dst-dst.Base)
 		total += t.Len
-		if n := len(runs); n > 0 && runs[n-1].Src+runs[n-1].Len == run.Src && runs[n-1].Dst+runs[n-1].Len == run.Dst {
-			runs[n-1].Len += run.Len
+		if n := len(runs); n > 0 && runs[n-1].Src+runs[n-1].Len == s && runs[n-1].Dst+runs[n-1].Len == d {
+			runs[n-1].Len += t.Len
 			continue
 		}
-		runs = append(runs, run)
+		runs = append(runs, cuda.Run{Src: s, Dst: d, Len: t.Len})
 	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	copyStart := time.Now()
-	g.resolveSec.Add(copyStart.Sub(start).Seconds())
-	_, err := g.cp.Copy(runs, gpuCopyMode)
-	g.copySec.Add(time.Since(copyStart).Seconds())
-	if err != nil {
-		return fmt.Errorf("GPU copy: %w", err)
-	}
-	p.m.written.Add(float64(total))
-	return nil
+	return runs, srcs, total, nil
 }

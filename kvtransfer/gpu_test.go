@@ -2,12 +2,15 @@ package kvtransfer
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
 func TestRegisterCUDAChecksArguments(t *testing.T) {
@@ -67,5 +70,109 @@ func TestGPUKeyRoundTrip(t *testing.T) {
 	}
 	if _, _, _, err := parseGPUKey(k[:70]); err == nil {
 		t.Fatal("short key parsed")
+	}
+}
+
+// fakeGPU is a gpuPlane with two registered source regions and a link
+// whose peer table holds two GPU regions already opened here, so resolve
+// runs without a GPU.
+func fakeGPU() (*gpuPlane, *memLink) {
+	const mib = 1 << 20
+	g := &gpuPlane{peers: map[gpuPeerKey]gpuPeer{}}
+	g.regions = []*gpuRegion{
+		{id: 1, base: 0x10000000, n: 64 * mib, ptr: 0x7000000000},
+		{id: 2, base: 0x20000000, n: 64 * mib, ptr: 0x7100000000 + 4096}, // 4 KiB into its allocation
+	}
+	l := &memLink{regions: []wire.MemRegion{
+		{ID: 7, Kind: wire.MemCUDA, Base: 0x30000000, Len: 64 * mib},
+		{ID: 8, Kind: wire.MemCUDA, Base: 0x40000000, Len: 64 * mib},
+		{ID: 9, Kind: wire.MemHost, Base: 0x50000000, Len: 64 * mib},
+	}}
+	// Region 8 shares region 7's allocation, 64 MiB in: the cache must keep
+	// each region's own address.
+	imp := &gpuImport{ptr: 0x9000000000, refs: 2}
+	g.peers[gpuPeerKey{l, 7}] = gpuPeer{imp, imp.ptr}
+	g.peers[gpuPeerKey{l, 8}] = gpuPeer{imp, imp.ptr + 64*mib}
+	return g, l
+}
+
+func TestGPUResolveMergesAndTranslates(t *testing.T) {
+	g, l := fakeGPU()
+	const pg = 32 << 10
+	var ts []Triple
+	for i := uint64(0); i < 4; i++ { // contiguous on both sides: one run
+		ts = append(ts, Triple{Src: 0x10000000 + i*pg, Dst: 0x30000000 + i*pg, Len: pg})
+	}
+	for i := uint64(0); i < 3; i++ { // every other page: three runs
+		ts = append(ts, Triple{Src: 0x20000000 + 2*i*pg, Dst: 0x40000000 + 2*i*pg, Len: pg})
+	}
+	ts = append(ts, Triple{Src: 0x10000000, Dst: 0x40000000, Len: 0}) // empty: skipped
+	runs, srcs, total, err := g.resolve(context.Background(), l, ts)
+	for _, r := range srcs {
+		r.use.RUnlock()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []cuda.Run{
+		{Src: 0x7000000000, Dst: 0x9000000000, Len: 4 * pg},
+		{Src: 0x7100000000 + 4096, Dst: 0x9000000000 + 64<<20, Len: pg},
+		{Src: 0x7100000000 + 4096 + 2*pg, Dst: 0x9000000000 + 64<<20 + 2*pg, Len: pg},
+		{Src: 0x7100000000 + 4096 + 4*pg, Dst: 0x9000000000 + 64<<20 + 4*pg, Len: pg},
+	}
+	if !slices.Equal(runs, want) || total != 7*pg || len(srcs) != 2 {
+		t.Fatalf("runs %x total %d srcs %d", runs, total, len(srcs))
+	}
+}
+
+func TestGPUResolveRejects(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		t    Triple
+		want string
+	}{
+		{"unregistered source", Triple{Src: 0x60000000, Dst: 0x30000000, Len: 8}, "not registered"},
+		{"source past its region", Triple{Src: 0x10000000 + 64<<20 - 4, Dst: 0x30000000, Len: 8}, "not registered"},
+		{"host destination", Triple{Src: 0x10000000, Dst: 0x50000000, Len: 8}, "host memory"},
+		{"wrapping range", Triple{Src: 1<<64 - 4, Dst: 0x30000000, Len: 8}, "wraps"},
+	} {
+		g, l := fakeGPU()
+		_, srcs, _, err := g.resolve(ctx, l, []Triple{tc.t})
+		for _, r := range srcs {
+			r.use.RUnlock()
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want %q", tc.name, err, tc.want)
+		}
+	}
+	// An unknown destination asks the peer once; a closed link fails that.
+	g, l := fakeGPU()
+	l.closed, l.err = true, errors.New("link gone")
+	if _, _, _, err := g.resolve(ctx, l, []Triple{{Src: 0x10000000, Dst: 0x70000000, Len: 8}}); err == nil || !strings.Contains(err.Error(), "link gone") {
+		t.Fatalf("unknown destination on a closed link: %v", err)
+	}
+}
+
+// BenchmarkGPUResolveScattered is 4k tokens of every other page of the
+// Llama-3.1-8B layout in one buffer pair: 256 triples per 32 KiB page run.
+func BenchmarkGPUResolveScattered(b *testing.B) {
+	g, l := fakeGPU()
+	const pg = 32 << 10
+	ts := make([]Triple, 16384)
+	for i := range ts {
+		o := uint64(i%512) * 2 * pg
+		ts[i] = Triple{Src: 0x10000000 + o, Dst: 0x30000000 + o, Len: pg}
+	}
+	b.ResetTimer()
+	for range b.N {
+		runs, srcs, _, err := g.resolve(context.Background(), l, ts)
+		for _, r := range srcs {
+			r.use.RUnlock()
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+		gpuRuns.Put(&runs)
 	}
 }

@@ -62,6 +62,8 @@ const (
 	// memcpyRuns: up to this many runs CopyAuto issues one copy per run
 	// (a launch costs a few µs, so few long runs go faster so).
 	memcpyRuns = 8
+	// memcpyRunLen: runs this long on average go as copies too.
+	memcpyRunLen = 16 << 20
 	// maxGrid bounds the kernel's blocks; each loops over its share.
 	maxGrid = 4096
 )

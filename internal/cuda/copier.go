@@ -32,8 +32,12 @@ type Copier struct {
 	stream, module, fn unsafe.Pointer
 	desc               uint64 // device buffer of descCap triples
 	descCap            int
-	host               []uint64
-	closed             bool
+	// pinned is page-locked host memory for descCap triples, so the
+	// descriptors go up asynchronously instead of through the driver's
+	// staging of pageable memory.
+	pinned unsafe.Pointer
+	list   []uint64 // memcpy batches' runs
+	closed bool
 }
 
 // NewCopier creates a stream and loads the copy kernel (JIT from PTX).
@@ -48,8 +52,8 @@ func (d *Device) NewCopier() (*Copier, error) {
 }
 
 // Copy moves every run and returns once all bytes are in place. Mode picks
-// kernel or per-run copies; CopyAuto uses copies for a handful of runs and
-// the kernel otherwise.
+// kernel or per-run copies; CopyAuto uses copies for a handful of runs or
+// long ones (the driver's copies move those fastest) and the kernel otherwise.
 func (c *Copier) Copy(runs []Run, mode CopyMode) (CopyMode, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -60,52 +64,86 @@ func (c *Copier) Copy(runs []Run, mode CopyMode) (CopyMode, error) {
 		return mode, nil
 	}
 	if mode == CopyAuto {
+		var total uint64
+		for _, r := range runs {
+			total += r.Len
+		}
 		mode = CopyKernel
-		if len(runs) <= memcpyRuns {
+		if len(runs) <= memcpyRuns || total/uint64(len(runs)) >= memcpyRunLen {
 			mode = CopyMemcpy
 		}
 	}
-	c.host = c.host[:0]
+	buf := c.list[:0]
+	if mode == CopyKernel {
+		if err := c.reserve(pieces(runs)); err != nil {
+			return mode, err
+		}
+		buf = unsafe.Slice((*uint64)(c.pinned), 3*c.descCap)[:0] // big enough: never reallocates
+	}
 	for _, r := range runs {
 		if mode == CopyMemcpy {
-			c.host = append(c.host, r.Src, r.Dst, r.Len)
+			buf = append(buf, r.Src, r.Dst, r.Len)
 			continue
 		}
 		for off := uint64(0); off < r.Len; off += copyPiece {
-			c.host = append(c.host, r.Src+off, r.Dst+off, min(copyPiece, r.Len-off))
+			buf = append(buf, r.Src+off, r.Dst+off, min(copyPiece, r.Len-off))
 		}
 	}
-	n := len(c.host) / 3
+	if mode == CopyMemcpy {
+		c.list = buf
+	}
+	n := len(buf) / 3
 	kernel := C.int(0)
 	grid := min(n, maxGrid)
 	if mode == CopyKernel {
 		kernel = 1
-		if err := c.reserve(n); err != nil {
-			return mode, err
-		}
 	}
 	err := result("copy runs", C.cudag_copy_runs(c.d.ctx, c.stream, c.fn, C.uint64_t(c.desc),
-		(*C.uint64_t)(unsafe.Pointer(&c.host[0])), C.uint(n), kernel, C.uint(grid), 256))
+		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), kernel, C.uint(grid), 256))
 	return mode, err
 }
 
-// reserve grows the device descriptor buffer to n triples.
+// pieces counts the kernel's descriptors for runs.
+func pieces(runs []Run) int {
+	n := 0
+	for _, r := range runs {
+		n += int((r.Len + copyPiece - 1) / copyPiece)
+	}
+	return n
+}
+
+// reserve grows the device and pinned descriptor buffers to n triples
+// (doubling, so a growing workload reallocates rarely).
 func (c *Copier) reserve(n int) error {
 	if n <= c.descCap {
 		return nil
 	}
-	if c.desc != 0 {
-		if err := c.d.Free(c.desc); err != nil {
-			return err
-		}
-		c.desc, c.descCap = 0, 0
+	n = max(n, 2*c.descCap)
+	if err := c.freeDesc(); err != nil {
+		return err
 	}
 	p, err := c.d.Alloc(n * 24)
 	if err != nil {
 		return err
 	}
-	c.desc, c.descCap = p, n
+	var h unsafe.Pointer
+	if err := result("cuMemAllocHost", C.cudag_mem_alloc_host(c.d.ctx, C.size_t(n*24), &h)); err != nil {
+		return errors.Join(err, c.d.Free(p))
+	}
+	c.desc, c.descCap, c.pinned = p, n, h
 	return nil
+}
+
+func (c *Copier) freeDesc() error {
+	var err error
+	if c.desc != 0 {
+		err = c.d.Free(c.desc)
+	}
+	if c.pinned != nil {
+		err = errors.Join(err, result("cuMemFreeHost", C.cudag_mem_free_host(c.d.ctx, c.pinned)))
+	}
+	c.desc, c.descCap, c.pinned = 0, 0, nil
+	return err
 }
 
 // Close frees the stream, kernel and descriptor buffer.
@@ -116,10 +154,7 @@ func (c *Copier) Close() error {
 		return nil
 	}
 	c.closed = true
-	var err error
-	if c.desc != 0 {
-		err = c.d.Free(c.desc)
-	}
+	err := c.freeDesc()
 	C.cudag_copier_destroy(c.d.ctx, c.stream, c.module)
 	return err
 }

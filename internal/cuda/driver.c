@@ -44,6 +44,8 @@ typedef struct {
 				  unsigned, void *, void **, void **);
 	CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, void *);
 	CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, void *);
+	CUresult (*mem_alloc_host)(void **, size_t);
+	CUresult (*mem_free_host)(void *);
 } table_t;
 
 static table_t cu;
@@ -83,6 +85,8 @@ static const struct {
 	{AT(launch_kernel), {"cuLaunchKernel", NULL}},
 	{AT(memcpy_dtod_async), {"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"}},
 	{AT(memcpy_htod_async), {"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"}},
+	{AT(mem_alloc_host), {"cuMemAllocHost_v2", "cuMemAllocHost"}},
+	{AT(mem_free_host), {"cuMemFreeHost", NULL}},
 };
 
 // cudag_load fills a table and installs it only when every entry point
@@ -313,4 +317,14 @@ int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint
 	CUcontext popped;
 	cu.ctx_pop(&popped);
 	return r;
+}
+
+int cudag_mem_alloc_host(void *ctx, size_t n, void **p)
+{
+	IN_CTX(ctx, cu.mem_alloc_host(p, n));
+}
+
+int cudag_mem_free_host(void *ctx, void *p)
+{
+	IN_CTX(ctx, cu.mem_free_host(p));
 }

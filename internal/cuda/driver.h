@@ -41,6 +41,9 @@ int cudag_address_range(void *ctx, uint64_t ptr, uint64_t *base, size_t *size);
 // with the device ordinal of device memory.
 int cudag_pointer_kind(uint64_t ptr, int *kind, int *ordinal);
 
+int cudag_mem_alloc_host(void *ctx, size_t n, void **p);
+int cudag_mem_free_host(void *ctx, void *p);
+
 // The batched copier: a stream and the copy_runs kernel (copy.ptx).
 int cudag_copier_create(void *ctx, const char *ptx, void **stream, void **module, void **fn);
 void cudag_copier_destroy(void *ctx, void *stream, void *module);
