@@ -24,11 +24,10 @@ type options struct {
 	logDir          *string
 	logLevel        string
 	jsonLog         bool
+	discovery       discoveryOptions
 	// accepted for compatibility only
 	ignoredBool    bool
-	ignoredString  string
 	ignoredOpt     *string
-	ignoredInt     int
 	ignoredList    []string
 	ignoredFloats  []string
 	ignoredAppends [][]string
@@ -74,13 +73,7 @@ func newParser() (*cli.Parser, *options) {
 	p.String(lg, "log-level", &o.logLevel, "Log level", "debug", "info", "warn", "error")
 	p.Bool(lg, "json-log", &o.jsonLog, "Structured JSON logs")
 
-	const sd = "Service Discovery (Kubernetes)"
-	p.Bool(sd, "service-discovery", &o.ignoredBool, "Kubernetes service discovery").Ignored = true
-	p.Strings(sd, "selector", &o.ignoredList, true, "Pod label selector").Ignored = true
-	p.Int(sd, "service-discovery-port", &o.ignoredInt, "Port of discovered pods").Ignored = true
-	p.String(sd, "service-discovery-namespace", &o.ignoredString, "Namespace to watch").Ignored = true
-	p.Strings(sd, "prefill-selector", &o.ignoredList, true, "Prefill pod selector").Ignored = true
-	p.Strings(sd, "decode-selector", &o.ignoredList, true, "Decode pod selector").Ignored = true
+	addDiscoveryFlags(p, &o.discovery)
 
 	p.Int(pr, "prometheus-port", &c.PrometheusPort, "Port of the Prometheus metrics listener")
 	p.String(pr, "prometheus-host", &c.PrometheusHost, "Host of the Prometheus metrics listener")

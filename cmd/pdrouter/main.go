@@ -52,14 +52,18 @@ func run(args []string) int {
 	for _, f := range p.Ignored() {
 		log.Warn("flag accepted but not implemented by pdrouter; ignored", zap.String("flag", f))
 	}
-	if err := serve(cfg, log); err != nil {
+	if err := o.discovery.apply(&cfg, log); err != nil {
+		p.Usage(os.Stderr, err)
+		return 2
+	}
+	if err := serve(cfg, &o.discovery, log); err != nil {
 		log.Error("router stopped", zap.Error(err))
 		return 1
 	}
 	return 0
 }
 
-func serve(cfg router.Config, log *zap.Logger) error {
+func serve(cfg router.Config, discovery *discoveryOptions, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv, err := router.New(cfg, log, reg)
@@ -74,6 +78,11 @@ func serve(cfg router.Config, log *zap.Logger) error {
 	if err := srv.Start(); err != nil {
 		return err
 	}
+	stopDiscovery, err := discovery.start(srv, log, reg)
+	if err != nil {
+		return err
+	}
+	defer stopDiscovery()
 	var metrics *http.Server
 	if cfg.PrometheusPort > 0 {
 		// Like sglang-router's exporter, the metrics listener answers on any path.
@@ -98,6 +107,7 @@ func serve(cfg router.Config, log *zap.Logger) error {
 	case s := <-sig:
 		log.Info("shutting down: draining in-flight requests", zap.Stringer("signal", s), zap.Duration("grace", cfg.ShutdownGrace))
 	}
+	stopDiscovery() // no workers join or leave while draining
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownGrace)
 	defer cancel()
 	err = srv.Shutdown(ctx)
