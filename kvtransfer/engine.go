@@ -65,7 +65,7 @@ type Engine struct {
 	tombs    map[uint64]tomb
 	peers    map[*peer]struct{}
 	byAddr   map[string]*peer
-	dialing  map[string]*dialCall
+	dialing  dialOnce[*peer]
 	closed   bool
 }
 
@@ -93,7 +93,7 @@ func New(cfg Config) (*Engine, error) {
 	e := &Engine{
 		cfg: cfg, log: cfg.Logger, m: cfg.Metrics, ctx: ctx, cancel: cancel,
 		prefills: map[uint64]*prefillRoom{}, decodes: map[uint64]*decodeRoom{}, tombs: map[uint64]tomb{}, peers: map[*peer]struct{}{},
-		byAddr: map[string]*peer{}, dialing: map[string]*dialCall{},
+		byAddr: map[string]*peer{}, dialing: dialOnce[*peer]{},
 	}
 	if cfg.Listener != nil {
 		e.wg.Add(1)

@@ -45,12 +45,6 @@ type memLink struct {
 	dropped string
 }
 
-type linkDial struct {
-	done chan struct{}
-	l    *memLink
-	err  error
-}
-
 func (p *MemoryPlane) hello() *wire.MemHello {
 	return &wire.MemHello{Name: p.cfg.Name, Transport: p.cfg.Transport.Name(), WorkerAddr: p.workerAddr,
 		ListenAddr: p.PeerAddr(), Regions: p.table()}
@@ -118,34 +112,10 @@ func (p *MemoryPlane) acceptLoop() {
 // link returns the link to the peer at addr, dialing it once however many
 // writers ask at the same time.
 func (p *MemoryPlane) link(ctx context.Context, addr string) (*memLink, error) {
-	p.mu.Lock()
-	if l := p.byAddr[addr]; l != nil {
-		p.mu.Unlock()
-		return l, nil
-	}
-	if p.closed {
-		p.mu.Unlock()
-		return nil, ErrClosed
-	}
-	d := p.dialing[addr]
-	if d == nil {
-		d = &linkDial{done: make(chan struct{})}
-		p.dialing[addr] = d
-		p.mu.Unlock()
-		d.l, d.err = p.dial(addr)
-		p.mu.Lock()
-		delete(p.dialing, addr)
-		p.mu.Unlock()
-		close(d.done)
-		return d.l, d.err
-	}
-	p.mu.Unlock()
-	select {
-	case <-d.done:
-		return d.l, d.err
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
+	return p.dialing.get(ctx, &p.mu, addr, func() (*memLink, bool) {
+		l := p.byAddr[addr]
+		return l, l != nil
+	}, func() (*memLink, error) { return p.dial(addr) })
 }
 
 // dial is bounded by the write timeout, not by one caller's context: the

@@ -76,7 +76,7 @@ type MemoryPlane struct {
 	quarantine []quarantined
 	links      map[*memLink]struct{}
 	byAddr     map[string]*memLink
-	dialing    map[string]*linkDial
+	dialing    dialOnce[*memLink]
 	closed     bool
 
 	bmu sync.Mutex // orders region-table pushes
@@ -151,7 +151,7 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 	p := &MemoryPlane{
 		cfg: cfg, mt: mt, log: cfg.Logger, m: newMemMetrics(cfg.Registry), workerAddr: wa, remoteWriters: wa != nil,
 		ctx: ctx, cancel: cancel, byID: map[uint32]*memRegion{}, links: map[*memLink]struct{}{},
-		byAddr: map[string]*memLink{}, dialing: map[string]*linkDial{},
+		byAddr: map[string]*memLink{}, dialing: dialOnce[*memLink]{},
 	}
 	p.wg.Add(1)
 	go p.acceptLoop()

@@ -61,12 +61,6 @@ type job interface {
 	run(p *peer) error
 }
 
-type dialCall struct {
-	done chan struct{}
-	p    *peer
-	err  error
-}
-
 func (p *peer) enqueue(it item) {
 	p.qmu.Lock()
 	p.queue = append(p.queue, it)
@@ -222,30 +216,10 @@ func (e *Engine) peerFor(ctx context.Context, bootstrapAddr string) (*peer, erro
 // peerAt returns the connected peer at a peer address, dialing it once
 // however many callers ask at the same time.
 func (e *Engine) peerAt(ctx context.Context, addr string) (*peer, error) {
-	e.mu.Lock()
-	if p := e.byAddr[addr]; p != nil {
-		e.mu.Unlock()
-		return p, nil
-	}
-	c := e.dialing[addr]
-	if c == nil {
-		c = &dialCall{done: make(chan struct{})}
-		e.dialing[addr] = c
-		e.mu.Unlock()
-		c.p, c.err = e.dial(addr)
-		e.mu.Lock()
-		delete(e.dialing, addr)
-		e.mu.Unlock()
-		close(c.done)
-		return c.p, c.err
-	}
-	e.mu.Unlock()
-	select {
-	case <-c.done:
-		return c.p, c.err
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
+	return e.dialing.get(ctx, &e.mu, addr, func() (*peer, bool) {
+		p := e.byAddr[addr]
+		return p, p != nil
+	}, func() (*peer, error) { return e.dial(addr) })
 }
 
 func (e *Engine) dial(addr string) (*peer, error) {
