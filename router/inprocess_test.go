@@ -44,9 +44,15 @@ func inProcess(t *testing.T, prefill, decode mockworker.Config) (string, *Server
 // on a loopback port and waits until its workers are registered.
 func serveInProcess(t testing.TB, cfg Config) (string, *Server) {
 	t.Helper()
+	return serveInProcessOn(t, cfg, prometheus.NewRegistry())
+}
+
+// serveInProcessOn is serveInProcess with the router's metrics on promReg.
+func serveInProcessOn(t testing.TB, cfg Config, promReg prometheus.Registerer) (string, *Server) {
+	t.Helper()
 	cfg.Policy = "round_robin"
 	cfg.Manager.Health.Disabled = true
-	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+	srv, err := New(cfg, zap.NewNop(), promReg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,6 +3,7 @@
 package router
 
 import (
+	"cmp"
 	"context"
 	"math/rand/v2"
 	"net"
@@ -89,6 +90,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	mcfg.Metrics = s.bm
 	s.manager = balancer.NewManager(mcfg)
 	s.reg = s.manager.Registry()
+	s.reg.OnChange(s.followWorkers)
 	for _, t := range s.sides() {
 		s.manager.AttachPolicy(s.policies[t])
 	}
@@ -112,14 +114,21 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	return s, nil
 }
 
+// followWorkers closes the connections of workers that left the registry.
+func (s *Server) followWorkers(snap *balancer.Snapshot) {
+	if s.upstream.follow(snap) {
+		s.infoCalls.CloseIdleConnections() // net/http closes them all, not one host's
+	}
+}
+
 // policyName is the policy cfg gives workers of type t: PD mode may name
 // one per side, falling back to --policy.
 func policyName(cfg *Config, t balancer.WorkerType) string {
-	switch {
-	case t == balancer.Prefill && cfg.PrefillPolicy != "":
-		return cfg.PrefillPolicy
-	case t == balancer.Decode && cfg.DecodePolicy != "":
-		return cfg.DecodePolicy
+	switch t {
+	case balancer.Prefill:
+		return cmp.Or(cfg.PrefillPolicy, cfg.Policy)
+	case balancer.Decode:
+		return cmp.Or(cfg.DecodePolicy, cfg.Policy)
 	}
 	return cfg.Policy
 }
@@ -169,7 +178,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.background.Wait()
 	s.manager.Stop()
 	s.infoCalls.CloseIdleConnections()
-	s.upstream.closeIdle()
+	s.upstream.close()
 	return err
 }
 

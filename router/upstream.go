@@ -8,12 +8,15 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/balancer"
 )
 
 // upstream is the router's HTTP/1.1 client towards workers. It is our own
@@ -25,13 +28,22 @@ import (
 // keep-alive connection, with fasthttp's parsers; ending the request's
 // scope expires the connection's deadline, which ends any read or write at
 // once.
+//
+// Pooled connections follow the registry (follow): a worker that leaves
+// keeps none, and a connection idle for idleTimeout is closed by a timer
+// that runs only while the pool holds any, so neither a removed nor an idle
+// worker holds a file descriptor until shutdown.
 type upstream struct {
 	dialer      net.Dialer
 	maxIdle     int           // idle connections kept per worker
-	idleTimeout time.Duration // a connection idle longer is not reused
+	idleTimeout time.Duration // a connection idle this long is closed
 
-	mu   sync.Mutex
-	idle map[string][]*upConn // by host:port, most recent last
+	mu      sync.Mutex
+	idle    map[string][]*upConn // by host:port, most recent last
+	workers map[string]bool      // the registered workers' host:port; nil = any
+	reaper  *time.Timer          // runs reap
+	reaping bool                 // reaper is armed
+	closed  bool                 // shut down: nothing is pooled any more
 }
 
 func newUpstream() *upstream {
@@ -196,28 +208,103 @@ func (u *upstream) get(addr string) (*upConn, bool) {
 	return nil, false
 }
 
+// put pools c, unless its worker has left the registry, the pool for it is
+// full or the upstream is shut down: then c is closed.
 func (u *upstream) put(c *upConn) {
 	c.lastUsed = time.Now()
 	u.mu.Lock()
-	if len(u.idle[c.addr]) < u.maxIdle {
+	keep := !u.closed && len(u.idle[c.addr]) < u.maxIdle && (u.workers == nil || u.workers[c.addr])
+	if keep {
 		u.idle[c.addr] = append(u.idle[c.addr], c)
-		c = nil
+		if !u.reaping {
+			u.reaping = true
+			if u.reaper == nil {
+				u.reaper = time.AfterFunc(u.idleTimeout, u.reap)
+			} else {
+				u.reaper.Reset(u.idleTimeout)
+			}
+		}
 	}
 	u.mu.Unlock()
-	if c != nil {
+	if !keep {
 		c.c.Close()
 	}
 }
 
-// closeIdle closes every pooled connection (at shutdown).
-func (u *upstream) closeIdle() {
+// reap closes the connections idle for idleTimeout and sets the timer for
+// the next to expire, if any is left.
+func (u *upstream) reap() {
+	now := time.Now()
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	var next time.Duration
 	for addr, conns := range u.idle {
-		for _, c := range conns {
-			c.c.Close()
+		n := 0 // oldest first: the expired ones are a prefix
+		for n < len(conns) && now.Sub(conns[n].lastUsed) >= u.idleTimeout {
+			conns[n].c.Close()
+			n++
 		}
+		if n == len(conns) {
+			delete(u.idle, addr)
+			continue
+		}
+		conns = slices.Delete(conns, 0, n)
+		u.idle[addr] = conns
+		if d := u.idleTimeout - now.Sub(conns[0].lastUsed); next == 0 || d < next {
+			next = d
+		}
+	}
+	u.reaping = next > 0 && !u.closed
+	if u.reaping {
+		u.reaper.Reset(next)
+	}
+}
+
+// follow makes the registered workers in snap the only ones whose
+// connections are pooled: the idle connections of any other are closed
+// now, and those in use when their request ends. It reports whether a
+// worker left.
+func (u *upstream) follow(snap *balancer.Snapshot) bool {
+	workers := make(map[string]bool, len(snap.All))
+	for _, w := range snap.All {
+		if addr, _, _, err := hostPort(w.URL); err == nil {
+			workers[addr] = true
+		}
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	left := false
+	for addr := range u.workers {
+		left = left || !workers[addr]
+	}
+	u.workers = workers
+	for addr, conns := range u.idle {
+		if !workers[addr] {
+			closeAll(conns)
+			delete(u.idle, addr)
+		}
+	}
+	return left
+}
+
+// close closes every pooled connection and pools none from now on (at
+// shutdown).
+func (u *upstream) close() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.closed = true
+	if u.reaper != nil {
+		u.reaper.Stop()
+	}
+	for addr, conns := range u.idle {
+		closeAll(conns)
 		delete(u.idle, addr)
+	}
+}
+
+func closeAll(conns []*upConn) {
+	for _, c := range conns {
+		c.c.Close()
 	}
 }
 

@@ -7,24 +7,48 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/pdrouter/pdrouter/balancer"
 )
 
-// countingServer counts the connections it accepts.
-func countingServer(t *testing.T, h http.HandlerFunc) (*httptest.Server, *atomic.Int32) {
+// serverConns is a test server's view of the connections it accepted.
+type serverConns struct {
+	mu       sync.Mutex
+	accepted int
+	open     map[string]bool // by the client's address
+}
+
+func (c *serverConns) count() (accepted, open int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.accepted, len(c.open)
+}
+
+func (c *serverConns) acceptedCount() int { n, _ := c.count(); return n }
+func (c *serverConns) openCount() int     { _, n := c.count(); return n }
+
+// countingServer counts the connections it accepts and those still open.
+func countingServer(t *testing.T, h http.HandlerFunc) (*httptest.Server, *serverConns) {
 	t.Helper()
-	var conns atomic.Int32
+	conns := &serverConns{open: map[string]bool{}}
 	srv := httptest.NewUnstartedServer(h)
-	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			conns.Add(1)
+	srv.Config.ConnState = func(c net.Conn, s http.ConnState) {
+		conns.mu.Lock()
+		defer conns.mu.Unlock()
+		switch s {
+		case http.StateNew:
+			conns.accepted++
+			conns.open[c.RemoteAddr().String()] = true
+		case http.StateClosed, http.StateHijacked:
+			delete(conns.open, c.RemoteAddr().String())
 		}
 	}
 	srv.Start()
 	t.Cleanup(srv.Close)
-	return srv, &conns
+	return srv, conns
 }
 
 func TestUpstreamReusesConnections(t *testing.T) {
@@ -39,7 +63,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 		w.Write(b)
 	})
 	u := newUpstream()
-	defer u.closeIdle()
+	defer u.close()
 	for i, path := range []string{"/a", "/chunked", "/b", "/chunked", "/c"} {
 		resp, err := u.post(&scope{}, srv.URL, path, []byte(`{"i":1}`), []byte("X-Test: 1\r\n"))
 		if err != nil {
@@ -51,7 +75,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 			t.Fatalf("request %d: %d %q %v", i, resp.StatusCode, body, err)
 		}
 	}
-	if n := conns.Load(); n != 1 {
+	if n := conns.acceptedCount(); n != 1 {
 		t.Errorf("5 sequential requests used %d connections, want 1", n)
 	}
 }
@@ -59,7 +83,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 func TestUpstreamRetriesAConnectionClosedWhileIdle(t *testing.T) {
 	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
 	u := newUpstream()
-	defer u.closeIdle()
+	defer u.close()
 	for i := range 2 {
 		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
 		if err != nil {
@@ -70,7 +94,7 @@ func TestUpstreamRetriesAConnectionClosedWhileIdle(t *testing.T) {
 		srv.CloseClientConnections() // the worker drops its idle keep-alive connection
 		time.Sleep(20 * time.Millisecond)
 	}
-	if n := conns.Load(); n != 2 {
+	if n := conns.acceptedCount(); n != 2 {
 		t.Errorf("want a fresh connection after the idle one was closed: %d", n)
 	}
 }
@@ -85,7 +109,7 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 	})
 	defer close(release)
 	u := newUpstream()
-	defer u.closeIdle()
+	defer u.close()
 	ctx := &scope{}
 	cause := errors.New("other leg failed")
 	time.AfterFunc(50*time.Millisecond, func() { ctx.cancel(cause) })
@@ -99,7 +123,7 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 		resp.Close()
 		t.Fatal("a malformed URL must fail")
 	}
-	if n := conns.Load(); n != 1 {
+	if n := conns.acceptedCount(); n != 1 {
 		t.Errorf("connections %d", n)
 	}
 	if len(u.idle) != 0 && len(u.idle[strings.TrimPrefix(srv.URL, "http://")]) != 0 {
@@ -112,7 +136,7 @@ func TestUpstreamHalfReadBodyIsNotReused(t *testing.T) {
 		io.WriteString(w, strings.Repeat("x", 100000))
 	})
 	u := newUpstream()
-	defer u.closeIdle()
+	defer u.close()
 	for range 2 {
 		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
 		if err != nil {
@@ -122,7 +146,7 @@ func TestUpstreamHalfReadBodyIsNotReused(t *testing.T) {
 		resp.Read(buf)
 		resp.Close()
 	}
-	if n := conns.Load(); n != 2 {
+	if n := conns.acceptedCount(); n != 2 {
 		t.Errorf("a connection with unread body was reused: %d connections", n)
 	}
 }
@@ -142,5 +166,86 @@ func TestHostPort(t *testing.T) {
 	}
 	if _, _, _, err := hostPort("ftp://x"); err == nil {
 		t.Error("ftp accepted")
+	}
+}
+
+func TestUpstreamClosesIdleConnections(t *testing.T) {
+	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	u := newUpstream()
+	defer u.close()
+	u.idleTimeout = 50 * time.Millisecond
+	for range 2 { // the second reuses the first's connection and rearms the reaper
+		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp)
+		resp.Close()
+	}
+	if accepted, open := conns.count(); accepted != 1 || open != 1 {
+		t.Fatalf("accepted %d, open %d: want one pooled connection", accepted, open)
+	}
+	waitFor(t, func() bool { return conns.openCount() == 0 })
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if len(u.idle) != 0 || u.reaping {
+		t.Errorf("after the idle timeout: pool %v, reaper armed %v", u.idle, u.reaping)
+	}
+}
+
+func TestUpstreamPoolsOnlyRegisteredWorkers(t *testing.T) {
+	release := make(chan struct{})
+	handler := func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/slow" {
+			<-release
+		}
+		io.WriteString(w, "ok")
+	}
+	gone, goneConns := countingServer(t, handler)
+	stays, staysConns := countingServer(t, handler)
+	t.Cleanup(func() { // before the servers close, which waits for handlers
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	reg := balancer.NewRegistry()
+	for _, u := range []string{gone.URL, stays.URL} {
+		reg.Add(balancer.NewWorker(u, balancer.Regular, balancer.NoBootstrapPort))
+	}
+	u := newUpstream()
+	defer u.close()
+	reg.OnChange(func(s *balancer.Snapshot) { u.follow(s) })
+	get := func(base, path string) {
+		resp, err := u.post(&scope{}, base, path, nil, nil)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		io.Copy(io.Discard, resp)
+		resp.Close()
+	}
+	busy := make(chan struct{})
+	go func() { defer close(busy); get(gone.URL, "/slow") }() // in use while its worker leaves
+	waitFor(t, func() bool { return goneConns.openCount() == 1 })
+	get(gone.URL, "/") // a second connection, left idle
+	get(stays.URL, "/")
+	if _, open := goneConns.count(); open != 2 {
+		t.Fatalf("%d connections open to the leaving worker, want a busy and an idle one", open)
+	}
+
+	reg.Remove(gone.URL)
+	waitFor(t, func() bool { return goneConns.openCount() == 1 }) // the idle one
+	close(release)
+	<-busy
+	waitFor(t, func() bool { return goneConns.openCount() == 0 }) // the busy one, once done
+	if _, open := staysConns.count(); open != 1 {
+		t.Errorf("the registered worker's idle connection: %d open, want 1", open)
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if n := len(u.idle[strings.TrimPrefix(gone.URL, "http://")]); n != 0 {
+		t.Errorf("%d connections of a removed worker pooled", n)
 	}
 }

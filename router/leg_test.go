@@ -1,0 +1,423 @@
+package router
+
+import (
+	"cmp"
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdrouter/pdrouter/balancer"
+)
+
+// legEnv is an in-process router over httptest workers, with its metrics
+// at hand, for checking what each leg left behind.
+type legEnv struct {
+	base   string
+	srv    *Server
+	prom   *prometheus.Registry
+	client *http.Client
+}
+
+func startLegEnv(t *testing.T, cfg Config) *legEnv {
+	t.Helper()
+	e := &legEnv{prom: prometheus.NewRegistry(), client: &http.Client{Transport: &http.Transport{}}}
+	e.base, e.srv = serveInProcessOn(t, cfg, e.prom)
+	t.Cleanup(func() { // before the workers close, which waits for their handlers
+		e.client.CloseIdleConnections()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := e.srv.Shutdown(ctx); err != nil {
+			t.Error(err)
+		}
+	})
+	return e
+}
+
+// legWorker is a worker whose POST replies the test writes; the GETs of
+// registration get an empty object.
+func legWorker(t *testing.T, post http.HandlerFunc) string {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			io.WriteString(w, "{}")
+			return
+		}
+		io.Copy(io.Discard, r.Body)
+		post(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+func answer(status int) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		io.WriteString(w, `{"text":"ok","meta_info":{}}`)
+	}
+}
+
+// after answers with h once d has passed (for prefill to have answered).
+func after(d time.Duration, h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(d)
+		h(w, r)
+	}
+}
+
+// hang never answers: it waits for the router to give up on it.
+func hang(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }
+
+// post sends body to /generate; ctx may cut the request short.
+func (e *legEnv) post(t *testing.T, ctx context.Context, body string) (int, string, error) {
+	t.Helper()
+	req, _ := http.NewRequestWithContext(ctx, "POST", e.base+"/generate", strings.NewReader(body))
+	resp, err := e.client.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b), err
+}
+
+// settle waits until every leg has given its load slot back.
+func (e *legEnv) settle(t *testing.T) {
+	t.Helper()
+	waitFor(t, func() bool {
+		for _, w := range e.srv.reg.Snapshot().All {
+			if w.Load() != 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// metric sums the samples of a counter family whose labels include the
+// given name/value pairs.
+func (e *legEnv) metric(t *testing.T, name string, labels ...string) float64 {
+	t.Helper()
+	families, err := e.prom.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	samples:
+		for _, m := range f.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i+1 < len(labels); i += 2 {
+				if have[labels[i]] != labels[i+1] {
+					continue samples
+				}
+			}
+			sum += m.GetCounter().GetValue()
+		}
+	}
+	return sum
+}
+
+// outcomes are what url's breaker has been told.
+func (e *legEnv) outcomes(t *testing.T, url string) (ok, failed float64) {
+	t.Helper()
+	return e.metric(t, "smg_worker_cb_outcomes_total", "worker", url, "outcome", "success"),
+		e.metric(t, "smg_worker_cb_outcomes_total", "worker", url, "outcome", "failure")
+}
+
+func (e *legEnv) workerErrors(t *testing.T, labels ...string) float64 {
+	t.Helper()
+	return e.metric(t, "smg_worker_errors_total", labels...)
+}
+
+// legWant is what one worker's legs must have left: breaker outcomes and
+// worker errors of the given type ("" for none).
+type legWant struct {
+	ok, failed float64
+	errorType  string
+}
+
+func (e *legEnv) check(t *testing.T, url string, typ balancer.WorkerType, want legWant) {
+	t.Helper()
+	if ok, failed := e.outcomes(t, url); ok != want.ok || failed != want.failed {
+		t.Errorf("%s breaker heard %v successes and %v failures, want %v and %v", typ, ok, failed, want.ok, want.failed)
+	}
+	all := e.workerErrors(t, "worker_type", typ.String())
+	switch {
+	case want.errorType == "" && all != 0:
+		t.Errorf("%s: %v worker errors, want none", typ, all)
+	case want.errorType != "" && (all != want.failed || e.workerErrors(t, "worker_type", typ.String(), "error_type", want.errorType) != all):
+		t.Errorf("%s: %v worker errors, want %v of type %s", typ, all, want.failed, want.errorType)
+	}
+}
+
+func legRegularConfig(urls ...string) Config {
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = urls
+	cfg.Retry.MaxRetries = 1
+	return cfg
+}
+
+func legPDConfig(prefill, decode string) Config {
+	cfg := DefaultConfig()
+	cfg.PDDisaggregation = true
+	cfg.Prefill = []PrefillSpec{{URL: prefill, BootstrapPort: 8998}}
+	cfg.Decode = []string{decode}
+	cfg.Retry.MaxRetries = 1
+	return cfg
+}
+
+// sseThenHang sends one event, then waits for the router to hang up.
+func sseThenHang(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	io.WriteString(w, "data: {\"text\":\"a\"}\n\n")
+	w.(http.Flusher).Flush()
+	<-r.Context().Done()
+}
+
+// Every way a regular request ends leaves the worker's load at zero and
+// its breaker and worker-error count told exactly once, or not at all
+// when the worker is not why it ended.
+func TestLegAccountingRegular(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		worker  http.HandlerFunc
+		timeout time.Duration // the router's request timeout
+		body    string
+		cut     bool // the client goes away
+		status  int
+		want    legWant
+	}{
+		{name: "success", worker: answer(200), status: 200, want: legWant{ok: 1}},
+		{name: "upstream error", worker: answer(500), status: 500, want: legWant{failed: 1, errorType: "status_500"}},
+		{name: "client gone", worker: hang, cut: true},
+		{name: "timeout", worker: hang, timeout: 300 * time.Millisecond, status: 504, want: legWant{failed: 1, errorType: "connect"}},
+		{name: "stream cut by the client", worker: sseThenHang, cut: true, body: `{"text":"x","stream":true}`, want: legWant{ok: 1}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			url := legWorker(t, c.worker)
+			cfg := legRegularConfig(url)
+			if c.timeout > 0 {
+				cfg.RequestTimeout = c.timeout
+			}
+			e := startLegEnv(t, cfg)
+			ctx := context.Background()
+			if c.cut {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, 200*time.Millisecond)
+				defer cancel()
+			}
+			status, body, err := e.post(t, ctx, cmp.Or(c.body, `{"text":"x"}`))
+			if c.cut != (err != nil) || status != c.status && !c.cut {
+				t.Fatalf("status %d %s, err %v", status, body, err)
+			}
+			e.settle(t)
+			e.check(t, url, balancer.Regular, c.want)
+		})
+	}
+}
+
+func TestLegAccountingRetry(t *testing.T) {
+	var failingHits atomic.Int32
+	failing := legWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		failingHits.Add(1)
+		answer(503)(w, r)
+	})
+	healthy := legWorker(t, answer(200))
+	cfg := legRegularConfig(failing, healthy)
+	cfg.Retry.MaxRetries, cfg.Retry.InitialBackoff = 2, time.Millisecond
+	e := startLegEnv(t, cfg)
+	for range 2 { // round robin: at least one of them starts on the failing worker
+		if status, body, err := e.post(t, context.Background(), `{"text":"x"}`); err != nil || status != 200 {
+			t.Fatalf("status %d %s, err %v", status, body, err)
+		}
+	}
+	e.settle(t)
+	hits := float64(failingHits.Load())
+	if hits == 0 {
+		t.Fatal("no request reached the failing worker")
+	}
+	if ok, failed := e.outcomes(t, failing); ok != 0 || failed != hits {
+		t.Errorf("failing worker: %v successes, %v failures for %v replies of 503", ok, failed, hits)
+	}
+	if n := e.workerErrors(t, "error_type", "status_503"); n != hits {
+		t.Errorf("%v status_503 worker errors for %v replies", n, hits)
+	}
+	if ok, failed := e.outcomes(t, healthy); ok != 2 || failed != 0 {
+		t.Errorf("healthy worker: %v successes, %v failures, want 2 and 0", ok, failed)
+	}
+}
+
+// In PD mode a leg cancelled because the other failed is not blamed.
+func TestLegAccountingPD(t *testing.T) {
+	for _, c := range []struct {
+		name             string
+		prefill, decode  http.HandlerFunc
+		body             string
+		status           int
+		wantP, wantD     legWant
+		cut              bool
+		timeoutForRouter time.Duration
+	}{
+		{name: "success", prefill: answer(200), decode: answer(200), status: 200,
+			wantP: legWant{ok: 1}, wantD: legWant{ok: 1}},
+		{name: "stream success", prefill: answer(200), decode: answer(200), body: `{"text":"x","stream":true}`, status: 200,
+			wantP: legWant{ok: 1}, wantD: legWant{ok: 1}},
+		{name: "prefill error cancels decode", prefill: answer(500), decode: hang, status: 500,
+			wantP: legWant{failed: 1, errorType: "status_500"}},
+		{name: "decode error", prefill: answer(200), decode: after(100*time.Millisecond, answer(503)), status: 503,
+			wantP: legWant{ok: 1}, wantD: legWant{failed: 1, errorType: "status_503"}},
+		{name: "client gone", prefill: hang, decode: hang, cut: true},
+		{name: "timeout", prefill: hang, decode: hang, timeoutForRouter: 300 * time.Millisecond, status: 504,
+			wantP: legWant{failed: 1, errorType: "connect"}, wantD: legWant{failed: 1, errorType: "connect"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p, d := legWorker(t, c.prefill), legWorker(t, c.decode)
+			cfg := legPDConfig(p, d)
+			if c.timeoutForRouter > 0 {
+				cfg.RequestTimeout = c.timeoutForRouter
+			}
+			e := startLegEnv(t, cfg)
+			ctx := context.Background()
+			if c.cut {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, 200*time.Millisecond)
+				defer cancel()
+			}
+			status, body, err := e.post(t, ctx, cmp.Or(c.body, `{"text":"x"}`))
+			if c.cut != (err != nil) || status != c.status && !c.cut {
+				t.Fatalf("status %d %s, err %v", status, body, err)
+			}
+			e.settle(t)
+			e.check(t, p, balancer.Prefill, c.wantP)
+			e.check(t, d, balancer.Decode, c.wantD)
+		})
+	}
+}
+
+func TestLegClosesOnce(t *testing.T) {
+	url := legWorker(t, answer(200))
+	bm, err := balancer.NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Server{upstream: newUpstream(), bm: bm}
+	defer s.upstream.close()
+	w := balancer.NewWorker(url, balancer.Regular, balancer.NoBootstrapPort)
+
+	var l leg
+	l.open(s, w)
+	sc := &scope{}
+	sc.cancel(errRequestTimeout) // a timeout is the worker's failure
+	if err := l.send(sc, "/generate", nil, nil); err == nil {
+		t.Fatal("send on an ended scope succeeded")
+	}
+	l.close()
+	l.close()
+	if fails, _ := w.Breaker.Counts(); fails != 1 || w.Load() != 0 {
+		t.Errorf("closed twice: %d breaker failures, load %d; want 1 and 0", fails, w.Load())
+	}
+
+	l.open(s, w)
+	sc = &scope{}
+	sc.cancel(errClientGone) // not the worker's
+	l.send(sc, "/generate", nil, nil)
+	l.close()
+	if fails, _ := w.Breaker.Counts(); fails != 1 || w.Load() != 0 {
+		t.Errorf("a client gone: %d breaker failures, load %d; want 1 and 0", fails, w.Load())
+	}
+}
+
+// A worker removed from the registry keeps no connection from the router:
+// the idle ones close at once, one busy at the time once its reply is in.
+func TestRemovedWorkerConnectionsAreClosed(t *testing.T) {
+	release := make(chan struct{})
+	var mu sync.Mutex
+	posts := map[string]bool{} // client addresses of the router's connections
+	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			io.WriteString(w, "{}")
+			return
+		}
+		mu.Lock()
+		posts[r.RemoteAddr] = true
+		mu.Unlock()
+		if r.Header.Get("X-Correlation-Id") == "slow" {
+			<-release
+		} else {
+			time.Sleep(20 * time.Millisecond) // overlap, so that several connections open
+		}
+		answer(200)(w, r)
+	})
+	t.Cleanup(func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	})
+	e := startLegEnv(t, legRegularConfig(srv.URL))
+	routerConns := func() (open int) {
+		mu.Lock()
+		defer mu.Unlock()
+		conns.mu.Lock()
+		defer conns.mu.Unlock()
+		for addr := range posts {
+			if conns.open[addr] {
+				open++
+			}
+		}
+		return open
+	}
+	send := func(slow bool) (int, error) {
+		req, _ := http.NewRequest("POST", e.base+"/generate", strings.NewReader(`{"text":"x"}`))
+		if slow {
+			req.Header.Set("X-Correlation-Id", "slow") // a header the router forwards
+		}
+		resp, err := e.client.Do(req)
+		if err != nil {
+			return 0, err
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode, nil
+	}
+	slow := make(chan int, 1)
+	go func() { status, _ := send(true); slow <- status }()
+	var wg sync.WaitGroup
+	for range 3 {
+		wg.Go(func() {
+			if status, err := send(false); err != nil || status != 200 {
+				t.Errorf("status %d, err %v", status, err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := routerConns(); n < 2 {
+		t.Fatalf("%d router connections open, want the busy one and idle ones", n)
+	}
+
+	if _, ok := e.srv.manager.Remove(srv.URL); !ok {
+		t.Fatal("worker not removed")
+	}
+	waitFor(t, func() bool { return routerConns() == 1 }) // the busy one stays until its reply
+	close(release)
+	if status := <-slow; status != 200 {
+		t.Fatalf("the request in flight at removal: status %d", status)
+	}
+	waitFor(t, func() bool { return routerConns() == 0 })
+}
