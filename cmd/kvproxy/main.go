@@ -39,7 +39,7 @@ func main() {
 	flag.StringVar(&cfg.Transport, "transport", "ucx", "ucx, tcp or shm (UCX_TLS passes through to ucx; shm: engine memory between kvproxies of one host)")
 	flag.StringVar(&cfg.Control, "control", "/tmp/kvproxy.sock", "Unix socket the engine connects to")
 	flag.StringVar(&cfg.Host, "host", "127.0.0.1", "address to listen on and advertise to peers")
-	flag.IntVar(&cfg.BootstrapPort, "bootstrap-port", 8998, "prefill: bootstrap HTTP API port")
+	flag.IntVar(&cfg.BootstrapPort, "bootstrap-port", 8998, "prefill: bootstrap HTTP API port (0: any; negative: none, when SGLang serves its own)")
 	flag.IntVar(&cfg.PeerPort, "peer-port", 0, "peer protocol port: rooms (prefill) and engine memory (both roles) (0: any)")
 	flag.IntVar(&cfg.MetricsPort, "metrics-port", 0, "/health and /metrics port (0: any)")
 	flag.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", 300*time.Second, "a room not matched by its peer within this fails")

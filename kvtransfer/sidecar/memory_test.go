@@ -3,6 +3,8 @@ package sidecar
 import (
 	"bytes"
 	"context"
+	"net"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -91,3 +93,32 @@ func TestEngineOwnedMemory(t *testing.T) {
 }
 
 func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
+// TestPrefillWithoutBootstrap: with SGLang serving its own bootstrap API, a
+// prefill kvproxy started with a negative bootstrap port binds none, so the
+// two do not clash on 8998, and still serves engine memory.
+func TestPrefillWithoutBootstrap(t *testing.T) {
+	held, err := net.Listen("tcp", "127.0.0.1:0") // a port "SGLang" holds
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	s := start(t, "prefill", "tcp", func(c *Config) { c.BootstrapPort = -1 })
+	if a := s.Addrs(); a.Bootstrap != "" || a.Peer == "" {
+		t.Fatalf("addrs %+v: want a peer port and no bootstrap", a)
+	}
+	cl, err := control.Dial(s.Addrs().Control)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	if peer, _, err := cl.Hello(context.Background()); err != nil || peer != s.Addrs().Peer {
+		t.Fatalf("hello: %q %v", peer, err)
+	}
+	// Without it, a kvproxy on SGLang's port would not start.
+	port := held.Addr().(*net.TCPAddr).Port
+	if _, err := Start(Config{Role: "prefill", Transport: "tcp", Host: "127.0.0.1", BootstrapPort: port,
+		Control: filepath.Join(t.TempDir(), "x.sock")}); err == nil {
+		t.Fatal("a kvproxy on a taken bootstrap port started")
+	}
+}

@@ -37,7 +37,8 @@ type Config struct {
 	Transport string // see Transports
 	Control   string // Unix socket the engine connects to
 	Host      string // address to listen on and advertise to peers
-	// Prefill only: the bootstrap HTTP API.
+	// Prefill only: the bootstrap HTTP API; negative: none (SGLang's own
+	// bootstrap server runs instead, on SGLang's port).
 	BootstrapPort int
 	// The peer protocol: rooms (prefill) and engine-owned memory (both
 	// roles; an engine reports this address as its rpc address).
@@ -106,8 +107,10 @@ func Start(cfg Config) (*Sidecar, error) {
 		BootstrapTimeout: cfg.BootstrapTimeout, WaitingTimeout: cfg.WaitingTimeout, Heartbeat: cfg.Heartbeat,
 	}
 	var boot *bootstrap.Server
-	if cfg.Role == "prefill" {
+	if cfg.Role == "prefill" && cfg.BootstrapPort >= 0 {
 		boot = bootstrap.NewServer()
+	}
+	if cfg.Role == "prefill" {
 		ecfg.Listener = roomLn
 	} else {
 		_ = roomLn.Close() // decode accepts no room peers
@@ -188,7 +191,7 @@ func (s *Sidecar) listen() (*listeners, error) {
 	}
 	var err error
 	l.peer, err = tcp(s.cfg.PeerPort)
-	if err == nil && s.cfg.Role == "prefill" {
+	if err == nil && s.cfg.Role == "prefill" && s.cfg.BootstrapPort >= 0 {
 		l.boot, err = tcp(s.cfg.BootstrapPort)
 	}
 	if err == nil {
