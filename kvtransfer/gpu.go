@@ -405,6 +405,11 @@ func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion) (uint64, error) {
 	return imp.ptr + off, nil
 }
 
+// gpuChunk: writes of more triples than this resolve in parts of this
+// many, each queued on the GPU as soon as it is resolved, so resolving the
+// next part overlaps copying this one.
+const gpuChunk = 4096
+
 // write moves GPU triples into the peer engine's GPU memory behind l.
 func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple) error {
 	if err := g.prune(l); err != nil {
@@ -412,14 +417,21 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	}
 	g.pmu.RLock()
 	defer g.pmu.RUnlock()
-	start := time.Now()
-	runs, srcs, total, err := g.resolve(ctx, l, ts)
-	defer gpuRuns.Put(&runs)
+	var srcs []*gpuRegion
 	defer func() {
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
 	}()
+	runs := gpuRuns.Get().(*[]cuda.Run)
+	defer gpuRuns.Put(runs)
+	if len(ts) > 2*gpuChunk && gpuCopyMode != cuda.CopyMemcpy {
+		return g.writeParts(ctx, p, l, ts, runs, &srcs)
+	}
+	start := time.Now()
+	var total uint64
+	var err error
+	*runs, srcs, total, err = g.resolve(ctx, l, ts, (*runs)[:0], srcs)
 	if err == nil {
 		err = ctx.Err()
 	}
@@ -428,10 +440,51 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	}
 	copyStart := time.Now()
 	g.resolveSec.Add(copyStart.Sub(start).Seconds())
-	_, err = g.cp.Copy(runs, gpuCopyMode)
+	_, err = g.cp.Copy(*runs, gpuCopyMode)
 	g.copySec.Add(time.Since(copyStart).Seconds())
 	if err != nil {
 		return fmt.Errorf("GPU copy: %w", err)
+	}
+	p.m.written.Add(float64(total))
+	return nil
+}
+
+// writeParts is write for big batches: resolve a part, queue it, resolve
+// the next while the GPU copies. Resolve time counts the parts' resolving;
+// copy time what the GPU still needed after the last part was queued.
+func (g *gpuPlane) writeParts(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple, runs *[]cuda.Run, srcs *[]*gpuRegion) error {
+	pieces := 0
+	for _, t := range ts {
+		pieces += cuda.Pieces(t.Len)
+	}
+	b, err := g.cp.Begin(pieces)
+	if err != nil {
+		return fmt.Errorf("GPU copy: %w", err)
+	}
+	var total uint64
+	var resolving time.Duration
+	for i := 0; i < len(ts) && err == nil; i += gpuChunk {
+		start := time.Now()
+		var n uint64
+		*runs, *srcs, n, err = g.resolve(ctx, l, ts[i:min(i+gpuChunk, len(ts))], (*runs)[:0], *srcs)
+		resolving += time.Since(start)
+		total += n
+		if err == nil {
+			err = b.Add(*runs)
+		}
+	}
+	waitStart := time.Now()
+	werr := b.Wait() // also after an error: nothing may be in flight on return
+	g.resolveSec.Add(resolving.Seconds())
+	g.copySec.Add(time.Since(waitStart).Seconds())
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		return err
+	}
+	if werr != nil {
+		return fmt.Errorf("GPU copy: %w", werr)
 	}
 	p.m.written.Add(float64(total))
 	return nil
@@ -441,12 +494,11 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 // them per write keeps the collector busy.
 var gpuRuns = sync.Pool{New: func() any { return new([]cuda.Run) }}
 
-// resolve turns triples into device-address runs, merging runs contiguous
-// on both sides. The source regions it returns are read-locked (also on
-// error); the caller unlocks them. Call with pmu read-held.
-func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]cuda.Run, []*gpuRegion, uint64, error) {
-	var srcs []*gpuRegion
-	runs := (*gpuRuns.Get().(*[]cuda.Run))[:0]
+// resolve appends ts as device-address runs to runs, merging runs
+// contiguous on both sides. Source regions not yet in srcs are read-locked
+// and appended (also on error); the caller unlocks them. Call with pmu
+// read-held.
+func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple, runs []cuda.Run, srcs []*gpuRegion) ([]cuda.Run, []*gpuRegion, uint64, error) {
 	var total uint64
 	refreshed := false
 	// SGLang's triples walk one buffer's pages at a time: the last source

@@ -107,7 +107,7 @@ func TestGPUResolveMergesAndTranslates(t *testing.T) {
 		ts = append(ts, Triple{Src: 0x20000000 + 2*i*pg, Dst: 0x40000000 + 2*i*pg, Len: pg})
 	}
 	ts = append(ts, Triple{Src: 0x10000000, Dst: 0x40000000, Len: 0}) // empty: skipped
-	runs, srcs, total, err := g.resolve(context.Background(), l, ts)
+	runs, srcs, total, err := g.resolve(context.Background(), l, ts, nil, nil)
 	for _, r := range srcs {
 		r.use.RUnlock()
 	}
@@ -125,6 +125,24 @@ func TestGPUResolveMergesAndTranslates(t *testing.T) {
 	}
 }
 
+// Parts of one write share the source locks: a region is read-locked once,
+// however many parts name it, so a drop waiting in between cannot deadlock.
+func TestGPUResolvePartsLockOnce(t *testing.T) {
+	g, l := fakeGPU()
+	part := []Triple{{Src: 0x10000000, Dst: 0x30000000, Len: 4096}}
+	_, srcs, _, err := g.resolve(context.Background(), l, part, nil, nil)
+	if err == nil {
+		_, srcs, _, err = g.resolve(context.Background(), l, part, nil, srcs)
+	}
+	if err != nil || len(srcs) != 1 {
+		t.Fatalf("srcs %d, %v", len(srcs), err)
+	}
+	srcs[0].use.RUnlock()
+	if !srcs[0].use.TryLock() {
+		t.Fatal("source still read-locked after one unlock: locked once per part")
+	}
+}
+
 func TestGPUResolveRejects(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range []struct {
@@ -138,7 +156,7 @@ func TestGPUResolveRejects(t *testing.T) {
 		{"wrapping range", Triple{Src: 1<<64 - 4, Dst: 0x30000000, Len: 8}, "wraps"},
 	} {
 		g, l := fakeGPU()
-		_, srcs, _, err := g.resolve(ctx, l, []Triple{tc.t})
+		_, srcs, _, err := g.resolve(ctx, l, []Triple{tc.t}, nil, nil)
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
@@ -149,7 +167,7 @@ func TestGPUResolveRejects(t *testing.T) {
 	// An unknown destination asks the peer once; a closed link fails that.
 	g, l := fakeGPU()
 	l.closed, l.err = true, errors.New("link gone")
-	if _, _, _, err := g.resolve(ctx, l, []Triple{{Src: 0x10000000, Dst: 0x70000000, Len: 8}}); err == nil || !strings.Contains(err.Error(), "link gone") {
+	if _, _, _, err := g.resolve(ctx, l, []Triple{{Src: 0x10000000, Dst: 0x70000000, Len: 8}}, nil, nil); err == nil || !strings.Contains(err.Error(), "link gone") {
 		t.Fatalf("unknown destination on a closed link: %v", err)
 	}
 }
@@ -164,15 +182,17 @@ func BenchmarkGPUResolveScattered(b *testing.B) {
 		o := uint64(i%512) * 2 * pg
 		ts[i] = Triple{Src: 0x10000000 + o, Dst: 0x30000000 + o, Len: pg}
 	}
+	var runs []cuda.Run
 	b.ResetTimer()
 	for range b.N {
-		runs, srcs, _, err := g.resolve(context.Background(), l, ts)
+		var err error
+		var srcs []*gpuRegion
+		runs, srcs, _, err = g.resolve(context.Background(), l, ts, runs[:0], nil)
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
 		if err != nil {
 			b.Fatal(err)
 		}
-		gpuRuns.Put(&runs)
 	}
 }

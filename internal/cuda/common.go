@@ -67,3 +67,10 @@ const (
 	// maxGrid bounds the kernel's blocks; each loops over its share.
 	maxGrid = 4096
 )
+
+// copyPiece splits runs for the kernel, so a few long runs still spread
+// over every multiprocessor.
+const copyPiece = 64 << 10
+
+// Pieces is how many kernel descriptors a run of n bytes needs.
+func Pieces(n uint64) int { return int((n + copyPiece - 1) / copyPiece) }

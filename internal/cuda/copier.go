@@ -18,10 +18,6 @@ import (
 //go:embed copy.ptx
 var copyPTX string
 
-// copyPiece splits runs for the kernel, so a few long runs still spread
-// over every multiprocessor.
-const copyPiece = 64 << 10
-
 // Copier moves batches of device-to-device runs on its own stream, in one
 // kernel launch per batch (or one cuMemcpyDtoDAsync per run), and waits
 // for them. Safe for concurrent use; batches run one at a time.
@@ -99,15 +95,70 @@ func (c *Copier) Copy(runs []Run, mode CopyMode) (CopyMode, error) {
 		kernel = 1
 	}
 	err := result("copy runs", C.cudag_copy_runs(c.d.ctx, c.stream, c.fn, C.uint64_t(c.desc),
-		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), kernel, C.uint(grid), 256))
+		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), kernel, C.uint(grid), 256, 0))
 	return mode, err
+}
+
+// Batch is a kernel copy in parts: each Add puts its runs on the GPU at
+// once, so the caller prepares the next part while the GPU moves this one.
+// It holds the copier until Wait.
+type Batch struct {
+	c    *Copier
+	used int // descriptors queued
+	err  error
+}
+
+// Begin starts a batch of at most maxPieces kernel descriptors (see Pieces).
+func (c *Copier) Begin(maxPieces int) (*Batch, error) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, errors.New("cuda: copier closed")
+	}
+	if err := c.reserve(max(maxPieces, 1)); err != nil {
+		c.mu.Unlock()
+		return nil, err
+	}
+	return &Batch{c: c}, nil
+}
+
+// Add queues runs behind the batch's earlier parts.
+func (b *Batch) Add(runs []Run) error {
+	c := b.c
+	if b.err != nil || len(runs) == 0 {
+		return b.err
+	}
+	if b.used+pieces(runs) > c.descCap {
+		b.err = errors.New("cuda: batch holds more runs than Begin reserved")
+		return b.err
+	}
+	// Each part has its own slice of the descriptor buffers: earlier ones
+	// may still be in flight.
+	buf := unsafe.Slice((*uint64)(c.pinned), 3*c.descCap)[3*b.used : 3*b.used]
+	for _, r := range runs {
+		for off := uint64(0); off < r.Len; off += copyPiece {
+			buf = append(buf, r.Src+off, r.Dst+off, min(copyPiece, r.Len-off))
+		}
+	}
+	n := len(buf) / 3
+	b.err = result("copy runs", C.cudag_copy_runs(c.d.ctx, c.stream, c.fn, C.uint64_t(c.desc+uint64(24*b.used)),
+		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), 1, C.uint(min(n, maxGrid)), 256, 1))
+	b.used += n
+	return b.err
+}
+
+// Wait returns once every part is in place (or the first error) and
+// releases the copier.
+func (b *Batch) Wait() error {
+	defer b.c.mu.Unlock()
+	return errors.Join(b.err, result("cuStreamSynchronize", C.cudag_stream_wait(b.c.d.ctx, b.c.stream)))
 }
 
 // pieces counts the kernel's descriptors for runs.
 func pieces(runs []Run) int {
 	n := 0
 	for _, r := range runs {
-		n += int((r.Len + copyPiece - 1) / copyPiece)
+		n += Pieces(r.Len)
 	}
 	return n
 }

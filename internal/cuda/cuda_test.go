@@ -177,7 +177,8 @@ func testCopier(t *testing.T, d *Device, ptr uint64, want []byte) {
 	}
 	defer c.Close()
 	half := uint64(len(want) / 2)
-	for _, mode := range []CopyMode{CopyKernel, CopyMemcpy, CopyAuto} {
+	const batched = CopyMode(-1) // Begin, two Adds, Wait
+	for _, mode := range []CopyMode{CopyKernel, CopyMemcpy, CopyAuto, batched} {
 		for _, shift := range []uint64{0, 3} {
 			if err := d.Memset(ptr+half, 0, int(half)); err != nil {
 				t.Fatal(err)
@@ -186,8 +187,22 @@ func testCopier(t *testing.T, d *Device, ptr uint64, want []byte) {
 			for off := uint64(0); off+200<<10 < half; off += 300 << 10 { // 200 KiB runs, 100 KiB gaps
 				runs = append(runs, Run{Src: ptr + off + shift, Dst: ptr + half + off, Len: 200<<10 - shift})
 			}
-			used, err := c.Copy(runs, mode)
-			if err != nil {
+			used := mode
+			if mode == batched {
+				max := 0
+				for _, r := range runs {
+					max += Pieces(r.Len)
+				}
+				b, err := c.Begin(max)
+				if err != nil {
+					t.Fatal(err)
+				}
+				err = errors.Join(b.Add(runs[:len(runs)/2]), b.Add(runs[len(runs)/2:]), b.Add(runs[:1]), b.Wait())
+				// The third Add exceeds what Begin reserved: refused, the rest done.
+				if err == nil || !strings.Contains(err.Error(), "more runs than Begin reserved") {
+					t.Fatalf("batch: %v", err)
+				}
+			} else if used, err = c.Copy(runs, mode); err != nil {
 				t.Fatalf("%v copy: %v", mode, err)
 			}
 			got := make([]byte, half)

@@ -291,9 +291,10 @@ void cudag_copier_destroy(void *ctx, void *stream, void *module)
 
 // cudag_copy_runs moves n runs (src, dst, len triples at host address
 // runs): with the kernel (desc: device buffer of at least n triples) when
-// kernel is set, else one cuMemcpyDtoDAsync per run; then waits.
+// kernel is set, else one cuMemcpyDtoDAsync per run; then waits unless
+// nowait is set.
 int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
-		    unsigned n, int kernel, unsigned grid, unsigned block)
+		    unsigned n, int kernel, unsigned grid, unsigned block, int nowait)
 {
 	CUresult r = cu.ctx_push(ctx);
 	if (r != CUDA_SUCCESS) {
@@ -310,13 +311,20 @@ int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint
 			r = cu.memcpy_dtod_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], stream);
 		}
 	}
-	CUresult s = cu.stream_sync(stream);
-	if (r == CUDA_SUCCESS) {
-		r = s;
+	if (!nowait || r != CUDA_SUCCESS) {
+		CUresult s = cu.stream_sync(stream);
+		if (r == CUDA_SUCCESS) {
+			r = s;
+		}
 	}
 	CUcontext popped;
 	cu.ctx_pop(&popped);
 	return r;
+}
+
+int cudag_stream_wait(void *ctx, void *stream)
+{
+	IN_CTX(ctx, cu.stream_sync(stream));
 }
 
 int cudag_mem_alloc_host(void *ctx, size_t n, void **p)

@@ -48,6 +48,7 @@ int cudag_mem_free_host(void *ctx, void *p);
 int cudag_copier_create(void *ctx, const char *ptx, void **stream, void **module, void **fn);
 void cudag_copier_destroy(void *ctx, void *stream, void *module);
 int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
-		    unsigned n, int kernel, unsigned grid, unsigned block);
+		    unsigned n, int kernel, unsigned grid, unsigned block, int nowait);
+int cudag_stream_wait(void *ctx, void *stream);
 
 #endif

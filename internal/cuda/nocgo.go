@@ -72,3 +72,15 @@ func (*Copier) Copy([]Run, CopyMode) (CopyMode, error) { return 0, errNoCgo }
 
 // Close returns nil.
 func (*Copier) Close() error { return nil }
+
+// Batch is unavailable without cgo.
+type Batch struct{}
+
+// Begin returns ErrNoDriver.
+func (*Copier) Begin(int) (*Batch, error) { return nil, errNoCgo }
+
+// Add returns ErrNoDriver.
+func (*Batch) Add([]Run) error { return errNoCgo }
+
+// Wait returns ErrNoDriver.
+func (*Batch) Wait() error { return errNoCgo }
