@@ -77,6 +77,7 @@ type MemoryPlane struct {
 	links      map[*memLink]struct{}
 	byAddr     map[string]*memLink
 	dialing    dialOnce[*memLink]
+	sessions   int // open sessions; the last one's close drops the links
 	closed     bool
 
 	bmu sync.Mutex // orders region-table pushes
@@ -226,17 +227,29 @@ type MemorySession struct {
 	p      *MemoryPlane
 	ctx    context.Context
 	cancel context.CancelFunc
+	once   sync.Once
 }
 
 // NewSession opens a session.
 func (p *MemoryPlane) NewSession() *MemorySession {
 	ctx, cancel := context.WithCancel(p.ctx)
+	p.mu.Lock()
+	p.sessions++
+	p.mu.Unlock()
 	return &MemorySession{p: p, ctx: ctx, cancel: cancel}
 }
 
 // Close fails the session's writes in flight and unregisters everything it
-// registered (waiting for transfers that use those regions to end).
+// registered (waiting for transfers that use those regions to end). The
+// last session's close also drops the links to peers: with no engine left
+// this kvproxy has nothing to write and nothing to be written into.
 func (s *MemorySession) Close() error {
+	var err error
+	s.once.Do(func() { err = s.close() })
+	return err
+}
+
+func (s *MemorySession) close() error {
 	s.cancel()
 	p := s.p
 	p.mu.Lock()
@@ -251,8 +264,22 @@ func (s *MemorySession) Close() error {
 	for _, r := range mine {
 		err = errors.Join(err, p.drop(r, true))
 	}
+	p.mu.Lock()
+	p.sessions--
+	var links []*memLink
+	if p.sessions == 0 {
+		for l := range p.links {
+			links = append(links, l)
+		}
+	}
+	p.mu.Unlock()
+	for _, l := range links {
+		l.close(errNoEngine)
+	}
 	return err
 }
+
+var errNoEngine = errors.New("no engine connected any more")
 
 // Register maps the memfd fd, which holds the engine's memory [addr,
 // addr+length) from file offset 0, and registers the mapping. It takes fd

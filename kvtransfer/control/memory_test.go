@@ -207,6 +207,8 @@ func TestEngineMemoryThroughControl(t *testing.T) {
 	p.cl.Close()
 	d.cl.Close()
 	waitFor(t, "every region to go", func() bool { return p.plane.Regions()+d.plane.Regions() == 0 })
+	// With no engine left, neither kvproxy keeps links to the other.
+	waitFor(t, "the links to go", func() bool { return p.plane.Links()+d.plane.Links() == 0 })
 	// Only the engines' own fds and mappings are left.
 	if fds, maps := memfds(t); fds != 2 || maps != 2 {
 		t.Fatalf("%d memfd fds and %d mappings open, want the engines' 2 and 2", fds, maps)
