@@ -225,6 +225,22 @@ def run_mode(args, mode, tmp):
                 for c in calls:
                     cl.write(hello["peer"], *c)
                 e2e.append(time.perf_counter() - t)
+            # The control path alone: the same frames with an unregistered
+            # first source, which kvproxy reads, decodes and refuses.
+            bad = [body[:len(body) - 24 * len(c[0])] + struct.pack("<QQQ", 8, 8, 8) + body[len(body) - 24 * len(c[0]) + 24:]
+                   for body, c in zip(bodies, calls)]
+            ctl = []
+            for i in range(2 + reps):
+                t = time.perf_counter()
+                for body in bad:
+                    try:
+                        cl._call(control.OP_WRITE, body)
+                    except control.KVProxyError:
+                        pass
+                    else:
+                        raise RuntimeError("kvproxy accepted an unregistered source")
+                if i >= 2:
+                    ctl.append(time.perf_counter() - t)
             # Past the Python client's 1 MiB frame: the whole transfer in one
             # call (kvproxy takes 16 MiB frames), to show what the split costs.
             one = []
@@ -246,12 +262,13 @@ def run_mode(args, mode, tmp):
                    "gbps": total / med / 1e9, "run_bytes": n[0], "verify": v,
                    "client_write_median_us": statistics.median(e2e) * 1e6,
                    "one_call_median_us": statistics.median(one) * 1e6 if one else None,
+                   "control_path_us": statistics.median(ctl) * 1e6,
                    # kvproxy's own time per write (means over the prepacked writes, warm-up included)
                    "kvproxy_resolve_us": (m1[0] - m0[0]) / (3 + reps) * 1e6, "kvproxy_copy_us": (m1[1] - m0[1]) / (3 + reps) * 1e6,
                    "verified": v["mismatched"] == 0 and v.get("gaps_touched", 0) == 0}
             rows.append(row)
-            print("%-7s %-10s %6d tok %7d runs %9.1f us %8.1f GB/s (resolve %.0f us, copy %.0f us; one call %s us) verified=%s" % (
-                mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["kvproxy_resolve_us"], row["kvproxy_copy_us"],
+            print("%-7s %-10s %6d tok %7d runs %9.1f us %8.1f GB/s (resolve %.0f us, copy %.0f us, control %.0f us; one call %s us) verified=%s" % (
+                mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["kvproxy_resolve_us"], row["kvproxy_copy_us"], row["control_path_us"],
                 "%.0f" % row["one_call_median_us"] if one else "-", row["verified"]), file=sys.stderr, flush=True)
     child.stdin.write(json.dumps({"op": "quit"}) + "\n")
     child.stdin.close()
