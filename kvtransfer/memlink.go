@@ -555,12 +555,12 @@ func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
 	}
 	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
 	defer stop()
-	l.sendMu.Lock()
+	var pieces []wire.DataPiece
 	for _, r := range runs {
-		if err = sendData(l.conn, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size]); err != nil {
-			break
-		}
+		pieces = appendPieces(pieces, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
+	l.sendMu.Lock()
+	err = l.conn.WriteDataBatch(pieces)
 	if err == nil {
 		err = l.conn.Write(&wire.MemFence{Seq: seq})
 	}

@@ -48,28 +48,25 @@ type tcpWriter struct {
 }
 
 func (w *tcpWriter) Write(_ context.Context, runs []Run) error {
+	var pieces []wire.DataPiece
 	for _, r := range runs {
 		src := w.pool.Regions[r.Region].Mem[r.SrcOff : r.SrcOff+r.Len]
-		if err := sendData(w.conn, uint32(r.Region), r.DstOff, src); err != nil {
-			return err
-		}
+		pieces = appendPieces(pieces, uint32(r.Region), r.DstOff, src)
 	}
-	return nil
+	return w.conn.WriteDataBatch(pieces)
 }
 
 func (*tcpWriter) Close() {}
 
-// sendData writes src as DATA frames for region at off, split so that no
-// frame exceeds wire.MaxDataLen.
-func sendData(conn *wire.Conn, region uint32, off uint64, src []byte) error {
+// appendPieces adds src, bound for region at off, as DATA frames of at most
+// wire.MaxDataLen bytes.
+func appendPieces(pieces []wire.DataPiece, region uint32, off uint64, src []byte) []wire.DataPiece {
 	for len(src) > 0 {
 		n := min(len(src), wire.MaxDataLen)
-		if err := conn.WriteData(region, off, src[:n]); err != nil {
-			return err
-		}
+		pieces = append(pieces, wire.DataPiece{Region: region, Offset: off, Data: src[:n]})
 		src, off = src[n:], off+uint64(n)
 	}
-	return nil
+	return pieces
 }
 
 var _ MemoryTransport = (*TCP)(nil)

@@ -63,16 +63,52 @@ func (c *Conn) Write(m Msg) error {
 // WriteData sends a DATA frame whose bytes are taken straight from data
 // (one writev of header and payload, no copy of the payload).
 func (c *Conn) WriteData(region uint32, offset uint64, data []byte) error {
-	if len(data) > MaxDataLen {
-		return fmt.Errorf("DATA of %d bytes exceeds %d", len(data), MaxDataLen)
-	}
+	return c.WriteDataBatch([]DataPiece{{Region: region, Offset: offset, Data: data}})
+}
+
+// DataPiece is one DATA frame: its destination and its bytes.
+type DataPiece struct {
+	Region uint32
+	Offset uint64
+	Data   []byte
+}
+
+// dataBatchBytes bounds the payload of one writev in WriteDataBatch.
+const dataBatchBytes = 16 << 20
+
+// WriteDataBatch sends the pieces as consecutive DATA frames, many per
+// writev (headers and payloads gathered, payloads never copied), so a write
+// of many small pages costs few system calls.
+func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	c.armWrite()
-	c.wbuf = AppendFrame(c.wbuf[:0], &Data{Region: region, Offset: offset, N: uint32(len(data))})
-	c.iov = append(c.iov[:0], c.wbuf, data)
-	_, err := c.iov.WriteTo(c.nc)
-	return err
+	for len(pieces) > 0 {
+		// Headers of this writev, in one buffer that is not grown while
+		// iov points into it.
+		n, size := 0, 0
+		for n < len(pieces) && n < 512 && (n == 0 || size+len(pieces[n].Data) <= dataBatchBytes) {
+			if len(pieces[n].Data) > MaxDataLen {
+				return fmt.Errorf("DATA of %d bytes exceeds %d", len(pieces[n].Data), MaxDataLen)
+			}
+			size += len(pieces[n].Data)
+			n++
+		}
+		if need := n * (HeaderLen + DataHeaderLen); cap(c.wbuf) < need {
+			c.wbuf = make([]byte, 0, need)
+		}
+		c.wbuf, c.iov = c.wbuf[:0], c.iov[:0]
+		for _, p := range pieces[:n] {
+			start := len(c.wbuf)
+			c.wbuf = AppendFrame(c.wbuf, &Data{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))})
+			c.iov = append(c.iov, c.wbuf[start:len(c.wbuf):len(c.wbuf)], p.Data)
+		}
+		c.armWrite()
+		if _, err := c.iov.WriteTo(c.nc); err != nil {
+			return err
+		}
+		pieces = pieces[n:]
+	}
+	return nil
 }
 
 // SetReadTimeout arms the read deadline d from now (0 disables it).
@@ -134,15 +170,20 @@ func unexpected(err error) error {
 	return err
 }
 
-// ReadData reads the pending DATA bytes straight into dst, which must be
-// exactly that long. bufio hands reads at least its buffer's size directly
-// to the socket, so large pages land in dst without an intermediate copy.
+// ReadData reads the pending DATA bytes into dst, which must be exactly
+// that long: what the read buffer already holds is copied, the rest is read
+// from the socket straight into dst (pages smaller than the buffer would
+// otherwise pass through it).
 func (c *Conn) ReadData(dst []byte) error {
 	if uint32(len(dst)) != c.pending {
 		return fmt.Errorf("wire: ReadData of %d bytes, %d pending", len(dst), c.pending)
 	}
 	c.pending = 0
-	_, err := io.ReadFull(c.br, dst)
+	k := min(c.br.Buffered(), len(dst))
+	if _, err := io.ReadFull(c.br, dst[:k]); err != nil {
+		return unexpected(err)
+	}
+	_, err := io.ReadFull(c.nc, dst[k:])
 	return unexpected(err)
 }
 
