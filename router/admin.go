@@ -20,7 +20,7 @@ import (
 func (s *Server) admin(ctx *fasthttp.RequestCtx, path, method string) bool {
 	switch {
 	case path == "/workers":
-		if s.authorized(ctx) {
+		s.controlPlane(ctx, func() {
 			switch method {
 			case "GET":
 				s.listWorkers(ctx)
@@ -29,30 +29,30 @@ func (s *Server) admin(ctx *fasthttp.RequestCtx, path, method string) bool {
 			default:
 				s.requireMethod(ctx, method, "GET or POST")
 			}
-		}
+		})
 	case strings.HasPrefix(path, "/workers/"):
-		if s.authorized(ctx) {
+		s.controlPlane(ctx, func() {
 			// The original path: fasthttp's normalised one collapses the
 			// "//" of a URL-encoded worker URL.
 			raw := string(ctx.Request.URI().PathOriginal())
 			s.workerByID(ctx, method, raw[strings.Index(raw, "/workers/")+len("/workers/"):])
-		}
+		})
 	case path == "/add_worker":
-		if s.requireMethod(ctx, method, "POST") && s.authorized(ctx) {
-			s.legacyAdd(ctx)
+		if s.requireMethod(ctx, method, "POST") {
+			s.controlPlane(ctx, func() { s.legacyAdd(ctx) })
 		}
 	case path == "/remove_worker":
-		if s.requireMethod(ctx, method, "POST") && s.authorized(ctx) {
-			s.legacyRemove(ctx)
+		if s.requireMethod(ctx, method, "POST") {
+			s.controlPlane(ctx, func() { s.legacyRemove(ctx) })
 		}
 	case path == "/list_workers":
-		if s.authorized(ctx) {
+		s.controlPlane(ctx, func() {
 			urls := []string{}
 			for _, w := range s.reg.Snapshot().All {
 				urls = append(urls, w.URL)
 			}
 			writeJSON(ctx, 200, map[string]any{"urls": urls})
-		}
+		})
 	default:
 		return false
 	}

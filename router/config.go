@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/internal/tlsconfig"
 )
 
 // PrefillSpec is one `--prefill URL [PORT|none]`.
@@ -45,6 +46,14 @@ type Config struct {
 	Retry     balancer.RetryConfig
 	Admission balancer.AdmissionConfig
 	Manager   balancer.ManagerConfig // PD and Logger are set by New
+
+	// HTTPS front end (--tls-cert-path, --tls-key-path): both or neither;
+	// the pair is reloaded when its files change.
+	TLSCertPath, TLSKeyPath string
+	// WorkerTLS is --ca-cert-paths and --client-cert-path/--client-key-path,
+	// used on every connection to an https worker.
+	WorkerTLS    tlsconfig.ClientOptions
+	ControlPlane ControlPlaneAuth
 }
 
 // DefaultConfig returns sglang-router 0.3.x defaults, except port 8000: the
@@ -93,6 +102,9 @@ func (c Config) Validate() error {
 		}
 	}
 	if err := c.validPolicies(); err != nil {
+		return err
+	}
+	if err := c.validSecurity(); err != nil {
 		return err
 	}
 	po, r, a, m := c.PolicyOptions, c.Retry, c.Admission, c.Manager

@@ -5,6 +5,7 @@ package router
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -54,6 +55,11 @@ type Server struct {
 	bm        *balancer.Metrics
 	srv       *fasthttp.Server
 
+	frontTLS    *tls.Config   // nil = plain HTTP (tls.go)
+	workerTLS   *tls.Config   // https workers; nil = system roots
+	cpKeyHashes [][32]byte    // SHA-256 of ControlPlane.APIKeys, same order (auth.go)
+	jwt         *jwtValidator // nil = no JWT control-plane auth
+
 	// base is cancelled on hard shutdown; admin and info calls derive from
 	// it (generation requests are cancelled by the inflight tracker).
 	base       context.Context
@@ -80,14 +86,22 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		s.needsText = s.needsText || s.policies[t].NeedsText()
 	}
 	s.admission = balancer.NewAdmission(cfg.Admission)
-	s.upstream = newUpstream()
-	s.inflight = newInflight(cfg.RequestTimeout)
-	s.infoCalls = newInfoClient()
 	s.base, s.cancelBase = context.WithCancel(context.Background())
+	if err := s.secure(); err != nil {
+		s.cancelBase()
+		return nil, err
+	}
+	s.upstream = newUpstream()
+	s.upstream.tls = s.workerTLS
+	s.inflight = newInflight(cfg.RequestTimeout)
+	s.infoCalls = newInfoClient(s.workerTLS, 50*time.Second, log)
 	mcfg := cfg.Manager
 	mcfg.PD = cfg.PDDisaggregation
 	mcfg.Logger = log
 	mcfg.Metrics = s.bm
+	if mcfg.Client == nil { // probes, load polls, registration
+		mcfg.Client = newInfoClient(s.workerTLS, 90*time.Second, log)
+	}
 	s.manager = balancer.NewManager(mcfg)
 	s.reg = s.manager.Registry()
 	s.reg.OnChange(s.followWorkers)
@@ -133,12 +147,6 @@ func policyName(cfg *Config, t balancer.WorkerType) string {
 	return cfg.Policy
 }
 
-// newInfoClient serves the info endpoints and their fan-out calls, where
-// convenience matters more than speed.
-func newInfoClient() *http.Client {
-	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: 50 * time.Second}}
-}
-
 // Start registers the CLI workers in the background (the listener does not
 // wait for them, as in 0.3.x) and starts health checking.
 func (s *Server) Start() error {
@@ -167,7 +175,7 @@ func (s *Server) Start() error {
 }
 
 // Serve answers requests on ln until Shutdown.
-func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(ln) }
+func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(s.listener(ln)) }
 
 // Shutdown stops accepting, lets in-flight requests and streams finish
 // until ctx ends, then cancels what is left.
@@ -238,13 +246,11 @@ func (s *Server) route(ctx *fasthttp.RequestCtx, path, method string) string {
 	case "/get_server_info", "/server_info":
 		s.serverInfo(ctx)
 	case "/flush_cache":
-		if s.requireMethod(ctx, method, "POST") && s.authorized(ctx) {
-			s.flushCache(ctx)
+		if s.requireMethod(ctx, method, "POST") {
+			s.controlPlane(ctx, func() { s.flushCache(ctx) })
 		}
 	case "/get_loads":
-		if s.authorized(ctx) {
-			s.getLoads(ctx)
-		}
+		s.controlPlane(ctx, func() { s.getLoads(ctx) })
 	case "/engine_metrics":
 		s.engineMetrics(ctx)
 	default:

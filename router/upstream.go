@@ -35,6 +35,7 @@ import (
 // worker holds a file descriptor until shutdown.
 type upstream struct {
 	dialer      net.Dialer
+	tls         *tls.Config   // for https workers; nil = system roots
 	maxIdle     int           // idle connections kept per worker
 	idleTimeout time.Duration // a connection idle this long is closed
 
@@ -337,6 +338,6 @@ func (u *upstream) dial(ctx context.Context, addr, tlsHost string) (net.Conn, er
 	if tlsHost == "" {
 		return u.dialer.DialContext(ctx, "tcp", addr)
 	}
-	d := tls.Dialer{NetDialer: &u.dialer, Config: &tls.Config{ServerName: tlsHost, MinVersion: tls.VersionTLS12}}
+	d := tls.Dialer{NetDialer: &u.dialer, Config: workerTLSFor(u.tls, tlsHost)}
 	return d.DialContext(ctx, "tcp", addr)
 }

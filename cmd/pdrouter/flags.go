@@ -24,6 +24,7 @@ type options struct {
 	logDir          *string
 	logLevel        string
 	jsonLog         bool
+	security        securityOptions
 	discovery       discoveryOptions
 	// accepted for compatibility only
 	ignoredBool    bool
@@ -58,7 +59,6 @@ func newParser() (*cli.Parser, *options) {
 	p.String(r, "assignment-mode", &po.AssignmentMode, "How the manual policy assigns new routing keys", balancer.AssignmentModes()...)
 	p.Int(r, "max-payload-size", &c.MaxPayloadSize, "Maximum request body in bytes (larger is a 413)")
 	p.Bool(r, "dp-aware", &o.ignoredBool, "Data-parallel aware scheduling").Ignored = true
-	p.Bool(r, "enable-igw", &o.ignoredBool, "Multi-model gateway mode").Ignored = true
 	p.Bool(r, "allow-requests-without-routing-key", &o.ignoredBool, "Allow keyless requests under consistent_hashing/manual").Ignored = true
 
 	p.Bool(pd, "mini-lb", &o.ignoredBool, "Use the Python MiniLB").Ignored = true
@@ -111,28 +111,23 @@ func newParser() (*cli.Parser, *options) {
 
 	// Features of the gRPC/OpenAI-gateway flavour that pdrouter does not
 	// implement: accepted so existing launch scripts keep working.
-	const tk, ps, be, db, tls, tr, au = "Tokenizer", "Parsers", "Backend", "History Storage", "TLS/mTLS Security",
+	const tk, ps, be, db, tr, au = "Tokenizer", "Parsers", "Backend", "History Storage",
 		"Tracing (OpenTelemetry)", "Control Plane Authentication"
 	for _, f := range []struct{ group, name string }{
 		{tk, "model-path"}, {tk, "tokenizer-path"}, {tk, "chat-template"}, {tk, "tokenizer-cache-l0-max-entries"},
 		{tk, "tokenizer-cache-l1-max-memory"}, {ps, "reasoning-parser"}, {ps, "tool-call-parser"}, {ps, "mcp-config-path"},
-		{be, "backend"}, {be, "history-backend"}, {db, "oracle-wallet-path"}, {db, "oracle-tns-alias"},
+		{be, "history-backend"}, {db, "oracle-wallet-path"}, {db, "oracle-tns-alias"},
 		{db, "oracle-connect-descriptor"}, {db, "oracle-username"}, {db, "oracle-password"}, {db, "oracle-pool-min"},
 		{db, "oracle-pool-max"}, {db, "oracle-pool-timeout-secs"}, {db, "postgres-db-url"}, {db, "postgres-pool-max"},
-		{db, "redis-url"}, {db, "redis-pool-max"}, {db, "redis-retention-days"}, {tls, "client-cert-path"},
-		{tls, "client-key-path"}, {tls, "tls-cert-path"}, {tls, "tls-key-path"}, {tr, "otlp-traces-endpoint"},
-		{au, "jwt-issuer"}, {au, "jwt-audience"}, {au, "jwt-jwks-uri"},
+		{db, "redis-url"}, {db, "redis-pool-max"}, {db, "redis-retention-days"}, {tr, "otlp-traces-endpoint"},
 	} {
 		p.OptString(f.group, f.name, &o.ignoredOpt, "").Ignored = true
 	}
 	p.String(au, "api-key", &c.APIKey, "API key: clients must send it as a Bearer token; also used towards workers")
 	p.Bool(tk, "tokenizer-cache-enable-l0", &o.ignoredBool, "").Ignored = true
 	p.Bool(tk, "tokenizer-cache-enable-l1", &o.ignoredBool, "").Ignored = true
-	p.Strings(tls, "ca-cert-paths", &o.ignoredList, false, "").Ignored = true
 	p.Bool(tr, "enable-trace", &o.ignoredBool, "").Ignored = true
-	p.Strings(au, "control-plane-api-keys", &o.ignoredList, false, "").Ignored = true
-	p.Bool(au, "control-plane-audit-enabled", &o.ignoredBool, "").Ignored = true
-	p.Strings(au, "jwt-role-mapping", &o.ignoredList, false, "").Ignored = true
+	addSecurityFlags(p, &o.security)
 	return p, o
 }
 
@@ -193,6 +188,9 @@ func (o *options) build() (router.Config, error) {
 		cfg.Retry.MaxRetries = 1
 	}
 	cfg.Manager.APIKey = cfg.APIKey
+	if err := o.security.apply(&cfg); err != nil {
+		return cfg, err
+	}
 	if o.cbWindow <= 0 {
 		return cfg, &router.ConfigError{Rule: "circuit breaker durations must be > 0"}
 	}

@@ -38,6 +38,10 @@ func run(args []string) int {
 		p.Usage(os.Stderr, err)
 		return 2
 	}
+	if err := o.security.unimplemented(); err != nil {
+		fmt.Fprintln(os.Stderr, "pdrouter:", err)
+		return 1
+	}
 	cfg, err := o.config()
 	if err != nil {
 		p.Usage(os.Stderr, err)
@@ -94,7 +98,7 @@ func serve(cfg router.Config, discovery *discoveryOptions, log *zap.Logger) erro
 		}
 		go metrics.Serve(mln) //nolint:errcheck // ends with Shutdown below
 	}
-	log.Info("pdrouter listening", zap.String("addr", ln.Addr().String()), zap.Bool("pd", cfg.PDDisaggregation),
+	log.Info("pdrouter listening", zap.String("addr", ln.Addr().String()), zap.Bool("https", srv.TLS()), zap.Bool("pd", cfg.PDDisaggregation),
 		zap.Int("prefill", len(cfg.Prefill)), zap.Int("decode", len(cfg.Decode)), zap.Int("workers", len(cfg.WorkerURLs)))
 
 	served := make(chan error, 1)
