@@ -14,6 +14,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes (bf16); the harness checks
+# it against SGLang's own kv_item_lens.
+BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 
 CONFIGS = [
     ("mooncake-tcp", ["--engine", "mooncake"]),
@@ -45,7 +48,7 @@ def summarize(per_request, bytes_per_token, prefill_tps):
     out = {}
     for tokens in sorted({x["tokens"] for x in per_request}):
         rs = [x for x in per_request if x["tokens"] == tokens]
-        # Skip each size's first request: it pays one-time peer set-up.
+        # Each size's first request is not counted: it pays what the size changes.
         if len(rs) > 2:
             rs = rs[1:]
         nbytes = tokens * bytes_per_token
@@ -77,31 +80,37 @@ def main():
 
     res = dict(layout=dict(model="Llama-3.1-8B", layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16),
                sizes=a.sizes, prefill_tps_model=a.prefill_tps, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               configs={}, memcpy_gbps={})
+               configs={})
     wanted = a.configs.split(",")
+    sizes = [int(part.split("x")[0]) for part in a.sizes.split(",")]
     for name, args in CONFIGS:
         if name not in wanted:
             continue
         sj = os.path.join(a.workdir, name + ".json")
         argv = [a.python, os.path.join(HERE, "run_pd.py"), "--python", a.python, "--label", name,
-                "--kvproxy", a.kvproxy, "--mooncake-path", a.mooncake_path, "--phases", "normal", "--abort", "0",
+                "--kvproxy", a.kvproxy, "--mooncake-path", a.mooncake_path, "--phases", "warmup,normal", "--abort", "0",
                 "--sizes", a.sizes, "--concurrency", "1", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                 "--chunk-tokens", "8192", "--fill", "sample", "--bound", "120",
+                # One 8192-token chunk is 1 GiB here: give a slow transport time for it.
+                "--kvproxy-arg=--write-timeout=60s",
                 "--workdir", os.path.join(a.workdir, name), "--out", sj] + args
         print("bench-kv-sglang: %s ..." % name, file=sys.stderr, flush=True)
-        r = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+        # memcpy next to each config: the box is shared and its load moves.
+        copy = {str(t): memcpy_gbps(t * BYTES_PER_TOKEN) for t in sizes}
+        load = os.getloadavg()[0]
+        subprocess.run(argv, stdout=subprocess.PIPE, text=True)
         with open(sj) as f:
             s = json.load(f)
         if not s["ok"]:
             print("bench-kv-sglang: %s failed: %s" % (name, s["failures"]), file=sys.stderr)
             res["configs"][name] = dict(ok=False, failures=s["failures"])
             continue
+        if s["bytes_per_token"] != BYTES_PER_TOKEN:
+            raise SystemExit("SGLang lays out %d bytes per token, expected %d" % (s["bytes_per_token"], BYTES_PER_TOKEN))
         res["bytes_per_token"] = s["bytes_per_token"]
-        res["configs"][name] = dict(ok=True, sizes=summarize(s["per_request"], s["bytes_per_token"], a.prefill_tps))
-    bpt = res.get("bytes_per_token", 32 * 2 * 8 * 128 * 2)
-    for part in a.sizes.split(","):
-        tokens = int(part.split("x")[0])
-        res["memcpy_gbps"][str(tokens)] = memcpy_gbps(tokens * bpt)
+        # The 1-minute load average around the run: this 2-core box is shared.
+        res["configs"][name] = dict(ok=True, load_avg=[round(load, 1), round(os.getloadavg()[0], 1)], memcpy_gbps=copy,
+                                    sizes=summarize(s["per_request"], s["bytes_per_token"], a.prefill_tps))
     # Control cost of one call: a tiny write's round trip through each engine.
     r = subprocess.run([a.python, os.path.join(HERE, "bench_control.py"), "--kvproxy", a.kvproxy,
                         "--mooncake-path", a.mooncake_path], stdout=subprocess.PIPE, text=True, check=True)
@@ -120,12 +129,13 @@ def table(res):
         if not c.get("ok"):
             lines.append("| %s | failed: %s |" % (name, "; ".join(c["failures"])[:200]))
             continue
+        label = "%s (load %s)" % (name, "→".join(str(v) for v in c.get("load_avg", [])))
         for tokens, x in c["sizes"].items():
             b = base.get(tokens)
-            mc = res["memcpy_gbps"].get(tokens)
+            mc = c["memcpy_gbps"].get(tokens)
             ratio = "%.2fx" % (x["gbps_transfer"] / b["gbps_transfer"]) if b else "-"
             lines.append("| %s | %s | %.1f | %.1f | %.2f | %s | %.2f | %.0f %% | %.0f %% |" % (
-                name, tokens, x["bytes"] / 2**20, x["transfer_s"] * 1e3, x["gbps_transfer"], ratio,
+                label, tokens, x["bytes"] / 2**20, x["transfer_s"] * 1e3, x["gbps_transfer"], ratio,
                 mc or 0, 100 * x["gbps_transfer"] / mc if mc else 0, 100 * x["kv_share_of_ttft"]))
     cc = res.get("call_cost", {})
     for name, v in cc.items():

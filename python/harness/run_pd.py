@@ -169,9 +169,10 @@ def main():
     p.add_argument("--kvproxy", help="kvproxy binary")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--ucx-tls", default="")
+    p.add_argument("--kvproxy-arg", action="append", default=[], help="extra kvproxy flag (repeatable)")
     p.add_argument("--bootstrap", choices=["sglang", "kvproxy"], default="sglang")
     p.add_argument("--phases", default="normal",
-                   help="comma list of normal, kill-prefill-kvproxy (then restarts it), recover, kill-decode (last)")
+                   help="comma list of warmup, normal, kill-prefill-kvproxy (then restarts it), recover, kill-decode (last)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8192)
@@ -200,6 +201,11 @@ def main():
     for ph in phases:
         if ph == "normal":
             plans[ph] = make_plan(a.requests, a.min_tokens, a.max_tokens, seed, a.sizes)
+        elif ph == "warmup":
+            # One request as large as the largest of the run: with SGLang's
+            # rotating free list it touches every page kvproxy maps once.
+            biggest = max(r["tokens"] for r in make_plan(a.requests, a.min_tokens, a.max_tokens, seed, a.sizes))
+            plans[ph] = make_plan(1, 0, 0, 99, "%dx1" % biggest)
         elif ph == "recover":
             plans[ph] = make_plan(20, a.min_tokens, a.max_tokens, seed)
         else:
@@ -233,7 +239,7 @@ def main():
                 # A fixed peer port: a restarted kvproxy keeps the session id SGLang holds.
                 # With SGLang's bootstrap server, kvproxy's own stays off its port.
                 kvp[role] = KVProxy(a.kvproxy, role, work, a.transport, a.ucx_tls,
-                                    bport if a.bootstrap == "kvproxy" else free_port(), free_port(), [])
+                                    bport if a.bootstrap == "kvproxy" else free_port(), free_port(), a.kvproxy_arg)
                 procs.append(kvp[role])
             summary["baseline_regions"] = {r: regions(r) for r in kvp}
         for role in ("prefill", "decode"):
@@ -264,7 +270,7 @@ def main():
             plan_path = os.path.join(work, ph + "-plan.json")
             with open(plan_path, "w") as f:
                 json.dump(plan, f)
-            aborted = plan[len(plan) // 2]["room"] if ph == "normal" and a.abort else -1
+            aborted = plan[len(plan) // 2]["room"] if ph == "normal" and a.abort and len(plan) > 1 else -1
             t0 = time.time()
             for role in alive:
                 sides[role].send(json.dumps(dict(cmd="run", plan=plan_path, out=os.path.join(work, "%s-%s.json" % (ph, role)), abort_room=aborted)))
@@ -297,7 +303,7 @@ def main():
                 check(len(r) == len(plan), "%s %s: %d results for %d requests" % (ph, role, len(r), len(plan)))
                 check(st.get("timeout", 0) == 0, "%s %s: %d rooms never ended (hung)" % (ph, role, st.get("timeout", 0)))
                 check(st.get("corrupt", 0) == 0, "%s %s: %d rooms with wrong bytes" % (ph, role, st.get("corrupt", 0)))
-                if ph in ("normal", "recover"):
+                if ph in ("normal", "recover", "warmup"):
                     want = len(plan) - (1 if aborted >= 0 else 0)
                     check(st.get("success", 0) == want, "%s %s: %d of %d rooms succeeded: %s" % (ph, role, st.get("success", 0), want, st))
                     if aborted >= 0:
