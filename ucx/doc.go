@@ -14,9 +14,11 @@
 //     completes.
 //
 // Memory rules: UCX never sees Go heap memory. Registered buffers come from
-// Context.Alloc (UCX-allocated, the fast path over shared memory) or
+// Context.Alloc (UCX-allocated, the fast path over shared memory),
 // Context.Map of memory the caller obtained outside the Go heap (mmap,
-// C.malloc). Active-message payloads are copied into C memory before
+// C.malloc), or Context.MapAddr by address with a memory type: CUDA device
+// memory needs a UCX built with CUDA (make cuda-bundle builds against one;
+// Debian's refuses it with an error naming the UCX version). Active-message payloads are copied into C memory before
 // sending. Errors carry UCX's status text (see Error).
 //
 // Without cgo the package compiles, and every constructor returns
