@@ -77,7 +77,7 @@ func newParser() (*cli.Parser, *options) {
 
 	p.Int(pr, "prometheus-port", &c.PrometheusPort, "Port of the Prometheus metrics listener")
 	p.String(pr, "prometheus-host", &c.PrometheusHost, "Host of the Prometheus metrics listener")
-	p.Strings(pr, "prometheus-duration-buckets", &o.ignoredFloats, true, "Buckets for duration histograms")
+	p.Strings(pr, "prometheus-duration-buckets", &o.ignoredFloats, true, "Buckets for duration histograms").Ignored = true
 
 	p.Strings(rq, "request-id-headers", &c.RequestIDHeaders, false, "Headers checked for a client request id")
 	p.Duration(rq, "request-timeout-secs", &c.RequestTimeout, time.Second, "Total timeout of an upstream request, streaming included")
