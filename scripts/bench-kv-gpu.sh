@@ -28,7 +28,9 @@ run() { echo "== $*"; "$@"; local rc=$?; echo "rc=$rc"; return $rc; }
 	# share of 128, 1k, 4k and 32k contiguous tokens.
 	run ucxbench -role suite -mem cuda -runs "${RUNS:-3}" -tls 'cuda_copy,cuda_ipc,posix,cma,tcp' \
 		-sizes 32768,262144,2097152,8388608,67108864 -json "$out/ucx-gpu.json" -md ''
-	run python3 scripts/gpu_copy_bench.py 16777216,134217728,536870912,4294967296 >"$out/torch-copy.json"
+	echo "== torch device copies"
+	python3 scripts/gpu_copy_bench.py 16777216,134217728,536870912,4294967296 >"$out/torch-copy.json"
+	cat "$out/torch-copy.json"
 	python3 - "$out" <<'PY'
 import json, sys, os
 o = sys.argv[1]
