@@ -31,6 +31,7 @@ type memLink struct {
 	waiting map[uint64]chan wire.Msg
 	closed  bool
 	err     error
+	gone    chan struct{} // closed once close has finished
 
 	// keyUse is read-held by a write from its first key lookup until its
 	// Put returns, and write-held to forget keys of regions the peer
@@ -78,7 +79,7 @@ func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
 	}
 	_ = nc.SetDeadline(time.Time{})
 	conn.SetWriteTimeout(p.cfg.WriteTimeout)
-	l := &memLink{p: p, conn: conn, remote: h, keys: map[uint32]RemoteKey{}, waiting: map[uint64]chan wire.Msg{}}
+	l := &memLink{p: p, conn: conn, remote: h, keys: map[uint32]RemoteKey{}, waiting: map[uint64]chan wire.Msg{}, gone: make(chan struct{})}
 	l.setRegions(h.Regions)
 	return l, nil
 }
@@ -162,13 +163,15 @@ func (p *MemoryPlane) addLink(l *memLink, addr string, dialed bool) bool {
 }
 
 // close tears the link down once: waiting writers fail, the endpoint and
-// its keys go.
+// its keys go. Every caller returns once the link is fully gone.
 func (l *memLink) close(cause error) {
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
+		<-l.gone
 		return
 	}
+	defer close(l.gone)
 	l.closed, l.err = true, cause
 	for seq, ch := range l.waiting {
 		close(ch)

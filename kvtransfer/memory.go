@@ -317,7 +317,9 @@ func (s *MemorySession) Register(kind wire.MemKind, addr, length uint64, fd int)
 	if uint64(st.Size) < length {
 		return fmt.Errorf("register memory: memfd holds %d bytes, region is %d", st.Size, length)
 	}
-	ptr, err := unix.MmapPtr(fd, 0, nil, uintptr(length), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	// Populated: the engine's pages exist already, and faulting them in one
+	// by one on first use halved the first pass over a pool.
+	ptr, err := unix.MmapPtr(fd, 0, nil, uintptr(length), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
 	if err != nil {
 		return fmt.Errorf("register memory: mmap %d bytes: %w", length, err)
 	}
@@ -379,7 +381,7 @@ func (s *MemorySession) Unregister(addr uint64) error {
 // Write copies every triple into the peer engine behind peer (its kvproxy's
 // PeerAddr) and returns once the bytes are complete there.
 func (s *MemorySession) Write(ctx context.Context, peer string, ts []Triple) error {
-	ctx, cancel := context.WithTimeout(ctx, s.p.cfg.WriteTimeout)
+	ctx, cancel := context.WithTimeout(ctx, writeDeadline(s.p.cfg.WriteTimeout, ts))
 	defer cancel()
 	stop := context.AfterFunc(s.ctx, cancel)
 	defer stop()
@@ -393,6 +395,21 @@ func (s *MemorySession) Write(ctx context.Context, peer string, ts []Triple) err
 	}
 	s.p.m.writes.WithLabelValues("ok").Inc()
 	return nil
+}
+
+// minWriteRate is the slowest rate a write may move at before it times
+// out: a write gets the write timeout plus its bytes' time at this rate, so
+// a 1 GiB chunk is not cut off on a slow link while a dead peer (which
+// transports mostly report at once: reset, endpoint error, a frame that
+// cannot be sent within the write timeout) still fails in bounded time.
+const minWriteRate = 64 << 20 // bytes per second
+
+func writeDeadline(base time.Duration, ts []Triple) time.Duration {
+	var total uint64
+	for _, t := range ts {
+		total += min(t.Len, 1<<50) // bogus lengths fail resolve; keep the sum sane
+	}
+	return base + time.Duration(float64(total)/minWriteRate*float64(time.Second))
 }
 
 // Probe connects to peer (if not yet) and fetches its region table.

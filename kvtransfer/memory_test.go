@@ -435,3 +435,16 @@ func TestSHMForgetsDroppedRegions(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+func TestWriteDeadlineScalesWithBytes(t *testing.T) {
+	if d := writeDeadline(5*time.Second, []Triple{{Len: 4096}}); d < 5*time.Second || d > 5*time.Second+time.Millisecond {
+		t.Fatalf("small write: %v", d)
+	}
+	// One SGLang chunk of Llama-3.1-8B KV (8192 tokens, 1 GiB): 16 s more.
+	if d := writeDeadline(5*time.Second, []Triple{{Len: 512 << 20}, {Len: 512 << 20}}); d != 21*time.Second {
+		t.Fatalf("1 GiB write: %v", d)
+	}
+	if d := writeDeadline(time.Second, []Triple{{Len: 1<<64 - 1}, {Len: 1<<64 - 1}}); d <= time.Second {
+		t.Fatalf("bogus lengths: %v", d)
+	}
+}

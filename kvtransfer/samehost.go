@@ -123,7 +123,7 @@ func (e *shmEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
 	if err := unix.Fstat(f, &st); err != nil || st.Ino != ino || uint64(st.Size) < n || n == 0 {
 		return nil, fmt.Errorf("shm transport: %s is not the peer's memfd of %d bytes any more (inode %d, size %d): %v", path, n, st.Ino, st.Size, err)
 	}
-	ptr, err := unix.MmapPtr(f, 0, nil, uintptr(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	ptr, err := unix.MmapPtr(f, 0, nil, uintptr(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("shm transport: map the peer's memfd: %w", err)
 	}
