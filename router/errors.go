@@ -63,14 +63,6 @@ func (e *apiError) sseFrame() []byte {
 	return append(b, "\n\n"...)
 }
 
-// forStream renders an error as an SSE frame when the client asked for a stream.
-func (e *apiError) forStream(stream bool) *apiError {
-	if stream {
-		e.sse = true
-	}
-	return e
-}
-
 // errorType is the OpenAI "type": invalid_request_error for client faults,
 // the canonical reason phrase otherwise (as sglang-router does).
 func errorType(status int) string {

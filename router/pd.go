@@ -166,7 +166,7 @@ func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker, body []
 	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
 		l.close()
 		if f := a.failure(); f != nil {
-			return f.forStream(r.info.Stream), false
+			return f, false // JSON even for a stream: nothing was sent yet (as OpenAI and SGLang)
 		}
 		a.abandon()
 		if r.clientGone() {

@@ -19,7 +19,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 		l.close()
 		chunkPool.Put(bufp)
 		if f := a.failure(); f != nil {
-			return f.forStream(true), false
+			return f, false // JSON even for a stream: nothing was sent yet (as OpenAI and SGLang)
 		}
 		if r.clientGone() {
 			return nil, false
