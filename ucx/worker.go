@@ -28,6 +28,7 @@ type Worker struct {
 	listeners map[*Listener]struct{}
 	am        map[uint16]cgo.Handle
 	closed    bool
+	addressed bool      // Address was called: peers may have endpoints to it
 	work      int       // pace units since the last clock read
 	lastSched time.Time // when pace last let the scheduler run
 }
@@ -105,6 +106,7 @@ func (w *Worker) Address() ([]byte, error) {
 		return nil, err
 	}
 	defer C.ucp_worker_release_address(w.p, a)
+	w.addressed = true
 	return C.GoBytes(unsafe.Pointer(a), C.int(n)), nil
 }
 
@@ -178,8 +180,18 @@ func (w *Worker) dropAM(id uint16) {
 	}
 }
 
-// Close closes the worker's listeners and endpoints, then destroys it.
-// Requests still pending must have been waited for or freed.
+// closeQuiet is how long Close waits without events before it destroys a
+// worker whose address was handed out; a live peer acknowledges a
+// connection well within it. closeDrainTimeout bounds the whole wait.
+const (
+	closeQuiet        = 100 * time.Millisecond
+	closeDrainTimeout = 2 * time.Second
+)
+
+// Close closes the worker's listeners and endpoints, then destroys it; a
+// worker whose Address was taken first lets peers' wireup finish (up to
+// closeDrainTimeout). Requests still pending must have been waited for or
+// freed.
 func (w *Worker) Close() error {
 	if w.closed {
 		return ErrClosed
@@ -193,6 +205,9 @@ func (w *Worker) Close() error {
 			first = err
 		}
 	}
+	if w.addressed {
+		w.drainPeerWireup()
+	}
 	for id := range w.am {
 		if err := w.SetAMHandler(id, nil); err != nil && first == nil {
 			first = err
@@ -203,6 +218,36 @@ func (w *Worker) Close() error {
 	live.workers.Add(-1)
 	w.ctx.dropChild()
 	return first
+}
+
+// drainPeerWireup progresses the worker until closeQuiet passes without an
+// event (at most closeDrainTimeout). A peer that connects to this worker's
+// address makes UCX create an endpoint here that only UCX knows of, and
+// over tcp its wireup reply waits in the tcp endpoint's pending queue until
+// the peer acknowledges the new connection. UCX 1.13's ucp_worker_destroy
+// purges that queue and aborts on the reply (assertion "got REP message",
+// removed upstream in openucx/ucx#8175). UCX can neither list those
+// endpoints nor flush them (a worker flush skips endpoints when no
+// operation is counted), so Close waits for the acknowledgement, which
+// arrives as an event and sends the reply.
+func (w *Worker) drainPeerWireup() {
+	start := time.Now()
+	last := start
+	for {
+		if w.Progress() {
+			last = time.Now()
+			continue
+		}
+		now := time.Now()
+		idle := now.Sub(last)
+		if idle >= closeQuiet || now.Sub(start) >= closeDrainTimeout {
+			return
+		}
+		// Short slices: not every UCX event signals the event fd.
+		if err := w.WaitEvents(min(closeQuiet-idle, 10*time.Millisecond)); err != nil {
+			return
+		}
+	}
 }
 
 // Listener accepts sockaddr connections (needs tcp in UCX_TLS).
