@@ -292,18 +292,10 @@ func seedOf(r mockworker.KVRequest) uint64 {
 	return h.Sum64() ^ r.Room*0x9E3779B97F4A7C15
 }
 
-func mix(x uint64) uint64 {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	return x ^ x>>31
-}
-
 // pageSeed makes every (prompt, room, buffer, page) distinct, so a page that
 // lands in the wrong place fails the check.
 func (s *Sim) pageSeed(seed uint64, b, i int) uint64 {
-	return mix(seed ^ uint64(b)<<40 ^ uint64(i))
+	return mockworker.Mix(seed ^ uint64(b)<<40 ^ uint64(i))
 }
 
 // fill writes page i of the prompt (stored at pool page p) of buffer b;

@@ -12,7 +12,7 @@ const embeddingDim = 8
 
 // score maps a prompt to a stable value in [0, 1).
 func score(p prompt) float64 {
-	return float64(mix(promptSeed(p.text, 0))>>11) / (1 << 53)
+	return float64(Mix(promptSeed(p.text, 0))>>11) / (1 << 53)
 }
 
 func (a *answer) embeddings() error {
@@ -28,7 +28,7 @@ func (a *answer) embeddings() error {
 		v := make([]float64, embeddingDim)
 		var norm float64
 		for d := range v {
-			v[d] = float64(int64(mix(seed+uint64(d))%vocabSize)-vocabSize/2) / vocabSize
+			v[d] = float64(int64(Mix(seed+uint64(d))%vocabSize)-vocabSize/2) / vocabSize
 			norm += v[d] * v[d]
 		}
 		for d := range v {

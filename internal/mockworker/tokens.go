@@ -18,8 +18,9 @@ func promptSeed(prompt []byte, choice int) uint64 {
 	return h.Sum64() ^ uint64(choice)*0x9E3779B97F4A7C15
 }
 
-// mix is splitmix64's finalizer: nearby seeds give unrelated values.
-func mix(x uint64) uint64 {
+// Mix is splitmix64's finalizer: nearby seeds give unrelated values. The
+// engine simulator derives its page contents with it too.
+func Mix(x uint64) uint64 {
 	x ^= x >> 30
 	x *= 0xBF58476D1CE4E5B9
 	x ^= x >> 27
@@ -31,7 +32,7 @@ func mix(x uint64) uint64 {
 func outputIDs(seed uint64, n int) []int {
 	ids := make([]int, n)
 	for i := range ids {
-		ids[i] = int(mix(seed+uint64(i+1)*0x9E3779B97F4A7C15) % vocabSize)
+		ids[i] = int(Mix(seed+uint64(i+1)*0x9E3779B97F4A7C15) % vocabSize)
 	}
 	return ids
 }
