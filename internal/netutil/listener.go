@@ -1,0 +1,157 @@
+// Package netutil holds the listener both binaries serve on: an Accept that
+// survives running out of file descriptors, and a connection limit.
+package netutil
+
+import (
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Options configure a Listener.
+type Options struct {
+	// MaxConns bounds the open connections; one over it is refused. 0: no limit.
+	MaxConns int
+	// Refusal is written to a refused connection before it is closed (a
+	// canned HTTP 503, say); nil closes it at once.
+	Refusal []byte
+	// OnAcceptError is told each temporary accept error and the pause
+	// before the next try (a log line).
+	OnAcceptError func(err error, pause time.Duration)
+}
+
+// Listener wraps a net.Listener. Accept retries temporary errors (EMFILE,
+// ENFILE, ECONNABORTED...) after a pause, as net/http does, instead of
+// returning them to a server that would stop on them.
+type Listener struct {
+	net.Listener
+	opt      Options
+	open     atomic.Int64
+	refused  atomic.Uint64
+	refusing chan struct{} // slots for refusals in progress
+	closed   chan struct{}
+	once     sync.Once
+}
+
+// Listen wraps ln.
+func Listen(ln net.Listener, opt Options) *Listener {
+	return &Listener{Listener: ln, opt: opt, closed: make(chan struct{}), refusing: make(chan struct{}, 64)}
+}
+
+// Backoff bounds, as net/http's Serve.
+const (
+	firstPause = 5 * time.Millisecond
+	maxPause   = time.Second
+	// refusalLinger is how long a refused connection may take to read the
+	// refusal before it is closed.
+	refusalLinger = time.Second
+)
+
+func (l *Listener) Accept() (net.Conn, error) {
+	var pause time.Duration
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			if !Temporary(err) {
+				return nil, err
+			}
+			pause = min(max(2*pause, firstPause), maxPause)
+			if l.opt.OnAcceptError != nil {
+				l.opt.OnAcceptError(err, pause)
+			}
+			select {
+			case <-time.After(pause):
+				continue
+			case <-l.closed:
+				return nil, net.ErrClosed
+			}
+		}
+		pause = 0
+		if l.opt.MaxConns > 0 && l.open.Add(1) > int64(l.opt.MaxConns) {
+			l.open.Add(-1)
+			l.refuse(c)
+			continue
+		}
+		if l.opt.MaxConns <= 0 {
+			l.open.Add(1)
+		}
+		return &conn{Conn: c, l: l}, nil
+	}
+}
+
+// refuse answers c with the refusal, off the accept loop; when many
+// refusals are already in progress it just closes c.
+func (l *Listener) refuse(c net.Conn) {
+	l.refused.Add(1)
+	if len(l.opt.Refusal) == 0 {
+		_ = c.Close()
+		return
+	}
+	select {
+	case l.refusing <- struct{}{}:
+	default:
+		_ = c.Close()
+		return
+	}
+	go func() {
+		defer func() { <-l.refusing }()
+		_ = c.SetDeadline(time.Now().Add(refusalLinger))
+		if _, err := c.Write(l.opt.Refusal); err == nil {
+			// Read what the client sent, so closing does not reset the
+			// connection before the refusal is read.
+			if tc, ok := c.(*net.TCPConn); ok {
+				_ = tc.CloseWrite()
+			}
+			var buf [512]byte
+			for {
+				if _, err := c.Read(buf[:]); err != nil {
+					break
+				}
+			}
+		}
+		_ = c.Close()
+	}()
+}
+
+// Close stops accepting; a pause in progress ends at once.
+func (l *Listener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+// Open is the number of accepted connections not yet closed.
+func (l *Listener) Open() int { return int(l.open.Load()) }
+
+// Refused counts the connections refused over MaxConns.
+func (l *Listener) Refused() uint64 { return l.refused.Load() }
+
+// Temporary reports whether an accept error passes: out of file
+// descriptors or buffers, a connection aborted before it was accepted, a
+// timeout.
+func Temporary(err error) bool {
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM,
+		syscall.ECONNABORTED, syscall.ECONNRESET, syscall.EINTR, syscall.EAGAIN, syscall.EPROTO} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+type conn struct {
+	net.Conn
+	l    *Listener
+	once sync.Once
+}
+
+func (c *conn) Close() error {
+	c.once.Do(func() { c.l.open.Add(-1) })
+	return c.Conn.Close()
+}
+
+// Unwrap returns the accepted connection (for *net.TCPConn type checks).
+func (c *conn) Unwrap() net.Conn { return c.Conn }
