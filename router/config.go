@@ -1,7 +1,6 @@
 package router
 
 import (
-	"cmp"
 	"fmt"
 	"slices"
 	"strings"
@@ -180,17 +179,24 @@ func (c Config) validPolicies() error {
 			return invalid("%s is not allowed as the %s", p.name, p.role)
 		}
 	}
-	// One worker alone is a mistake; none is fine, workers may join through the API.
+	// One worker alone is a mistake; none is fine, workers may join through
+	// the API. As 0.3.x, --policy counts the workers of both PD sides
+	// together (1 prefill + 1 decode passes); a side's own policy counts
+	// that side.
+	workers := len(c.WorkerURLs)
+	if c.PDDisaggregation {
+		workers = len(c.Prefill) + len(c.Decode)
+	}
+	if c.Policy == "power_of_two" && workers == 1 {
+		return invalid("power_of_two policy requires at least 2 workers")
+	}
 	if !c.PDDisaggregation {
-		if c.Policy == "power_of_two" && len(c.WorkerURLs) == 1 {
-			return invalid("power_of_two policy requires at least 2 workers")
-		}
 		return nil
 	}
-	if cmp.Or(c.PrefillPolicy, c.Policy) == "power_of_two" && len(c.Prefill) == 1 {
+	if c.PrefillPolicy == "power_of_two" && len(c.Prefill) == 1 {
 		return invalid("power_of_two policy requires at least 2 prefill workers")
 	}
-	if cmp.Or(c.DecodePolicy, c.Policy) == "power_of_two" && len(c.Decode) == 1 {
+	if c.DecodePolicy == "power_of_two" && len(c.Decode) == 1 {
 		return invalid("power_of_two policy requires at least 2 decode workers")
 	}
 	return nil

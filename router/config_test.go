@@ -34,6 +34,9 @@ func TestConfigValidateAcceptsGoodConfigs(t *testing.T) {
 		"bucket on prefill":      func() Config { c := pdConfig(2, 1); c.PrefillPolicy = "bucket"; return c }(),
 		"power_of_two, 2 a side": func() Config { c := pdConfig(2, 2); c.Policy = "power_of_two"; return c }(),
 		"power_of_two, none yet": func() Config { c := DefaultConfig(); c.Policy = "power_of_two"; return c }(),
+		// As 0.3.x: --policy counts both sides together.
+		"power_of_two, 1P+1D": func() Config { c := pdConfig(1, 1); c.Policy = "power_of_two"; return c }(),
+		"power_of_two, 1P+2D": func() Config { c := pdConfig(1, 2); c.Policy = "power_of_two"; return c }(),
 		"one prefill, overridden": func() Config {
 			c := pdConfig(1, 2)
 			c.Policy, c.PrefillPolicy = "power_of_two", "random"
@@ -82,7 +85,8 @@ func TestConfigValidateRejectsEachBadField(t *testing.T) {
 			c.Policy, c.WorkerURLs = "power_of_two", []string{"http://w:1"}
 		}},
 		{"power_of_two policy requires at least 2 prefill workers", true, func(c *Config) { c.PrefillPolicy = "power_of_two" }},
-		{"power_of_two policy requires at least 2 decode workers", true, func(c *Config) { c.Policy = "power_of_two"; c.PrefillPolicy = "random" }},
+		{"power_of_two policy requires at least 2 decode workers", true, func(c *Config) { c.DecodePolicy = "power_of_two" }},
+		{"power_of_two policy requires at least 2 workers", true, func(c *Config) { c.Policy, c.Decode = "power_of_two", nil }},
 		{"port must be in 1..65535", false, func(c *Config) { c.Port = 0 }},
 		{"port must be in 1..65535", false, func(c *Config) { c.Port = 65536 }},
 		{"prometheus_port must be in 0..65535", false, func(c *Config) { c.PrometheusPort = -1 }},

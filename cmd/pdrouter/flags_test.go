@@ -91,7 +91,7 @@ func TestCLIAndValidateAgree(t *testing.T) {
 		{"--prometheus-port", "-1"},
 		{"--pd-disaggregation", "--prefill", "http://p:1", "0", "--decode", "http://d:1"},
 		{"--policy", "power_of_two", "--worker-urls", "http://w:1"},
-		{"--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "--decode", "http://e:1", "--policy", "power_of_two"},
+		{"--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1", "--decode", "http://e:1", "--prefill-policy", "power_of_two"},
 	} {
 		cliErr := func() error { _, err := parse(t, args...).config(); return err }()
 		var ce *router.ConfigError
