@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"time"
 	"unsafe"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
@@ -354,10 +353,6 @@ func (u *UCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
 	return e, nil
 }
 
-// cancelWait bounds the wait for a flush after its endpoint was force
-// closed (which cancels it): a safety net, the cancel is immediate.
-const cancelWait = 5 * time.Second
-
 // ucxMemEndpoint is one endpoint to a peer worker for memory writes. ep
 // and closed belong to the loop goroutine.
 type ucxMemEndpoint struct {
@@ -416,13 +411,28 @@ func (e *ucxMemEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
 		return err
 	case <-ctx.Done():
 	}
-	e.Close()
-	select {
-	case <-done:
-	case <-time.After(cancelWait):
-		return fmt.Errorf("ucx put: %w; the cancelled flush did not complete within %s", ctx.Err(), cancelWait)
+	// The peer is dead or stuck (with error handling mode NONE nothing
+	// ever fails the flush): drop the endpoint and give up the flush, so no
+	// put of ours stays queued against our memory and the loop stops
+	// polling a request that will never complete.
+	err = e.u.loop.Do(func(*ucx.Worker) error {
+		e.closeOnLoop()
+		e.u.dropFlush(done)
+		return nil
+	})
+	return errors.Join(ctx.Err(), err)
+}
+
+// dropFlush frees the pending flush that reports to done, if it is still
+// pending; on the loop goroutine.
+func (u *UCX) dropFlush(done chan error) {
+	for i, p := range u.pending {
+		if p.done == done {
+			p.req.Free()
+			u.pending = append(u.pending[:i], u.pending[i+1:]...)
+			return
+		}
 	}
-	return ctx.Err()
 }
 
 func (e *ucxMemEndpoint) Forget(k RemoteKey) {
@@ -438,10 +448,13 @@ func (e *ucxMemEndpoint) Forget(k RemoteKey) {
 	})
 }
 
+// closeOnLoop aborts the endpoint: every write on it has ended or is
+// failing (each waits for its own flush), so a graceful flush would only
+// hold the loop for a dead peer.
 func (e *ucxMemEndpoint) closeOnLoop() {
 	if !e.closed {
 		e.closed = true
-		_ = e.ep.Close()
+		_ = e.ep.Abort()
 	}
 }
 
