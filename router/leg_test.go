@@ -189,43 +189,57 @@ func sseThenHang(w http.ResponseWriter, r *http.Request) {
 	<-r.Context().Done()
 }
 
+// legRequest is how a test request ends: its body, whether the client
+// leaves, the router's request timeout and the status the client gets.
+type legRequest struct {
+	body    string
+	cut     bool // the client goes away
+	timeout time.Duration
+	status  int
+}
+
+// run starts a router on cfg, sends the request and waits until its legs
+// have ended.
+func (c legRequest) run(t *testing.T, cfg Config) *legEnv {
+	t.Helper()
+	if c.timeout > 0 {
+		cfg.RequestTimeout = c.timeout
+	}
+	e := startLegEnv(t, cfg)
+	ctx := context.Background()
+	if c.cut {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+	}
+	status, body, err := e.post(t, ctx, cmp.Or(c.body, `{"text":"x"}`))
+	if c.cut != (err != nil) || !c.cut && status != c.status {
+		t.Fatalf("status %d %s, err %v", status, body, err)
+	}
+	e.settle(t)
+	return e
+}
+
 // Every way a regular request ends leaves the worker's load at zero and
 // its breaker and worker-error count told exactly once, or not at all
 // when the worker is not why it ended.
 func TestLegAccountingRegular(t *testing.T) {
+	stream := `{"text":"x","stream":true}`
 	for _, c := range []struct {
-		name    string
-		worker  http.HandlerFunc
-		timeout time.Duration // the router's request timeout
-		body    string
-		cut     bool // the client goes away
-		status  int
-		want    legWant
+		name   string
+		worker http.HandlerFunc
+		req    legRequest
+		want   legWant
 	}{
-		{name: "success", worker: answer(200), status: 200, want: legWant{ok: 1}},
-		{name: "upstream error", worker: answer(500), status: 500, want: legWant{failed: 1, errorType: "status_500"}},
-		{name: "client gone", worker: hang, cut: true},
-		{name: "timeout", worker: hang, timeout: 300 * time.Millisecond, status: 504, want: legWant{failed: 1, errorType: "connect"}},
-		{name: "stream cut by the client", worker: sseThenHang, cut: true, body: `{"text":"x","stream":true}`, want: legWant{ok: 1}},
+		{"success", answer(200), legRequest{status: 200}, legWant{ok: 1}},
+		{"upstream error", answer(500), legRequest{status: 500}, legWant{failed: 1, errorType: "status_500"}},
+		{"client gone", hang, legRequest{cut: true}, legWant{}},
+		{"timeout", hang, legRequest{timeout: 300 * time.Millisecond, status: 504}, legWant{failed: 1, errorType: "connect"}},
+		{"stream cut by the client", sseThenHang, legRequest{body: stream, cut: true}, legWant{ok: 1}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			url := legWorker(t, c.worker)
-			cfg := legRegularConfig(url)
-			if c.timeout > 0 {
-				cfg.RequestTimeout = c.timeout
-			}
-			e := startLegEnv(t, cfg)
-			ctx := context.Background()
-			if c.cut {
-				var cancel context.CancelFunc
-				ctx, cancel = context.WithTimeout(ctx, 200*time.Millisecond)
-				defer cancel()
-			}
-			status, body, err := e.post(t, ctx, cmp.Or(c.body, `{"text":"x"}`))
-			if c.cut != (err != nil) || status != c.status && !c.cut {
-				t.Fatalf("status %d %s, err %v", status, body, err)
-			}
-			e.settle(t)
+			e := c.req.run(t, legRegularConfig(url))
 			e.check(t, url, balancer.Regular, c.want)
 		})
 	}
@@ -265,44 +279,25 @@ func TestLegAccountingRetry(t *testing.T) {
 // In PD mode a leg cancelled because the other failed is not blamed.
 func TestLegAccountingPD(t *testing.T) {
 	for _, c := range []struct {
-		name             string
-		prefill, decode  http.HandlerFunc
-		body             string
-		status           int
-		wantP, wantD     legWant
-		cut              bool
-		timeoutForRouter time.Duration
+		name            string
+		prefill, decode http.HandlerFunc
+		req             legRequest
+		wantP, wantD    legWant
 	}{
-		{name: "success", prefill: answer(200), decode: answer(200), status: 200,
-			wantP: legWant{ok: 1}, wantD: legWant{ok: 1}},
-		{name: "stream success", prefill: answer(200), decode: answer(200), body: `{"text":"x","stream":true}`, status: 200,
-			wantP: legWant{ok: 1}, wantD: legWant{ok: 1}},
-		{name: "prefill error cancels decode", prefill: answer(500), decode: hang, status: 500,
-			wantP: legWant{failed: 1, errorType: "status_500"}},
-		{name: "decode error", prefill: answer(200), decode: after(100*time.Millisecond, answer(503)), status: 503,
-			wantP: legWant{ok: 1}, wantD: legWant{failed: 1, errorType: "status_503"}},
-		{name: "client gone", prefill: hang, decode: hang, cut: true},
-		{name: "timeout", prefill: hang, decode: hang, timeoutForRouter: 300 * time.Millisecond, status: 504,
-			wantP: legWant{failed: 1, errorType: "connect"}, wantD: legWant{failed: 1, errorType: "connect"}},
+		{"success", answer(200), answer(200), legRequest{status: 200}, legWant{ok: 1}, legWant{ok: 1}},
+		{"stream success", answer(200), answer(200), legRequest{body: `{"text":"x","stream":true}`, status: 200},
+			legWant{ok: 1}, legWant{ok: 1}},
+		{"prefill error cancels decode", answer(500), hang, legRequest{status: 500},
+			legWant{failed: 1, errorType: "status_500"}, legWant{}},
+		{"decode error", answer(200), after(100*time.Millisecond, answer(503)), legRequest{status: 503},
+			legWant{ok: 1}, legWant{failed: 1, errorType: "status_503"}},
+		{"client gone", hang, hang, legRequest{cut: true}, legWant{}, legWant{}},
+		{"timeout", hang, hang, legRequest{timeout: 300 * time.Millisecond, status: 504},
+			legWant{failed: 1, errorType: "connect"}, legWant{failed: 1, errorType: "connect"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p, d := legWorker(t, c.prefill), legWorker(t, c.decode)
-			cfg := legPDConfig(p, d)
-			if c.timeoutForRouter > 0 {
-				cfg.RequestTimeout = c.timeoutForRouter
-			}
-			e := startLegEnv(t, cfg)
-			ctx := context.Background()
-			if c.cut {
-				var cancel context.CancelFunc
-				ctx, cancel = context.WithTimeout(ctx, 200*time.Millisecond)
-				defer cancel()
-			}
-			status, body, err := e.post(t, ctx, cmp.Or(c.body, `{"text":"x"}`))
-			if c.cut != (err != nil) || status != c.status && !c.cut {
-				t.Fatalf("status %d %s, err %v", status, body, err)
-			}
-			e.settle(t)
+			e := c.req.run(t, legPDConfig(p, d))
 			e.check(t, p, balancer.Prefill, c.wantP)
 			e.check(t, d, balancer.Decode, c.wantD)
 		})

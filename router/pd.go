@@ -39,6 +39,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	return s.reply(ctx, r, &r.leg, a)
 }
 
+// pickPair chooses one worker of each side from one registry snapshot.
 func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balancer.Worker, fail *apiError) {
 	snap := s.reg.Snapshot()
 	pr := s.policyRequest(ctx, r)
