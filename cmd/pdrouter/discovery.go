@@ -21,14 +21,12 @@ type discoveryOptions struct {
 	selector, prefillSel, decodeSel []string
 	port                            int
 	namespace                       string
-	newPods                         func(namespace string) (k8sdiscovery.Pods, error) // tests replace it
-	config                          k8sdiscovery.Config                               // set by check
+	config                          k8sdiscovery.Config // set by apply
 }
 
 func addDiscoveryFlags(p *cli.Parser, d *discoveryOptions) {
 	const sd = "Service Discovery (Kubernetes)"
 	d.port = 80 // sglang-router's default
-	d.newPods = k8sdiscovery.NewPods
 	p.Bool(sd, "service-discovery", &d.enabled, "Watch Kubernetes pods and register the Running and Ready ones that match the selectors as workers")
 	p.Strings(sd, "selector", &d.selector, true, "Pod label selector in regular mode: key=value ...")
 	p.Int(sd, "service-discovery-port", &d.port, "HTTP port of the discovered engines (worker URL http://POD_IP:PORT)")
@@ -78,7 +76,7 @@ func (d *discoveryOptions) start(srv *router.Server, log *zap.Logger, reg promet
 	klog.SetLogger(funcr.New(func(prefix, args string) {
 		log.Debug(strings.TrimSpace(prefix + " " + args))
 	}, funcr.Options{}))
-	pods, err := d.newPods(d.namespace)
+	pods, err := k8sdiscovery.NewPods(d.namespace)
 	if err != nil {
 		return nil, err
 	}
