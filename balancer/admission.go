@@ -3,6 +3,7 @@ package balancer
 import (
 	"context"
 	"errors"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -19,16 +20,25 @@ type AdmissionConfig struct {
 }
 
 var (
-	// ErrQueueFull: no token and no room to wait (the router answers 429).
+	// ErrQueueFull: no token and no queue (the router answers 429).
 	ErrQueueFull = errors.New("admission: queue full")
-	// ErrQueueTimeout: waited QueueTimeout without a token (the router answers 408).
+	// ErrQueueTimeout: waited without getting a token (the router answers 408).
 	ErrQueueTimeout = errors.New("admission: queue timeout")
 )
 
 // Admission is sglang-router's token bucket: a request takes one token and
 // gives it back when its response ends, while tokens also refill at a fixed
-// rate, so it limits both concurrency and rate. Requests without a token
-// wait in a bounded FIFO queue. A nil *Admission admits everything.
+// rate, so it limits both concurrency and rate. A nil *Admission admits
+// everything.
+//
+// Requests without a token wait as in 0.3.2 (src/middleware.rs,
+// core/token_bucket.rs), measured against it: the --queue-size queue is a
+// channel one task drains at once, so it never holds back a waiting
+// request and only --queue-size 0 answers 429; a waiter gives up (408)
+// after --queue-timeout-secs or, sooner, after the time the refill needs to
+// produce the token it lacked on arrival (TokenBucket::acquire's own
+// timeout), so it is served by a token given back before then, and a refill
+// landing on its deadline comes too late. Waiters are served FIFO.
 type Admission struct {
 	cfg AdmissionConfig
 	now func() time.Time
@@ -41,8 +51,9 @@ type Admission struct {
 }
 
 type admissionWaiter struct {
-	ch      chan struct{} // receives the granted token
-	granted bool          // under Admission.mu
+	ch       chan struct{} // receives the granted token
+	granted  bool          // under Admission.mu
+	deadline time.Time     // no token from then on: it times out
 }
 
 // NewAdmission returns nil (admit everything) when MaxConcurrent ≤ 0.
@@ -74,16 +85,17 @@ func (a *Admission) Acquire(ctx context.Context) (release func(), err error) {
 		a.mu.Unlock()
 		return a.releaser(), nil
 	}
-	if len(a.waiters) >= a.cfg.QueueSize {
+	if a.cfg.QueueSize == 0 {
 		a.mu.Unlock()
 		return nil, ErrQueueFull
 	}
-	w := &admissionWaiter{ch: make(chan struct{}, 1)}
+	wait := min(a.cfg.QueueTimeout, a.refillTime())
+	w := &admissionWaiter{ch: make(chan struct{}, 1), deadline: a.last.Add(wait)}
 	a.waiters = append(a.waiters, w)
 	a.armRefill()
 	a.mu.Unlock()
 
-	timeout := time.NewTimer(a.cfg.QueueTimeout)
+	timeout := time.NewTimer(wait)
 	defer timeout.Stop()
 	select {
 	case <-w.ch:
@@ -137,24 +149,39 @@ func (a *Admission) refill() {
 	a.last = now
 }
 
-// grant hands whole tokens to waiters in FIFO order. Caller holds mu.
+// grant hands whole tokens to waiters in FIFO order, passing over those
+// whose deadline has come (their own timer takes them out). Caller holds
+// mu, after refill.
 func (a *Admission) grant() {
 	for len(a.waiters) > 0 && a.tokens >= 1 {
 		w := a.waiters[0]
 		a.waiters = a.waiters[1:]
+		if !a.last.Before(w.deadline) {
+			continue
+		}
 		a.tokens--
 		w.granted = true
 		w.ch <- struct{}{}
 	}
 }
 
+// refillTime is how long the refill takes to make a whole token. Caller
+// holds mu, after refill.
+func (a *Admission) refillTime() time.Duration {
+	secs := max(1-a.tokens, 0) / a.cfg.RatePerSecond
+	if secs >= float64(math.MaxInt64/int64(time.Second)) {
+		return time.Duration(math.MaxInt64)
+	}
+	return time.Duration(secs * float64(time.Second))
+}
+
 // armRefill schedules a wake-up for when the refill will have produced a
-// token, so waiters are not served only by releases. Caller holds mu.
+// token, for waiters whose deadline is later. Caller holds mu.
 func (a *Admission) armRefill() {
 	if a.timer != nil {
 		return
 	}
-	wait := time.Duration((1 - a.tokens) / a.cfg.RatePerSecond * float64(time.Second))
+	wait := a.refillTime()
 	a.timer = time.AfterFunc(max(wait, time.Millisecond), func() {
 		a.mu.Lock()
 		defer a.mu.Unlock()

@@ -12,7 +12,9 @@ func newTestAdmission(capacity, queue int, timeout time.Duration) *Admission {
 	return NewAdmission(AdmissionConfig{MaxConcurrent: capacity, RatePerSecond: 1e-6, QueueSize: queue, QueueTimeout: timeout})
 }
 
-func TestAdmissionQueueFullAndTimeout(t *testing.T) {
+// As 0.3.2: --queue-size does not bound the waiters (its queue is drained
+// at once), each times out on its own, and tokens come back once.
+func TestAdmissionWaitersTimeOut(t *testing.T) {
 	a := newTestAdmission(2, 1, 50*time.Millisecond)
 	ctx := context.Background()
 	r1, err1 := a.Acquire(ctx)
@@ -20,20 +22,21 @@ func TestAdmissionQueueFullAndTimeout(t *testing.T) {
 	if err1 != nil || err2 != nil {
 		t.Fatal(err1, err2)
 	}
-	queued := make(chan error, 1)
-	go func() { _, err := a.Acquire(ctx); queued <- err }()
-	for a.Waiting() == 0 {
-		time.Sleep(time.Millisecond)
-	}
-	if _, err := a.Acquire(ctx); !errors.Is(err, ErrQueueFull) {
-		t.Fatalf("full queue: %v, want ErrQueueFull", err)
-	}
 	start := time.Now()
-	if err := <-queued; !errors.Is(err, ErrQueueTimeout) {
-		t.Fatalf("queued: %v, want ErrQueueTimeout", err)
+	queued := make(chan error, 3)
+	for range 3 {
+		go func() { _, err := a.Acquire(ctx); queued <- err }()
+	}
+	for range 3 {
+		if err := <-queued; !errors.Is(err, ErrQueueTimeout) {
+			t.Fatalf("queued: %v, want ErrQueueTimeout", err)
+		}
 	}
 	if el := time.Since(start); el > time.Second {
 		t.Fatalf("timeout took %v", el)
+	}
+	if a.Waiting() != 0 {
+		t.Fatalf("%d waiters left", a.Waiting())
 	}
 	// Tokens come back on release, exactly once.
 	r1()
@@ -46,6 +49,37 @@ func TestAdmissionQueueFullAndTimeout(t *testing.T) {
 		t.Fatal("double release returned two tokens")
 	}
 	r3()
+}
+
+// sglang-router 0.3.2, measured: 1 token, 1 token/s, queue 1, 1 s queue
+// timeout, a 2 s request holding the token: every waiter gets 408 at 1 s,
+// since the refilled token lands exactly on their deadline.
+func TestAdmissionRefillOnTheDeadlineIsTooLate(t *testing.T) {
+	a := NewAdmission(AdmissionConfig{MaxConcurrent: 1, RatePerSecond: 1, QueueSize: 1, QueueTimeout: time.Second})
+	rel, err := a.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rel()
+	start := time.Now()
+	errs := make(chan error, 3)
+	for range 3 {
+		go func() {
+			r, err := a.Acquire(context.Background())
+			if err == nil {
+				r()
+			}
+			errs <- err
+		}()
+	}
+	for range 3 {
+		if err := <-errs; !errors.Is(err, ErrQueueTimeout) {
+			t.Errorf("waiter: %v, want ErrQueueTimeout", err)
+		}
+	}
+	if el := time.Since(start); el < 900*time.Millisecond || el > 1500*time.Millisecond {
+		t.Errorf("408s after %v, want about 1 s", el)
+	}
 }
 
 func TestAdmissionReleaseWakesWaiterFIFO(t *testing.T) {
@@ -73,18 +107,43 @@ func TestAdmissionReleaseWakesWaiterFIFO(t *testing.T) {
 	}
 }
 
-func TestAdmissionRefillServesQueue(t *testing.T) {
-	a := NewAdmission(AdmissionConfig{MaxConcurrent: 1, RatePerSecond: 50, QueueSize: 1, QueueTimeout: 2 * time.Second})
-	if _, err := a.Acquire(context.Background()); err != nil {
+// A waiter waits no longer than the refill needs for its token (1/5 s
+// here), even with a long queue timeout, as 0.3.2's TokenBucket::acquire;
+// a token given back within that time serves it.
+func TestAdmissionWaitIsBoundedByRefillTime(t *testing.T) {
+	a := NewAdmission(AdmissionConfig{MaxConcurrent: 1, RatePerSecond: 5, QueueSize: 1, QueueTimeout: 10 * time.Second})
+	rel, err := a.Acquire(context.Background())
+	if err != nil {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	if _, err := a.Acquire(context.Background()); err != nil {
-		t.Fatal("refill did not serve the queue:", err)
+	if _, err := a.Acquire(context.Background()); !errors.Is(err, ErrQueueTimeout) {
+		t.Fatalf("waiter: %v, want ErrQueueTimeout", err)
 	}
-	if el := time.Since(start); el > time.Second {
-		t.Fatalf("refill at 50/s took %v", el)
+	if el := time.Since(start); el < 150*time.Millisecond || el > time.Second {
+		t.Fatalf("gave up after %v, want about 200 ms", el)
 	}
+	time.Sleep(250 * time.Millisecond) // a token refills
+	rel2, err := a.Acquire(context.Background())
+	if err != nil {
+		t.Fatal("refilled token:", err)
+	}
+	served := make(chan error, 1)
+	go func() {
+		r, err := a.Acquire(context.Background())
+		if err == nil {
+			r()
+		}
+		served <- err
+	}()
+	for a.Waiting() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	rel2()
+	if err := <-served; err != nil {
+		t.Errorf("waiter not served by a release: %v", err)
+	}
+	rel()
 }
 
 func TestAdmissionNoQueueAndCancel(t *testing.T) {
