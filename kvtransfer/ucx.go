@@ -183,7 +183,7 @@ func (u *UCX) Connect(remote *wire.Hello, _ *wire.Conn) (Writer, error) {
 	if len(remote.Regions) != len(u.mems) {
 		return nil, fmt.Errorf("ucx: peer has %d regions, %d registered here", len(remote.Regions), len(u.mems))
 	}
-	w := &ucxWriter{u: u, remote: remote}
+	w := &ucxWriter{ucxEndpoint: ucxEndpoint{u: u}, remote: remote}
 	err := u.loop.Do(func(wk *ucx.Worker) error {
 		ep, err := wk.ConnectAddress(remote.WorkerAddr)
 		if err != nil {
@@ -226,10 +226,18 @@ func (u *UCX) Close() error {
 	return errors.Join(err, u.ctx.Close())
 }
 
-type ucxWriter struct {
+// ucxEndpoint is an endpoint to one peer worker that writes are posted on:
+// a room writer's or a memory endpoint's. ep and closed belong to the loop
+// goroutine.
+type ucxEndpoint struct {
 	u      *UCX
-	remote *wire.Hello
 	ep     *ucx.Endpoint
+	closed bool
+}
+
+type ucxWriter struct {
+	ucxEndpoint
+	remote *wire.Hello
 	rkeys  []*ucx.Rkey // per region; regions of one peer segment share one
 }
 
@@ -252,21 +260,7 @@ func (w *ucxWriter) Write(ctx context.Context, runs []Run) error {
 		op := ucx.Op{LocalOff: w.u.offs[r.Region] + r.SrcOff, RemoteOff: w.remote.Regions[r.Region].Base + r.DstOff, Len: r.Len}
 		batches = addToBatch(batches, w.u.mems[r.Region], w.rkeys[r.Region], op)
 	}
-	done := make(chan error, 1)
-	err := w.u.loop.Submit(func(*ucx.Worker) {
-		if _, err := w.u.post(w.ep, batches, done); err != nil {
-			done <- err
-		}
-	})
-	if err != nil {
-		return err
-	}
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return w.write(ctx, batches)
 }
 
 // addToBatch appends op to the batch of (m, rk), starting one if needed.
@@ -280,6 +274,72 @@ func addToBatch(batches []batch, m *ucx.Memory, rk *ucx.Rkey, op ucx.Op) []batch
 	}
 	batches[i].ops = append(batches[i].ops, op)
 	return batches
+}
+
+// write posts the batches and one endpoint flush, then waits for the flush
+// or for ctx to end (peer lost, deadline).
+func (e *ucxEndpoint) write(ctx context.Context, batches []batch) error {
+	done := make(chan error, 1)
+	err := e.u.loop.Submit(func(*ucx.Worker) {
+		if e.closed {
+			done <- ucx.ErrClosed
+			return
+		}
+		posted, err := e.u.post(e.ep, batches, done)
+		if err != nil {
+			if posted { // stop the puts in flight: they read our memory
+				e.abortOnLoop()
+			}
+			done <- err
+		}
+	})
+	if err != nil {
+		return err
+	}
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+	}
+	// The peer is dead or stuck (with error handling mode NONE nothing
+	// ever fails the flush): drop the endpoint and give up the flush, so no
+	// put of ours stays queued against our memory and the loop stops
+	// polling a request that will never complete.
+	err = e.u.loop.Do(func(*ucx.Worker) error {
+		e.abortOnLoop()
+		e.u.dropFlush(done)
+		return nil
+	})
+	return errors.Join(ctx.Err(), err)
+}
+
+// dropFlush frees the pending flush that reports to done, if it is still
+// pending; on the loop goroutine.
+func (u *UCX) dropFlush(done chan error) {
+	for i, p := range u.pending {
+		if p.done == done {
+			p.req.Free()
+			u.pending = append(u.pending[:i], u.pending[i+1:]...)
+			return
+		}
+	}
+}
+
+// abortOnLoop aborts the endpoint: every write on it has ended or is
+// failing (each waits for its own flush), so a graceful flush would only
+// hold the loop for a dead peer. Its rkeys go with it.
+func (e *ucxEndpoint) abortOnLoop() {
+	if !e.closed {
+		e.closed = true
+		_ = e.ep.Abort()
+	}
+}
+
+func (e *ucxEndpoint) Close() {
+	_ = e.u.loop.Do(func(*ucx.Worker) error {
+		e.abortOnLoop()
+		return nil
+	})
 }
 
 // post puts every batch (one cgo call each) and one endpoint flush, whose
@@ -300,10 +360,6 @@ func (u *UCX) post(ep *ucx.Endpoint, batches []batch, done chan error) (posted b
 	}
 	u.pending = append(u.pending, pendingFlush{req: req, done: done})
 	return false, nil
-}
-
-func (w *ucxWriter) Close() {
-	_ = w.u.loop.Do(func(*ucx.Worker) error { return w.ep.Close() })
 }
 
 var _ MemoryTransport = (*UCX)(nil)
@@ -341,7 +397,7 @@ func (u *UCX) WorkerAddress() ([]byte, error) {
 }
 
 func (u *UCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
-	e := &ucxMemEndpoint{u: u}
+	e := &ucxMemEndpoint{ucxEndpoint{u: u}}
 	err := u.loop.Do(func(w *ucx.Worker) error {
 		var err error
 		e.ep, err = w.ConnectAddress(addr)
@@ -353,13 +409,8 @@ func (u *UCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
 	return e, nil
 }
 
-// ucxMemEndpoint is one endpoint to a peer worker for memory writes. ep
-// and closed belong to the loop goroutine.
-type ucxMemEndpoint struct {
-	u      *UCX
-	ep     *ucx.Endpoint
-	closed bool
-}
+// ucxMemEndpoint is one endpoint to a peer worker for memory writes.
+type ucxMemEndpoint struct{ ucxEndpoint }
 
 func (e *ucxMemEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
 	var rk *ucx.Rkey
@@ -389,50 +440,7 @@ func (e *ucxMemEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
 		}
 		batches = addToBatch(batches, reg.m, rk, ucx.Op{LocalOff: o.LocalOff, RemoteOff: o.Remote, Len: o.Len})
 	}
-	done := make(chan error, 1)
-	err := e.u.loop.Submit(func(*ucx.Worker) {
-		if e.closed {
-			done <- ucx.ErrClosed
-			return
-		}
-		posted, err := e.u.post(e.ep, batches, done)
-		if err != nil {
-			if posted { // stop the puts in flight: they read our memory
-				e.closeOnLoop()
-			}
-			done <- err
-		}
-	})
-	if err != nil {
-		return err
-	}
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-	}
-	// The peer is dead or stuck (with error handling mode NONE nothing
-	// ever fails the flush): drop the endpoint and give up the flush, so no
-	// put of ours stays queued against our memory and the loop stops
-	// polling a request that will never complete.
-	err = e.u.loop.Do(func(*ucx.Worker) error {
-		e.closeOnLoop()
-		e.u.dropFlush(done)
-		return nil
-	})
-	return errors.Join(ctx.Err(), err)
-}
-
-// dropFlush frees the pending flush that reports to done, if it is still
-// pending; on the loop goroutine.
-func (u *UCX) dropFlush(done chan error) {
-	for i, p := range u.pending {
-		if p.done == done {
-			p.req.Free()
-			u.pending = append(u.pending[:i], u.pending[i+1:]...)
-			return
-		}
-	}
+	return e.write(ctx, batches)
 }
 
 func (e *ucxMemEndpoint) Forget(k RemoteKey) {
@@ -444,23 +452,6 @@ func (e *ucxMemEndpoint) Forget(k RemoteKey) {
 		if !e.closed {
 			rk.Close()
 		}
-		return nil
-	})
-}
-
-// closeOnLoop aborts the endpoint: every write on it has ended or is
-// failing (each waits for its own flush), so a graceful flush would only
-// hold the loop for a dead peer.
-func (e *ucxMemEndpoint) closeOnLoop() {
-	if !e.closed {
-		e.closed = true
-		_ = e.ep.Abort()
-	}
-}
-
-func (e *ucxMemEndpoint) Close() {
-	_ = e.u.loop.Do(func(*ucx.Worker) error {
-		e.closeOnLoop()
 		return nil
 	})
 }
