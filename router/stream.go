@@ -60,21 +60,29 @@ type streamRelay struct {
 	r       *request
 	leg     *leg     // the worker's reply, whose body is relayed
 	attempt *attempt // the PD attempt, for prefill's failure; nil in regular mode
-	bufp    *[]byte
-	pending []byte // next bytes for the client
-	readErr error  // how the worker's body ended, once it has
+	bufp    *[]byte  // the first chunk's buffer, kept only while a merger needs one
+	pending []byte   // next bytes for the client
+	readErr error    // how the worker's body ended, once it has
 	merge   *logprobMerger
 	sent    bool // the first byte went out
 	ended   bool // the last bytes are pending: nothing more to read
 	closed  bool
 }
 
+// Once the first chunk is out, chunks are read straight into fasthttp's
+// copy buffer (p): an open stream holds no buffer of its own, unless its
+// logprobs are merged.
 func (sr *streamRelay) Read(p []byte) (int, error) {
 	for len(sr.pending) == 0 {
 		if sr.ended {
 			return 0, io.EOF
 		}
-		sr.pending = sr.next()
+		if sr.merge == nil {
+			sr.releaseBuf()
+			sr.pending = sr.next(p)
+		} else {
+			sr.pending = sr.next(*sr.bufp)
+		}
 	}
 	if !sr.sent {
 		sr.r.observeFirstByte()
@@ -85,13 +93,12 @@ func (sr *streamRelay) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-// next reads the worker's next chunk and returns what the client gets for
-// it: the chunk (logprobs merged), and at the end what the merger held back
-// or, when the worker's stream broke, one valid SSE error event (prefill's
-// error if prefill is what failed).
-func (sr *streamRelay) next() []byte {
+// next reads the worker's next chunk into buf and returns what the client
+// gets for it: the chunk (logprobs merged), and at the end what the merger
+// held back or, when the worker's stream broke, one valid SSE error event
+// (prefill's error if prefill is what failed).
+func (sr *streamRelay) next(buf []byte) []byte {
 	if sr.readErr == nil {
-		buf := *sr.bufp
 		var n int
 		n, sr.readErr = sr.leg.resp.Read(buf)
 		if n > 0 {
@@ -137,7 +144,14 @@ func (sr *streamRelay) CloseWithError(writeErr error) error {
 		sr.r.cancel(errClientGone)
 	}
 	sr.leg.close()
-	chunkPool.Put(sr.bufp)
+	sr.releaseBuf()
 	sr.r.finish()
 	return nil
+}
+
+func (sr *streamRelay) releaseBuf() {
+	if sr.bufp != nil {
+		chunkPool.Put(sr.bufp)
+		sr.bufp = nil
+	}
 }

@@ -59,10 +59,17 @@ func newUpstream() *upstream {
 type upConn struct {
 	c        net.Conn
 	br       *bufio.Reader
-	bw       *bufio.Writer
 	addr     string
 	lastUsed time.Time
 }
+
+// A connection keeps a reader the size of fasthttp's own default (its
+// replies' heads must fit; longer reads bypass it), while the buffer a
+// request is written through is lent only for the write: with thousands of
+// streams open, per-connection buffers are most of the router's memory.
+const upReadBuffer = 4 << 10
+
+var requestWriters = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, 16<<10) }}
 
 // cancelled expires the connection's deadline: a read or write in progress
 // fails at once. Such a connection is never pooled again.
@@ -130,7 +137,7 @@ func (u *upstream) post(sc *scope, baseURL, path string, body []byte, extra []by
 				}
 				return nil, err
 			}
-			conn = &upConn{c: c, br: bufio.NewReaderSize(c, 16<<10), bw: bufio.NewWriterSize(c, 16<<10), addr: addr}
+			conn = &upConn{c: c, br: bufio.NewReaderSize(c, upReadBuffer), addr: addr}
 		}
 		resp, err := u.roundTrip(sc, conn, host, path, body, extra)
 		// A reused connection the worker closed while idle fails before any
@@ -154,7 +161,8 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, e
 	if !sc.register(conn) {
 		return fail(nil)
 	}
-	bw := conn.bw
+	bw := requestWriters.Get().(*bufio.Writer)
+	bw.Reset(conn.c)
 	bw.WriteString("POST ")
 	bw.WriteString(path)
 	bw.WriteString(" HTTP/1.1\r\nHost: ")
@@ -165,7 +173,10 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, e
 	bw.Write(extra)
 	bw.WriteString("\r\n")
 	bw.Write(body)
-	if err := bw.Flush(); err != nil {
+	err := bw.Flush()
+	bw.Reset(nil)
+	requestWriters.Put(bw)
+	if err != nil {
 		return fail(fmt.Errorf("%w: %v", errUpstreamClosed, err))
 	}
 	resp := fasthttp.AcquireResponse()
