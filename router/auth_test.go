@@ -265,3 +265,29 @@ func TestControlPlaneConfigRules(t *testing.T) {
 		t.Errorf("JWKS on localhost over http: %v", err)
 	}
 }
+
+// Without --jwt-jwks-uri the key set is found by OIDC discovery on the issuer.
+func TestJWTDiscoversJWKSFromIssuer(t *testing.T) {
+	idp := &jwks{}
+	key := idp.addRSA(t, "k1")
+	mux := http.NewServeMux()
+	mux.Handle("/keys", idp)
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	mux.HandleFunc("/.well-known/openid-configuration", func(w http.ResponseWriter, _ *http.Request) {
+		_ = json.NewEncoder(w).Encode(map[string]string{"issuer": srv.URL, "jwks_uri": srv.URL + "/keys"})
+	})
+	base, _ := authRouter(t, ControlPlaneAuth{JWT: &JWTConfig{Issuer: srv.URL, Audience: "gw"}})
+	tok := sign(t, key, "k1", jwt.MapClaims{"iss": srv.URL, "aud": "gw", "sub": "bob", "role": "admin",
+		"exp": time.Now().Add(time.Minute).Unix()})
+	if code, body := adminCall(t, base, tok); code != 200 {
+		t.Fatalf("discovered JWKS: %d %s", code, body)
+	}
+
+	// A discovery that fails stops start-up.
+	cfg := DefaultConfig()
+	cfg.ControlPlane.JWT = &JWTConfig{Issuer: srv.URL + "/nothing-here", Audience: "gw"}
+	if _, err := New(cfg, zap.NewNop(), prometheus.NewRegistry()); err == nil || !strings.Contains(err.Error(), "OIDC discovery") {
+		t.Fatalf("failed discovery: %v", err)
+	}
+}
