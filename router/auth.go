@@ -127,15 +127,17 @@ func (s *Server) controlPlane(ctx *fasthttp.RequestCtx, handle func()) bool {
 // authenticateAdmin answers 401/403 itself when the call is refused.
 func (s *Server) authenticateAdmin(ctx *fasthttp.RequestCtx) (principal, bool) {
 	cp := s.cfg.ControlPlane
+	none := principal{id: "unauthenticated", method: "none", role: RoleUser}
 	if !cp.Enabled() {
 		// As 0.3.x: without control-plane auth the admin routes take --api-key.
-		p := principal{id: "anonymous", method: "none", role: RoleAdmin}
-		if s.cfg.APIKey != "" {
-			p = principal{id: "api-key", method: "router_api_key", role: RoleAdmin}
+		switch {
+		case s.cfg.APIKey == "":
+			return principal{id: "anonymous", method: "none", role: RoleAdmin}, true
+		case s.authorized(ctx):
+			return principal{id: "api-key", method: "router_api_key", role: RoleAdmin}, true
 		}
-		return p, s.authorized(ctx)
+		return none, false
 	}
-	none := principal{id: "unauthenticated", method: "none", role: RoleUser}
 	token, ok := strings.CutPrefix(string(ctx.Request.Header.Peek("Authorization")), "Bearer ")
 	if !ok || token == "" {
 		return none, unauthorized(ctx, "Missing or invalid Authorization header")
@@ -174,7 +176,6 @@ func checkAdmin(ctx *fasthttp.RequestCtx, p principal) (principal, bool) {
 	if p.role == RoleAdmin {
 		return p, true
 	}
-	ctx.Response.Reset()
 	ctx.SetStatusCode(fasthttp.StatusForbidden)
 	ctx.SetContentType("text/plain; charset=utf-8")
 	ctx.SetBodyString("Admin role required for control plane access")

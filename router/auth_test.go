@@ -130,6 +130,9 @@ func adminCall(t *testing.T, base, token string) (int, string) {
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
+	if resp.Header.Get("x-request-id") == "" { // refusals too
+		t.Errorf("%d reply without x-request-id", resp.StatusCode)
+	}
 	return resp.StatusCode, string(b)
 }
 
