@@ -30,6 +30,8 @@
 //	--health-flap D                they alternate 200 and 503 every D
 //	--bootstrap-port N             port assumed for "bootstrap_port": null (8998)
 //	--record-requests N            requests kept by /_mock/requests (1000; <0 none)
+//	--tls-cert F --tls-key F       serve HTTPS (URL() is then https://)
+//	--tls-client-ca F              and require client certificates signed by F (mTLS)
 //
 // A generation request goes: auth (401) → crash → hang → malformed body (400)
 // → PD bootstrap check (400) → prefill delay → injected failures → KV → tokens.
@@ -79,9 +81,10 @@
 //
 //	GET  /_mock/requests  the last generation requests, oldest first (RecordedRequest)
 //	GET  /_mock/stats     {"requests","in_flight","client_gone","completed","errors"} (Stats)
-//	POST /_mock/reset     clears both (in_flight stays live)
+//	GET  /_mock/aborts    the POST /abort_request calls received (RecordedAbort)
+//	POST /_mock/reset     clears them all (in_flight stays live)
 //
-// In-process: Server.Requests, Server.Stats, Server.Reset. A request is
+// In-process: Server.Requests, Server.Stats, Server.Aborts, Server.Reset. A request is
 // client_gone when its client disconnected before the response finished
 // (during a delay, a hang, a KV wait or while streaming).
 package mockworker
