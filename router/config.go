@@ -39,6 +39,16 @@ type Config struct {
 	ShutdownGrace    time.Duration
 	CORSOrigins      []string
 
+	// Client connections: MaxConnections open at most (0: half the fd
+	// limit), heads up to MaxHeaderSize bytes (431 beyond), read within
+	// HeaderReadTimeout, bodies within BodyReadTimeout once the head is in,
+	// and a keep-alive connection closed after IdleConnectionTimeout idle.
+	MaxConnections        int
+	MaxHeaderSize         int
+	HeaderReadTimeout     time.Duration
+	BodyReadTimeout       time.Duration
+	IdleConnectionTimeout time.Duration
+
 	PrometheusHost string
 	PrometheusPort int // 0 disables the metrics listener
 
@@ -72,6 +82,11 @@ func DefaultConfig() Config {
 		Retry:            balancer.DefaultRetryConfig(),
 		Admission:        balancer.AdmissionConfig{MaxConcurrent: -1, QueueSize: 100, QueueTimeout: 60 * time.Second},
 		Manager:          balancer.DefaultManagerConfig(),
+
+		MaxHeaderSize:         64 << 10,
+		HeaderReadTimeout:     30 * time.Second,
+		BodyReadTimeout:       300 * time.Second,
+		IdleConnectionTimeout: 60 * time.Second,
 	}
 }
 
@@ -133,6 +148,10 @@ func (c Config) Validate() error {
 		{m.Health.FailureThreshold < 1 || m.Health.SuccessThreshold < 1, "health check thresholds must be >= 1"},
 		{m.Health.Timeout <= 0 || m.Health.Interval <= 0, "health check timeout and interval must be > 0"},
 		{c.MaxPayloadSize <= 0, "max_payload_size must be > 0"},
+		{c.MaxConnections < 0, "max_connections must be >= 0"},
+		{c.MaxHeaderSize < 4<<10, "max_header_size must be >= 4096"},
+		{c.HeaderReadTimeout <= 0 || c.BodyReadTimeout <= 0 || c.IdleConnectionTimeout <= 0,
+			"header_read_timeout_secs, body_read_timeout_secs and idle_connection_timeout_secs must be > 0"},
 	} {
 		if check.bad {
 			return invalid("%s", check.rule)

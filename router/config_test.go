@@ -114,6 +114,11 @@ func TestConfigValidateRejectsEachBadField(t *testing.T) {
 		{"health check timeout and interval must be > 0", false, func(c *Config) { c.Manager.Health.Timeout = 0 }},
 		{"health check timeout and interval must be > 0", false, func(c *Config) { c.Manager.Health.Interval = 0 }},
 		{"max_payload_size must be > 0", false, func(c *Config) { c.MaxPayloadSize = 0 }},
+		{"max_connections must be >= 0", false, func(c *Config) { c.MaxConnections = -1 }},
+		{"max_header_size must be >= 4096", false, func(c *Config) { c.MaxHeaderSize = 1024 }},
+		{"header_read_timeout_secs", false, func(c *Config) { c.HeaderReadTimeout = 0 }},
+		{"idle_connection_timeout_secs", false, func(c *Config) { c.IdleConnectionTimeout = 0 }},
+		{"body_read_timeout_secs", false, func(c *Config) { c.BodyReadTimeout = 0 }},
 	} {
 		cfg := DefaultConfig()
 		if c.pd {

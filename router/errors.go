@@ -180,5 +180,5 @@ func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.MaxPayloadSize)})
 		return
 	}
-	writeError(ctx, &apiError{Status: 400, Code: "bad_request", Message: err.Error()})
+	writeError(ctx, malformed(err))
 }

@@ -76,10 +76,9 @@ func (m *metrics) observeHTTP(method, path string, status int, errorCode []byte,
 	if v, ok := m.http.Load(k); ok {
 		hm = v.(*httpMetrics)
 	} else {
+		// handle passes known methods only (knownMethod), so the key set is bounded.
 		hm = &httpMetrics{requests: m.httpRequests.WithLabelValues(method, path), duration: m.httpDuration.WithLabelValues(method, path)}
-		if standardMethod(method) { // the method is client input: cache only the bounded set
-			m.http.Store(k, hm)
-		}
+		m.http.Store(k, hm)
 	}
 	hm.requests.Inc()
 	hm.duration.Observe(seconds)
@@ -92,14 +91,6 @@ func (m *metrics) observeHTTP(method, path string, status int, errorCode []byte,
 		c, _ = m.statuses.LoadOrStore(status, m.httpResponses.WithLabelValues(statusLabel(status), ""))
 	}
 	c.(prometheus.Counter).Inc()
-}
-
-func standardMethod(m string) bool {
-	switch m {
-	case "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH":
-		return true
-	}
-	return false
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {

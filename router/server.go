@@ -113,6 +113,13 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		Name:                          "pdrouter",
 		MaxRequestBodySize:            cfg.MaxPayloadSize,
 		ErrorHandler:                  s.transportError,
+		ReadBufferSize:                cfg.MaxHeaderSize, // the whole head must fit
+		ReadTimeout:                   cfg.HeaderReadTimeout,
+		HeaderReceived:                s.bodyDeadline,
+		IdleTimeout:                   cfg.IdleConnectionTimeout,
+		WriteTimeout:                  cfg.RequestTimeout, // a client that stops reading frees its stream
+		SecureErrorLogMessage:         true,
+		Logger:                        fasthttpLog{log},
 		NoDefaultServerHeader:         true,
 		DisableHeaderNamesNormalizing: false,
 		CloseOnShutdown:               true,
@@ -175,7 +182,7 @@ func (s *Server) Start() error {
 }
 
 // Serve answers requests on ln until Shutdown.
-func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(s.listener(ln)) }
+func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(s.listener(s.limitListener(ln))) }
 
 // Shutdown stops accepting, lets in-flight requests and streams finish
 // until ctx ends, then cancels what is left.
@@ -199,6 +206,14 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	method := string(ctx.Method())
 	s.setRequestID(ctx)
 	if s.cors(ctx) {
+	// The header/body read deadline must not cut the watch for a departed
+	// client (connwatch.go) while the handler runs; fasthttp re-arms it.
+	_ = ctx.SetReadDeadline(time.Time{})
+	if !knownMethod(method) {
+		refuseMethod(ctx)
+		s.metrics.observeHTTP(otherMethod, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+		return
+	}
 		return
 	}
 	var label string

@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/pdrouter/pdrouter/internal/cli"
+	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/router"
 )
 
@@ -70,6 +71,15 @@ func run(args []string) int {
 func serve(cfg router.Config, discovery *discoveryOptions, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if soft, hard, err := netutil.RaiseFileLimit(); err != nil {
+		log.Warn("open-file limit unknown", zap.Error(err))
+	} else {
+		max := cfg.MaxConnections
+		if max == 0 {
+			max = netutil.DefaultMaxConns(soft)
+		}
+		log.Info("open-file limit", zap.Uint64("soft", soft), zap.Uint64("hard", hard), zap.Int("max_connections", max))
+	}
 	srv, err := router.New(cfg, log, reg)
 	if err != nil {
 		return err

@@ -1,0 +1,97 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/internal/netutil"
+)
+
+// Client-side limits: what one client connection may cost the router.
+
+// knownMethod reports whether m is a method the router serves; any other is
+// answered 405 and counted as OTHER, so clients cannot mint metric series.
+func knownMethod(m string) bool {
+	switch m {
+	case "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH":
+		return true
+	}
+	return false
+}
+
+// otherMethod is the metrics label of every method knownMethod refuses.
+const otherMethod = "OTHER"
+
+// refuseMethod answers a method the router does not serve.
+func refuseMethod(ctx *fasthttp.RequestCtx) {
+	writeError(ctx, &apiError{Status: 405, Code: "method_not_allowed", Message: "method not allowed"})
+	ctx.Response.Header.Set("Allow", "GET, POST, PUT, DELETE, HEAD, OPTIONS, PATCH")
+}
+
+// bodyDeadline gives the body its own read timeout once the head is in
+// (fasthttp's ReadTimeout, the header read timeout, covers the head).
+func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
+}
+
+// overLimitRefusal is what a connection over --max-connections reads
+// before it is closed.
+var overLimitRefusal = func() []byte {
+	body := (&apiError{Status: 503, Code: "too_many_connections", Message: "too many open connections; retry later"}).body()
+	return fmt.Appendf(nil, "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nX-SMG-Error-Code: too_many_connections\r\n"+
+		"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+}()
+
+// limitListener wraps the front-end listener: accept errors pause instead
+// of stopping Serve, and connections over MaxConnections are refused with a
+// 503 (closed without one on HTTPS, where plaintext would be garbage).
+func (s *Server) limitListener(ln net.Listener) net.Listener {
+	opt := netutil.Options{MaxConns: s.maxConnections(), OnAcceptError: func(err error, pause time.Duration) {
+		s.log.Warn("accept failed; retrying", zap.Error(err), zap.Duration("pause", pause))
+	}}
+	if s.frontTLS == nil {
+		opt.Refusal = overLimitRefusal
+	}
+	return netutil.Listen(ln, opt)
+}
+
+// maxConnections is --max-connections, or half the fd limit when unset.
+func (s *Server) maxConnections() int {
+	if s.cfg.MaxConnections > 0 {
+		return s.cfg.MaxConnections
+	}
+	soft, _, err := netutil.RaiseFileLimit()
+	if err != nil {
+		return 0
+	}
+	return netutil.DefaultMaxConns(soft)
+}
+
+// malformed answers what fasthttp could not read as a request. The body
+// never repeats the request's bytes: a head may carry credentials.
+func malformed(err error) *apiError {
+	var small *fasthttp.ErrSmallBuffer
+	var ne net.Error
+	switch {
+	case errors.As(err, &small):
+		return &apiError{Status: 431, Code: "request_header_fields_too_large", Message: "request head exceeds the router's header size limit"}
+	case errors.As(err, &ne) && ne.Timeout():
+		return &apiError{Status: 408, Code: "request_timeout", Message: "request not received in time"}
+	}
+	return &apiError{Status: 400, Code: "bad_request", Message: "malformed HTTP request"}
+}
+
+// fasthttpLog sends fasthttp's own messages (connection-level errors,
+// written without request contents: SecureErrorLogMessage) to zap at debug.
+type fasthttpLog struct{ log *zap.Logger }
+
+func (l fasthttpLog) Printf(format string, args ...any) {
+	if ce := l.log.Check(zap.DebugLevel, "http server"); ce != nil {
+		ce.Write(zap.String("detail", fmt.Sprintf(format, args...)))
+	}
+}
