@@ -1,6 +1,7 @@
 package kvtransfer
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"net"
@@ -15,7 +16,11 @@ import (
 // connection's first frame (HELLO or MEM_HELLO) says whose it is. The port
 // is closed once both returned listeners are.
 func SplitPeerListener(ln net.Listener) (rooms, memory net.Listener) {
-	m := &peerMux{ln: ln, classifying: map[net.Conn]struct{}{}}
+	return splitPeerListener(ln, classifyTimeout)
+}
+
+func splitPeerListener(ln net.Listener, helloTimeout time.Duration) (rooms, memory net.Listener) {
+	m := &peerMux{ln: ln, helloTimeout: helloTimeout, classifying: map[net.Conn]struct{}{}, slots: make(chan struct{}, maxClassifying)}
 	for i := range m.subs {
 		m.subs[i] = &subListener{m: m, ch: make(chan net.Conn), done: make(chan struct{})}
 	}
@@ -24,18 +29,28 @@ func SplitPeerListener(ln net.Listener) (rooms, memory net.Listener) {
 	return m.subs[0], m.subs[1]
 }
 
-// classifyTimeout bounds the wait for a new connection's first header.
-const classifyTimeout = 10 * time.Second
+// Before its HELLO is in, a connection is anyone's: it gets classifyTimeout
+// to send the whole first frame, which may be at most maxHelloLen (the
+// largest region table is tens of KiB), held as it arrives, and at most
+// maxClassifying connections are read at once (more wait in the backlog).
+// A flood of silent or trickling connections so costs a few MiB at most.
+const (
+	classifyTimeout = 10 * time.Second
+	maxHelloLen     = 256 << 10
+	maxClassifying  = 64
+)
 
 type peerMux struct {
-	ln   net.Listener
-	subs [2]*subListener // rooms, memory
-	wg   sync.WaitGroup
+	ln           net.Listener
+	helloTimeout time.Duration
+	subs         [2]*subListener // rooms, memory
+	wg           sync.WaitGroup
 
 	mu          sync.Mutex
 	closedSubs  int
 	classifying map[net.Conn]struct{}
 	stopped     bool
+	slots       chan struct{} // one per connection being classified
 }
 
 type subListener struct {
@@ -48,6 +63,7 @@ type subListener struct {
 func (m *peerMux) acceptLoop() {
 	defer m.wg.Done()
 	for {
+		m.slots <- struct{}{}
 		c, err := m.ln.Accept()
 		if err != nil {
 			return
@@ -65,36 +81,56 @@ func (m *peerMux) acceptLoop() {
 	}
 }
 
-// classify reads the first frame header and hands the connection, header
-// included, to the listener it belongs to; anything else is closed.
+// classify reads the first frame, which must be a HELLO or MEM_HELLO of at
+// most maxHelloLen, and hands the connection, that frame included, to the
+// listener it belongs to; anything else is closed.
 func (m *peerMux) classify(c net.Conn) {
-	defer m.wg.Done()
-	var h [wire.HeaderLen]byte
-	_ = c.SetReadDeadline(time.Now().Add(classifyTimeout))
-	_, err := io.ReadFull(c, h[:])
+	defer func() {
+		<-m.slots
+		m.wg.Done()
+	}()
+	_ = c.SetReadDeadline(time.Now().Add(m.helloTimeout))
+	sub, hello := m.readHello(c)
 	_ = c.SetReadDeadline(time.Time{})
 	m.mu.Lock()
 	delete(m.classifying, c)
 	m.mu.Unlock()
-	var sub *subListener
-	if err == nil {
-		switch t, _, perr := wire.ParseHeader(h[:]); {
-		case perr != nil:
-		case t == wire.THello:
-			sub = m.subs[0]
-		case t == wire.TMemHello:
-			sub = m.subs[1]
-		}
-	}
 	if sub == nil {
 		_ = c.Close()
 		return
 	}
 	select {
-	case sub.ch <- &prefixConn{Conn: c, prefix: h[:]}:
+	case sub.ch <- &prefixConn{Conn: c, prefix: hello}:
 	case <-sub.done:
 		_ = c.Close()
 	}
+}
+
+// readHello returns the listener c's first frame is for, and the frame.
+func (m *peerMux) readHello(c net.Conn) (*subListener, []byte) {
+	var h [wire.HeaderLen]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		return nil, nil
+	}
+	t, n, err := wire.ParseHeader(h[:])
+	if err != nil || n > maxHelloLen {
+		return nil, nil
+	}
+	var sub *subListener
+	switch t {
+	case wire.THello:
+		sub = m.subs[0]
+	case wire.TMemHello:
+		sub = m.subs[1]
+	default:
+		return nil, nil
+	}
+	// Grown as bytes arrive: a length alone reserves nothing.
+	frame := bytes.NewBuffer(h[:])
+	if _, err := io.CopyN(frame, c, int64(n)); err != nil {
+		return nil, nil
+	}
+	return sub, frame.Bytes()
 }
 
 func (s *subListener) Accept() (net.Conn, error) {

@@ -80,3 +80,52 @@ func TestSplitPeerListener(t *testing.T) {
 		t.Fatal("the port still accepts after both sides closed")
 	}
 }
+
+// Before its HELLO a connection may send one frame of at most maxHelloLen
+// within the hello timeout: a longer frame, a silent connection and one
+// that trickles are all closed, and a flood holds no more than the bytes
+// it sent.
+func TestPeerPortBeforeHello(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rooms, memory := splitPeerListener(ln, 300*time.Millisecond)
+	defer rooms.Close()
+	defer memory.Close()
+	dial := func() net.Conn {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	closedWithin := func(what string, c net.Conn, d time.Duration) {
+		t.Helper()
+		_ = c.SetReadDeadline(time.Now().Add(d))
+		var ne net.Error
+		if _, err := c.Read(make([]byte, 1)); err == nil || (errors.As(err, &ne) && ne.Timeout()) {
+			t.Fatalf("%s: %v, want the port to close it", what, err)
+		}
+	}
+	// A HELLO header announcing more than the limit is closed at once.
+	big := wire.AppendFrame(nil, &wire.Hello{Name: "x", WorkerAddr: make([]byte, maxHelloLen)})
+	c := dial()
+	_, _ = c.Write(big[:wire.HeaderLen])
+	closedWithin("oversized HELLO", c, time.Second)
+	// Silent, and a header then nothing: closed at the hello deadline.
+	silent := dial()
+	partial := dial()
+	hello := wire.AppendFrame(nil, &wire.Hello{Name: "r"})
+	_, _ = partial.Write(hello[:len(hello)-1])
+	closedWithin("silent", silent, 3*time.Second)
+	closedWithin("partial HELLO", partial, 3*time.Second)
+	// A good HELLO still gets through.
+	_, _ = dial().Write(hello)
+	got, err := rooms.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got.Close()
+}

@@ -29,6 +29,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
 )
 
@@ -67,6 +68,9 @@ func run(cfg sidecar.Config, logLevel string) error {
 	}
 	defer log.Sync()
 	cfg.Logger = log
+	if soft, hard, err := netutil.RaiseFileLimit(); err == nil {
+		log.Info("open-file limit", zap.Uint64("soft", soft), zap.Uint64("hard", hard))
+	}
 
 	s, err := sidecar.Start(cfg)
 	if err != nil {

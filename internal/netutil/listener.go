@@ -50,15 +50,28 @@ const (
 	refusalLinger = time.Second
 )
 
+// Backoff is the pause schedule between retried accepts, for accept loops
+// that cannot use Listener (a Unix socket passing fds needs *net.UnixConn).
+type Backoff struct{ pause time.Duration }
+
+// Next is the pause before the next try: 5 ms, doubling up to 1 s.
+func (b *Backoff) Next() time.Duration {
+	b.pause = min(max(2*b.pause, firstPause), maxPause)
+	return b.pause
+}
+
+// Reset starts the schedule over (after an accept succeeded).
+func (b *Backoff) Reset() { b.pause = 0 }
+
 func (l *Listener) Accept() (net.Conn, error) {
-	var pause time.Duration
+	var b Backoff
 	for {
 		c, err := l.Listener.Accept()
 		if err != nil {
 			if !Temporary(err) {
 				return nil, err
 			}
-			pause = min(max(2*pause, firstPause), maxPause)
+			pause := b.Next()
 			if l.opt.OnAcceptError != nil {
 				l.opt.OnAcceptError(err, pause)
 			}
@@ -69,7 +82,7 @@ func (l *Listener) Accept() (net.Conn, error) {
 				return nil, net.ErrClosed
 			}
 		}
-		pause = 0
+		b.Reset()
 		if l.opt.MaxConns > 0 && l.open.Add(1) > int64(l.opt.MaxConns) {
 			l.open.Add(-1)
 			l.refuse(c)
@@ -153,5 +166,12 @@ func (c *conn) Close() error {
 	return c.Conn.Close()
 }
 
-// Unwrap returns the accepted connection (for *net.TCPConn type checks).
-func (c *conn) Unwrap() net.Conn { return c.Conn }
+// SyscallConn exposes the socket, so code that polls it (the router's
+// departed-client watch) still can.
+func (c *conn) SyscallConn() (syscall.RawConn, error) {
+	sc, ok := c.Conn.(syscall.Conn)
+	if !ok {
+		return nil, errors.New("netutil: connection has no file descriptor")
+	}
+	return sc.SyscallConn()
+}

@@ -7,9 +7,11 @@ import (
 	"net"
 	"sync"
 	"syscall"
+	"time"
 
 	"go.uber.org/zap"
 
+	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
@@ -44,14 +46,27 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	}()
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
+	var backoff netutil.Backoff
 	for {
 		c, err := ln.AcceptUnix()
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return nil
 			}
-			return err
+			if !netutil.Temporary(err) {
+				return err
+			}
+			// Out of fds (EMFILE): pause and retry, as net/http does.
+			pause := backoff.Next()
+			s.Log.Warn("control socket accept failed; retrying", zap.Error(err), zap.Duration("pause", pause))
+			select {
+			case <-time.After(pause):
+			case <-ctx.Done():
+				return nil
+			}
+			continue
 		}
+		backoff.Reset()
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()

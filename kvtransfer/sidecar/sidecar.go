@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 
+	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/bootstrap"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
@@ -150,10 +151,10 @@ func Start(cfg Config) (*Sidecar, error) {
 		fmt.Fprintf(w, "OK rooms_active=%d peers=%d pool_registered=%t\n", s.eng.ActiveRooms(), s.eng.Peers(), s.eng.Pool() != nil)
 	})
 	s.addrs = Addrs{Control: cfg.Control, Metrics: lns.metrics.Addr().String(), Peer: lns.peer.Addr().String()}
-	s.serve(&http.Server{Handler: mux}, lns.metrics)
+	s.serve(newHTTPServer(mux), lns.metrics)
 	if boot != nil {
 		s.addrs.Bootstrap = lns.boot.Addr().String()
-		s.serve(&http.Server{Handler: boot}, lns.boot)
+		s.serve(newHTTPServer(boot), lns.boot)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
@@ -179,6 +180,20 @@ func Start(cfg Config) (*Sidecar, error) {
 	return s, nil
 }
 
+// Connection limits per port: peers are kvproxies (a few per deployment),
+// bootstrap clients are engines, metrics are scrapers.
+const (
+	maxPeerConns    = 1024
+	maxHTTPConns    = 1024
+	maxMetricsConns = 64
+)
+
+// newHTTPServer bounds what a slow or silent client may hold.
+func newHTTPServer(h http.Handler) *http.Server {
+	return &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 30 * time.Second,
+		WriteTimeout: 30 * time.Second, IdleTimeout: 60 * time.Second, MaxHeaderBytes: 64 << 10}
+}
+
 type listeners struct {
 	peer, boot, metrics net.Listener // boot: prefill only
 	control             *net.UnixListener
@@ -186,16 +201,24 @@ type listeners struct {
 
 func (s *Sidecar) listen() (*listeners, error) {
 	l := &listeners{}
-	tcp := func(port int) (net.Listener, error) {
-		return net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(port)))
+	// Every TCP port survives running out of fds and refuses connections
+	// over its limit, so a flood on one leaves fds for the others.
+	tcp := func(port, maxConns int) (net.Listener, error) {
+		ln, err := net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(port)))
+		if err != nil {
+			return nil, err
+		}
+		return netutil.Listen(ln, netutil.Options{MaxConns: maxConns, OnAcceptError: func(err error, pause time.Duration) {
+			s.cfg.Logger.Warn("accept failed; retrying", zap.Stringer("addr", ln.Addr()), zap.Error(err), zap.Duration("pause", pause))
+		}}), nil
 	}
 	var err error
-	l.peer, err = tcp(s.cfg.PeerPort)
+	l.peer, err = tcp(s.cfg.PeerPort, maxPeerConns)
 	if err == nil && s.cfg.Role == "prefill" && s.cfg.BootstrapPort >= 0 {
-		l.boot, err = tcp(s.cfg.BootstrapPort)
+		l.boot, err = tcp(s.cfg.BootstrapPort, maxHTTPConns)
 	}
 	if err == nil {
-		l.metrics, err = tcp(s.cfg.MetricsPort)
+		l.metrics, err = tcp(s.cfg.MetricsPort, maxMetricsConns)
 	}
 	if err == nil {
 		_ = os.Remove(s.cfg.Control) // a stale socket of an earlier run
