@@ -15,6 +15,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -24,6 +25,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/pdrouter/pdrouter/internal/testenv"
 )
 
 // jwks is a local identity provider's key set; keys can be added while
@@ -292,5 +295,48 @@ func TestJWTDiscoversJWKSFromIssuer(t *testing.T) {
 	cfg.ControlPlane.JWT = &JWTConfig{Issuer: srv.URL + "/nothing-here", Audience: "gw"}
 	if _, err := New(cfg, zap.NewNop(), prometheus.NewRegistry()); err == nil || !strings.Contains(err.Error(), "OIDC discovery") {
 		t.Fatalf("failed discovery: %v", err)
+	}
+}
+
+// The same checks through the pdrouter binary and its flags.
+func TestJWTFlagsEndToEnd(t *testing.T) {
+	idp := &jwks{}
+	key := idp.addEC(t, "ec-e2e")
+	keys := httptest.NewServer(idp)
+	defer keys.Close()
+	port := testenv.FreePort(t)
+	base := "http://127.0.0.1:" + strconv.Itoa(port)
+	p := testenv.Start(t, testenv.Binary(t, "pdrouter"), "--host", "127.0.0.1", "--port", strconv.Itoa(port),
+		"--prometheus-port", "0", "--jwt-issuer", "https://idp.example", "--jwt-audience", "pdrouter",
+		"--jwt-jwks-uri", keys.URL, "--jwt-role-mapping", "Gateway.Admin=admin", "--control-plane-audit-enabled")
+	testenv.WaitStatus(t, base+"/health", 200, 30*time.Second)
+	tok := func(mod func(jwt.MapClaims)) string {
+		c := jwt.MapClaims{"iss": "https://idp.example", "aud": "pdrouter", "sub": "carol", "groups": []string{"Gateway.Admin"},
+			"exp": time.Now().Add(time.Hour).Unix()}
+		if mod != nil {
+			mod(c)
+		}
+		return sign(t, key, "ec-e2e", c)
+	}
+	for name, c := range map[string]struct {
+		token string
+		want  int
+	}{
+		"good":           {tok(nil), 200},
+		"expired":        {tok(func(c jwt.MapClaims) { c["exp"] = time.Now().Add(-time.Hour).Unix() }), 401},
+		"wrong audience": {tok(func(c jwt.MapClaims) { c["aud"] = "other" }), 401},
+		"user role":      {tok(func(c jwt.MapClaims) { c["groups"] = "Gateway.User" }), 403},
+		"no token":       {"", 401},
+	} {
+		if code, body := adminCall(t, base, c.token); code != c.want {
+			t.Errorf("%s: %d %s, want %d", name, code, body, c.want)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(p.Output(), `"principal": "carol", "auth_method": "jwt"`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no audit line for carol:\n%s", p.Output())
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
