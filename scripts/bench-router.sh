@@ -1,24 +1,42 @@
 #!/usr/bin/env bash
-# make bench: pdrouter against going straight to the backend and against nginx as a keep-alive
-# reverse proxy, on zero-delay mockworkers, side by side in one run on this machine.
+# make bench: pdrouter against the routers it replaces, sglang-router 0.3.2 and its successor smg
+# 1.13.0 (pip, in a cached venv: scripts/bench-venv.sh), against going straight to the backend and
+# against nginx as a keep-alive reverse proxy, all on the same zero-delay mockworkers, side by
+# side in one run on this machine.
 #
-#   regular mode: wrk and pdbench → mockworker directly, → pdrouter, → nginx, → fastproxy (a bare
-#                 fasthttp reverse proxy: what pdrouter's HTTP library costs before any router work)
-#   PD mode:      pdrouter with 1 prefill + 1 decode and 2 + 2, against the decode worker directly
-#                 and against nginx in front of the decode worker (the cost of one proxy hop here)
-#   streams:      1,000 concurrent streams of 256 tokens through pdrouter (PD 1+1), no errors allowed
+#   regular mode: wrk and pdbench → mockworker directly, → each router, → nginx, → fastproxy (a
+#                 bare fasthttp reverse proxy: what pdrouter's HTTP library costs before any router
+#                 work)
+#   PD mode:      each router with 1 prefill + 1 decode and 2 + 2, against the decode worker
+#                 directly and against nginx in front of the decode worker (one proxy hop)
+#   latency:      p50/p99 TTFT and E2E of streamed requests at one fixed Poisson rate (LAT_RATE,
+#                 below every router's saturation)
+#   slow prefill: TTFT through each router in PD 1+1 when prefill answers after SLOW_PREFILL
+#   streams:      STREAMS and BIG_STREAMS concurrent streams of STREAM_TOKENS tokens through each
+#                 router in PD 1+1 (a fresh router for each run): errors, peak RSS, RSS per stream.
+#                 The big run's streams arrive over a few seconds, since all at once would also
+#                 hold a prefill socket each in the router (3N descriptors, not 2N).
 #
-# Writes bench/out/router.json and the router section of bench/RESULTS.md.
-# Knobs (environment): BIN (bin), WRK_SECS (9) and LAT_SECS (9) per target, split in ROUNDS (3),
-# STREAMS (1000), STREAM_TOKENS (256).
+# Every router gets the same flags: --host --port --prometheus-port --policy round_robin
+# --log-level warn, and the workers (--worker-urls, or --pd-disaggregation --prefill URL 8998
+# --decode URL). Writes bench/out/router.json and the router section of bench/RESULTS.md.
+# Knobs (environment): BIN (bin); WRK_SECS (8) and LAT_SECS (8) per target, split in ROUNDS (4);
+# LAT_RATE (800 req/s); SLOW_PREFILL (300ms); STREAMS (1000, opened at once), BIG_STREAMS (10000,
+# opened at BIG_RATE 2000/s, tokens BIG_TOKEN_DELAY 40ms apart), STREAM_TOKENS (256); RUST=0 leaves sglang-router and smg out (no venv, no network needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-bin}
-WRK_SECS=${WRK_SECS:-9}
-LAT_SECS=${LAT_SECS:-9}
-ROUNDS=${ROUNDS:-3}
+WRK_SECS=${WRK_SECS:-8}
+LAT_SECS=${LAT_SECS:-8}
+ROUNDS=${ROUNDS:-4}
+LAT_RATE=${LAT_RATE:-800}
+SLOW_PREFILL=${SLOW_PREFILL:-300ms}
 STREAMS=${STREAMS:-1000}
+BIG_STREAMS=${BIG_STREAMS:-10000}
+BIG_RATE=${BIG_RATE:-2000}
+BIG_TOKEN_DELAY=${BIG_TOKEN_DELAY:-40ms}
 STREAM_TOKENS=${STREAM_TOKENS:-256}
+RUST=${RUST:-1}
 OUT=bench/out
 for b in pdrouter mockworker pdbench fastproxy; do
 	[ -x "$BIN/$b" ] || { echo "bench-router: $BIN/$b missing; run make build" >&2; exit 1; }
@@ -26,6 +44,24 @@ done
 for c in nginx wrk; do
 	command -v "$c" >/dev/null || { echo "bench-router: $c missing; run scripts/install-deps.sh bench" >&2; exit 1; }
 done
+KINDS=(pdrouter)
+if [ "$RUST" = 1 ]; then
+	VENV=$(scripts/bench-venv.sh)
+	KINDS+=(sglang smg)
+fi
+declare -A KIND_LABEL=([pdrouter]=pdrouter [sglang]=sglang-router [smg]=smg)
+
+# Every stream holds a client socket and a decode socket in the router, so N streams need 2N file
+# descriptors there: take the hard limit, and run fewer big streams if even that is too low (a
+# process without CAP_SYS_RESOURCE cannot raise it; the run says so).
+ulimit -n "$(ulimit -Hn)"
+FD_LIMIT=$(ulimit -n)
+BIG_RUN=$BIG_STREAMS
+if ((2 * BIG_STREAMS + 256 > FD_LIMIT)); then
+	BIG_RUN=$(((FD_LIMIT - 256) / 2 / 100 * 100))
+	echo "bench-router: open-file limit $FD_LIMIT (hard) holds $BIG_RUN streams, not $BIG_STREAMS" >&2
+fi
+
 mkdir -p "$OUT"
 T=$(mktemp -d /tmp/bench-router.XXXXXX)
 pids=()
@@ -59,8 +95,13 @@ http_ok() {
 	[[ $status == *" 200"* ]]
 }
 
-wait_ok() { # PORT PATH NAME LOG
-	for _ in $(seq 200); do http_ok "$1" "$2" && return 0; sleep 0.05; done
+wait_ok() { # PORT PATH NAME LOG [SECONDS [PID]]
+	local deadline=$((SECONDS + ${5:-10}))
+	while ((SECONDS < deadline)); do
+		http_ok "$1" "$2" && return 0
+		[ -n "${6:-}" ] && ! kill -0 "$6" 2>/dev/null && break
+		sleep 0.1
+	done
 	log "$3 on :$1 never answered $2; its log:"
 	tail -n 20 "$4" >&2
 	exit 1
@@ -73,34 +114,45 @@ start_worker() {
 	local var=$1 role=$2 port
 	shift 2
 	port=$(free_port)
-	"$BIN/mockworker" --role "$role" --port "$port" --tokens 8 --token-delay 0 "$@" >"$T/mw-$port.log" 2>&1 &
+	"$BIN/mockworker" --role "$role" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 "$@" \
+		>"$T/mw-$port.log" 2>&1 &
 	pids+=($!)
 	wait_ok "$port" /health "mockworker $role" "$T/mw-$port.log"
 	printf -v "$var" %s "$port"
 }
 
-# start_router VAR ARGS...: starts pdrouter, waits until it is ready, sets VAR to its port and
-# VAR_PID to its pid.
-start_router() {
-	local var=$1 port prom
-	shift
+# launch KIND VAR ARGS...: starts a router of KIND (pdrouter, sglang, smg) with the shared flags
+# and ARGS, sets VAR to its port and VAR_PID to its pid; ready VAR waits until it answers.
+# Launching them all before waiting lets the Python routers' slow start-up overlap.
+launch() {
+	local kind=$1 var=$2 port prom
+	shift 2
 	port=$(free_port)
 	prom=$(free_port)
-	"$BIN/pdrouter" --host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin \
-		--log-level warn "$@" >"$T/router-$port.log" 2>&1 &
+	local common=(--host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin --log-level warn "$@")
+	case $kind in
+	pdrouter) "$BIN/pdrouter" "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
+	sglang) "$VENV/bin/python" -m sglang_router.launch_router "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
+	smg) "$VENV/bin/smg" launch "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
+	esac
 	pids+=($!)
 	printf -v "${var}_PID" %s "$!"
-	wait_ok "$port" /readiness pdrouter "$T/router-$port.log"
 	printf -v "$var" %s "$port"
 }
+ready() {
+	local port=${!1} pid
+	pid=${1}_PID
+	wait_ok "$port" /readiness "router $1" "$T/router-$port.log" 180 "${!pid}"
+}
 
-# cpu_ticks PID...: user+system clock ticks of those processes.
+# cpu_ticks PID...: user+system clock ticks of those processes (threads included).
 cpu_ticks() {
 	local sum=0 p
 	for p in "$@"; do sum=$((sum + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done
 	echo "$sum"
 }
 hwm_kib() { awk '/^VmHWM/ {print $2}' "/proc/$1/status"; }
+rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 TICKS=$(getconf CLK_TCK)
 
 # wrk_run SECS URL BODY PID...: one wrk run; prints its req/s, its request count and the CPU
@@ -130,14 +182,14 @@ jmin() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | sort -g | head -n1 | awk '
 # jsum FILE KEY: the sum of KEY over every line.
 jsum() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2 | awk '{s += $1} END {print s + 0}'; }
 
-# latency NAME URL RATE SECS [extra body]: one Poisson pdbench round, /generate streaming 8 tokens,
-# appended to lat-NAME.jsonl.
+# latency NAME URL RATE SECS WARMUP [extra body]: one Poisson pdbench round, /generate streaming 8
+# tokens, appended to lat-NAME.jsonl.
 latency() {
-	local name=$1 url=$2 rate=$3 secs=$4 extra=${5:-}
+	local name=$1 url=$2 rate=$3 secs=$4 warm=$5 extra=${6:-}
 	"$BIN/pdbench" --backend sglang --base-url "$url" --model mock --dataset-name random \
 		--random-input-len 16 --random-output-len 8 --random-range-ratio 1 \
 		--num-prompts "$(awk -v r="$rate" -v s="$secs" 'BEGIN {printf "%d", r * s}')" \
-		--request-rate "$rate" --warmup-requests 64 --seed "$RANDOM" ${extra:+--extra-request-body "$extra"} \
+		--request-rate "$rate" --warmup-requests "$warm" --seed "$RANDOM" ${extra:+--extra-request-body "$extra"} \
 		--output-file "$T/lat-$name.jsonl" >"$T/lat-$name.txt" 2>"$T/lat-$name.err" ||
 		{ cat "$T/lat-$name.err" >&2; exit 1; }
 }
@@ -147,14 +199,19 @@ BOOT='"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":1'
 GEN_BOOT="${GEN%\}},$BOOT}"
 
 LOAD_START=$(cut -d' ' -f1 /proc/loadavg)
-log "starting mockworkers"
+BENCH_START=$SECONDS
+log "starting mockworkers (1-minute load average $LOAD_START)"
 start_worker W regular
 start_worker P1 prefill
 start_worker D1 decode
 start_worker P2 prefill
 start_worker D2 decode
+start_worker SPP prefill --prefill-delay "$SLOW_PREFILL"
+start_worker SP prefill
+start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 10ms
+start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELAY"
 
-log "starting nginx and the routers"
+log "starting nginx and the routers: ${KINDS[*]}"
 NG=$(free_port)
 NGD=$(free_port)
 mkdir -p "$T/nginx"
@@ -206,23 +263,48 @@ FASTPROXY_PID=$!
 pids+=("$FASTPROXY_PID")
 wait_ok "$FP" /health fastproxy "$T/fastproxy.log"
 
-start_router RR --worker-urls "http://127.0.0.1:$W"
-start_router PD1 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --decode "http://127.0.0.1:$D1"
-start_router PD2 --pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 \
-	--prefill "http://127.0.0.1:$P2" 8998 --decode "http://127.0.0.1:$D1" --decode "http://127.0.0.1:$D2"
+# Per kind: regular (K_reg), PD 1+1 (K_pd1), PD 2+2 (K_pd2), PD 1+1 on the slow prefill (K_slow),
+# and one fresh PD 1+1 router for each streams run (K_st, K_big), so that its peak RSS is the
+# run's alone.
+ROUTERS=()
+pd1=(--pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --decode "http://127.0.0.1:$D1")
+pd2=(--pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --prefill "http://127.0.0.1:$P2" 8998
+	--decode "http://127.0.0.1:$D1" --decode "http://127.0.0.1:$D2")
+slow=(--pd-disaggregation --prefill "http://127.0.0.1:$SPP" 8998 --decode "http://127.0.0.1:$D1")
+streams=(--pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SD")
+big=(--pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SDB")
+for k in "${KINDS[@]}"; do
+	launch "$k" "${k}_reg" --worker-urls "http://127.0.0.1:$W"
+	launch "$k" "${k}_pd1" "${pd1[@]}"
+	launch "$k" "${k}_pd2" "${pd2[@]}"
+	launch "$k" "${k}_slow" "${slow[@]}"
+	launch "$k" "${k}_st" "${streams[@]}"
+	launch "$k" "${k}_big" "${big[@]}"
+	ROUTERS+=("${k}_reg" "${k}_pd1" "${k}_pd2" "${k}_slow" "${k}_st" "${k}_big")
+done
+for r in "${ROUTERS[@]}"; do ready "$r"; done
+log "all routers ready after $((SECONDS - BENCH_START)) s"
 
 # The machine is shared and noisy, so every measurement runs in rounds that visit the targets in
 # turn: a burst of load from elsewhere then hits all of them alike instead of one.
-NAMES=(direct router nginx fast decode nginxd pd1 pd2)
-declare -A URL=([direct]=$W [router]=$RR [nginx]=$NG [fast]=$FP [decode]=$D1 [nginxd]=$NGD [pd1]=$PD1 [pd2]=$PD2)
-declare -A PROCS=([direct]="" [router]=$RR_PID [nginx]="${NGINX_ALL[*]}" [fast]=$FASTPROXY_PID [decode]="" [nginxd]="${NGINX_ALL[*]}" [pd1]=$PD1_PID [pd2]=$PD2_PID)
+NAMES=(direct nginx fast decode nginxd)
+declare -A URL=([direct]=$W [nginx]=$NG [fast]=$FP [decode]=$D1 [nginxd]=$NGD)
+declare -A PROCS=([direct]="" [nginx]="${NGINX_ALL[*]}" [fast]=$FASTPROXY_PID [decode]="" [nginxd]="${NGINX_ALL[*]}")
+declare -A PD_BODY=([decode]=1 [nginxd]=1)
+for k in "${KINDS[@]}"; do
+	for m in reg pd1 pd2; do
+		n=${k}_$m port=${k}_$m pid=${k}_${m}_PID
+		NAMES+=("$n")
+		URL[$n]=${!port} PROCS[$n]=${!pid}
+	done
+done
 declare -A RPS REQS TICKS_USED
 for n in "${NAMES[@]}"; do RPS[$n]=0 REQS[$n]=0 TICKS_USED[$n]=0; done
 for round in $(seq "$ROUNDS"); do
 	log "wrk round $round/$ROUNDS: -t1 -c64, $((WRK_SECS / ROUNDS))s per target, non-streamed 8-token /generate"
 	for n in "${NAMES[@]}"; do
 		body=$GEN
-		[[ $n == decode || $n == nginxd ]] && body=$GEN_BOOT
+		[ -n "${PD_BODY[$n]:-}" ] && body=$GEN_BOOT
 		# shellcheck disable=SC2086 # PROCS holds a list of pids
 		read -r rps reqs ticks < <(wrk_run $((WRK_SECS / ROUNDS)) "http://127.0.0.1:${URL[$n]}/generate" "$body" ${PROCS[$n]})
 		# Noise only ever slows a run down, so the best round is the closest to the truth.
@@ -230,26 +312,21 @@ for round in $(seq "$ROUNDS"); do
 		REQS[$n]=$((REQS[$n] + reqs)) TICKS_USED[$n]=$((TICKS_USED[$n] + ticks))
 	done
 done
-cpu_per_1k() { awk -v t="${TICKS_USED[$1]}" -v n="${REQS[$1]}" -v hz="$TICKS" 'BEGIN {printf "%.3f", (n > 0 ? t / hz / n * 1000 : 0)}'; }
-WRK_DIRECT=${RPS[direct]} WRK_ROUTER=${RPS[router]} WRK_NGINX=${RPS[nginx]} WRK_FAST=${RPS[fast]}
-WRK_DECODE=${RPS[decode]} WRK_NGINXD=${RPS[nginxd]} WRK_PD1=${RPS[pd1]} WRK_PD2=${RPS[pd2]}
-CPU_ROUTER=$(cpu_per_1k router) CPU_NGINX=$(cpu_per_1k nginx) CPU_FAST=$(cpu_per_1k fast) CPU_NGINXD=$(cpu_per_1k nginxd) CPU_PD1=$(cpu_per_1k pd1) CPU_PD2=$(cpu_per_1k pd2)
-log "req/s: direct $WRK_DIRECT, pdrouter $WRK_ROUTER, nginx $WRK_NGINX, fastproxy $WRK_FAST; decode direct $WRK_DECODE, nginx → decode $WRK_NGINXD, PD 1+1 $WRK_PD1, 2+2 $WRK_PD2"
+# cpu_us NAME: the proxy's CPU per wrk request, µs.
+cpu_us() { awk -v t="${TICKS_USED[$1]}" -v n="${REQS[$1]}" -v hz="$TICKS" 'BEGIN {printf "%.1f", (n > 0 ? t / hz / n * 1e6 : 0)}'; }
+log "req/s: $(for n in "${NAMES[@]}"; do printf '%s %s, ' "$n" "${RPS[$n]}"; done)"
+for n in "${NAMES[@]}"; do
+	if [[ $n == *_* ]] && ((RPS[$n] < 2 * LAT_RATE)); then
+		log "$n saturates at ${RPS[$n]} req/s under wrk: LAT_RATE $LAT_RATE is not well below it"
+	fi
+done
 
-# Latency at half the saturating rate. Saturation is measured as pdbench drives it (a closed loop
-# of 64 against PD 1+1, the slowest path), not as wrk does: pdbench's client costs more CPU than
-# wrk's and shares the same cores, so half of wrk's rate could already overload the machine.
-"$BIN/pdbench" --backend sglang --base-url "http://127.0.0.1:$PD1" --model mock --random-input-len 16 \
-	--random-output-len 8 --random-range-ratio 1 --num-prompts 20000 --max-concurrency 64 \
-	--output-file "$T/cap.jsonl" >/dev/null 2>&1
-CAP=$(jnum "$T/cap.jsonl" request_throughput)
-RATE=$(awk -v c="$CAP" 'BEGIN {printf "%.0f", c / 2}')
 for round in $(seq "$ROUNDS"); do
-	log "pdbench round $round/$ROUNDS: Poisson $RATE req/s (PD 1+1 saturates at ${CAP%.*} under pdbench), $((LAT_SECS / ROUNDS))s per target"
+	log "pdbench round $round/$ROUNDS: Poisson $LAT_RATE req/s, $((LAT_SECS / ROUNDS))s per target"
 	for n in "${NAMES[@]}"; do
 		extra=""
-		[[ $n == decode || $n == nginxd ]] && extra="{$BOOT}"
-		latency "$n" "http://127.0.0.1:${URL[$n]}" "$RATE" $((LAT_SECS / ROUNDS)) "$extra"
+		[ -n "${PD_BODY[$n]:-}" ] && extra="{$BOOT}"
+		latency "$n" "http://127.0.0.1:${URL[$n]}" "$LAT_RATE" $((LAT_SECS / ROUNDS)) 64 "$extra"
 	done
 done
 for n in "${NAMES[@]}"; do
@@ -257,28 +334,53 @@ for n in "${NAMES[@]}"; do
 	[ "$failed" = 0 ] || log "pdbench $n: $failed failed requests"
 done
 
-log "$STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter (PD 1+1)"
-start_worker SP prefill
-start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 10ms
-start_router SR --pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SD"
-"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:$SR" --model mock --random-input-len 32 \
-	--random-output-len "$STREAM_TOKENS" --random-range-ratio 1 --num-prompts "$STREAMS" \
-	--max-concurrency "$STREAMS" --output-file "$T/streams.jsonl" >"$T/streams.txt" 2>&1
-ST_DONE=$(jnum "$T/streams.jsonl" completed)
-ST_FAILED=$(jnum "$T/streams.jsonl" failed)
-ST_TOKENS=$(jnum "$T/streams.jsonl" total_output_tokens)
-ST_CONC=$(jnum "$T/streams.jsonl" concurrency)
-ST_PEAK=$(jnum "$T/streams.jsonl" peak_concurrency)
-ST_RSS=$(hwm_kib "$SR_PID")
-RSS_ROUTER=$(hwm_kib "$RR_PID")
-RSS_PD1=$(hwm_kib "$PD1_PID")
-RSS_PD2=$(hwm_kib "$PD2_PID")
-RSS_FAST=$(hwm_kib "$FASTPROXY_PID")
-RSS_NGINX=0
-for p in "${NGINX_ALL[@]}"; do RSS_NGINX=$((RSS_NGINX + $(hwm_kib "$p"))); done
+log "slow prefill ($SLOW_PREFILL): TTFT through each router, PD 1+1"
+for k in "${KINDS[@]}"; do
+	port=${k}_slow
+	latency "${k}_slow" "http://127.0.0.1:${!port}" 50 4 8
+done
+
+# streams KIND KEY N RATE: N concurrent streams through KIND's fresh router K_KEY, arriving at
+# RATE per second (inf: all at once).
+declare -A ST_DONE ST_FAILED ST_PEAK ST_RSS ST_IDLE ST_SECS
+streams() {
+	local kind=$1 key=$2 n=$3 rate=$4 port pid start
+	port=${kind}_$key pid=${kind}_${key}_PID
+	ST_IDLE[$kind$key]=$(rss_kib "${!pid}")
+	log "$n concurrent streams of $STREAM_TOKENS tokens through ${KIND_LABEL[$kind]} (PD 1+1)"
+	start=$SECONDS
+	"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:${!port}" --model mock --random-input-len 32 \
+		--random-output-len "$STREAM_TOKENS" --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$n" \
+		--request-rate "$rate" --request-timeout 120s --output-file "$T/streams-$kind$key.jsonl" >"$T/streams-$kind$key.txt" 2>&1 ||
+		log "pdbench streams through $kind failed: $(tail -n 3 "$T/streams-$kind$key.txt")"
+	ST_SECS[$kind$key]=$((SECONDS - start))
+	if [ -s "$T/streams-$kind$key.jsonl" ]; then
+		ST_DONE[$kind$key]=$(jnum "$T/streams-$kind$key.jsonl" completed)
+		ST_FAILED[$kind$key]=$(jnum "$T/streams-$kind$key.jsonl" failed)
+		ST_PEAK[$kind$key]=$(jnum "$T/streams-$kind$key.jsonl" peak_concurrency)
+	else
+		ST_DONE[$kind$key]=0 ST_FAILED[$kind$key]=$n ST_PEAK[$kind$key]=0
+	fi
+	ST_RSS[$kind$key]=$(hwm_kib "${!pid}")
+}
+for k in "${KINDS[@]}"; do streams "$k" st "$STREAMS" inf; done
+for k in "${KINDS[@]}"; do streams "$k" big "$BIG_RUN" "$BIG_RATE"; done
+
+declare -A RSS
+for k in "${KINDS[@]}"; do
+	for m in reg pd1 pd2; do
+		pid=${k}_${m}_PID
+		RSS[${k}_$m]=$(hwm_kib "${!pid}")
+	done
+done
+RSS[fast]=$(hwm_kib "$FASTPROXY_PID")
+RSS[nginx]=0
+for p in "${NGINX_ALL[@]}"; do RSS[nginx]=$((RSS[nginx] + $(hwm_kib "$p"))); done
+RSS[nginxd]=${RSS[nginx]}
 
 # Everything measured; write bench/out/router.json and the RESULTS.md section.
 LOAD_END=$(cut -d' ' -f1 /proc/loadavg)
+ELAPSED=$((SECONDS - BENCH_START))
 # lat NAME KEY: the best round, since outside load only ever adds latency; counts are summed.
 lat() {
 	case $2 in
@@ -286,69 +388,161 @@ lat() {
 	*) jmin "$T/lat-$1.jsonl" "$2" ;;
 	esac
 }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", (b > 0 ? a / b : 0)}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a / b; else printf "–"}'; }
 added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
+mib() { awk -v k="$1" 'BEGIN {printf "%.1f", k / 1024}'; }
+per_stream_kib() { awk -v h="${ST_RSS[$1]}" -v i="${ST_IDLE[$1]}" -v n="$2" 'BEGIN {printf "%.1f", (n > 0 ? (h - i) / n : 0)}'; }
 {
 	echo "{"
-	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"load_average\": [$LOAD_START, $LOAD_END], \"wrk_secs\": $WRK_SECS, \"latency_rate\": $RATE, \"pd_1p1d_pdbench_saturation\": $CAP,"
-	echo "  \"wrk_rps\": {\"direct\": $WRK_DIRECT, \"pdrouter\": $WRK_ROUTER, \"nginx\": $WRK_NGINX, \"fastproxy\": $WRK_FAST, \"decode_direct\": $WRK_DECODE, \"nginx_decode\": $WRK_NGINXD, \"pd_1p1d\": $WRK_PD1, \"pd_2p2d\": $WRK_PD2},"
-	echo "  \"cpu_s_per_1k\": {\"pdrouter\": $CPU_ROUTER, \"nginx\": $CPU_NGINX, \"fastproxy\": $CPU_FAST, \"nginx_decode\": $CPU_NGINXD, \"pd_1p1d\": $CPU_PD1, \"pd_2p2d\": $CPU_PD2},"
-	echo "  \"peak_rss_kib\": {\"pdrouter\": $RSS_ROUTER, \"nginx\": $RSS_NGINX, \"fastproxy\": $RSS_FAST, \"pd_1p1d\": $RSS_PD1, \"pd_2p2d\": $RSS_PD2, \"streams\": $ST_RSS},"
-	echo "  \"latency_ms\": {"
+	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"load_average\": [$LOAD_START, $LOAD_END], \"seconds\": $ELAPSED,"
+	echo "  \"wrk_secs\": $WRK_SECS, \"rounds\": $ROUNDS, \"latency_rate\": $LAT_RATE, \"slow_prefill\": \"$SLOW_PREFILL\", \"open_file_limit\": $FD_LIMIT,"
+	echo "  \"paths\": {"
 	sep=""
 	for n in "${NAMES[@]}"; do
-		printf '%s    "%s": {"p50_e2e": %s, "p99_e2e": %s, "p50_ttft": %s, "p99_ttft": %s, "completed": %s, "failed": %s}' \
-			"$sep" "$n" "$(lat $n median_e2e_latency_ms)" "$(lat $n p99_e2e_latency_ms)" "$(lat $n median_ttft_ms)" \
-			"$(lat $n p99_ttft_ms)" "$(lat $n completed)" "$(lat $n failed)"
+		printf '%s    "%s": {"rps": %s, "cpu_us_per_req": %s, "peak_rss_kib": %s, "p50_ttft_ms": %s, "p99_ttft_ms": %s, "p50_e2e_ms": %s, "p99_e2e_ms": %s, "completed": %s, "failed": %s}' \
+			"$sep" "$n" "${RPS[$n]}" "$(cpu_us "$n")" "${RSS[$n]:-0}" "$(lat "$n" median_ttft_ms)" "$(lat "$n" p99_ttft_ms)" \
+			"$(lat "$n" median_e2e_latency_ms)" "$(lat "$n" p99_e2e_latency_ms)" "$(lat "$n" completed)" "$(lat "$n" failed)"
 		sep=$',\n'
 	done
 	echo
 	echo "  },"
-	echo "  \"streams\": {\"streams\": $STREAMS, \"tokens\": $STREAM_TOKENS, \"completed\": $ST_DONE, \"failed\": $ST_FAILED, \"output_tokens\": $ST_TOKENS, \"achieved_concurrency\": $ST_CONC, \"peak_concurrency\": $ST_PEAK, \"router_peak_rss_kib\": $ST_RSS}"
+	echo "  \"slow_prefill_ms\": {"
+	sep=""
+	for k in "${KINDS[@]}"; do
+		printf '%s    "%s": {"p50_ttft": %s, "p99_ttft": %s, "p50_e2e": %s, "completed": %s, "failed": %s}' "$sep" "$k" \
+			"$(lat "${k}_slow" median_ttft_ms)" "$(lat "${k}_slow" p99_ttft_ms)" "$(lat "${k}_slow" median_e2e_latency_ms)" \
+			"$(lat "${k}_slow" completed)" "$(lat "${k}_slow" failed)"
+		sep=$',\n'
+	done
+	echo
+	echo "  },"
+	echo "  \"streams\": {"
+	sep=""
+	for k in "${KINDS[@]}"; do
+		for key in st big; do
+			n=$STREAMS
+			[ $key = big ] && n=$BIG_RUN
+			printf '%s    "%s_%s": {"streams": %s, "tokens": %s, "completed": %s, "failed": %s, "peak_concurrency": %s, "seconds": %s, "idle_rss_kib": %s, "peak_rss_kib": %s, "kib_per_stream": %s}' \
+				"$sep" "$k" "$n" "$n" "$STREAM_TOKENS" "${ST_DONE[$k$key]}" "${ST_FAILED[$k$key]}" "${ST_PEAK[$k$key]}" \
+				"${ST_SECS[$k$key]}" "${ST_IDLE[$k$key]}" "${ST_RSS[$k$key]}" "$(per_stream_kib "$k$key" "$n")"
+			sep=$',\n'
+		done
+	done
+	echo
+	echo "  }"
 	echo "}"
 } >"$OUT/router.json"
 
-row() { # name, rps, cpu, rss, base-for-latency, target-for-latency
-	printf '| %s | %s | %s | %s | %s | %s | %s | %s |\n' "$1" "$2" "$3" "$(awk -v k="$4" 'BEGIN {printf "%.1f", k / 1024}')" \
-		"$(lat "$6" median_e2e_latency_ms)" "$(lat "$6" p99_e2e_latency_ms)" \
-		"$(added_us "$(lat "$6" median_e2e_latency_ms)" "$(lat "$5" median_e2e_latency_ms)")" \
-		"$(added_us "$(lat "$6" p99_e2e_latency_ms)" "$(lat "$5" p99_e2e_latency_ms)")"
+# path_row LABEL NAME BASE: one row of the paths table; BASE is what added TTFT is measured over.
+path_row() {
+	local cpu="–" rss="–" added="–"
+	[ "${PROCS[$2]}" != "" ] && cpu=$(cpu_us "$2")
+	[ -n "${RSS[$2]:-}" ] && rss=$(mib "${RSS[$2]}")
+	[ -n "$3" ] && added=$(added_us "$(lat "$2" median_ttft_ms)" "$(lat "$3" median_ttft_ms)")
+	printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n' "$1" "${RPS[$2]}" "$cpu" "$rss" \
+		"$(lat "$2" median_ttft_ms)" "$(lat "$2" p99_ttft_ms)" "$(lat "$2" median_e2e_latency_ms)" \
+		"$(lat "$2" p99_e2e_latency_ms)" "$added"
 }
+# cmp_row LABEL VALUE-FUNCTION ARG: a row of the comparison table, value per kind and the ratios
+# pdrouter / each other kind.
+cmp_row() {
+	local label=$1 fn=$2 arg=$3 k line mine
+	mine=$($fn pdrouter "$arg")
+	line="| $label | $mine"
+	for k in "${KINDS[@]:1}"; do line+=" | $($fn "$k" "$arg")"; done
+	for k in "${KINDS[@]:1}"; do line+=" | **$(ratio "$mine" "$($fn "$k" "$arg")")**"; done
+	echo "$line |"
+}
+v_rps() { echo "${RPS[${1}_$2]}"; }
+v_cpu() { cpu_us "${1}_$2"; }
+v_lat() { lat "${1}_${2%:*}" "${2#*:}"; }
+v_rss() { mib "${RSS[${1}_$2]}"; }
+v_strss() { mib "${ST_RSS[$1$2]}"; }
+v_stfail() { echo "${ST_FAILED[$1$2]}"; }
+v_stper() {
+	local n=$STREAMS
+	[ "$2" = big ] && n=$BIG_RUN
+	per_stream_kib "$1$2" "$n"
+}
+met() { awk -v a="$1" -v b="$2" 'BEGIN {print (a >= b ? "met" : "not met")}'; }
+
+heads="| metric | pdrouter"
+for k in "${KINDS[@]:1}"; do heads+=" | ${KIND_LABEL[$k]}"; done
+for k in "${KINDS[@]:1}"; do heads+=" | pdrouter / ${KIND_LABEL[$k]}"; done
+aligns="| --- | ---:"
+for _ in "${KINDS[@]:1}" "${KINDS[@]:1}"; do aligns+=" | ---:"; done
+TTFT_ROUTER=$(added_us "$(lat pdrouter_reg median_ttft_ms)" "$(lat direct median_ttft_ms)")
+TTFT_NGINX=$(added_us "$(lat nginx median_ttft_ms)" "$(lat direct median_ttft_ms)")
+BIG_RSS=$(mib "${ST_RSS[pdrouterbig]}")
+targets="Targets (issue 14):"
+if [ "$RUST" = 1 ]; then
+	targets+=" PD 1P+1D req/s ≥ 3× smg's: **$(ratio "${RPS[pdrouter_pd1]}" "${RPS[smg_pd1]}")×, $(met "$(ratio "${RPS[pdrouter_pd1]}" "${RPS[smg_pd1]}")" 3)**;"
+	targets+=" regular ≥ 3× smg's: **$(ratio "${RPS[pdrouter_reg]}" "${RPS[smg_reg]}")×, $(met "$(ratio "${RPS[pdrouter_reg]}" "${RPS[smg_reg]}")" 3)**;"
+fi
+targets+=" added p50 TTFT over direct ≤ one nginx hop's: **$TTFT_ROUTER µs vs $TTFT_NGINX µs, $(met "$TTFT_NGINX" "$TTFT_ROUTER")**;"
+targets+=" $BIG_STREAMS streams with 0 errors and router RSS ≤ 160 MiB: **$BIG_RUN run, ${ST_FAILED[pdrouterbig]} errors, $BIG_RSS MiB**"
+if ((BIG_RUN < BIG_STREAMS)); then
+	targets+=" (not met as stated: this machine's hard open-file limit, $FD_LIMIT, holds $BIG_RUN streams through one router process)."
+else
+	targets+=", $([ "${ST_FAILED[pdrouterbig]}" = 0 ] && met 160 "$BIG_RSS" || echo "not met")."
+fi
+
 SECTION=$(
 	cat <<EOF
-Run $(date -u +%Y-%m-%d) on $(nproc) cores, mockworkers with zero token delay. Requests/s from \`wrk -t1 -c64\`
-posting a non-streamed 8-token \`/generate\`, ${WRK_SECS} s per path; latency from pdbench, Poisson
-arrivals of streamed 8-token \`/generate\` requests, ${LAT_SECS} s per path, at $RATE req/s: half the rate
-at which a closed loop of 64 pdbench clients saturates PD 1P+1D. Each measurement runs in $ROUNDS rounds
-that visit every path in turn, and the table shows each path's best round, since load from other
-work on these shared cores only ever slows a round down (1-minute load average $LOAD_START at the
-start, $LOAD_END at the end). Added latency is over the same backend reached directly (regular mode:
-the worker; PD mode: the decode worker); the nginx → decode row is the same nginx in front of the
-decode worker, what one keep-alive proxy hop costs on this machine; fastproxy is a reverse proxy
-made of fasthttp alone (bench/fastproxy, no router work at all), the floor for a router built on
-fasthttp and the Go runtime here. CPU is the proxy's user+system time per 1,000 wrk
-requests (for nginx, all its processes); RSS is its peak (VmHWM).
+Run $(date -u '+%Y-%m-%d %H:%M') UTC on $(nproc) cores (1-minute load average $LOAD_START at the start, $LOAD_END at
+the end; the cores are shared with other work), $ELAPSED s in all. Mockworkers with zero token delay.
+Requests/s from \`wrk -t1 -c64\` posting a non-streamed 8-token \`/generate\`, ${WRK_SECS} s per path;
+TTFT and E2E from pdbench, Poisson arrivals of streamed 8-token \`/generate\` requests at a fixed
+$LAT_RATE req/s, ${LAT_SECS} s per path. Each measurement runs in $ROUNDS rounds that visit every path in
+turn, and the table shows each path's best round, since load from other work only ever slows a
+round down. Every router runs with the same flags (\`--policy round_robin\`, the same workers);
+sglang-router 0.3.2 and smg 1.13.0 come from PyPI (scripts/bench-venv.sh). Added TTFT is over the
+same backend reached directly (regular: the worker; PD: the decode worker); nginx → decode is
+what one keep-alive proxy hop costs here; fastproxy is a bare fasthttp reverse proxy
+(bench/fastproxy). CPU is the proxy's user+system time per wrk request (nginx: all its
+processes); RSS is its peak (VmHWM) after the wrk and latency rounds.
 
-| path | req/s | CPU s / 1k req | peak RSS MiB | p50 ms | p99 ms | added p50 µs | added p99 µs |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-| direct → worker | $WRK_DIRECT | – | – | $(lat direct median_e2e_latency_ms) | $(lat direct p99_e2e_latency_ms) | – | – |
-$(row "pdrouter (regular)" "$WRK_ROUTER" "$CPU_ROUTER" "$RSS_ROUTER" direct router)
-$(row "nginx (keep-alive proxy)" "$WRK_NGINX" "$CPU_NGINX" "$RSS_NGINX" direct nginx)
-$(row "fastproxy (bare fasthttp proxy)" "$WRK_FAST" "$CPU_FAST" "$RSS_FAST" direct fast)
-| direct → decode worker | $WRK_DECODE | – | – | $(lat decode median_e2e_latency_ms) | $(lat decode p99_e2e_latency_ms) | – | – |
-$(row "nginx → decode worker (one hop)" "$WRK_NGINXD" "$CPU_NGINXD" "$RSS_NGINX" decode nginxd)
-$(row "pdrouter PD 1P+1D" "$WRK_PD1" "$CPU_PD1" "$RSS_PD1" decode pd1)
-$(row "pdrouter PD 2P+2D" "$WRK_PD2" "$CPU_PD2" "$RSS_PD2" decode pd2)
+| path | req/s | CPU µs/req | peak RSS MiB | p50 TTFT ms | p99 TTFT ms | p50 E2E ms | p99 E2E ms | added p50 TTFT µs |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+$(path_row "direct → worker" direct "")
+$(for k in "${KINDS[@]}"; do path_row "${KIND_LABEL[$k]} (regular)" "${k}_reg" direct; done)
+$(path_row "nginx (keep-alive proxy)" nginx direct)
+$(path_row "fastproxy (bare fasthttp proxy)" fast direct)
+$(path_row "direct → decode worker" decode "")
+$(path_row "nginx → decode worker (one hop)" nginxd decode)
+$(for k in "${KINDS[@]}"; do path_row "${KIND_LABEL[$k]} PD 1P+1D" "${k}_pd1" decode; path_row "${KIND_LABEL[$k]} PD 2P+2D" "${k}_pd2" decode; done)
 
-Ratios: requests/s pdrouter / nginx **$(ratio "$WRK_ROUTER" "$WRK_NGINX")**, pdrouter / direct **$(ratio "$WRK_ROUTER" "$WRK_DIRECT")**,
-pdrouter / fastproxy **$(ratio "$WRK_ROUTER" "$WRK_FAST")**, fastproxy / nginx **$(ratio "$WRK_FAST" "$WRK_NGINX")**,
-PD 1P+1D / direct decode **$(ratio "$WRK_PD1" "$WRK_DECODE")**; CPU per request pdrouter / nginx **$(ratio "$CPU_ROUTER" "$CPU_NGINX")**,
-fastproxy / nginx **$(ratio "$CPU_FAST" "$CPU_NGINX")**.
-Added p50 latency: one nginx hop **$(added_us "$(lat nginxd median_e2e_latency_ms)" "$(lat decode median_e2e_latency_ms)") µs**, PD 1P+1D **$(added_us "$(lat pd1 median_e2e_latency_ms)" "$(lat decode median_e2e_latency_ms)") µs**.
+Slow prefill: PD 1P+1D with a prefill worker that answers after $SLOW_PREFILL, streamed requests at 50 req/s for 4 s
+(a router that waits for prefill before relaying decode's stream adds the whole delay to TTFT).
+Streams: a fresh PD 1P+1D router per run, $STREAM_TOKENS tokens per stream; $STREAMS streams opened at once with tokens
+10 ms apart, $BIG_RUN opened at $BIG_RATE/s with tokens $BIG_TOKEN_DELAY apart (so that all are open together, while the
+prefill sockets of the ones arriving stay few). RSS per stream is (peak − idle RSS) / streams.
 
-Streams: $STREAMS concurrent streams of $STREAM_TOKENS tokens through pdrouter PD 1P+1D: $ST_DONE completed,
-**$ST_FAILED errors**, $ST_TOKENS tokens, $ST_PEAK streams open at once at the peak (achieved
-concurrency $ST_CONC), router peak RSS **$(awk -v k="$ST_RSS" 'BEGIN {printf "%.1f", k / 1024}') MiB**.
+$heads |
+$aligns |
+$(cmp_row "req/s, regular" v_rps reg)
+$(cmp_row "req/s, PD 1P+1D" v_rps pd1)
+$(cmp_row "req/s, PD 2P+2D" v_rps pd2)
+$(cmp_row "CPU µs/req, regular" v_cpu reg)
+$(cmp_row "CPU µs/req, PD 1P+1D" v_cpu pd1)
+$(cmp_row "p50 TTFT ms, regular" v_lat reg:median_ttft_ms)
+$(cmp_row "p99 TTFT ms, regular" v_lat reg:p99_ttft_ms)
+$(cmp_row "p50 TTFT ms, PD 1P+1D" v_lat pd1:median_ttft_ms)
+$(cmp_row "p99 TTFT ms, PD 1P+1D" v_lat pd1:p99_ttft_ms)
+$(cmp_row "p50 E2E ms, PD 1P+1D" v_lat pd1:median_e2e_latency_ms)
+$(cmp_row "p50 TTFT ms, slow prefill" v_lat slow:median_ttft_ms)
+$(cmp_row "peak RSS MiB, regular" v_rss reg)
+$(cmp_row "peak RSS MiB, PD 1P+1D" v_rss pd1)
+$(cmp_row "$STREAMS streams: errors" v_stfail st)
+$(cmp_row "$STREAMS streams: peak RSS MiB" v_strss st)
+$(cmp_row "$STREAMS streams: KiB per stream" v_stper st)
+$(cmp_row "$BIG_RUN streams: errors" v_stfail big)
+$(cmp_row "$BIG_RUN streams: peak RSS MiB" v_strss big)
+$(cmp_row "$BIG_RUN streams: KiB per stream" v_stper big)
+
+(For times, CPU and memory a ratio below 1 is pdrouter's advantage; for req/s, above 1.)
+Streams completed: $(for k in "${KINDS[@]}"; do printf '%s %s/%s and %s/%s (peak %s and %s open at once, %s s and %s s). ' "${KIND_LABEL[$k]}" "${ST_DONE[${k}st]}" "$STREAMS" "${ST_DONE[${k}big]}" "$BIG_RUN" "${ST_PEAK[${k}st]}" "${ST_PEAK[${k}big]}" "${ST_SECS[${k}st]}" "${ST_SECS[${k}big]}"; done)
+$targets
 EOF
 )
 # Replace what lies between the router markers, leaving the rest of the file alone.
@@ -360,5 +554,6 @@ awk -v section="$T/section.md" '
 ' bench/RESULTS.md >"$T/RESULTS.md"
 cp "$T/RESULTS.md" bench/RESULTS.md
 echo "$SECTION"
-log "wrote $OUT/router.json and bench/RESULTS.md"
-[ "$ST_FAILED" = 0 ] && [ "$ST_DONE" = "$STREAMS" ] || { log "streams: $ST_FAILED failed, $ST_DONE of $STREAMS completed"; exit 1; }
+log "wrote $OUT/router.json and bench/RESULTS.md in $ELAPSED s"
+[ "${ST_FAILED[pdrouterst]}" = 0 ] && [ "${ST_DONE[pdrouterst]}" = "$STREAMS" ] ||
+	{ log "streams: ${ST_FAILED[pdrouterst]} failed, ${ST_DONE[pdrouterst]} of $STREAMS completed"; exit 1; }
