@@ -177,7 +177,9 @@ def main():
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--sizes", default="", help='normal phase plan, e.g. "128x20,32768x3" (overrides --requests)')
-    p.add_argument("--fault-requests", type=int, default=12)
+    # Few enough that all are in flight when the fault strikes: a room whose
+    # peer is gone before it starts only waits out SGLang's bootstrap timeout.
+    p.add_argument("--fault-requests", type=int, default=6)
     p.add_argument("--fault-tokens", type=int, default=8192)
     p.add_argument("--fault-after", type=int, default=2, help="strike a fault phase once prefill finished this many rooms")
     p.add_argument("--abort", type=int, default=1, help="abort one room of the normal phase")

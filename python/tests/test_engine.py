@@ -1,4 +1,5 @@
 import ctypes
+import logging
 import mmap
 import os
 import threading
@@ -10,6 +11,8 @@ from pdrouter_kv import control, engine as eng
 from tests.kvproxy_proc import KVProxy
 
 MiB = 1 << 20
+# The engine logs each refused call; the tests check the return codes instead.
+logging.getLogger("pdrouter_kv").setLevel(logging.CRITICAL)
 
 
 _maps = []
