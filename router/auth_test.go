@@ -23,6 +23,7 @@ import (
 
 	"github.com/golang-jwt/jwt/v5"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
@@ -140,6 +141,14 @@ func adminCall(t *testing.T, base, token string) (int, string) {
 }
 
 func TestJWTControlPlane(t *testing.T) {
+	// Registered first, so it runs after the router's shutdown: the JWKS
+	// refresher must have ended with it.
+	before := goleak.IgnoreCurrent()
+	t.Cleanup(func() {
+		goleak.VerifyNone(t, before,
+			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"))
+	})
 	idp := &jwks{}
 	rsaKey := idp.addRSA(t, "rsa-1")
 	ecKey := idp.addEC(t, "ec-1")
