@@ -128,5 +128,6 @@ func isTLSError(err error) bool {
 	}
 	// Alerts from the worker (e.g. "remote error: tls: certificate required") have no exported type.
 	msg := err.Error()
-	return strings.Contains(msg, "tls: ") || strings.Contains(msg, "x509: ")
+	return strings.Contains(msg, "tls: ") || strings.Contains(msg, "x509: ") ||
+		strings.Contains(msg, "HTTP response to HTTPS client")
 }
