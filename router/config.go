@@ -49,6 +49,11 @@ type Config struct {
 	BodyReadTimeout       time.Duration
 	IdleConnectionTimeout time.Duration
 
+	// AbortTimeout bounds each POST /abort_request the router sends to an
+	// engine still holding a request whose client left or timed out; 0
+	// sends none (abort.go).
+	AbortTimeout time.Duration
+
 	PrometheusHost string
 	PrometheusPort int // 0 disables the metrics listener
 
@@ -77,6 +82,7 @@ func DefaultConfig() Config {
 		RequestIDHeaders: []string{"x-request-id", "x-correlation-id", "x-trace-id", "request-id"}, // checked in order
 		RequestTimeout:   1800 * time.Second,
 		ShutdownGrace:    180 * time.Second,
+		AbortTimeout:     2 * time.Second,
 		PrometheusHost:   "0.0.0.0",
 		PrometheusPort:   29000,
 		Retry:            balancer.DefaultRetryConfig(),
@@ -144,6 +150,7 @@ func (c Config) Validate() error {
 		{a.QueueSize > 0 && a.QueueTimeout <= 0, "queue_timeout_secs must be > 0 when queue_size > 0"},
 		{a.QueueSize < 0, "queue_size must be >= 0"},
 		{c.RequestTimeout <= 0, "request_timeout_secs must be > 0"},
+		{c.AbortTimeout < 0, "abort_timeout_ms must be >= 0 (0 sends no engine aborts)"},
 		{m.StartupTimeout <= 0 || m.StartupInterval <= 0, "worker startup timeout and check interval must be > 0"},
 		{m.Health.FailureThreshold < 1 || m.Health.SuccessThreshold < 1, "health check thresholds must be >= 1"},
 		{m.Health.Timeout <= 0 || m.Health.Interval <= 0, "health check timeout and interval must be > 0"},

@@ -21,6 +21,8 @@ type leg struct {
 	resp   *upstreamResponse // the reply, once its head has arrived
 	blame  bool              // no reply, and the worker is why (not a cancellation)
 	closed bool
+	sc     *scope    // what the leg was sent under; its end may leave the engine busy
+	rid    engineRID // what the engine knows the request by (abort.go)
 }
 
 // open binds the leg to w and takes w's load slot.
@@ -34,6 +36,7 @@ func (l *leg) open(s *Server, w *balancer.Worker) {
 // for another reason than the request timeout: a client gone, a failed
 // prefill or an abandoned attempt says nothing about this worker.
 func (l *leg) send(sc *scope, path string, body, header []byte) error {
+	l.sc = sc
 	resp, err := l.s.upstream.post(sc, l.w.URL, path, body, header)
 	if err != nil {
 		cause := sc.Cause()
@@ -52,6 +55,7 @@ func (l *leg) close() {
 		return
 	}
 	l.closed = true
+	l.abortIfHeld()
 	switch {
 	case l.resp != nil:
 		status := l.resp.StatusCode

@@ -31,8 +31,8 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	body := bootstrapBody(r, pw)
-	a := s.startPrefill(r, pw, body)
+	body, rid := s.bootstrapBody(r, pw)
+	a := s.startPrefill(r, pw, body, rid)
 	if fail, ok := s.openDecode(r, a, dw, body); !ok {
 		return fail, false
 	}
@@ -50,16 +50,16 @@ func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balance
 	return pw, dw, fail
 }
 
-// bootstrapBody is the client's body with pw's bootstrap fields and a fresh
-// room, in a buffer of its own that both legs share.
-func bootstrapBody(r *request, pw *balancer.Worker) []byte {
+// bootstrapBody is the client's body with pw's bootstrap fields, a fresh
+// room and the rid (abort.go), in a buffer of its own that both legs share.
+func (s *Server) bootstrapBody(r *request, pw *balancer.Worker) ([]byte, engineRID) {
 	port := pw.BootstrapPort
 	if port == balancer.NoBootstrapPort {
 		port = splice.NoPort
 	}
-	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port,
-		batchSize(r.route, r.body, &r.info))
-	return body
+	batch := batchSize(r.route, r.body, &r.info)
+	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port, batch)
+	return s.spliceRID(r, body, batch)
 }
 
 // attempt is one PD try: the scope both legs run under and the prefill leg
@@ -71,14 +71,16 @@ type attempt struct {
 	done    chan struct{} // closed when the prefill leg has ended
 	err     *apiError     // set before done closes when prefill failed
 	body    []byte        // prefill's reply, kept only for logprob merging
+	rid     engineRID     // both legs'
 }
 
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
-func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte) *attempt {
-	a := &attempt{done: make(chan struct{})}
+func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte, rid engineRID) *attempt {
+	a := &attempt{done: make(chan struct{}), rid: rid}
 	a.scope.inherit(&r.scope)
 	a.prefill.open(s, pw)
+	a.prefill.rid = rid
 	r.hold()
 	s.background.Add(1)
 	go s.runPrefill(a, r, body)
@@ -164,6 +166,7 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker, body []byte) (*apiError, bool) {
 	l := &r.leg
 	l.open(s, dw)
+	l.rid = a.rid
 	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
 		l.close()
 		if f := a.failure(); f != nil {

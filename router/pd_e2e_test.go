@@ -64,7 +64,8 @@ func TestPDBootstrapInjection(t *testing.T) {
 			t.Errorf("bootstrap_port = %s, want %s", got.BootstrapPort, wantPort)
 		}
 		wantPrefix := `{"zzz_unknown":{"keep":[1,2.50,"x"]},"text":"hello world","bootstrap_room":` + room +
-			`,"sampling_params":{"max_new_tokens":3,"custom_knob":1e2},"bootstrap_host":"127.0.0.1","bootstrap_port":` + wantPort + `}`
+			`,"sampling_params":{"max_new_tokens":3,"custom_knob":1e2},"bootstrap_host":"127.0.0.1","bootstrap_port":` + wantPort +
+			`,"rid":"` + bodyRID(t, got.Body) + `"}` // the rid both legs share, for aborts
 		if got.Body != wantPrefix {
 			t.Errorf("body not spliced in place:\n got %s\nwant %s", got.Body, wantPrefix)
 		}
@@ -291,4 +292,16 @@ func TestPDLogprobsMerged(t *testing.T) {
 	if merged == 0 {
 		t.Error("no events")
 	}
+}
+
+// bodyRID is the rid field of a JSON body.
+func bodyRID(t *testing.T, body string) string {
+	t.Helper()
+	var v struct {
+		RID string `json:"rid"`
+	}
+	if err := json.Unmarshal([]byte(body), &v); err != nil || len(v.RID) != 32 {
+		t.Fatalf("no 32-hex rid in %s (%v)", body, err)
+	}
+	return v.RID
 }

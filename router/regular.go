@@ -19,9 +19,11 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	if w.APIKey != "" { // regular mode authenticates to the worker with its own key
 		header = appendHeader(forwardHeaders(nil, ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
+	body, rid := s.requestRID(r)
 	l := &r.leg
 	l.open(s, w)
-	if err := l.send(&r.scope, r.path, r.body, header); err != nil {
+	l.rid = rid
+	if err := l.send(&r.scope, r.path, body, header); err != nil {
 		l.close()
 		if r.clientGone() {
 			return nil, false

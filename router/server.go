@@ -64,7 +64,8 @@ type Server struct {
 	// it (generation requests are cancelled by the inflight tracker).
 	base       context.Context
 	cancelBase context.CancelFunc
-	background sync.WaitGroup // prefill legs that outlive their handler
+	background sync.WaitGroup // prefill legs that outlive their handler, engine aborts
+	aborts     engineAborts
 }
 
 // New builds a router from cfg, which must pass Config.Validate. Metrics

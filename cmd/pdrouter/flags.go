@@ -81,6 +81,7 @@ func newParser() (*cli.Parser, *options) {
 
 	p.Strings(rq, "request-id-headers", &c.RequestIDHeaders, false, "Headers checked for a client request id")
 	p.Duration(rq, "request-timeout-secs", &c.RequestTimeout, time.Second, "Total timeout of an upstream request, streaming included")
+	p.Duration(rq, "engine-abort-timeout-ms", &c.AbortTimeout, time.Millisecond, "Bound on each POST /abort_request sent to an engine still holding a request whose client left or timed out (0: send none)")
 	p.Duration(rq, "shutdown-grace-period-secs", &c.ShutdownGrace, time.Second, "Seconds to drain in-flight requests on SIGTERM")
 	p.Strings(rq, "cors-allowed-origins", &c.CORSOrigins, false, "CORS allowed origins (any when empty)")
 

@@ -25,6 +25,7 @@ type Server struct {
 	ln       net.Listener
 	srv      *http.Server
 	rec      *recorder
+	aborts   abortLog
 	started  time.Time
 
 	seq     atomic.Uint64 // response id counter
@@ -126,7 +127,10 @@ func (s *Server) Stats() Stats {
 }
 
 // Reset clears the recorded requests and the counters (except in_flight).
-func (s *Server) Reset() { s.rec.reset() }
+func (s *Server) Reset() {
+	s.rec.reset()
+	s.aborts.reset()
+}
 
 func (s *Server) routes() http.Handler {
 	mux := http.NewServeMux()
@@ -149,6 +153,7 @@ func (s *Server) routes() http.Handler {
 		"GET /_mock/requests":  s.mockRequests,
 		"GET /_mock/stats":     s.mockStats,
 		"POST /_mock/reset":    s.mockReset,
+		"GET /_mock/aborts":    s.mockAborts,
 	}
 	for pattern, h := range public {
 		mux.HandleFunc(pattern, h)
@@ -161,6 +166,7 @@ func (s *Server) routes() http.Handler {
 		"GET /server_info":     s.serverInfo,
 		"GET /get_load":        s.load,
 		"/flush_cache":         s.flushCache, // SGLang accepts GET and POST
+		"POST /abort_request":  s.abortRequest,
 	}
 	for pattern, h := range protected {
 		mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {

@@ -38,6 +38,7 @@ type Info struct {
 	Messages      Span // /v1/chat/completions "messages" value
 	Query         Span // /v1/rerank "query" value
 	Model         Span // "model" value
+	RID           Span // "rid" value: SGLang's request id, which aborts name
 	// values of the client's own bootstrap fields, to be overwritten, in
 	// bootstrapKeys order
 	Bootstrap [3]Span
@@ -90,6 +91,8 @@ func (info *Info) record(key []byte, valStart, valEnd int, b []byte) {
 		info.Query = sp
 	case "model":
 		info.Model = sp
+	case "rid":
+		info.RID = sp
 	case "bootstrap_host", "bootstrap_port", "bootstrap_room":
 		for i, k := range bootstrapKeys {
 			if bstr(key) == k {

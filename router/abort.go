@@ -1,0 +1,121 @@
+package router
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"sync/atomic"
+
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
+)
+
+// Closing a leg's connection frees the router's side only: SGLang keeps
+// prefilling or decoding a request whose client left (and its own router
+// never aborts PD requests, sgl-project/sglang#39461). So a leg cut short,
+// the client gone, the request timed out or its attempt abandoned, tells
+// its engine to drop the request by the rid both legs carry: SGLang's
+// POST /abort_request {"rid": …}, fire and forget, bounded by
+// Config.AbortTimeout, off every request's path.
+
+// Bounds on the work aborts may make: a storm of departures sheds aborts
+// (the engines then finish the work) rather than piling up goroutines.
+const (
+	maxAbortsInFlight = 512
+	maxAbortsPerLeg   = 64 // rids of one batch request
+)
+
+// engineRID is the request id a leg's engine knows the request by: its
+// JSON value, in a buffer that lives as long as the leg, and the batch
+// size SGLang expands a string rid by. The zero value sends no abort.
+type engineRID struct {
+	val   []byte
+	batch int
+}
+
+// engineAborts counts the abort calls under way.
+type engineAborts struct{ inFlight atomic.Int32 }
+
+// requestRID is the rid of r's body as sent in regular mode: the client's
+// (copied: the leg may outlive the handler), else a fresh one spliced into
+// a copy of the body. With aborts off the body is sent as it is.
+func (s *Server) requestRID(r *request) ([]byte, engineRID) {
+	batch := batchSize(r.route, r.body, &r.info)
+	switch {
+	case s.cfg.AbortTimeout == 0:
+		return r.body, engineRID{}
+	case r.info.RID.OK():
+		return r.body, engineRID{bytes.Clone(r.body[r.info.RID.Start:r.info.RID.End]), batch}
+	}
+	body, rid := splice.InsertRID(append(make([]byte, 0, len(r.body)+splice.RIDLen+16), r.body...))
+	return body, engineRID{rid, batch}
+}
+
+// spliceRID gives body, the injected PD body (a buffer of its own), the
+// client's rid or a fresh one, so that both legs carry the same.
+func (s *Server) spliceRID(r *request, body []byte, batch int) ([]byte, engineRID) {
+	switch {
+	case s.cfg.AbortTimeout == 0:
+		return body, engineRID{}
+	case r.info.RID.OK():
+		return body, engineRID{bytes.Clone(r.body[r.info.RID.Start:r.info.RID.End]), batch}
+	}
+	body, rid := splice.InsertRID(body)
+	return body, engineRID{rid, batch}
+}
+
+// abortIfHeld is called as l closes: an engine that was sent the request
+// and has not finished answering it still holds it if the leg's scope was
+// cut short.
+func (l *leg) abortIfHeld() {
+	if l.rid.val == nil || l.sc == nil || l.sc.Cause() == nil {
+		return
+	}
+	if l.resp != nil && (l.resp.eof || l.resp.StatusCode/100 != 2) {
+		return // the engine is done with it
+	}
+	l.s.abortEngine(l.w, l.rid)
+}
+
+// abortEngine sends w the aborts for rid on a goroutine of their own.
+func (s *Server) abortEngine(w *balancer.Worker, rid engineRID) {
+	if s.aborts.inFlight.Add(1) > maxAbortsInFlight {
+		s.aborts.inFlight.Add(-1)
+		s.log.Warn("engine abort shed: too many under way", zap.String("worker", w.URL))
+		return
+	}
+	s.background.Add(1)
+	go s.sendAborts(w.URL, w.APIKey, rid)
+}
+
+func (s *Server) sendAborts(url, apiKey string, rid engineRID) {
+	defer s.background.Done()
+	defer s.aborts.inFlight.Add(-1)
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.AbortTimeout)
+	defer cancel()
+	splice.RIDs(rid.val, rid.batch, maxAbortsPerLeg, func(v []byte) {
+		body := append(append(make([]byte, 0, len(v)+9), `{"rid":`...), v...)
+		body = append(body, '}')
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/abort_request", bytes.NewReader(body))
+		if err != nil {
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		if apiKey != "" {
+			req.Header.Set("Authorization", "Bearer "+apiKey)
+		}
+		resp, err := s.infoCalls.Do(req)
+		if err != nil {
+			s.log.Debug("engine abort failed", zap.String("worker", url), zap.ByteString("rid", v), zap.Error(err))
+			return
+		}
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+		if resp.StatusCode/100 != 2 {
+			s.log.Debug("engine abort refused", zap.String("worker", url), zap.ByteString("rid", v), zap.Int("status", resp.StatusCode))
+		}
+	})
+}

@@ -1,0 +1,84 @@
+package splice
+
+import (
+	"encoding/hex"
+	"math/rand/v2"
+	"strconv"
+)
+
+// RIDLen is the length of a rid the router makes up: 32 hex digits, the
+// shape of SGLang's own (uuid4().hex).
+const RIDLen = 32
+
+// InsertRID adds "rid":"<fresh id>" before the closing brace of obj, a
+// validated JSON object without a rid, growing obj in place. It returns the
+// object and the rid's JSON value (quotes included) inside it.
+func InsertRID(obj []byte) (out, rid []byte) {
+	var field [8 + RIDLen + 1]byte // ,"rid":"…"
+	copy(field[:], `,"rid":"`)
+	var raw [RIDLen / 2]byte
+	for i := 0; i < len(raw); i += 8 {
+		v := rand.Uint64()
+		for j := range 8 {
+			raw[i+j] = byte(v >> (8 * j))
+		}
+	}
+	hex.Encode(field[8:8+RIDLen], raw[:])
+	field[len(field)-1] = '"'
+	ins := field[:]
+	closing := lastBrace(obj)
+	if isEmptyObject(obj, closing) {
+		ins = ins[1:] // no comma in {}
+	}
+	n := len(obj)
+	obj = append(obj, ins...)
+	copy(obj[closing+len(ins):], obj[closing:n]) // the brace and what follows it
+	copy(obj[closing:], ins)
+	valStart := closing + len(ins) - RIDLen - 2
+	return obj, obj[valStart : closing+len(ins)]
+}
+
+// RIDs calls fn with each request id a rid value names, as SGLang expands
+// it: a string is itself, or for a batch of n prompts "<rid>_0".."<rid>_n-1";
+// an array names each string element. Values are JSON strings, quotes and
+// escapes kept, ready to be sent back. Other values name nothing. At most
+// limit ids are named.
+func RIDs(val []byte, batch, limit int, fn func(rid []byte)) {
+	if len(val) < 2 {
+		return
+	}
+	switch val[0] {
+	case '"':
+		if batch <= 1 {
+			fn(val)
+			return
+		}
+		buf := make([]byte, 0, len(val)+8)
+		for i := range min(batch, limit) {
+			buf = append(buf[:0], val[:len(val)-1]...)
+			buf = append(buf, '_')
+			buf = strconv.AppendInt(buf, int64(i), 10)
+			fn(append(buf, '"'))
+		}
+	case '[':
+		s := scanner{b: val, i: 1}
+		for n := 0; n < limit; {
+			s.skipWS()
+			if s.i >= len(s.b) || s.b[s.i] == ']' {
+				return
+			}
+			start := s.i
+			if s.value(1) != nil {
+				return
+			}
+			if s.b[start] == '"' {
+				fn(s.b[start:s.i])
+				n++
+			}
+			s.skipWS()
+			if s.i < len(s.b) && s.b[s.i] == ',' {
+				s.i++
+			}
+		}
+	}
+}

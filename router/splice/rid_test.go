@@ -1,0 +1,66 @@
+package splice
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+func TestInsertRID(t *testing.T) {
+	for _, body := range []string{`{"text":"hi"}`, `{}`, "{ }\n", `{"a":{"b":1}}  `} {
+		out, rid := InsertRID([]byte(body))
+		var m map[string]any
+		if err := json.Unmarshal(out, &m); err != nil {
+			t.Fatalf("%q -> %q: %v", body, out, err)
+		}
+		got, _ := m["rid"].(string)
+		if len(got) != RIDLen || strings.Trim(got, "0123456789abcdef") != "" {
+			t.Fatalf("%q -> rid %q", out, got)
+		}
+		if string(rid) != `"`+got+`"` {
+			t.Fatalf("returned value %s, body has %q", rid, got)
+		}
+	}
+	_, a := InsertRID([]byte(`{}`))
+	_, b := InsertRID([]byte(`{}`))
+	if string(a) == string(b) {
+		t.Fatal("two rids alike")
+	}
+}
+
+func TestRIDs(t *testing.T) {
+	collect := func(val string, batch, limit int) []string {
+		var out []string
+		RIDs([]byte(val), batch, limit, func(r []byte) { out = append(out, string(r)) })
+		return out
+	}
+	for _, c := range []struct {
+		val          string
+		batch, limit int
+		want         string
+	}{
+		{`"abc"`, 1, 8, `"abc"`},
+		{`"abc"`, 3, 8, `"abc_0" "abc_1" "abc_2"`},
+		{`"abc"`, 3, 2, `"abc_0" "abc_1"`},
+		{`["x", 5, "y\"z"]`, 3, 8, `"x" "y\"z"`},
+		{`["x","y"]`, 2, 1, `"x"`},
+		{`[]`, 1, 8, ``},
+		{`null`, 1, 8, ``},
+		{`12`, 1, 8, ``},
+	} {
+		if got := strings.Join(collect(c.val, c.batch, c.limit), " "); got != c.want {
+			t.Errorf("RIDs(%s, %d, %d) = %s, want %s", c.val, c.batch, c.limit, got, c.want)
+		}
+	}
+}
+
+func TestInspectRecordsRID(t *testing.T) {
+	body := []byte(`{"text":"a","rid":"r1"}`)
+	var info Info
+	if err := Inspect(body, &info); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(body[info.RID.Start:info.RID.End]); got != `"r1"` {
+		t.Fatalf("rid span %q", got)
+	}
+}
