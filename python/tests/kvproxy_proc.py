@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -84,3 +85,4 @@ class KVProxy:
                 self.p.wait()
         self.p.stdout.close()
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
