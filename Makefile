@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu
+.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu chaos
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -21,6 +21,11 @@ test: deps
 	$(GO) test -race -count=1 -timeout 12m ./...
 	cd deploy/helm && $(GO) vet ./... && $(GO) test -count=1 ./...
 	@scripts/test-kv-sglang.sh
+
+# chaos: issue 13's attacks (fd exhaustion, slowloris, invented methods, HELLO
+# flood) against the real binaries at full size; `make test` runs a short pass.
+chaos: deps
+	CHAOS_FULL=1 $(GO) test -count=1 -v -timeout 5m ./internal/chaos
 
 # SGLang 0.5.23's own PD code moving KV through kvproxy (and through Mooncake's
 # engine); the first run installs a cached venv (~6 GB, a few minutes).
