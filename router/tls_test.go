@@ -2,6 +2,8 @@ package router
 
 import (
 	"context"
+	"io"
+	"log"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -16,7 +18,9 @@ import (
 func TestInfoClientLogsTLSFailures(t *testing.T) {
 	plain := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
 	defer plain.Close()
-	secure := httptest.NewTLSServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	secure := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	secure.Config.ErrorLog = log.New(io.Discard, "", 0) // the handshake failures are the point
+	secure.StartTLS()
 	defer secure.Close()
 	core, logs := observer.New(zap.ErrorLevel)
 	c := newInfoClient(nil, time.Second, zap.New(core))
