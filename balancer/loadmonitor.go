@@ -3,13 +3,14 @@ package balancer
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"sync"
 	"time"
 )
 
-// loadMonitor polls GET /get_load on every worker for power_of_two
+// loadMonitor polls every worker's load (FetchLoad) for power_of_two
 // (spec §4.3). Each reading is stored with the router's in-flight count at
 // that moment, so Worker.EstimatedLoad can add what was routed since.
 type loadMonitor struct {
@@ -34,24 +35,74 @@ func (lm *loadMonitor) poll(ctx context.Context) {
 	wg.Wait()
 }
 
-// FetchLoad reads one worker's /get_load: the sum of num_tokens over
-// SGLang's per-DP-rank array, or the older {"load": n}.
+// FetchLoad reads one worker's load: SGLang's GET /v1/loads?include=core
+// (sgl-project/sglang#16976), or for an engine without it (404 or 405, then
+// remembered) the deprecated /get_load.
 func FetchLoad(ctx context.Context, c *http.Client, w *Worker, timeout time.Duration) (int64, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	resp, err := get(ctx, c, w.URL+"/get_load", w.APIKey)
+	if !w.st.legacyLoad.Load() {
+		body, status, err := getBody(ctx, c, w, "/v1/loads?include=core")
+		switch {
+		case err != nil:
+			return 0, err
+		case status == http.StatusNotFound || status == http.StatusMethodNotAllowed:
+			w.st.legacyLoad.Store(true)
+		case status/100 != 2:
+			return 0, &statusError{status}
+		default:
+			return parseLoads(body)
+		}
+	}
+	body, status, err := getBody(ctx, c, w, "/get_load")
 	if err != nil {
 		return 0, err
+	}
+	if status/100 != 2 {
+		return 0, &statusError{status}
+	}
+	return parseLoad(body)
+}
+
+func getBody(ctx context.Context, c *http.Client, w *Worker, path string) ([]byte, int, error) {
+	resp, err := get(ctx, c, w.URL+path, w.APIKey)
+	if err != nil {
+		return nil, 0, err
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	if err != nil {
+	return body, resp.StatusCode, err
+}
+
+// rankLoad is one DP rank of /v1/loads. num_total_tokens (used tokens plus
+// pending prefill, what SGLang balances its DP ranks by) is preferred;
+// older 0.5.x releases report num_used_tokens only.
+type rankLoad struct {
+	NumTotalTokens *int64 `json:"num_total_tokens"`
+	NumUsedTokens  *int64 `json:"num_used_tokens"`
+}
+
+// parseLoads sums the ranks of a /v1/loads reply.
+func parseLoads(body []byte) (int64, error) {
+	var v struct {
+		Loads *[]rankLoad `json:"loads"`
+	}
+	if err := json.Unmarshal(body, &v); err != nil {
 		return 0, err
 	}
-	if resp.StatusCode/100 != 2 {
-		return 0, &statusError{resp.StatusCode}
+	if v.Loads == nil {
+		return 0, errors.New("/v1/loads reply has no loads")
 	}
-	return parseLoad(body)
+	var sum int64
+	for _, r := range *v.Loads {
+		switch {
+		case r.NumTotalTokens != nil:
+			sum += *r.NumTotalTokens
+		case r.NumUsedTokens != nil:
+			sum += *r.NumUsedTokens
+		}
+	}
+	return sum, nil
 }
 
 type statusError struct{ code int }

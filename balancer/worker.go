@@ -86,6 +86,7 @@ type workerState struct {
 	reported   atomic.Int64
 	loadAtPoll atomic.Int64
 	reportedOK atomic.Bool
+	legacyLoad atomic.Bool // the engine has no /v1/loads: poll /get_load
 }
 
 // NewWorker builds a worker from its base URL. The worker starts healthy;

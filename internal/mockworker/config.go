@@ -60,6 +60,8 @@ type Config struct {
 	// RecordLimit is how many generation requests /_mock/requests keeps;
 	// 0 = 1000, negative = record nothing (for benchmarks with big bodies).
 	RecordLimit int
+	// NoV1Loads answers GET /v1/loads 404, as an engine older than it.
+	NoV1Loads bool
 
 	KV KVTransfer // nil = no KV transfer
 
@@ -139,6 +141,7 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.Int64Var(&c.Seed, "seed", 0, "random seed (0 = time-based)")
 	fs.IntVar(&c.BootstrapPort, "bootstrap-port", DefaultBootstrapPort, "bootstrap port assumed for a null bootstrap_port")
 	fs.IntVar(&c.RecordLimit, "record-requests", DefaultRecordLimit, "generation requests kept for /_mock/requests (negative = none)")
+	fs.BoolVar(&c.NoV1Loads, "no-v1-loads", false, "answer GET /v1/loads 404 (an engine with /get_load only)")
 	var tlsFlags TLS
 	fs.StringVar(&tlsFlags.CertFile, "tls-cert", "", "serve HTTPS with this PEM certificate (needs --tls-key)")
 	fs.StringVar(&tlsFlags.KeyFile, "tls-key", "", "PEM private key of --tls-cert")

@@ -30,6 +30,7 @@
 //	--health-flap D                they alternate 200 and 503 every D
 //	--bootstrap-port N             port assumed for "bootstrap_port": null (8998)
 //	--record-requests N            requests kept by /_mock/requests (1000; <0 none)
+//	--no-v1-loads                  GET /v1/loads answers 404 (only /get_load)
 //	--tls-cert F --tls-key F       serve HTTPS (URL() is then https://)
 //	--tls-client-ca F              and require client certificates signed by F (mTLS)
 //
@@ -62,7 +63,9 @@
 // Info routes: GET /v1/models, /get_model_info, /model_info, /get_server_info,
 // /server_info (disaggregation_mode is the role or "null"), /get_load
 // ([{"dp_rank":0,"num_reqs","num_waiting_reqs":0,"num_tokens"}] from requests
-// in flight), /health, /health_generate, /metrics (sglang:* series),
+// in flight), /v1/loads (SGLang's newer shape: {"loads":[{"dp_rank":0,
+// "num_used_tokens","num_total_tokens",...}],"aggregate"}; dp_rank= and
+// include= checked), /health, /health_generate, /metrics (sglang:* series),
 // GET|POST /flush_cache.
 //
 // # PD roles

@@ -78,6 +78,7 @@ func (s *Server) serverInfo(w http.ResponseWriter, _ *http.Request) {
 
 // load serves SGLang's /get_load: one entry per DP rank.
 func (s *Server) load(w http.ResponseWriter, _ *http.Request) {
+	s.polls.legacy.Add(1)
 	st, tokens, _, _ := s.rec.snapshot()
 	s.writeAny(w, []map[string]int64{{"dp_rank": 0, "num_reqs": st.InFlight, "num_waiting_reqs": 0, "num_tokens": tokens}})
 }

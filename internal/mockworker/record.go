@@ -39,6 +39,9 @@ type Stats struct {
 	ClientGone int64 `json:"client_gone"`
 	Completed  int64 `json:"completed"`
 	Errors     int64 `json:"errors"`
+	// Calls of GET /v1/loads and of the deprecated GET /get_load (not reset).
+	V1LoadPolls  int64 `json:"v1_load_polls"`
+	GetLoadPolls int64 `json:"get_load_polls"`
 }
 
 // recorder keeps a ring of the last records and the counters. One mutex is

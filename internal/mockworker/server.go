@@ -26,6 +26,7 @@ type Server struct {
 	srv      *http.Server
 	rec      *recorder
 	aborts   abortLog
+	polls    loadPolls
 	started  time.Time
 
 	seq     atomic.Uint64 // response id counter
@@ -123,6 +124,7 @@ func (s *Server) Requests() []RecordedRequest { return s.rec.requests() }
 // Stats returns the generation request counters.
 func (s *Server) Stats() Stats {
 	st, _, _, _ := s.rec.snapshot()
+	st.V1LoadPolls, st.GetLoadPolls = s.polls.v1.Load(), s.polls.legacy.Load()
 	return st
 }
 
@@ -165,6 +167,7 @@ func (s *Server) routes() http.Handler {
 		"GET /get_server_info": s.serverInfo,
 		"GET /server_info":     s.serverInfo,
 		"GET /get_load":        s.load,
+		"GET /v1/loads":        s.v1Loads,
 		"/flush_cache":         s.flushCache, // SGLang accepts GET and POST
 		"POST /abort_request":  s.abortRequest,
 	}
