@@ -20,6 +20,7 @@ type leg struct {
 	w      *balancer.Worker
 	resp   *upstreamResponse // the reply, once its head has arrived
 	blame  bool              // no reply, and the worker is why (not a cancellation)
+	broke  bool              // the reply's body broke off, and the worker is why
 	closed bool
 	sc     *scope    // what the leg was sent under; its end may leave the engine busy
 	rid    engineRID // what the engine knows the request by (abort.go)
@@ -47,6 +48,14 @@ func (l *leg) send(sc *scope, path string, body, header []byte) error {
 	return nil
 }
 
+// bodyFailed records that the reply's body broke off before its end (a
+// 200 then a closed connection): a failure of the worker, unless the leg's
+// scope had ended (client gone, timeout, other leg failed), which is then
+// what cut the read.
+func (l *leg) bodyFailed() {
+	l.broke = l.sc.Cause() == nil
+}
+
 // close ends the leg; calls after the first do nothing. The breaker hears
 // the reply's status (PD counts a 4xx as the worker answering; regular
 // mode only a 2xx) or, without a reply, a failure the worker is blamed for.
@@ -59,8 +68,11 @@ func (l *leg) close() {
 	switch {
 	case l.resp != nil:
 		status := l.resp.StatusCode
-		l.w.Record(status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular))
-		if status/100 != 2 {
+		l.w.Record(!l.broke && (status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular)))
+		switch {
+		case l.broke:
+			l.s.bm.WorkerError(l.w, "body")
+		case status/100 != 2:
 			l.s.bm.WorkerError(l.w, "status_"+statusLabel(status))
 		}
 		l.resp.Close()

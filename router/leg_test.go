@@ -189,6 +189,31 @@ func sseThenHang(w http.ResponseWriter, r *http.Request) {
 	<-r.Context().Done()
 }
 
+// cutBody answers 200 with a Content-Length it does not keep: the
+// connection closes mid-body.
+func cutBody(w http.ResponseWriter, r *http.Request) {
+	c, buf, err := w.(http.Hijacker).Hijack()
+	if err != nil {
+		panic(err)
+	}
+	buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"text\":")
+	buf.Flush()
+	c.Close()
+}
+
+// sseThenClose sends one event, then closes the connection without ending
+// the chunked body.
+func sseThenClose(w http.ResponseWriter, r *http.Request) {
+	c, buf, err := w.(http.Hijacker).Hijack()
+	if err != nil {
+		panic(err)
+	}
+	buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+	buf.WriteString("13\r\ndata: {\"text\":\"a\"}\n\n\r\n")
+	buf.Flush()
+	c.Close()
+}
+
 // legRequest is how a test request ends: its body, whether the client
 // leaves, the router's request timeout and the status the client gets.
 type legRequest struct {
@@ -236,6 +261,8 @@ func TestLegAccountingRegular(t *testing.T) {
 		{"client gone", hang, legRequest{cut: true}, legWant{}},
 		{"timeout", hang, legRequest{timeout: 300 * time.Millisecond, status: 504}, legWant{failed: 1, errorType: "connect"}},
 		{"stream cut by the client", sseThenHang, legRequest{body: stream, cut: true}, legWant{ok: 1}},
+		{"body cut by the worker", cutBody, legRequest{status: 502}, legWant{failed: 1, errorType: "body"}},
+		{"stream cut by the worker", sseThenClose, legRequest{body: stream, status: 200}, legWant{failed: 1, errorType: "body"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			url := legWorker(t, c.worker)
@@ -291,6 +318,10 @@ func TestLegAccountingPD(t *testing.T) {
 			legWant{failed: 1, errorType: "status_500"}, legWant{}},
 		{"decode error", answer(200), after(100*time.Millisecond, answer(503)), legRequest{status: 503},
 			legWant{ok: 1}, legWant{failed: 1, errorType: "status_503"}},
+		{"prefill body cut", cutBody, hang, legRequest{status: 502},
+			legWant{failed: 1, errorType: "body"}, legWant{}},
+		{"decode body cut", answer(200), after(100*time.Millisecond, cutBody), legRequest{status: 502},
+			legWant{ok: 1}, legWant{failed: 1, errorType: "body"}},
 		{"client gone", hang, hang, legRequest{cut: true}, legWant{}, legWant{}},
 		{"timeout", hang, hang, legRequest{timeout: 300 * time.Millisecond, status: 504},
 			legWant{failed: 1, errorType: "connect"}, legWant{failed: 1, errorType: "connect"}},

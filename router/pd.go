@@ -124,6 +124,7 @@ func (a *attempt) readPrefill(r *request, body []byte) (*apiError, []byte) {
 		_, err = io.Copy(io.Discard, l.resp)
 	}
 	if err != nil && a.scope.Err() == nil {
+		l.bodyFailed()
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, nil
 	}
 	return nil, out

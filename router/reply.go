@@ -16,6 +16,7 @@ func (s *Server) reply(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt)
 	}
 	defer l.close()
 	if err := readReply(ctx, l.resp); err != nil {
+		l.bodyFailed()
 		if f := a.failure(); f != nil {
 			return f, false
 		}
@@ -27,7 +28,7 @@ func (s *Server) reply(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt)
 		if a != nil {
 			side = "decode"
 		}
-		return &apiError{Status: 500, Code: "read_response_failed", Message: "Failed to read " + side + " response: " + err.Error()}, false
+		return &apiError{Status: 502, Code: "read_response_failed", Message: "Failed to read " + side + " response: " + err.Error()}, false
 	}
 	if prefill, ok := a.logprobs(r); ok {
 		ctx.SetBody(mergeLogprobsJSON(prefill, ctx.Response.Body()))

@@ -118,6 +118,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		}
 		return nil
 	}
+	sr.leg.bodyFailed()
 	e := sr.attempt.failure()
 	if e == nil {
 		if sr.r.clientGone() {
