@@ -267,6 +267,8 @@ func (s *Server) route(ctx *fasthttp.RequestCtx, path, method string) string {
 		}
 	case "/get_loads":
 		s.controlPlane(ctx, func() { s.getLoads(ctx) })
+	case "/doctor":
+		s.controlPlane(ctx, func() { s.doctor(ctx) })
 	case "/engine_metrics":
 		s.engineMetrics(ctx)
 	default:

@@ -30,6 +30,9 @@ import (
 func main() { os.Exit(run(os.Args[1:])) }
 
 func run(args []string) int {
+	if len(args) > 0 && args[0] == "doctor" {
+		return runDoctor(args[1:], os.Stdout, os.Stderr)
+	}
 	p, o := newParser()
 	if err := p.Parse(args); err != nil {
 		if err == cli.ErrHelp {

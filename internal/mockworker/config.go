@@ -62,6 +62,9 @@ type Config struct {
 	RecordLimit int
 	// NoV1Loads answers GET /v1/loads 404, as an engine older than it.
 	NoV1Loads bool
+	// Engine is what /server_info reports of the engine's layout; zero
+	// fields are DefaultEngine's.
+	Engine EngineInfo
 
 	KV KVTransfer // nil = no KV transfer
 
@@ -71,7 +74,41 @@ type Config struct {
 	Exit func(code int)
 }
 
+// EngineInfo is the layout a PD pair must agree on for KV to move, as
+// SGLang's /server_info names it (the doctor compares them).
+type EngineInfo struct {
+	PageSize        int    // page_size
+	KVCacheDtype    string // kv_cache_dtype
+	TPSize          int    // tp_size
+	DPSize          int    // dp_size (reported only: the mock serves one rank)
+	TransferBackend string // disaggregation_transfer_backend
+}
+
+// DefaultEngine is SGLang's defaults.
+var DefaultEngine = EngineInfo{PageSize: 1, KVCacheDtype: "auto", TPSize: 1, DPSize: 1, TransferBackend: "mooncake"}
+
+func (e EngineInfo) withDefaults() EngineInfo {
+	d := DefaultEngine
+	if e.PageSize != 0 {
+		d.PageSize = e.PageSize
+	}
+	if e.KVCacheDtype != "" {
+		d.KVCacheDtype = e.KVCacheDtype
+	}
+	if e.TPSize != 0 {
+		d.TPSize = e.TPSize
+	}
+	if e.DPSize != 0 {
+		d.DPSize = e.DPSize
+	}
+	if e.TransferBackend != "" {
+		d.TransferBackend = e.TransferBackend
+	}
+	return d
+}
+
 func (c Config) withDefaults() (Config, error) {
+	c.Engine = c.Engine.withDefaults()
 	if c.Role == "" {
 		c.Role = RoleRegular
 	}
@@ -101,6 +138,8 @@ func (c Config) withDefaults() (Config, error) {
 	switch {
 	case c.Port < 0 || c.Port > 65535:
 		return c, fmt.Errorf("invalid port %d", c.Port)
+	case c.Engine.PageSize < 0 || c.Engine.TPSize < 0 || c.Engine.DPSize < 0:
+		return c, errors.New("page-size, tp-size and dp-size must not be negative")
 	case c.Tokens < 0:
 		return c, fmt.Errorf("invalid tokens %d", c.Tokens)
 	case c.TokenDelay < 0 || c.PrefillDelay < 0 || c.HealthFailAfter < 0 || c.HealthFlap < 0:
@@ -142,6 +181,11 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.IntVar(&c.BootstrapPort, "bootstrap-port", DefaultBootstrapPort, "bootstrap port assumed for a null bootstrap_port")
 	fs.IntVar(&c.RecordLimit, "record-requests", DefaultRecordLimit, "generation requests kept for /_mock/requests (negative = none)")
 	fs.BoolVar(&c.NoV1Loads, "no-v1-loads", false, "answer GET /v1/loads 404 (an engine with /get_load only)")
+	fs.IntVar(&c.Engine.PageSize, "page-size", 0, "page_size in /server_info (default 1)")
+	fs.StringVar(&c.Engine.KVCacheDtype, "cache-dtype", "", "kv_cache_dtype in /server_info (default auto; not --kv-…, which cmd/mockworker gives the KV engine)")
+	fs.IntVar(&c.Engine.TPSize, "tp-size", 0, "tp_size in /server_info (default 1)")
+	fs.IntVar(&c.Engine.DPSize, "dp-size", 0, "dp_size in /server_info (default 1)")
+	fs.StringVar(&c.Engine.TransferBackend, "transfer-backend", "", "disaggregation_transfer_backend in /server_info (default mooncake)")
 	var tlsFlags TLS
 	fs.StringVar(&tlsFlags.CertFile, "tls-cert", "", "serve HTTPS with this PEM certificate (needs --tls-key)")
 	fs.StringVar(&tlsFlags.KeyFile, "tls-key", "", "PEM private key of --tls-cert")

@@ -31,6 +31,8 @@
 //	--bootstrap-port N             port assumed for "bootstrap_port": null (8998)
 //	--record-requests N            requests kept by /_mock/requests (1000; <0 none)
 //	--no-v1-loads                  GET /v1/loads answers 404 (only /get_load)
+//	--page-size, --cache-dtype (kv_cache_dtype), --tp-size, --dp-size, --transfer-backend
+//	                               what /server_info reports (1, auto, 1, 1, mooncake)
 //	--tls-cert F --tls-key F       serve HTTPS (URL() is then https://)
 //	--tls-client-ca F              and require client certificates signed by F (mTLS)
 //

@@ -61,18 +61,21 @@ func (s *Server) disaggregationMode() string {
 func (s *Server) serverInfo(w http.ResponseWriter, _ *http.Request) {
 	st, tokens, _, _ := s.rec.snapshot()
 	s.writeAny(w, map[string]any{
-		"served_model_name":             s.cfg.Model,
-		"model_path":                    s.cfg.Model,
-		"tokenizer_path":                s.cfg.Model,
-		"disaggregation_mode":           s.disaggregationMode(),
-		"disaggregation_bootstrap_port": s.cfg.BootstrapPort,
-		"dp_size":                       1,
-		"tp_size":                       1,
-		"host":                          s.cfg.Host,
-		"port":                          s.ln.Addr().(*net.TCPAddr).Port,
-		"worker_id":                     s.workerID,
-		"version":                       "mock",
-		"internal_states":               []map[string]any{{"num_running_reqs": st.InFlight, "num_used_tokens": tokens}},
+		"served_model_name":               s.cfg.Model,
+		"model_path":                      s.cfg.Model,
+		"tokenizer_path":                  s.cfg.Model,
+		"disaggregation_mode":             s.disaggregationMode(),
+		"disaggregation_bootstrap_port":   s.cfg.BootstrapPort,
+		"dp_size":                         s.cfg.Engine.DPSize,
+		"tp_size":                         s.cfg.Engine.TPSize,
+		"page_size":                       s.cfg.Engine.PageSize,
+		"kv_cache_dtype":                  s.cfg.Engine.KVCacheDtype,
+		"disaggregation_transfer_backend": s.cfg.Engine.TransferBackend,
+		"host":                            s.cfg.Host,
+		"port":                            s.ln.Addr().(*net.TCPAddr).Port,
+		"worker_id":                       s.workerID,
+		"version":                         "mock",
+		"internal_states":                 []map[string]any{{"num_running_reqs": st.InFlight, "num_used_tokens": tokens}},
 	})
 }
 
