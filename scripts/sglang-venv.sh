@@ -9,17 +9,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 req=python/harness/requirements-sglang.txt
 mooncake_req="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+uv_version=0.13.9
 py=${PYTHON:-python3}
-key=$( (cat "$req"; echo "$mooncake_req"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+key=$( (cat "$req"; echo "$mooncake_req" "$uv_version"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 root=${PDROUTER_VENV_CACHE:-$HOME/.cache/pdrouter-venv}/$key
 venv=$root/venv
 if [ ! -e "$root/.complete" ]; then
-	echo "sglang-venv: installing into $root (first run: about 5 minutes, ~6 GB with torch's CUDA wheels)" >&2
+	echo "sglang-venv: installing into $root (first run: about 2-3 minutes, ~6 GB with torch's CUDA wheels)" >&2
 	rm -rf "$root"
 	mkdir -p "$root"
 	$py -m venv "$venv"
-	"$venv/bin/pip" install -q --no-deps -r "$req" >&2
-	"$venv/bin/pip" install -q --no-deps --target "$root/mooncake" "$mooncake_req" >&2
+	# uv fetches the ~5 GB of wheels in parallel: 1m50s here against pip's 6m40s.
+	"$venv/bin/pip" install -q uv==$uv_version >&2
+	uv() { UV_CACHE_DIR=$root/uv-cache "$venv/bin/uv" pip install -q --python "$venv/bin/python" --no-deps "$@" >&2; }
+	uv -r "$req"
+	uv --target "$root/mooncake" "$mooncake_req"
+	rm -rf "$root/uv-cache"
 	touch "$root/.complete"
 fi
 # python/ changes with the tree: install it when its hash moved.
