@@ -3,6 +3,8 @@ package router
 import (
 	"context"
 	"errors"
+	"slices"
+	"sync"
 
 	"github.com/pdrouter/pdrouter/balancer"
 )
@@ -22,14 +24,64 @@ type leg struct {
 	blame  bool              // no reply, and the worker is why (not a cancellation)
 	broke  bool              // the reply's body broke off, and the worker is why
 	closed bool
-	sc     *scope    // what the leg was sent under; its end may leave the engine busy
-	rid    engineRID // what the engine knows the request by (abort.go)
+	failed *failedWorkers // the client request's: its failure reaches each worker's breaker once
+	sc     *scope         // what the leg was sent under; its end may leave the engine busy
+	rid    engineRID      // what the engine knows the request by (abort.go)
 }
 
-// open binds the leg to w and takes w's load slot.
-func (l *leg) open(s *Server, w *balancer.Worker) {
-	*l = leg{s: s, w: w}
+// open binds the leg of a client request that has failed on failed to w
+// and takes w's load slot.
+func (l *leg) open(s *Server, w *balancer.Worker, failed *failedWorkers) {
+	*l = leg{s: s, w: w, failed: failed}
 	w.IncLoad()
+}
+
+// failedWorkers are the workers a client request's legs failed on. However
+// many attempts a request makes, each worker's breaker hears of its
+// failure once, and retries prefer the workers not in the set. Legs of one
+// attempt close on different goroutines, hence the lock.
+type failedWorkers struct {
+	mu sync.Mutex
+	ws []*balancer.Worker
+}
+
+// add reports whether w is new to the set.
+func (f *failedWorkers) add(w *balancer.Worker) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if slices.Contains(f.ws, w) {
+		return false
+	}
+	f.ws = append(f.ws, w)
+	return true
+}
+
+// without is avail less the failed workers, or avail itself when nothing
+// would be left (a lone worker is still retried).
+func (f *failedWorkers) without(avail []*balancer.Worker) []*balancer.Worker {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.ws) == 0 {
+		return avail
+	}
+	fresh := make([]*balancer.Worker, 0, len(avail))
+	for _, w := range avail {
+		if !slices.Contains(f.ws, w) {
+			fresh = append(fresh, w)
+		}
+	}
+	if len(fresh) == 0 {
+		return avail
+	}
+	return fresh
+}
+
+// record tells the breaker the leg's outcome; a failure only the first
+// time this worker fails the client request.
+func (l *leg) record(ok bool) {
+	if ok || l.failed == nil || l.failed.add(l.w) {
+		l.w.Record(ok)
+	}
 }
 
 // send posts body to the leg's worker under sc and waits for the reply's
@@ -68,7 +120,7 @@ func (l *leg) close() {
 	switch {
 	case l.resp != nil:
 		status := l.resp.StatusCode
-		l.w.Record(!l.broke && (status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular)))
+		l.record(!l.broke && (status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular)))
 		switch {
 		case l.broke:
 			l.s.bm.WorkerError(l.w, "body")
@@ -77,7 +129,7 @@ func (l *leg) close() {
 		}
 		l.resp.Close()
 	case l.blame:
-		l.w.Record(false)
+		l.record(false)
 		l.s.bm.WorkerError(l.w, "connect")
 	}
 	l.w.DecLoad()

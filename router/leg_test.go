@@ -303,6 +303,51 @@ func TestLegAccountingRetry(t *testing.T) {
 	}
 }
 
+// One client request's retries tell a worker's breaker of its failure
+// once, and go to a worker the request has not failed on.
+func TestRetriesChargeEachWorkerOnce(t *testing.T) {
+	var hits atomic.Int32
+	lone := legWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		hits.Add(1)
+		answer(503)(w, r)
+	})
+	cfg := legRegularConfig(lone)
+	cfg.Retry.MaxRetries, cfg.Retry.InitialBackoff, cfg.Retry.MaxBackoff = 5, time.Millisecond, time.Millisecond
+	cfg.Manager.Breaker.FailureThreshold = 2
+	e := startLegEnv(t, cfg)
+	if status, body, _ := e.post(t, context.Background(), `{"text":"x"}`); status != 503 {
+		t.Fatalf("status %d %s, want the worker's 503", status, body)
+	}
+	e.settle(t)
+	if hits.Load() != 5 {
+		t.Fatalf("lone worker saw %d attempts, want 5 (it is still retried)", hits.Load())
+	}
+	if _, failed := e.outcomes(t, lone); failed != 1 {
+		t.Errorf("breaker heard %v failures from one client request, want 1", failed)
+	}
+
+	// Two workers, one failing: the retry never goes back to it.
+	var failingHits atomic.Int32
+	failing := legWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		failingHits.Add(1)
+		answer(503)(w, r)
+	})
+	healthy := legWorker(t, answer(200))
+	cfg = legRegularConfig(failing, healthy)
+	cfg.Policy = "random"
+	cfg.Retry.MaxRetries, cfg.Retry.InitialBackoff = 3, time.Millisecond
+	e = startLegEnv(t, cfg)
+	for range 20 {
+		before := failingHits.Load()
+		if status, body, err := e.post(t, context.Background(), `{"text":"x"}`); err != nil || status != 200 {
+			t.Fatalf("status %d %s, err %v", status, body, err)
+		}
+		if n := failingHits.Load() - before; n > 1 {
+			t.Fatalf("one request went to the failing worker %d times", n)
+		}
+	}
+}
+
 // In PD mode a leg cancelled because the other failed is not blamed.
 func TestLegAccountingPD(t *testing.T) {
 	for _, c := range []struct {
@@ -346,7 +391,7 @@ func TestLegClosesOnce(t *testing.T) {
 	w := balancer.NewWorker(url, balancer.Regular, balancer.NoBootstrapPort)
 
 	var l leg
-	l.open(s, w)
+	l.open(s, w, nil)
 	sc := &scope{}
 	sc.cancel(errRequestTimeout) // a timeout is the worker's failure
 	if err := l.send(sc, "/generate", nil, nil); err == nil {
@@ -358,7 +403,7 @@ func TestLegClosesOnce(t *testing.T) {
 		t.Errorf("closed twice: %d breaker failures, load %d; want 1 and 0", fails, w.Load())
 	}
 
-	l.open(s, w)
+	l.open(s, w, nil)
 	sc = &scope{}
 	sc.cancel(errClientGone) // not the worker's
 	l.send(sc, "/generate", nil, nil)

@@ -39,6 +39,11 @@ func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
 	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
 }
 
+// writeGrace is how long past --request-timeout-secs a response may still
+// be written: the request timeout's own end (a stream's error event) goes
+// out first, and a client that stopped reading is cut just after.
+const writeGrace = 2 * time.Second
+
 // overLimitRefusal is what a connection over --max-connections reads
 // before it is closed.
 var overLimitRefusal = func() []byte {

@@ -43,10 +43,10 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balancer.Worker, fail *apiError) {
 	snap := s.reg.Snapshot()
 	pr := s.policyRequest(ctx, r)
-	if pw, fail = s.pick(snap, balancer.Prefill, pr); fail != nil {
+	if pw, fail = s.pick(snap, balancer.Prefill, r, pr); fail != nil {
 		return nil, nil, fail
 	}
-	dw, fail = s.pick(snap, balancer.Decode, pr)
+	dw, fail = s.pick(snap, balancer.Decode, r, pr)
 	return pw, dw, fail
 }
 
@@ -79,7 +79,7 @@ type attempt struct {
 func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte, rid engineRID) *attempt {
 	a := &attempt{done: make(chan struct{}), rid: rid}
 	a.scope.inherit(&r.scope)
-	a.prefill.open(s, pw)
+	a.prefill.open(s, pw, &r.failed)
 	a.prefill.rid = rid
 	r.hold()
 	s.background.Add(1)
@@ -166,7 +166,7 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 // gone).
 func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker, body []byte) (*apiError, bool) {
 	l := &r.leg
-	l.open(s, dw)
+	l.open(s, dw, &r.failed)
 	l.rid = a.rid
 	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
 		l.close()

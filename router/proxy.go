@@ -183,12 +183,15 @@ func (r *request) routingText() []byte {
 	return splice.FirstString(r.body, r.info.Text)
 }
 
-func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, pr *balancer.Request) (*balancer.Worker, *apiError) {
+// pick selects a worker of type t for r, preferring those r has not
+// failed on yet.
+func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, r *request, pr *balancer.Request) (*balancer.Worker, *apiError) {
 	p := s.policies[t]
 	avail := snap.Available(t)
 	if len(avail) == 0 {
 		return nil, selectionError(t.String(), len(snap.ByType[t]))
 	}
+	avail = r.failed.without(avail)
 	w, err := p.Select(avail, pr)
 	if err != nil || w == nil {
 		return nil, &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + p.Name() + " policy made no selection"}

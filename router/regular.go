@@ -11,7 +11,7 @@ import (
 
 // regularAttempt sends the body unchanged to one worker (non-PD mode).
 func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, bool) {
-	w, fail := s.pick(s.reg.Snapshot(), balancer.Regular, s.policyRequest(ctx, r))
+	w, fail := s.pick(s.reg.Snapshot(), balancer.Regular, r, s.policyRequest(ctx, r))
 	if fail != nil {
 		return fail, false
 	}
@@ -21,7 +21,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	}
 	body, rid := s.requestRID(r)
 	l := &r.leg
-	l.open(s, w)
+	l.open(s, w, &r.failed)
 	l.rid = rid
 	if err := l.send(&r.scope, r.path, body, header); err != nil {
 		l.close()

@@ -38,6 +38,8 @@ type request struct {
 	conn    net.Conn
 
 	track tracking // the inflight tracker's, guarded by its lock
+
+	failed failedWorkers // workers this request's legs failed on (leg.go)
 }
 
 // newRequest keeps the client's body in place: everything that outlives the

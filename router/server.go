@@ -118,7 +118,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		ReadTimeout:                   cfg.HeaderReadTimeout,
 		HeaderReceived:                s.bodyDeadline,
 		IdleTimeout:                   cfg.IdleConnectionTimeout,
-		WriteTimeout:                  cfg.RequestTimeout, // a client that stops reading frees its stream
+		WriteTimeout:                  cfg.RequestTimeout + writeGrace, // a client that stops reading frees its stream
 		SecureErrorLogMessage:         true,
 		Logger:                        fasthttpLog{log},
 		NoDefaultServerHeader:         true,
@@ -206,7 +206,6 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
 	method := string(ctx.Method())
 	s.setRequestID(ctx)
-	if s.cors(ctx) {
 	// The header/body read deadline must not cut the watch for a departed
 	// client (connwatch.go) while the handler runs; fasthttp re-arms it.
 	_ = ctx.SetReadDeadline(time.Time{})
@@ -215,6 +214,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		s.metrics.observeHTTP(otherMethod, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 		return
 	}
+	if s.cors(ctx) {
 		return
 	}
 	var label string

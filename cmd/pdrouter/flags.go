@@ -84,12 +84,12 @@ func newParser() (*cli.Parser, *options) {
 	p.Duration(rq, "engine-abort-timeout-ms", &c.AbortTimeout, time.Millisecond, "Bound on each POST /abort_request sent to an engine still holding a request whose client left or timed out (0: send none)")
 	p.Duration(rq, "shutdown-grace-period-secs", &c.ShutdownGrace, time.Second, "Seconds to drain in-flight requests on SIGTERM")
 	p.Strings(rq, "cors-allowed-origins", &c.CORSOrigins, false, "CORS allowed origins (any when empty)")
-
 	p.Int(rq, "max-connections", &c.MaxConnections, "Open client connections at most; more are refused with a 503 (0: half the open-file limit)")
 	p.Int(rq, "max-header-size", &c.MaxHeaderSize, "Largest request head in bytes (larger is a 431)")
 	p.Duration(rq, "header-read-timeout-secs", &c.HeaderReadTimeout, time.Second, "Seconds a client has to send a request's head")
 	p.Duration(rq, "body-read-timeout-secs", &c.BodyReadTimeout, time.Second, "Seconds a client has to send a request's body once its head is in")
 	p.Duration(rq, "idle-connection-timeout-secs", &c.IdleConnectionTimeout, time.Second, "Seconds a keep-alive client connection may stay idle")
+
 	p.Int(rl, "max-concurrent-requests", &c.Admission.MaxConcurrent, "Token bucket capacity; -1 disables admission control")
 	p.Int(rl, "queue-size", &c.Admission.QueueSize, "Requests that may wait for a token (0 = 429 at once)")
 	p.Duration(rl, "queue-timeout-secs", &c.Admission.QueueTimeout, time.Second, "Seconds a request may wait in the queue (then 408)")
