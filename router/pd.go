@@ -2,6 +2,7 @@ package router
 
 import (
 	"io"
+	"time"
 
 	"github.com/valyala/fasthttp"
 
@@ -32,6 +33,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		return fail, false
 	}
 	body, rid := s.bootstrapBody(r, pw)
+	r.pd, r.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
 	a := s.startPrefill(r, pw, body, rid)
 	if fail, ok := s.openDecode(r, a, dw, body); !ok {
 		return fail, false
@@ -72,12 +74,14 @@ type attempt struct {
 	err     *apiError     // set before done closes when prefill failed
 	body    []byte        // prefill's reply, kept only for logprob merging
 	rid     engineRID     // both legs'
+	pd      *pdSeries     // the request's, for the prefill leg's goroutine
+	start   time.Time     // when the prefill leg was sent
 }
 
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
 func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte, rid engineRID) *attempt {
-	a := &attempt{done: make(chan struct{}), rid: rid}
+	a := &attempt{done: make(chan struct{}), rid: rid, pd: r.pd, start: r.pdStart}
 	a.scope.inherit(&r.scope)
 	a.prefill.open(s, pw, &r.failed)
 	a.prefill.rid = rid
@@ -96,6 +100,9 @@ func (s *Server) runPrefill(a *attempt, r *request, body []byte) {
 	defer r.release()
 	defer close(a.done)
 	a.err, a.body = a.readPrefill(r, body)
+	if a.err == nil && a.scope.Err() == nil {
+		a.pd.prefill.Observe(time.Since(a.start).Seconds())
+	}
 	a.prefill.close()
 	if a.err != nil {
 		a.scope.cancel(errPrefillFailed)

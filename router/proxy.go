@@ -25,6 +25,9 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	requestID := ctx.Response.Header.Peek("x-request-id")
 	r := s.newRequest(ctx, path, route, requestID)
 	if err := splice.Inspect(r.body, &r.info); err != nil {
+		if s.cfg.PDDisaggregation {
+			s.pdm.bootstrapFailures.Inc()
+		}
 		r.finish()
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
 		return path

@@ -39,6 +39,9 @@ type request struct {
 
 	track tracking // the inflight tracker's, guarded by its lock
 
+	pd      *pdSeries // PD stage metrics (pdmetrics.go); nil in regular mode
+	pdStart time.Time // when the last PD attempt sent its prefill leg
+
 	failed failedWorkers // workers this request's legs failed on (leg.go)
 }
 
@@ -87,4 +90,5 @@ func (r *request) clientGone() bool { return r.scope.Cause() == errClientGone }
 // observeFirstByte records the router-side time to first byte.
 func (r *request) observeFirstByte() {
 	r.metrics.ttft.Observe(since(r.start))
+	r.observePDTTFT()
 }

@@ -66,6 +66,7 @@ type Server struct {
 	cancelBase context.CancelFunc
 	background sync.WaitGroup // prefill legs that outlive their handler, engine aborts
 	aborts     engineAborts
+	pdm        *pdMetrics
 }
 
 // New builds a router from cfg, which must pass Config.Validate. Metrics
@@ -74,7 +75,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg)}
+	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg), pdm: newPDMetrics(promReg)}
 	var err error
 	if s.bm, err = balancer.NewMetrics(promReg); err != nil {
 		return nil, err
