@@ -362,6 +362,9 @@ streams() {
 		ST_DONE[$kind$key]=0 ST_FAILED[$kind$key]=$n ST_PEAK[$kind$key]=0
 	fi
 	ST_RSS[$kind$key]=$(hwm_kib "${!pid}")
+	if [ "${ST_FAILED[$kind$key]}" != 0 ]; then
+		log "$kind: ${ST_FAILED[$kind$key]} of $n streams failed: $(grep -A3 '^Failed requests' "$T/streams-$kind$key.txt" | grep '^  ' | tr -s ' ' | tr '\n' ';')"
+	fi
 }
 for k in "${KINDS[@]}"; do streams "$k" st "$STREAMS" inf; done
 for k in "${KINDS[@]}"; do streams "$k" big "$BIG_RUN" "$BIG_RATE"; done
