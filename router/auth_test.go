@@ -12,7 +12,6 @@ import (
 	"errors"
 	"io"
 	"math/big"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -106,20 +105,13 @@ func authRouter(t *testing.T, cp ControlPlaneAuth) (string, *observer.ObservedLo
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	base := serveOnLoopback(t, srv)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = srv.Shutdown(ctx)
 	})
-	return "http://" + ln.Addr().String(), logs
+	return base, logs
 }
 
 func adminCall(t *testing.T, base, token string) (int, string) {

@@ -56,6 +56,15 @@ func serveInProcessOn(t testing.TB, cfg Config, promReg prometheus.Registerer) (
 	if err != nil {
 		t.Fatal(err)
 	}
+	base := serveOnLoopback(t, srv)
+	waitFor(t, srv.manager.Ready)
+	return base, srv
+}
+
+// serveOnLoopback starts srv on a free loopback port and returns its URL;
+// the caller shuts it down.
+func serveOnLoopback(t testing.TB, srv *Server) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -64,8 +73,7 @@ func serveInProcessOn(t testing.TB, cfg Config, promReg prometheus.Registerer) (
 		t.Fatal(err)
 	}
 	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
-	waitFor(t, srv.manager.Ready)
-	return "http://" + ln.Addr().String(), srv
+	return "http://" + ln.Addr().String()
 }
 
 func TestNoGoroutineLeaks(t *testing.T) {

@@ -28,6 +28,7 @@ import (
 	"github.com/pdrouter/pdrouter/internal/enginesim"
 	"github.com/pdrouter/pdrouter/internal/k8sdiscovery"
 	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/internal/routertest"
 	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
 	"github.com/pdrouter/pdrouter/router"
 )
@@ -145,19 +146,7 @@ func TestDashboardMetricsExist(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx) //nolint:errcheck // the test is over
-	})
+	base := routertest.Serve(t, srv)
 	metrics := &http.Server{Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), ReadHeaderTimeout: 5 * time.Second}
 	mln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -188,7 +177,6 @@ func TestDashboardMetricsExist(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	base := "http://" + ln.Addr().String()
 	for deadline := time.Now().Add(10 * time.Second); !srv.Manager().Ready(); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("router not ready")

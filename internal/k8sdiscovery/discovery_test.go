@@ -30,6 +30,7 @@ import (
 	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/internal/k8sdiscovery"
 	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/internal/routertest"
 	"github.com/pdrouter/pdrouter/router"
 )
 
@@ -121,15 +122,7 @@ func newCluster(t *testing.T, cfg k8sdiscovery.Config, tweak func(*router.Config
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
-	c.srv, c.base = srv, "http://"+ln.Addr().String()
+	c.srv, c.base = srv, routertest.Serve(t, srv)
 
 	metrics, err := k8sdiscovery.NewMetrics(c.metrics)
 	if err != nil {
@@ -143,12 +136,9 @@ func newCluster(t *testing.T, cfg k8sdiscovery.Config, tweak func(*router.Config
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); c.disc.Run(ctx) }()
-	t.Cleanup(func() {
+	t.Cleanup(func() { // before the router's shutdown, registered earlier
 		cancel()
 		<-done
-		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer scancel()
-		srv.Shutdown(sctx) //nolint:errcheck // the test is over
 	})
 	return c
 }
