@@ -13,33 +13,9 @@ OUT=bench/out
 [ -x "$BIN/mockworker" ] || { echo "bench-profile: $BIN/mockworker missing; run make build" >&2; exit 1; }
 command -v wrk >/dev/null || { echo "bench-profile: wrk missing; run scripts/install-deps.sh bench" >&2; exit 1; }
 mkdir -p "$OUT"
-T=$(mktemp -d /tmp/bench-profile.XXXXXX)
-pids=()
-cleanup() {
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-	for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-	rm -rf "$T"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-log() { echo "bench-profile: $*" >&2; }
+. scripts/bench-lib.sh
+bench_setup bench-profile
 
-free_port() {
-	local p lo
-	read -r lo _ </proc/sys/net/ipv4/ip_local_port_range
-	while :; do
-		p=$((10000 + RANDOM % (lo - 10000)))
-		{ (exec 3<>"/dev/tcp/127.0.0.1/$p"); } 2>/dev/null || { echo "$p"; return; }
-	done
-}
-http_ok() {
-	{ exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
-	printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$2" >&3
-	local status
-	read -r -t 2 status <&3 || true
-	exec 3<&-
-	[[ $status == *" 200"* ]]
-}
 wait_ok() { # PORT PATH LOG
 	for _ in $(seq 300); do http_ok "$1" "$2" && return 0; sleep 0.1; done
 	log ":$1 never answered $2; its log:"

@@ -63,37 +63,8 @@ if ((2 * BIG_STREAMS + 256 > FD_LIMIT)); then
 fi
 
 mkdir -p "$OUT"
-T=$(mktemp -d /tmp/bench-router.XXXXXX)
-pids=()
-cleanup() {
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-	for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-	rm -rf "$T"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-log() { echo "bench-router: $*" >&2; }
-
-# free_port prints a loopback port nobody listens on, below the ephemeral range so that none of
-# the benchmark's own client sockets can hold it.
-free_port() {
-	local p lo
-	read -r lo _ </proc/sys/net/ipv4/ip_local_port_range
-	while :; do
-		p=$((10000 + RANDOM % (lo - 10000)))
-		{ (exec 3<>"/dev/tcp/127.0.0.1/$p"); } 2>/dev/null || { echo "$p"; return; }
-	done
-}
-
-# http_ok PORT PATH: a GET answered 200 (bash only, no curl needed).
-http_ok() {
-	{ exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 1
-	printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$2" >&3
-	local status
-	read -r -t 2 status <&3 || true
-	exec 3<&-
-	[[ $status == *" 200"* ]]
-}
+. scripts/bench-lib.sh
+bench_setup bench-router
 
 wait_ok() { # PORT PATH NAME LOG [SECONDS [PID]]
 	local deadline=$((SECONDS + ${5:-10}))
