@@ -110,7 +110,17 @@ func (noWatchList) IsWatchListSemanticsUnSupported() bool { return true }
 
 func newCluster(t *testing.T, cfg k8sdiscovery.Config, tweak func(*router.Config), objects ...runtime.Object) *cluster {
 	t.Helper()
+	return newClusterWith(t, cfg, tweak, nil, objects...)
+}
+
+// newClusterWith is newCluster with prepare run on the clientset before
+// discovery starts (reactors installed later could miss the first watch).
+func newClusterWith(t *testing.T, cfg k8sdiscovery.Config, tweak func(*router.Config), prepare func(*fake.Clientset), objects ...runtime.Object) *cluster {
+	t.Helper()
 	c := &cluster{t: t, cs: fake.NewClientset(objects...), metrics: prometheus.NewRegistry()}
+	if prepare != nil {
+		prepare(c.cs)
+	}
 	rc := router.DefaultConfig()
 	rc.PDDisaggregation = cfg.PD
 	rc.Policy = "round_robin"
@@ -448,19 +458,19 @@ func TestRelistAfterWatchError(t *testing.T) {
 	port, ips := engines(t, mockworker.RoleRegular, mockworker.RoleRegular, mockworker.RoleRegular)
 	a := podSpec{name: "a", ip: ips[0], labels: app, ready: true}
 	b := podSpec{name: "b", ip: ips[1], labels: app, ready: true}
-	c := newCluster(t, k8sdiscovery.Config{Selector: app, Port: port}, nil, a.pod(), b.pod())
-
 	// Watches answer from our own channels, so changes made through the
 	// clientset reach the informer only by listing.
 	var mu sync.Mutex
 	var watches []*watch.RaceFreeFakeWatcher
-	c.cs.PrependWatchReactor("pods", func(k8stesting.Action) (bool, watch.Interface, error) {
-		w := watch.NewRaceFreeFake()
-		mu.Lock()
-		watches = append(watches, w)
-		mu.Unlock()
-		return true, w, nil
-	})
+	c := newClusterWith(t, k8sdiscovery.Config{Selector: app, Port: port}, nil, func(cs *fake.Clientset) {
+		cs.PrependWatchReactor("pods", func(k8stesting.Action) (bool, watch.Interface, error) {
+			w := watch.NewRaceFreeFake()
+			mu.Lock()
+			watches = append(watches, w)
+			mu.Unlock()
+			return true, w, nil
+		})
+	}, a.pod(), b.pod())
 	current := func() (*watch.RaceFreeFakeWatcher, int) {
 		mu.Lock()
 		defer mu.Unlock()
@@ -470,8 +480,13 @@ func TestRelistAfterWatchError(t *testing.T) {
 		return watches[len(watches)-1], len(watches)
 	}
 	c.expect("initial list", "regular "+url(ips[0], port), "regular "+url(ips[1], port))
-	for w, _ := current(); w == nil; w, _ = current() {
-		time.Sleep(10 * time.Millisecond)
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if w, _ := current(); w != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the informer never watched")
+		}
 	}
 
 	c.delete("a")
