@@ -62,6 +62,9 @@ type Config struct {
 	RecordLimit int
 	// NoV1Loads answers GET /v1/loads 404, as an engine older than it.
 	NoV1Loads bool
+	// NoServerInfo answers GET /server_info 404 (only /get_server_info, as
+	// older SGLang); NoDPSize leaves dp_size out of both.
+	NoServerInfo, NoDPSize bool
 	// Engine is what /server_info reports of the engine's layout; zero
 	// fields are DefaultEngine's.
 	Engine EngineInfo
@@ -80,7 +83,7 @@ type EngineInfo struct {
 	PageSize        int    // page_size
 	KVCacheDtype    string // kv_cache_dtype
 	TPSize          int    // tp_size
-	DPSize          int    // dp_size (reported only: the mock serves one rank)
+	DPSize          int    // dp_size: the ranks requests may name (see dp.go)
 	TransferBackend string // disaggregation_transfer_backend
 }
 
@@ -140,6 +143,8 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("invalid port %d", c.Port)
 	case c.Engine.PageSize < 0 || c.Engine.TPSize < 0 || c.Engine.DPSize < 0:
 		return c, errors.New("page-size, tp-size and dp-size must not be negative")
+	case c.Engine.DPSize > maxDPSize:
+		return c, fmt.Errorf("dp-size %d: at most %d", c.Engine.DPSize, maxDPSize)
 	case c.Tokens < 0:
 		return c, fmt.Errorf("invalid tokens %d", c.Tokens)
 	case c.TokenDelay < 0 || c.PrefillDelay < 0 || c.HealthFailAfter < 0 || c.HealthFlap < 0:
@@ -181,10 +186,12 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.IntVar(&c.BootstrapPort, "bootstrap-port", DefaultBootstrapPort, "bootstrap port assumed for a null bootstrap_port")
 	fs.IntVar(&c.RecordLimit, "record-requests", DefaultRecordLimit, "generation requests kept for /_mock/requests (negative = none)")
 	fs.BoolVar(&c.NoV1Loads, "no-v1-loads", false, "answer GET /v1/loads 404 (an engine with /get_load only)")
+	fs.BoolVar(&c.NoServerInfo, "no-server-info", false, "answer GET /server_info 404 (an engine with /get_server_info only)")
+	fs.BoolVar(&c.NoDPSize, "no-dp-size", false, "leave dp_size out of /server_info and /get_server_info")
 	fs.IntVar(&c.Engine.PageSize, "page-size", 0, "page_size in /server_info (default 1)")
 	fs.StringVar(&c.Engine.KVCacheDtype, "cache-dtype", "", "kv_cache_dtype in /server_info (default auto; not --kv-…, which cmd/mockworker gives the KV engine)")
 	fs.IntVar(&c.Engine.TPSize, "tp-size", 0, "tp_size in /server_info (default 1)")
-	fs.IntVar(&c.Engine.DPSize, "dp-size", 0, "dp_size in /server_info (default 1)")
+	fs.IntVar(&c.Engine.DPSize, "dp-size", 0, "dp_size in /server_info, the DP ranks requests may name (default 1)")
 	fs.StringVar(&c.Engine.TransferBackend, "transfer-backend", "", "disaggregation_transfer_backend in /server_info (default mooncake)")
 	var tlsFlags TLS
 	fs.StringVar(&tlsFlags.CertFile, "tls-cert", "", "serve HTTPS with this PEM certificate (needs --tls-key)")

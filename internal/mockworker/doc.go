@@ -32,12 +32,22 @@
 //	--record-requests N            requests kept by /_mock/requests (1000; <0 none)
 //	--no-v1-loads                  GET /v1/loads answers 404 (only /get_load)
 //	--page-size, --cache-dtype (kv_cache_dtype), --tp-size, --dp-size, --transfer-backend
-//	                               what /server_info reports (1, auto, 1, 1, mooncake)
+//	                               what /server_info reports (1, auto, 1, 1, mooncake);
+//	                               --dp-size N is also the DP ranks requests may name
+//	--no-server-info               GET /server_info answers 404 (/get_server_info only)
+//	--no-dp-size                   dp_size left out of both info replies
 //	--tls-cert F --tls-key F       serve HTTPS (URL() is then https://)
 //	--tls-client-ca F              and require client certificates signed by F (mTLS)
 //
 // A generation request goes: auth (401) → crash → hang → malformed body (400)
 // → PD bootstrap check (400) → prefill delay → injected failures → KV → tokens.
+//
+// DP ranks (dp.go): routed_dp_rank, else the deprecated data_parallel_rank,
+// picks the rank a request runs on (400 unless an integer in [0, dp_size),
+// as SGLang); none runs on rank 0. disagg_prefill_dp_rank (decode: the
+// prefill rank holding the KV) must be a non-negative integer. All three
+// are recorded as received, with the rank run (RecordedRequest.DPRank), and
+// counted per rank (Stats.RankRequests); the load endpoints report per rank.
 //
 // # Endpoints
 //
@@ -85,7 +95,8 @@
 // # Introspection
 //
 //	GET  /_mock/requests  the last generation requests, oldest first (RecordedRequest)
-//	GET  /_mock/stats     {"requests","in_flight","client_gone","completed","errors"} (Stats)
+//	GET  /_mock/stats     {"requests","in_flight","client_gone","completed","errors",
+//	                      "rank_requests":[per DP rank]} (Stats)
 //	GET  /_mock/aborts    the POST /abort_request calls received (RecordedAbort)
 //	POST /_mock/reset     clears them all (in_flight stays live)
 //

@@ -17,6 +17,8 @@ func FuzzParseRequest(f *testing.F) {
 		`{"query":"q","documents":["a"]}`,
 		`{"input":[{"role":"user","content":"x"}]}`,
 		`{"input":"x"}`, `null`, `[]`, `{"text":null}`, `{"prompt":[]}`,
+		`{"text":"a","routed_dp_rank":3,"disagg_prefill_dp_rank":0}`, `{"text":"a","data_parallel_rank":1,"routed_dp_rank":null}`,
+		`{"text":"a","routed_dp_rank":4}`, `{"text":"a","routed_dp_rank":-1}`, `{"text":"a","data_parallel_rank":1.5}`,
 	} {
 		for ep := epGenerate; ep <= epResponses; ep++ {
 			f.Add(uint8(ep), []byte(s))
@@ -24,12 +26,15 @@ func FuzzParseRequest(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, e uint8, body []byte) {
 		ep := endpoint(e % uint8(epResponses+1))
-		r, err := parseRequest(ep, body)
+		r, err := parseRequest(ep, body, 4)
 		if err != nil {
 			if r != nil || err.status != 400 || err.message == "" || !json.Valid(errorBody(err.status, err.message)) {
 				t.Fatalf("bad error %v %+v", r, err)
 			}
 			return
+		}
+		if r.ranks.rank < 0 || r.ranks.rank >= 4 {
+			t.Fatalf("rank %d of 4", r.ranks.rank)
 		}
 		if len(r.items) == 0 || len(r.items) > maxChoices*64 {
 			t.Fatalf("%d items", len(r.items))

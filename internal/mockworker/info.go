@@ -58,9 +58,19 @@ func (s *Server) disaggregationMode() string {
 	return string(s.cfg.Role)
 }
 
+// newServerInfo is /server_info, which SGLang added after /get_server_info:
+// Config.NoServerInfo plays an engine older than it (404).
+func (s *Server) newServerInfo(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.NoServerInfo {
+		http.NotFound(w, r)
+		return
+	}
+	s.serverInfo(w, r)
+}
+
 func (s *Server) serverInfo(w http.ResponseWriter, _ *http.Request) {
 	st, tokens, _, _ := s.rec.snapshot()
-	s.writeAny(w, map[string]any{
+	info := map[string]any{
 		"served_model_name":               s.cfg.Model,
 		"model_path":                      s.cfg.Model,
 		"tokenizer_path":                  s.cfg.Model,
@@ -76,14 +86,22 @@ func (s *Server) serverInfo(w http.ResponseWriter, _ *http.Request) {
 		"worker_id":                       s.workerID,
 		"version":                         "mock",
 		"internal_states":                 []map[string]any{{"num_running_reqs": st.InFlight, "num_used_tokens": tokens}},
-	})
+	}
+	if s.cfg.NoDPSize {
+		delete(info, "dp_size")
+	}
+	s.writeAny(w, info)
 }
 
 // load serves SGLang's /get_load: one entry per DP rank.
 func (s *Server) load(w http.ResponseWriter, _ *http.Request) {
 	s.polls.legacy.Add(1)
-	st, tokens, _, _ := s.rec.snapshot()
-	s.writeAny(w, []map[string]int64{{"dp_rank": 0, "num_reqs": st.InFlight, "num_waiting_reqs": 0, "num_tokens": tokens}})
+	ranks := s.rec.rankLoads()
+	out := make([]map[string]int64, len(ranks))
+	for i, rl := range ranks {
+		out[i] = map[string]int64{"dp_rank": int64(i), "num_reqs": rl.reqs, "num_waiting_reqs": 0, "num_tokens": rl.tokens}
+	}
+	s.writeAny(w, out)
 }
 
 func (s *Server) flushCache(w http.ResponseWriter, r *http.Request) {

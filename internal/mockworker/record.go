@@ -22,13 +22,19 @@ type RecordedRequest struct {
 	Headers map[string]string `json:"headers"` // lower-case names; repeated values joined with ", "
 	Body    string            `json:"body"`
 	// The bootstrap fields exactly as received (raw JSON); absent keys are omitted.
-	BootstrapHost    json.RawMessage `json:"bootstrap_host,omitempty"`
-	BootstrapPort    json.RawMessage `json:"bootstrap_port,omitempty"`
-	BootstrapRoom    json.RawMessage `json:"bootstrap_room,omitempty"`
-	Status           int             `json:"status,omitempty"` // 0 until answered
-	StartedUnixNano  int64           `json:"started_unix_nano"`
-	Finished         string          `json:"finished,omitempty"` // "" while in flight
-	FinishedUnixNano int64           `json:"finished_unix_nano,omitempty"`
+	BootstrapHost json.RawMessage `json:"bootstrap_host,omitempty"`
+	BootstrapPort json.RawMessage `json:"bootstrap_port,omitempty"`
+	BootstrapRoom json.RawMessage `json:"bootstrap_room,omitempty"`
+	// The DP rank fields exactly as received (raw JSON), and the rank the
+	// request ran on (routed_dp_rank, else data_parallel_rank, else 0).
+	RoutedDPRank        json.RawMessage `json:"routed_dp_rank,omitempty"`
+	DataParallelRank    json.RawMessage `json:"data_parallel_rank,omitempty"`
+	DisaggPrefillDPRank json.RawMessage `json:"disagg_prefill_dp_rank,omitempty"`
+	DPRank              int             `json:"dp_rank"`
+	Status              int             `json:"status,omitempty"` // 0 until answered
+	StartedUnixNano     int64           `json:"started_unix_nano"`
+	Finished            string          `json:"finished,omitempty"` // "" while in flight
+	FinishedUnixNano    int64           `json:"finished_unix_nano,omitempty"`
 }
 
 // Stats counts generation requests since start or the last Reset.
@@ -42,6 +48,8 @@ type Stats struct {
 	// Calls of GET /v1/loads and of the deprecated GET /get_load (not reset).
 	V1LoadPolls  int64 `json:"v1_load_polls"`
 	GetLoadPolls int64 `json:"get_load_polls"`
+	// RankRequests counts the requests each DP rank ran (index = rank).
+	RankRequests []int64 `json:"rank_requests"`
 }
 
 // recorder keeps a ring of the last records and the counters. One mutex is
@@ -52,12 +60,16 @@ type recorder struct {
 	ring           []*RecordedRequest
 	next           int // ring slot to overwrite once full
 	stats          Stats
-	inFlightTokens int64 // for /get_load and /metrics
-	promptTokens   int64 // totals for /metrics, not reset
+	inFlightTokens int64      // for /get_load and /metrics
+	ranks          []rankLoad // in flight per DP rank, for the load endpoints
+	promptTokens   int64      // totals for /metrics, not reset
 	genTokens      int64
 }
 
-func newRecorder(limit int) *recorder { return &recorder{limit: max(limit, 0)} }
+func newRecorder(limit, dpSize int) *recorder {
+	return &recorder{limit: max(limit, 0), ranks: make([]rankLoad, dpSize),
+		stats: Stats{RankRequests: make([]int64, dpSize)}}
+}
 
 func (rc *recorder) start(r *http.Request) *RecordedRequest {
 	rec := &RecordedRequest{
@@ -94,14 +106,40 @@ func (rc *recorder) setBody(rec *RecordedRequest, body []byte, req *request) {
 	rec.Body = string(body)
 	if req != nil {
 		rec.BootstrapHost, rec.BootstrapPort, rec.BootstrapRoom = req.bootHost, req.bootPort, req.bootRoom
+		rec.RoutedDPRank, rec.DataParallelRank, rec.DisaggPrefillDPRank = req.routedRank, req.legacyRank, req.prefillRankJSON
+		rec.DPRank = req.ranks.rank
 	}
 }
 
-// load adds (or with a negative delta removes) in-flight tokens.
-func (rc *recorder) load(tokens int64) {
+// begin adds a request's in-flight tokens on its DP rank; end removes them.
+func (rc *recorder) begin(rank int, tokens int64) {
 	rc.mu.Lock()
+	defer rc.mu.Unlock()
 	rc.inFlightTokens += tokens
-	rc.mu.Unlock()
+	rc.ranks[rank].tokens += tokens
+	rc.ranks[rank].reqs++
+	rc.stats.RankRequests[rank]++
+}
+
+func (rc *recorder) end(rank int, tokens int64) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rc.inFlightTokens -= tokens
+	rc.ranks[rank].tokens -= tokens
+	rc.ranks[rank].reqs--
+}
+
+// rankLoads copies the per-rank loads. Requests not parsed yet (or parked
+// by Hang) count on rank 0, where a request naming no rank runs.
+func (rc *recorder) rankLoads() []rankLoad {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	out := append([]rankLoad(nil), rc.ranks...)
+	out[0].reqs = rc.stats.InFlight
+	for _, rl := range out[1:] {
+		out[0].reqs -= rl.reqs
+	}
+	return out
 }
 
 func (rc *recorder) finish(rec *RecordedRequest, status int, outcome string, promptTokens, genTokens int64) {
@@ -136,12 +174,14 @@ func (rc *recorder) requests() []RecordedRequest {
 func (rc *recorder) snapshot() (s Stats, inFlightTokens, promptTokens, genTokens int64) {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
-	return rc.stats, rc.inFlightTokens, rc.promptTokens, rc.genTokens
+	s = rc.stats
+	s.RankRequests = append([]int64(nil), s.RankRequests...)
+	return s, rc.inFlightTokens, rc.promptTokens, rc.genTokens
 }
 
 func (rc *recorder) reset() {
 	rc.mu.Lock()
 	defer rc.mu.Unlock()
 	rc.ring, rc.next = nil, 0
-	rc.stats = Stats{InFlight: rc.stats.InFlight}
+	rc.stats = Stats{InFlight: rc.stats.InFlight, RankRequests: make([]int64, len(rc.ranks))}
 }

@@ -57,6 +57,10 @@ type rawBody struct {
 	BootstrapHost json.RawMessage `json:"bootstrap_host"`
 	BootstrapPort json.RawMessage `json:"bootstrap_port"`
 	BootstrapRoom json.RawMessage `json:"bootstrap_room"`
+
+	RoutedDPRank        json.RawMessage `json:"routed_dp_rank"`
+	DataParallelRank    json.RawMessage `json:"data_parallel_rank"`
+	DisaggPrefillDPRank json.RawMessage `json:"disagg_prefill_dp_rank"`
 }
 
 type chatMessage struct {
@@ -106,27 +110,34 @@ type request struct {
 	bootArray    bool        // bootstrap fields came as arrays
 	query        string      // rerank
 	documents    []string    // rerank
-	// raw bootstrap values, for introspection
-	bootHost, bootPort, bootRoom json.RawMessage
+	ranks        dpRanks
+	// raw bootstrap and rank values, for introspection
+	bootHost, bootPort, bootRoom            json.RawMessage
+	routedRank, legacyRank, prefillRankJSON json.RawMessage
 }
 
 func badRequest(format string, args ...any) *apiError {
 	return errorf(http.StatusBadRequest, format, args...)
 }
 
-// parseRequest validates a request body for ep. It never panics on any input.
-func parseRequest(ep endpoint, body []byte) (*request, *apiError) {
+// parseRequest validates a request body for ep on an engine of dpSize
+// ranks. It never panics on any input.
+func parseRequest(ep endpoint, body []byte, dpSize int) (*request, *apiError) {
 	var raw rawBody
 	if err := json.Unmarshal(body, &raw); err != nil {
 		return nil, badRequest("invalid request body: %v", err)
 	}
 	r := &request{ep: ep, stream: raw.Stream, model: raw.Model,
-		bootHost: raw.BootstrapHost, bootPort: raw.BootstrapPort, bootRoom: raw.BootstrapRoom}
+		bootHost: raw.BootstrapHost, bootPort: raw.BootstrapPort, bootRoom: raw.BootstrapRoom,
+		routedRank: raw.RoutedDPRank, legacyRank: raw.DataParallelRank, prefillRankJSON: raw.DisaggPrefillDPRank}
+	var err *apiError
+	if r.ranks, err = parseRanks(&raw, dpSize); err != nil {
+		return nil, err
+	}
 	if raw.StreamOptions != nil {
 		r.includeUsage = raw.StreamOptions.IncludeUsage
 	}
 	var bootN int // expected length of bootstrap arrays
-	var err *apiError
 	switch ep {
 	case epGenerate:
 		bootN, err = r.parseGenerate(&raw)

@@ -62,7 +62,7 @@ func Start(cfg Config) (*Server, error) {
 	if ln, err = cfg.listen(ln); err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, workerID: cfg.WorkerID, ln: ln, rec: newRecorder(cfg.RecordLimit),
+	s := &Server{cfg: cfg, workerID: cfg.WorkerID, ln: ln, rec: newRecorder(cfg.RecordLimit, cfg.Engine.DPSize),
 		started: time.Now(), done: make(chan struct{})}
 	if s.workerID == "" {
 		s.workerID = "worker-" + strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
@@ -165,7 +165,7 @@ func (s *Server) routes() http.Handler {
 		"GET /get_model_info":  s.modelInfo,
 		"GET /model_info":      s.modelInfo,
 		"GET /get_server_info": s.serverInfo,
-		"GET /server_info":     s.serverInfo,
+		"GET /server_info":     s.newServerInfo,
 		"GET /get_load":        s.load,
 		"GET /v1/loads":        s.v1Loads,
 		"/flush_cache":         s.flushCache, // SGLang accepts GET and POST
@@ -277,7 +277,7 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 		}
 		return writeError(w, badRequest("reading body: %v", err))
 	}
-	req, perr := parseRequest(ep, body)
+	req, perr := parseRequest(ep, body, s.cfg.Engine.DPSize)
 	s.rec.setBody(rec, body, req)
 	if s.cfg.CrashOnRequest && s.crashed.CompareAndSwap(false, true) {
 		s.cfg.Exit(1)
@@ -298,8 +298,8 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 	for _, sq := range seqs {
 		load += int64(len(sq.ids) + len(sq.prompt.ids))
 	}
-	s.rec.load(load)
-	defer s.rec.load(-load)
+	s.rec.begin(req.ranks.rank, load)
+	defer s.rec.end(req.ranks.rank, load)
 
 	if !sleep(ctx, s.cfg.PrefillDelay) {
 		return errClientGone
