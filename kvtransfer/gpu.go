@@ -412,6 +412,54 @@ const gpuChunk = 4096
 
 // write moves GPU triples into the peer engine's GPU memory behind l.
 func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple) error {
+	pieces := 0
+	for _, t := range ts {
+		pieces += cuda.Pieces(t.Len)
+	}
+	return g.move(ctx, p, l, len(ts) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+		runs := gpuRuns.Get().(*[]cuda.Run)
+		defer gpuRuns.Put(runs)
+		var total uint64
+		for i := 0; i < len(ts); i += gpuChunk {
+			var n uint64
+			var err error
+			*runs, srcs, n, err = g.resolve(ctx, l, ts[i:min(i+gpuChunk, len(ts))], (*runs)[:0], srcs)
+			if err == nil {
+				err = emit(*runs)
+			}
+			if err != nil {
+				return srcs, 0, err
+			}
+			total += n
+		}
+		return srcs, total, nil
+	})
+}
+
+// writePages moves a page write of GPU memory into the peer engine behind l.
+func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite) error {
+	prs := w.runs()
+	pieces := 0
+	for _, b := range w.Bufs {
+		for _, r := range prs {
+			pieces += cuda.Pieces(r.count * b.PageLen)
+		}
+	}
+	return g.move(ctx, p, l, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+		srcs, err := g.pageRuns(ctx, l, w, prs, srcs, emit)
+		return srcs, w.Bytes(), err
+	})
+}
+
+// move copies the runs list hands to emit (in parts of at most gpuChunk;
+// list read-locks the source regions and adds them to srcs, as resolve
+// does). A write of few runs goes in one copy, for which the copier picks
+// a kernel or a copy per run; a big one (parts) in one kernel launch per
+// part (pieces: the descriptors they need), each queued as soon as it is
+// listed, so listing the next overlaps copying this one. Resolve time
+// counts listing (and queueing); copy time what the GPU still needed after.
+func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, parts bool, pieces int,
+	list func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error)) error {
 	if err := g.prune(l); err != nil {
 		p.log.Warn("close peer GPU mappings: " + err.Error())
 	}
@@ -423,68 +471,39 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 			r.use.RUnlock()
 		}
 	}()
-	runs := gpuRuns.Get().(*[]cuda.Run)
-	defer gpuRuns.Put(runs)
-	if len(ts) > 2*gpuChunk && gpuCopyMode != cuda.CopyMemcpy {
-		return g.writeParts(ctx, p, l, ts, runs, &srcs)
+	all := gpuRuns.Get().(*[]cuda.Run)
+	defer gpuRuns.Put(all)
+	*all = (*all)[:0]
+	emit := func(rs []cuda.Run) error { *all = append(*all, rs...); return nil }
+	var b *cuda.Batch
+	if parts = parts && gpuCopyMode != cuda.CopyMemcpy; parts {
+		var err error
+		if b, err = g.cp.Begin(pieces); err != nil {
+			return fmt.Errorf("GPU copy: %w", err)
+		}
+		emit = b.Add
 	}
 	start := time.Now()
 	var total uint64
 	var err error
-	*runs, srcs, total, err = g.resolve(ctx, l, ts, (*runs)[:0], srcs)
+	srcs, total, err = list(srcs, emit)
 	if err == nil {
 		err = ctx.Err()
 	}
+	listed := time.Now()
+	g.resolveSec.Add(listed.Sub(start).Seconds())
+	var cerr error
+	if parts {
+		cerr = b.Wait() // also after an error: nothing may be in flight on return
+	} else if err == nil {
+		_, cerr = g.cp.Copy(*all, gpuCopyMode)
+	}
+	g.copySec.Add(time.Since(listed).Seconds())
 	if err != nil {
 		return err
 	}
-	copyStart := time.Now()
-	g.resolveSec.Add(copyStart.Sub(start).Seconds())
-	_, err = g.cp.Copy(*runs, gpuCopyMode)
-	g.copySec.Add(time.Since(copyStart).Seconds())
-	if err != nil {
-		return fmt.Errorf("GPU copy: %w", err)
-	}
-	p.m.written.Add(float64(total))
-	return nil
-}
-
-// writeParts is write for big batches: resolve a part, queue it, resolve
-// the next while the GPU copies. Resolve time counts the parts' resolving;
-// copy time what the GPU still needed after the last part was queued.
-func (g *gpuPlane) writeParts(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple, runs *[]cuda.Run, srcs *[]*gpuRegion) error {
-	pieces := 0
-	for _, t := range ts {
-		pieces += cuda.Pieces(t.Len)
-	}
-	b, err := g.cp.Begin(pieces)
-	if err != nil {
-		return fmt.Errorf("GPU copy: %w", err)
-	}
-	var total uint64
-	var resolving time.Duration
-	for i := 0; i < len(ts) && err == nil; i += gpuChunk {
-		start := time.Now()
-		var n uint64
-		*runs, *srcs, n, err = g.resolve(ctx, l, ts[i:min(i+gpuChunk, len(ts))], (*runs)[:0], *srcs)
-		resolving += time.Since(start)
-		total += n
-		if err == nil {
-			err = b.Add(*runs)
-		}
-	}
-	waitStart := time.Now()
-	werr := b.Wait() // also after an error: nothing may be in flight on return
-	g.resolveSec.Add(resolving.Seconds())
-	g.copySec.Add(time.Since(waitStart).Seconds())
-	if err == nil {
-		err = ctx.Err()
-	}
-	if err != nil {
-		return err
-	}
-	if werr != nil {
-		return fmt.Errorf("GPU copy: %w", werr)
+	if cerr != nil {
+		return fmt.Errorf("GPU copy: %w", cerr)
 	}
 	p.m.written.Add(float64(total))
 	return nil
@@ -513,40 +532,15 @@ func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple, runs []
 		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
 			return nil, srcs, 0, fmt.Errorf("triple %d: range wraps", i)
 		}
+		var err error
 		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
-			g.mu.Lock()
-			src = g.findLocked(t.Src, t.Len)
-			g.mu.Unlock()
-			if src == nil {
-				return nil, srcs, 0, fmt.Errorf("triple %d: source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", i, t.Src, t.Len, ErrNotRegistered)
-			}
-			if !slices.Contains(srcs, src) {
-				src.use.RLock()
-				srcs = append(srcs, src)
-				if src.gone {
-					return nil, srcs, 0, fmt.Errorf("triple %d: source [%#x,+%d): %w here", i, t.Src, t.Len, ErrNotRegistered)
-				}
+			if src, srcs, err = g.source(t.Src, t.Len, srcs); err != nil {
+				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
 			}
 		}
 		if dptr == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
-			var ok bool
-			dst, ok = l.remoteRegion(t.Dst, t.Len)
-			if !ok && !refreshed {
-				refreshed = true
-				if err := l.refresh(ctx); err != nil {
-					return nil, srcs, 0, fmt.Errorf("refresh peer regions: %w", err)
-				}
-				dst, ok = l.remoteRegion(t.Dst, t.Len)
-			}
-			if !ok {
-				return nil, srcs, 0, fmt.Errorf("triple %d: destination [%#x,+%d): %w at the peer", i, t.Dst, t.Len, ErrNotRegistered)
-			}
-			if dst.Kind != wire.MemCUDA {
-				return nil, srcs, 0, fmt.Errorf("triple %d: destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", i, t.Dst, t.Len)
-			}
-			var err error
-			if dptr, err = g.peerPtr(l, dst); err != nil {
-				return nil, srcs, 0, err
+			if dst, dptr, err = g.destination(ctx, l, t.Dst, t.Len, &refreshed); err != nil {
+				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
 			}
 		}
 		s, d := src.ptr+(t.Src-src.base), dptr+(t.Dst-dst.Base)
@@ -558,4 +552,84 @@ func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple, runs []
 		runs = append(runs, cuda.Run{Src: s, Dst: d, Len: t.Len})
 	}
 	return runs, srcs, total, nil
+}
+
+// source returns the registered region holding [addr, addr+n),
+// read-locking it and adding it to srcs if it is not there yet.
+func (g *gpuPlane) source(addr, n uint64, srcs []*gpuRegion) (*gpuRegion, []*gpuRegion, error) {
+	g.mu.Lock()
+	src := g.findLocked(addr, n)
+	g.mu.Unlock()
+	if src == nil {
+		return nil, srcs, fmt.Errorf("source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", addr, n, ErrNotRegistered)
+	}
+	if !slices.Contains(srcs, src) {
+		src.use.RLock()
+		srcs = append(srcs, src)
+		if src.gone {
+			return nil, srcs, fmt.Errorf("source [%#x,+%d): %w here", addr, n, ErrNotRegistered)
+		}
+	}
+	return src, srcs, nil
+}
+
+// destination returns the peer GPU region holding [addr, addr+n) and where
+// it is mapped here, refreshing the peer's table once per write
+// (*refreshed) if it names no such region.
+func (g *gpuPlane) destination(ctx context.Context, l *memLink, addr, n uint64, refreshed *bool) (wire.MemRegion, uint64, error) {
+	dst, ok := l.remoteRegion(addr, n)
+	if !ok && !*refreshed {
+		*refreshed = true
+		if err := l.refresh(ctx); err != nil {
+			return dst, 0, fmt.Errorf("refresh peer regions: %w", err)
+		}
+		dst, ok = l.remoteRegion(addr, n)
+	}
+	if !ok {
+		return dst, 0, fmt.Errorf("destination [%#x,+%d): %w at the peer", addr, n, ErrNotRegistered)
+	}
+	if dst.Kind != wire.MemCUDA {
+		return dst, 0, fmt.Errorf("destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", addr, n)
+	}
+	ptr, err := g.peerPtr(l, dst)
+	return dst, ptr, err
+}
+
+// pageRuns resolves each buffer of w once and lists its device-address
+// runs (prs: w.runs()), buffer by buffer; emit takes them in parts of at most gpuChunk (it
+// may keep the slice until it returns). Source regions are read-locked and
+// added to srcs as in resolve. Call with pmu read-held.
+func (g *gpuPlane) pageRuns(ctx context.Context, l *memLink, w *PageWrite, prs []pageRun, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, error) {
+	srcLo, srcHi, dstLo, dstHi := w.span()
+	refreshed := false
+	runs := gpuRuns.Get().(*[]cuda.Run)
+	defer gpuRuns.Put(runs)
+	out := (*runs)[:0]
+	for i, b := range w.Bufs {
+		// The buffer's lowest to highest page on each side lies in one region.
+		sa, da := b.Src+srcLo*b.PageLen, b.Dst+dstLo*b.PageLen
+		src, s, err := g.source(sa, (srcHi-srcLo)*b.PageLen, srcs)
+		if srcs = s; err != nil {
+			return srcs, fmt.Errorf("buffer %d: %w", i, err)
+		}
+		dst, dptr, err := g.destination(ctx, l, da, (dstHi-dstLo)*b.PageLen, &refreshed)
+		if err != nil {
+			return srcs, fmt.Errorf("buffer %d: %w", i, err)
+		}
+		sp, dp := src.ptr+(b.Src-src.base), dptr+(b.Dst-dst.Base) // page 0's addresses, maybe outside the regions
+		for _, r := range prs {
+			out = append(out, cuda.Run{Src: sp + r.src*b.PageLen, Dst: dp + r.dst*b.PageLen, Len: r.count * b.PageLen})
+			if len(out) == gpuChunk {
+				if err := emit(out); err != nil {
+					return srcs, err
+				}
+				out = out[:0]
+			}
+		}
+	}
+	*runs = out
+	if len(out) == 0 {
+		return srcs, nil
+	}
+	return srcs, emit(out)
 }

@@ -381,11 +381,17 @@ func (s *MemorySession) Unregister(addr uint64) error {
 // Write copies every triple into the peer engine behind peer (its kvproxy's
 // PeerAddr) and returns once the bytes are complete there.
 func (s *MemorySession) Write(ctx context.Context, peer string, ts []Triple) error {
-	ctx, cancel := context.WithTimeout(ctx, writeDeadline(s.p.cfg.WriteTimeout, ts))
+	return s.write(ctx, peer, writeDeadline(s.p.cfg.WriteTimeout, ts), func(ctx context.Context) error { return s.p.write(ctx, peer, ts) })
+}
+
+// write runs move within the deadline, cut short if the engine goes away,
+// and counts its outcome.
+func (s *MemorySession) write(ctx context.Context, peer string, deadline time.Duration, move func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, deadline)
 	defer cancel()
 	stop := context.AfterFunc(s.ctx, cancel)
 	defer stop()
-	err := s.p.write(ctx, peer, ts)
+	err := move(ctx)
 	if err != nil {
 		s.p.m.writes.WithLabelValues("error").Inc()
 		if s.ctx.Err() != nil {

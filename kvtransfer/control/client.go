@@ -256,6 +256,13 @@ func (c *Client) Write(ctx context.Context, peer string, triples []Triple) error
 	return err
 }
 
+// WritePages moves a page write into the engine behind peer (see
+// kvtransfer.PageWrite); it returns once the bytes are complete there.
+func (c *Client) WritePages(ctx context.Context, peer string, w kvtransfer.PageWrite) error {
+	_, err := c.call(ctx, &Request{Op: OpWritePages, Peer: peer, PageWrite: w})
+	return err
+}
+
 // Probe checks that peer can be reached.
 func (c *Client) Probe(ctx context.Context, peer string) error {
 	_, err := c.call(ctx, &Request{Op: OpProbe, Peer: peer})

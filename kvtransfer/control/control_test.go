@@ -210,6 +210,10 @@ func TestRoundTrip(t *testing.T) {
 		{Op: OpWrite, ID: 10, Peer: "127.0.0.1:7000", Triples: []Triple{{Src: 1, Dst: 2, Len: 3}, {Src: 1 << 63, Dst: 5, Len: 1 << 40}}},
 		{Op: OpWrite, ID: 11, Peer: "h:1", Triples: []Triple{}},
 		{Op: OpProbe, ID: 12, Peer: "127.0.0.1:7000"},
+		{Op: OpWritePages, ID: 13, Peer: "127.0.0.1:7000", PageWrite: kvtransfer.PageWrite{
+			Bufs:  []kvtransfer.PageBuf{{Src: 1 << 40, Dst: 2 << 40, PageLen: 32 << 10}, {Src: 5, Dst: 6, PageLen: 7}},
+			Pairs: []kvtransfer.PagePair{{Src: 0, Dst: 1}, {Src: 1<<32 - 1, Dst: 3}}}},
+		{Op: OpWritePages, ID: 14, Peer: "h:1", PageWrite: kvtransfer.PageWrite{Bufs: []kvtransfer.PageBuf{}, Pairs: []kvtransfer.PagePair{}}},
 	} {
 		f := EncodeRequest(r)
 		body, rest, err := splitFrame(f)
@@ -224,6 +228,7 @@ func TestRoundTrip(t *testing.T) {
 	for _, rep := range []*Reply{
 		{Op: OpPoll, ID: 4, State: 4, Reason: "r", Pages: 1, Bytes: 2, TransferNs: 3, WallNs: 4},
 		{Op: OpHello, ID: 6, PeerAddr: "127.0.0.1:7000", Transport: "ucx"},
+		{Op: OpHello, ID: 6, PeerAddr: "127.0.0.1:7000", Transport: "ucx", Features: FeatureWritePages},
 		{Op: OpWrite, ID: 10, Err: "write to h:1: dial tcp: refused"},
 	} {
 		body, _, _ := splitFrame(EncodeReply(rep))
@@ -261,6 +266,8 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Add(EncodeRequest(&Request{Op: OpWrite, Peer: "h:1", Triples: []Triple{{Src: 1, Dst: 2, Len: 3}}})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpProbe, Peer: "h:1"})[4:])
 	f.Add(EncodeReply(&Reply{Op: OpHello, PeerAddr: "h:1", Transport: "tcp"})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpWritePages, Peer: "h:1", PageWrite: kvtransfer.PageWrite{
+		Bufs: []kvtransfer.PageBuf{{Src: 1, Dst: 2, PageLen: 3}}, Pairs: []kvtransfer.PagePair{{Src: 4, Dst: 5}}}})[4:])
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if r, err := DecodeRequest(b); err == nil {
 			body, _, _ := splitFrame(EncodeRequest(r))

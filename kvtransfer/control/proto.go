@@ -8,7 +8,11 @@
 // (the kvproxy's peer address, which names it to other engines),
 // RegisterMemory (a memfd of the engine's pages travels as SCM_RIGHTS with
 // the frame), UnregisterMemory, Write (src/dst/len triples of engine
-// addresses, answered once the bytes are remotely complete), Probe.
+// addresses, answered once the bytes are remotely complete), WritePages
+// (the same for page-granular KV: buffers × page pairs, so a write of n
+// pages in every layer is 24 bytes a buffer and 8 a page instead of 24 a
+// page in each buffer), Probe. Hello's reply lists the optional ops this
+// kvproxy serves (Features), so a client can fall back to Write.
 // Everything a connection registered is dropped when it closes.
 //
 // Frame: u32 LE length, then op (u8), request id (u64), body. Replies echo
@@ -39,7 +43,17 @@ const (
 	OpUnregisterMemory
 	OpWrite
 	OpProbe
+	OpWritePages
 )
+
+// Features a kvproxy lists in its Hello reply.
+const (
+	// FeatureWritePages: it serves OpWritePages.
+	FeatureWritePages uint32 = 1 << iota
+)
+
+// features is what this kvproxy serves.
+const features = FeatureWritePages
 
 // maxFrame bounds a control frame: 16 MiB holds a Write of ~700k triples
 // (SGLang sends all layers of a chunk in one call).
@@ -94,6 +108,8 @@ type Request struct {
 	// Write, Probe: the peer kvproxy's peer address (Mooncake's session id).
 	Peer    string
 	Triples []Triple // Write; a host RegisterMemory's memfd travels as SCM_RIGHTS beside the frame
+	// WritePages: Peer and the page write.
+	PageWrite kvtransfer.PageWrite
 }
 
 // Reply answers a request.
@@ -110,8 +126,10 @@ type Reply struct {
 	Reason             string
 	Pages, Bytes       uint64
 	TransferNs, WallNs uint64
-	// Hello: this kvproxy's peer address ("host:port"); Transport too.
+	// Hello: this kvproxy's peer address ("host:port"); Transport too;
+	// the optional ops it serves (absent from older kvproxies: none).
 	PeerAddr string
+	Features uint32
 }
 
 func frame(build func(e *wire.Enc)) []byte {
@@ -173,6 +191,20 @@ func EncodeRequest(r *Request) []byte {
 			}
 		case OpProbe:
 			e.String(r.Peer)
+		case OpWritePages:
+			e.String(r.Peer)
+			w := &r.PageWrite
+			e.U32(uint32(len(w.Bufs)))
+			for _, b := range w.Bufs {
+				e.U64(b.Src)
+				e.U64(b.Dst)
+				e.U64(b.PageLen)
+			}
+			e.U32(uint32(len(w.Pairs)))
+			for _, p := range w.Pairs {
+				e.U32(p.Src)
+				e.U32(p.Dst)
+			}
 		}
 	})
 }
@@ -233,6 +265,12 @@ func DecodeRequest(b []byte) (*Request, error) {
 		}
 	case OpProbe:
 		r.Peer = d.String()
+	case OpWritePages:
+		r.Peer = d.String()
+		var err error
+		if r.PageWrite, err = decodePageWrite(&d); err != nil {
+			return nil, err
+		}
 	default:
 		if d.Err == nil {
 			return nil, fmt.Errorf("%w: op %d", wire.ErrMalformed, r.Op)
@@ -242,6 +280,42 @@ func DecodeRequest(b []byte) (*Request, error) {
 		return nil, err
 	}
 	return r, nil
+}
+
+// decodePageWrite reads a WritePages body after the peer: u32 buffer count,
+// (src, dst, page length) u64s each, u32 pair count, (src, dst) u32 page
+// indexes each. Counts are checked against the bytes left before anything
+// is allocated.
+func decodePageWrite(d *wire.Dec) (kvtransfer.PageWrite, error) {
+	var w kvtransfer.PageWrite
+	nb := d.U32()
+	if d.Err != nil {
+		return w, nil // End reports it
+	}
+	if uint64(nb)*24 > uint64(len(d.B)) {
+		return w, fmt.Errorf("%w: %d page buffers in %d bytes", wire.ErrMalformed, nb, len(d.B))
+	}
+	raw := d.B[:nb*24]
+	d.B = d.B[nb*24:]
+	w.Bufs = make([]kvtransfer.PageBuf, nb)
+	for i := range w.Bufs {
+		o := raw[24*i : 24*i+24]
+		w.Bufs[i] = kvtransfer.PageBuf{Src: binary.LittleEndian.Uint64(o), Dst: binary.LittleEndian.Uint64(o[8:]), PageLen: binary.LittleEndian.Uint64(o[16:])}
+	}
+	np := d.U32()
+	if d.Err != nil {
+		return w, nil
+	}
+	if uint64(np)*8 > uint64(len(d.B)) || uint64(nb)*uint64(np) > kvtransfer.MaxPageWrite {
+		return w, fmt.Errorf("%w: %d page pairs in %d bytes for %d buffers", wire.ErrMalformed, np, len(d.B), nb)
+	}
+	raw = d.B[:np*8]
+	d.B = d.B[np*8:]
+	w.Pairs = make([]kvtransfer.PagePair, np)
+	for i := range w.Pairs {
+		w.Pairs[i] = kvtransfer.PagePair{Src: binary.LittleEndian.Uint32(raw[8*i:]), Dst: binary.LittleEndian.Uint32(raw[8*i+4:])}
+	}
+	return w, nil
 }
 
 // EncodeReply encodes r as one frame.
@@ -256,6 +330,7 @@ func EncodeReply(r *Reply) []byte {
 		case OpHello:
 			e.String(r.PeerAddr)
 			e.String(r.Transport)
+			e.U32(r.Features)
 		case OpPoll:
 			e.U8(r.State)
 			e.String(r.Reason)
@@ -276,6 +351,9 @@ func DecodeReply(b []byte) (*Reply, error) {
 		r.Transport = d.String()
 	case OpHello:
 		r.PeerAddr, r.Transport = d.String(), d.String()
+		if d.Err == nil && len(d.B) > 0 {
+			r.Features = d.U32()
+		}
 	case OpPoll:
 		r.State, r.Reason = d.U8(), d.String()
 		r.Pages, r.Bytes, r.TransferNs, r.WallNs = d.U64(), d.U64(), d.U64(), d.U64()

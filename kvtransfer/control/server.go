@@ -2,9 +2,11 @@ package control
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -129,18 +131,24 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	}()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
-	var pending []byte
-	buf := make([]byte, 64<<10)
+	// Reads land in pending's spare room, grown to the frame being read: a
+	// big Write arrives in as few reads as the socket allows, copied once.
+	pending := make([]byte, 0, 64<<10)
 	oob := make([]byte, syscall.CmsgSpace(4*4))
 	for {
-		n, oobn, _, _, err := uc.ReadMsgUnix(buf, oob)
+		want := 64 << 10
+		if len(pending) >= 4 {
+			want = max(want, min(int(binary.LittleEndian.Uint32(pending))+4, maxFrame+4)-len(pending))
+		}
+		pending = slices.Grow(pending, want)
+		n, oobn, _, _, err := uc.ReadMsgUnix(pending[len(pending):cap(pending)], oob)
 		if oobn > 0 {
 			fds = append(fds, parseFds(oob[:oobn])...)
 		}
 		if err != nil {
 			return
 		}
-		pending = append(pending, buf[:n]...)
+		pending = pending[:len(pending)+n]
 		for {
 			body, rest, err := splitFrame(pending)
 			if err != nil {
@@ -165,7 +173,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			}
 			// Waits and transfers run beside the loop, so one caller's wait
 			// does not hold up another's request.
-			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpProbe {
+			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpWritePages || req.Op == OpProbe {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
@@ -174,6 +182,9 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 				continue
 			}
 			c.reply(c.handle(ctx, req, fd))
+		}
+		if len(pending) == 0 && cap(pending) > 1<<20 {
+			pending = make([]byte, 0, 64<<10) // don't keep a big frame's room for an idle engine
 		}
 	}
 }
@@ -208,7 +219,7 @@ func (c *conn) reply(r *Reply) {
 }
 
 func isMemoryOp(op Op) bool {
-	return op >= OpHello && op <= OpProbe
+	return op >= OpHello && op <= OpWritePages
 }
 
 // Errors for an API this kvproxy does not serve.
@@ -277,7 +288,7 @@ func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
 	var err error
 	switch req.Op {
 	case OpHello:
-		r.PeerAddr, r.Transport = c.s.Memory.PeerAddr(), c.s.Memory.TransportName()
+		r.PeerAddr, r.Transport, r.Features = c.s.Memory.PeerAddr(), c.s.Memory.TransportName(), features
 	case OpRegisterMemory:
 		if req.Kind == wire.MemCUDA {
 			err = c.mem.RegisterCUDA(req.Addr, req.Len, req.Handle, req.HandleOffset)
@@ -288,6 +299,8 @@ func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
 		err = c.mem.Unregister(req.Addr)
 	case OpWrite:
 		err = c.mem.Write(ctx, req.Peer, req.Triples)
+	case OpWritePages:
+		err = c.mem.WritePages(ctx, req.Peer, &req.PageWrite)
 	case OpProbe:
 		err = c.mem.Probe(ctx, req.Peer)
 	}
