@@ -1,6 +1,7 @@
 package balancer
 
 import (
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -25,32 +26,76 @@ func (s BreakerState) String() string {
 	}
 }
 
-// BreakerConfig mirrors the --cb-* flags (the window duration is parsed but
-// unused upstream, so it is absent here).
+// BreakerConfig mirrors the --cb-* and --outlier-* flags (the window
+// duration is parsed but unused upstream, so it is absent here). The
+// breaker is the router's outlier detection, as Envoy's: consecutive
+// failures (5xx, connect failures, timeouts, broken bodies) or a confirmed
+// stall eject a worker; the k-th ejection in a row lasts k × OpenDuration
+// (base_ejection_time) up to MaxOpenDuration (max_ejection_time); and no
+// worker is ejected while MaxEjectionPercent of its pool is unavailable.
 type BreakerConfig struct {
 	FailureThreshold int
 	SuccessThreshold int
 	OpenDuration     time.Duration
-	Disabled         bool
+	MaxOpenDuration  time.Duration // <= OpenDuration: every ejection lasts OpenDuration
+	// MaxEjectionPercent caps the unavailable share of a pool (ejected or
+	// unhealthy workers) below which one more may be ejected, as Envoy's
+	// max_ejection_percent: a lone worker can be, of two only one. 0 or
+	// 100 and more: no cap.
+	MaxEjectionPercent int
+	// StallTimeout: a worker with requests waiting this long for a reply
+	// head, and none answered meanwhile, is suspect (policies steer around
+	// it) and is ejected if a health probe fails too. 0: off.
+	StallTimeout time.Duration
+	Disabled     bool
 }
 
 func DefaultBreakerConfig() BreakerConfig {
-	return BreakerConfig{FailureThreshold: 10, SuccessThreshold: 3, OpenDuration: 60 * time.Second}
+	return BreakerConfig{FailureThreshold: 10, SuccessThreshold: 3, OpenDuration: 60 * time.Second,
+		MaxOpenDuration: 300 * time.Second, MaxEjectionPercent: 50, StallTimeout: 10 * time.Second}
 }
 
 // Breaker is a per-worker circuit breaker counting consecutive outcomes
 // (spec §5.3). State and both counters live in one word changed by CAS, so
-// Allow on a closed breaker is a single atomic load.
+// Allow on a closed breaker is a single atomic load. Opening (ejecting) is
+// rare and serialised by ejectMu, so the pool's share is checked and the
+// breaker opened as one step.
 type Breaker struct {
 	cfg      BreakerConfig
 	now      func() time.Time // injectable clock
 	word     atomic.Uint64    // state<<62 | failures<<31 | successes
 	openedAt atomic.Int64     // unix nanos; written before the CAS that opens
+	openFor  atomic.Int64     // this ejection's duration; written with openedAt
 	okTotal  atomic.Uint64    // every success ever, read by passive health
+
+	// Under ejectMu: ejections in a row (the back-off multiplier) and when
+	// the breaker last closed, from which the multiplier decays.
+	ejections int64
+	closedAt  int64
+
+	pool atomic.Pointer[poolRef] // the pool the worker serves in; nil = no ejection cap
+	out  outlierState            // replies awaited and answered (outlier.go)
 
 	// Set before the worker is published; nil means no metrics.
 	onTransition func(from, to BreakerState)
 	onOutcome    func(success bool)
+	onEject      func(reason string, enforced bool)
+}
+
+// Ejection reasons, the values of the metrics' reason label.
+const (
+	ejectFailures = "consecutive_failures"
+	ejectStall    = "stall"
+)
+
+// ejectMu serialises ejection decisions, so two breakers of one pool
+// cannot both take its last unavailable share.
+var ejectMu sync.Mutex
+
+// poolRef is where a breaker's worker serves: its registry and type.
+type poolRef struct {
+	reg *Registry
+	typ WorkerType
 }
 
 const counterMask = 1<<31 - 1
@@ -70,22 +115,31 @@ func NewBreaker(cfg BreakerConfig) *Breaker {
 }
 
 // Allow reports whether a request may go to the worker, moving open to
-// half-open once the open duration has passed.
+// half-open once the open duration has passed. Half-open admits trials
+// while fewer than SuccessThreshold requests wait for a reply head, so a
+// worker that still does not answer takes a few requests, not its share.
 func (b *Breaker) Allow() bool {
 	if b.cfg.Disabled {
 		return true
 	}
 	v := b.word.Load()
-	if st, _, _ := unpack(v); st != BreakerOpen {
+	switch st, _, _ := unpack(v); st {
+	case BreakerClosed:
 		return true
+	case BreakerHalfOpen:
+		return b.trialsFree()
 	}
-	if b.now().UnixNano()-b.openedAt.Load() < int64(b.cfg.OpenDuration) {
+	if b.now().UnixNano()-b.openedAt.Load() < b.openFor.Load() {
 		return false
 	}
 	if b.word.CompareAndSwap(v, pack(BreakerHalfOpen, 0, 0)) {
 		b.transition(BreakerOpen, BreakerHalfOpen)
 	}
-	return true
+	return b.trialsFree()
+}
+
+func (b *Breaker) trialsFree() bool {
+	return b.out.awaiting.Load() < int32(b.cfg.SuccessThreshold)
 }
 
 // Record feeds one request outcome into the breaker. What counts as success
@@ -120,17 +174,119 @@ func (b *Breaker) Record(success bool) {
 				nv = pack(BreakerHalfOpen, 0, oks+1)
 			}
 		case st == BreakerHalfOpen || fails+1 >= uint64(b.cfg.FailureThreshold):
-			next, nv = BreakerOpen, pack(BreakerOpen, 0, 0)
-			b.openedAt.Store(b.now().UnixNano())
+			if b.eject(v, ejectFailures) {
+				return
+			}
+			continue
 		default:
 			nv = pack(BreakerClosed, fails+1, 0)
 		}
 		if b.word.CompareAndSwap(v, nv) {
 			if next != st {
 				b.transition(st, next)
+				if next == BreakerClosed {
+					b.closed()
+				}
 			}
 			return
 		}
+	}
+}
+
+// eject opens the breaker from word v (closed or half-open), unless the
+// pool's unavailable share is at the cap: then a failure leaves the
+// breaker closed one failure short of asking again, and a stall changes
+// nothing. It reports false when v changed under it (read it again).
+func (b *Breaker) eject(v uint64, reason string) bool {
+	ejectMu.Lock()
+	defer ejectMu.Unlock()
+	st, _, _ := unpack(v)
+	now := b.now().UnixNano()
+	if !b.pool.Load().mayEject(b, now) {
+		if reason == ejectFailures {
+			if !b.word.CompareAndSwap(v, pack(BreakerClosed, uint64(b.cfg.FailureThreshold-1), 0)) {
+				return false
+			}
+			if st != BreakerClosed {
+				b.transition(st, BreakerClosed)
+			}
+		}
+		b.ejected(reason, false)
+		return true
+	}
+	k := b.ejections
+	if st == BreakerClosed && b.closedAt > 0 && b.cfg.OpenDuration > 0 {
+		k = max(0, k-(now-b.closedAt)/int64(b.cfg.OpenDuration)) // one step back per base time spent closed
+	}
+	k++
+	dur := min(int64(b.cfg.OpenDuration)*k, max(int64(b.cfg.MaxOpenDuration), int64(b.cfg.OpenDuration)))
+	b.openedAt.Store(now)
+	b.openFor.Store(dur)
+	if !b.word.CompareAndSwap(v, pack(BreakerOpen, 0, 0)) {
+		return false
+	}
+	b.ejections = k
+	b.transition(st, BreakerOpen)
+	b.ejected(reason, true)
+	return true
+}
+
+// Eject opens a closed or half-open breaker at once (a stall confirmed by a
+// failed probe), within the pool's cap; it reports whether it did.
+func (b *Breaker) Eject() bool {
+	if b.cfg.Disabled {
+		return false
+	}
+	for {
+		v := b.word.Load()
+		if st, _, _ := unpack(v); st == BreakerOpen {
+			return false
+		}
+		if b.eject(v, ejectStall) {
+			return b.State() == BreakerOpen
+		}
+	}
+}
+
+// closed notes when the breaker closed, from which the back-off decays.
+func (b *Breaker) closed() {
+	ejectMu.Lock()
+	b.closedAt = b.now().UnixNano()
+	ejectMu.Unlock()
+}
+
+// isEjected reports whether the breaker keeps its worker out at now.
+func (b *Breaker) isEjected(now int64) bool {
+	return b.State() == BreakerOpen && now-b.openedAt.Load() < b.openFor.Load()
+}
+
+// mayEject reports whether b's worker may be ejected at now: the pool's
+// other unavailable workers are below the cap. Caller holds ejectMu.
+func (p *poolRef) mayEject(b *Breaker, now int64) bool {
+	pct := b.cfg.MaxEjectionPercent
+	if p == nil || pct <= 0 || pct >= 100 {
+		return true
+	}
+	ws := p.reg.Snapshot().ByType[p.typ]
+	out := 0
+	for _, w := range ws {
+		if w.Breaker != b && (!w.Healthy() || w.Breaker != nil && w.Breaker.isEjected(now)) {
+			out++
+		}
+	}
+	return out*100 < pct*len(ws)
+}
+
+// joinPool makes the breaker count its pool's share before ejecting.
+func (b *Breaker) joinPool(reg *Registry, typ WorkerType) {
+	if b != nil && b.pool.Load() == nil {
+		b.pool.Store(&poolRef{reg: reg, typ: typ})
+	}
+}
+
+func (b *Breaker) ejected(reason string, enforced bool) {
+	if b.onEject != nil {
+		b.onEject(reason, enforced)
 	}
 }
 

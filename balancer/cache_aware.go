@@ -17,7 +17,10 @@ import (
 //  3. else (a miss) the least-loaded worker, ties rotated so a burst of misses
 //     spreads instead of piling onto one worker;
 //
-// and records the text under the chosen worker. One tree per model, each
+// and records the text under the chosen worker. Loads are in-flight counts,
+// a suspect worker's (requests unanswered past the stall timeout) raised
+// by suspectLoad: it stops taking cache hits and is never least loaded
+// while another worker answers. One tree per model, each
 // bounded in bytes by MaxTreeSize; removed workers are swept out every
 // EvictionInterval (Run).
 type CacheAware struct {
@@ -90,12 +93,12 @@ func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 	return workers[pick], nil
 }
 
-// loadStats returns the min and max in-flight load and how many have the min.
+// loadStats returns the min and max balance load and how many have the min.
 func loadStats(workers []*Worker) (lo, hi int64, ties int) {
-	lo, hi = workers[0].Load(), workers[0].Load()
-	ties = 1
+	lo = workers[0].balanceLoad()
+	hi, ties = lo, 1
 	for _, w := range workers[1:] {
-		switch l := w.Load(); {
+		switch l := w.balanceLoad(); {
 		case l < lo:
 			lo, ties = l, 1
 		case l == lo:
@@ -110,9 +113,9 @@ func loadStats(workers []*Worker) (lo, hi int64, ties int) {
 // leastLoaded picks, in rotation, one of the workers at the minimum load.
 func (c *CacheAware) leastLoaded(workers []*Worker, lo int64, ties int) int {
 	k := int(c.rot.Add(1) % uint64(ties))
-	best, bestLoad := 0, workers[0].Load()
+	best, bestLoad := 0, workers[0].balanceLoad()
 	for i, w := range workers {
-		l := w.Load()
+		l := w.balanceLoad()
 		if l <= lo {
 			if k == 0 {
 				return i
@@ -134,7 +137,7 @@ func (cd *candidates) bestTenant(workers []*Worker, tenants []uint32) int {
 			continue
 		}
 		i := int(cd.pos[id] - 1)
-		if l := workers[i].Load(); best < 0 || l < bestLoad {
+		if l := workers[i].balanceLoad(); best < 0 || l < bestLoad {
 			best, bestLoad = i, l
 		}
 	}

@@ -19,6 +19,8 @@ type Metrics struct {
 	errors           *prometheus.CounterVec
 	cbTransitions    *prometheus.CounterVec
 	cbOutcomes       *prometheus.CounterVec
+	ejections        *prometheus.CounterVec
+	ejectOverflow    *prometheus.CounterVec
 	retries          *prometheus.CounterVec
 	retriesExhausted *prometheus.CounterVec
 	retryBackoff     *prometheus.HistogramVec
@@ -46,6 +48,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		errors:           counter("smg_worker_errors_total", "Failed upstream attempts.", "worker_type", "connection_mode", "error_type"),
 		cbTransitions:    counter("smg_worker_cb_transitions_total", "Circuit breaker state changes.", "worker", "from", "to"),
 		cbOutcomes:       counter("smg_worker_cb_outcomes_total", "Outcomes fed to circuit breakers.", "worker", "outcome"),
+		ejections:        counter("smg_worker_outlier_ejections_total", "Workers ejected (breaker opened), by reason: consecutive_failures or stall.", "worker_type", "reason"),
+		ejectOverflow:    counter("smg_worker_outlier_ejections_overflow_total", "Ejections refused: --outlier-max-ejection-percent of the pool was unavailable.", "worker_type", "reason"),
 		retries:          counter("smg_worker_retries_total", "Retried attempts.", "worker_type", "endpoint"),
 		retriesExhausted: counter("smg_worker_retries_exhausted_total", "Requests that used every attempt.", "worker_type", "endpoint"),
 		retryBackoff: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -61,7 +65,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		},
 	}
 	cs := []prometheus.Collector{m.healthChecks, m.selection, m.errors, m.cbTransitions, m.cbOutcomes,
-		m.retries, m.retriesExhausted, m.retryBackoff, m.manualEntries}
+		m.ejections, m.ejectOverflow, m.retries, m.retriesExhausted, m.retryBackoff, m.manualEntries}
 	for _, b := range m.branches {
 		cs = append(cs, b)
 	}
@@ -161,6 +165,13 @@ func (m *Metrics) instrument(w *Worker) {
 	w.Breaker.onTransition = func(from, to BreakerState) {
 		m.cbTransitions.WithLabelValues(w.URL, from.String(), to.String()).Inc()
 	}
+	w.Breaker.onEject = func(reason string, enforced bool) {
+		c := m.ejectOverflow
+		if enforced {
+			c = m.ejections
+		}
+		c.WithLabelValues(w.Type.String(), reason).Inc()
+	}
 }
 
 // forget drops the per-worker series of a removed worker.
@@ -189,12 +200,14 @@ var (
 	descCBState    = prometheus.NewDesc("smg_worker_cb_state", "Circuit breaker state: 0 closed, 1 open, 2 half_open.", []string{"worker"}, nil)
 	descCBFailures = prometheus.NewDesc("smg_worker_cb_consecutive_failures", "Consecutive failures seen by the breaker.", []string{"worker"}, nil)
 	descCBOKs      = prometheus.NewDesc("smg_worker_cb_consecutive_successes", "Consecutive successes seen by the breaker.", []string{"worker"}, nil)
+	descSuspect    = prometheus.NewDesc("smg_worker_outlier_suspect", "1 while the worker holds requests unanswered past --outlier-first-byte-timeout-secs.", []string{"worker"}, nil)
+	descEjected    = prometheus.NewDesc("smg_worker_outlier_ejected", "Workers ejected now (breaker open).", []string{"worker_type"}, nil)
 )
 
 type workerCollector struct{ reg *Registry }
 
 func (workerCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descPoolSize, descActive, descHealth, descCBState, descCBFailures, descCBOKs} {
+	for _, d := range []*prometheus.Desc{descPoolSize, descActive, descHealth, descCBState, descCBFailures, descCBOKs, descSuspect, descEjected} {
 		ch <- d
 	}
 }
@@ -202,6 +215,7 @@ func (workerCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c workerCollector) Collect(ch chan<- prometheus.Metric) {
 	type pool struct{ typ, model string }
 	pools := map[pool]int{}
+	var ejected [3]int
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
 	}
@@ -218,9 +232,20 @@ func (c workerCollector) Collect(ch chan<- prometheus.Metric) {
 			gauge(descCBState, float64(w.Breaker.State()), w.URL)
 			gauge(descCBFailures, float64(f), w.URL)
 			gauge(descCBOKs, float64(s), w.URL)
+			if w.Breaker.State() == BreakerOpen {
+				ejected[w.Type]++
+			}
 		}
+		suspect := 0.0
+		if w.Suspect() {
+			suspect = 1
+		}
+		gauge(descSuspect, suspect, w.URL)
 	}
 	for p, n := range pools {
 		gauge(descPoolSize, float64(n), p.typ, connectionMode, p.model)
+	}
+	for t, n := range ejected {
+		gauge(descEjected, float64(n), WorkerType(t).String())
 	}
 }

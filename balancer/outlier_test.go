@@ -1,0 +1,299 @@
+package balancer
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Each ejection in a row lasts one base time longer, up to the cap; time
+// spent closed walks the multiplier back.
+func TestBreakerEjectionBackoff(t *testing.T) {
+	b, clk, _ := newTestBreaker(1, 1, 10*time.Second)
+	b.cfg.MaxOpenDuration = 35 * time.Second
+	openFor := func() time.Duration {
+		t.Helper()
+		b.Record(false)
+		if b.State() != BreakerOpen {
+			t.Fatalf("failure did not eject: %v", b.State())
+		}
+		start := clk.now()
+		for b.Allow() == false {
+			clk.add(time.Second)
+		}
+		return clk.now().Sub(start)
+	}
+	for i, want := range []time.Duration{10, 20, 30, 35} { // half-open failures: ejections in a row
+		if got := openFor(); got != want*time.Second {
+			t.Fatalf("ejection %d lasted %v, want %v s", i+1, got, want)
+		}
+	}
+	b.Record(true) // closes (success threshold 1)
+	clk.add(25 * time.Second)
+	// 4 in a row, then 2.5 base times closed: 2 steps back, so the next is the 3rd.
+	if got := openFor(); got != 30*time.Second {
+		t.Fatalf("after 25 s closed: ejection lasted %v, want 30 s", got)
+	}
+	b.Record(true)
+	clk.add(time.Hour)
+	if got := openFor(); got != 10*time.Second {
+		t.Fatalf("after an hour closed: ejection lasted %v, want the base 10 s", got)
+	}
+}
+
+// A half-open breaker admits trials only while fewer than the success
+// threshold wait for a reply head.
+func TestBreakerHalfOpenLimitsTrials(t *testing.T) {
+	w := NewWorker("http://10.0.0.1:1", Decode, NoBootstrapPort)
+	clk := &fakeClock{t: time.Unix(1000, 0)}
+	w.Breaker = NewBreaker(BreakerConfig{FailureThreshold: 1, SuccessThreshold: 2, OpenDuration: time.Second})
+	w.Breaker.now = clk.now
+	w.AwaitReply() // stuck since before the ejection
+	w.Record(false)
+	clk.add(time.Second)
+	if !w.Available() || w.Breaker.State() != BreakerHalfOpen {
+		t.Fatalf("not half-open with one request waiting: %v", w.Breaker.State())
+	}
+	w.AwaitReply()
+	if w.Available() {
+		t.Fatal("half-open admitted a third request while two wait for a reply")
+	}
+	w.ReplyDone(true)
+	if !w.Available() {
+		t.Fatal("half-open refused a trial after a reply arrived")
+	}
+}
+
+func poolOf(t *testing.T, n int, cfg BreakerConfig) []*Worker {
+	t.Helper()
+	reg := NewRegistry()
+	newOutlierDetector(ManagerConfig{}, reg, nil) // only joins the pools: no stall timeout
+	ws := make([]*Worker, n)
+	for i := range ws {
+		ws[i] = NewWorker("http://10.0.0."+string(rune('1'+i))+":1", Decode, NoBootstrapPort)
+		ws[i].Breaker = NewBreaker(cfg)
+		reg.Add(ws[i])
+	}
+	return ws
+}
+
+// Envoy's max_ejection_percent: ejections stop once the pool's unavailable
+// share reaches the cap, so of two workers one is left; a lone worker is
+// still ejected.
+func TestMaxEjectionPercent(t *testing.T) {
+	cfg := BreakerConfig{FailureThreshold: 2, SuccessThreshold: 1, OpenDuration: time.Minute, MaxEjectionPercent: 50}
+	for _, tc := range []struct{ n, ejected int }{{1, 1}, {2, 1}, {3, 2}, {4, 2}} {
+		ws := poolOf(t, tc.n, cfg)
+		var refused int
+		for _, w := range ws {
+			w.Breaker.onEject = func(reason string, enforced bool) {
+				if !enforced && reason == ejectFailures {
+					refused++
+				}
+			}
+			for range 3 {
+				w.Record(false)
+			}
+		}
+		ejected := 0
+		for _, w := range ws {
+			if !w.Available() {
+				ejected++
+			}
+		}
+		if ejected != tc.ejected || refused == 0 && tc.n > tc.ejected {
+			t.Errorf("%d failing workers: %d ejected (want %d), %d refusals", tc.n, ejected, tc.ejected, refused)
+		}
+		// A refused worker stays one failure short: once another returns,
+		// its next failure ejects it.
+		if tc.n == 2 {
+			left := ws[1]
+			if f, _ := left.Breaker.Counts(); !left.Available() || f != 1 {
+				t.Fatalf("refused worker: available %v, %d failures, want 1", left.Available(), f)
+			}
+			ws[0].SetHealthy(true)
+			ws[0].Breaker.openFor.Store(0) // its ejection is over
+			left.Record(false)
+			if left.Available() {
+				t.Fatal("the refused worker was not ejected once the other one was back")
+			}
+		}
+	}
+	// An unhealthy worker counts against the cap too.
+	ws := poolOf(t, 2, cfg)
+	ws[0].SetHealthy(false)
+	for range 3 {
+		ws[1].Record(false)
+	}
+	if !ws[1].Available() {
+		t.Fatal("ejected the last healthy worker of two")
+	}
+}
+
+// hungServer accepts connections and never reads or answers, as a
+// SIGSTOPped process whose kernel still completes handshakes.
+func hungServer(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		<-done
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+	})
+	return "http://" + ln.Addr().String()
+}
+
+func outlierManager(t *testing.T, urls ...string) (*Manager, []*Worker, *prometheus.Registry) {
+	t.Helper()
+	pr := prometheus.NewRegistry()
+	met, err := NewMetrics(pr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultBreakerConfig()
+	cfg.StallTimeout = 100 * time.Millisecond
+	m := NewManager(ManagerConfig{Metrics: met, Breaker: cfg,
+		Health: HealthConfig{Interval: time.Hour, Timeout: 200 * time.Millisecond}})
+	t.Cleanup(m.Stop)
+	ws := make([]*Worker, len(urls))
+	for i, u := range urls {
+		w, err := m.newWorker(WorkerSpec{URL: u, WorkerType: "decode"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws[i], _ = m.reg.Add(w)
+	}
+	if err := m.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return m, ws, pr
+}
+
+// A worker that holds requests without answering is suspect within the
+// stall timeout and ejected once a probe times out too; one that answers
+// its probe is only suspect, until it answers a request.
+func TestStallEjectsHungWorker(t *testing.T) {
+	_, ws, pr := outlierManager(t, hungServer(t), newFakeEngine(t, 200).URL, newFakeEngine(t, 200).URL)
+	hung, slow, idle := ws[0], ws[1], ws[2]
+	start := time.Now()
+	hung.AwaitReply()
+	slow.AwaitReply()
+	waitFor(t, "the hung worker's ejection", func() bool { return !hung.Available() })
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("ejected after %v, want about the stall timeout plus the probe timeout (0.3 s)", d)
+	}
+	if !slow.Suspect() || !slow.Available() || idle.Suspect() {
+		t.Fatalf("slow worker: suspect %v, available %v; idle worker suspect %v", slow.Suspect(), slow.Available(), idle.Suspect())
+	}
+	labels := map[string]string{"worker_type": "decode", "reason": "stall"}
+	if v, _ := gauge(t, pr, "smg_worker_outlier_ejections_total", labels); v != 1 {
+		t.Errorf("stall ejections = %v, want 1", v)
+	}
+	if v, _ := gauge(t, pr, "smg_worker_outlier_ejected", map[string]string{"worker_type": "decode"}); v != 1 {
+		t.Errorf("ejected gauge = %v, want 1", v)
+	}
+	if v, _ := gauge(t, pr, "smg_worker_outlier_suspect", map[string]string{"worker": slow.URL}); v != 1 {
+		t.Errorf("suspect gauge of the slow worker = %v, want 1", v)
+	}
+	time.Sleep(300 * time.Millisecond) // more sweeps and probes
+	if !slow.Available() {
+		t.Fatal("a worker whose probe passes was ejected")
+	}
+	slow.ReplyDone(true)
+	if slow.Suspect() {
+		t.Fatal("still suspect after answering")
+	}
+	hung.ReplyDone(false)
+}
+
+// A stall caught while the pool is at its cap is refused and counted.
+func TestStallEjectionRespectsCap(t *testing.T) {
+	_, ws, pr := outlierManager(t, hungServer(t), hungServer(t))
+	for _, w := range ws {
+		w.AwaitReply()
+	}
+	waitFor(t, "an ejection", func() bool { return !ws[0].Available() || !ws[1].Available() })
+	labels := map[string]string{"worker_type": "decode", "reason": "stall"}
+	waitFor(t, "a refused ejection", func() bool {
+		v, _ := gauge(t, pr, "smg_worker_outlier_ejections_overflow_total", labels)
+		return v >= 1
+	})
+	if ws[0].Available() == ws[1].Available() {
+		t.Fatalf("available: %v and %v, want exactly one (50 %% of two)", ws[0].Available(), ws[1].Available())
+	}
+	for _, w := range ws {
+		w.ReplyDone(false)
+	}
+}
+
+// Policies that balance load steer around a suspect worker.
+func TestPoliciesSteerAroundSuspect(t *testing.T) {
+	ws := testWorkers(3)
+	ws[1].Breaker.out.suspect.Store(true)
+	ca := NewCacheAware(PolicyOptions{})
+	text := strings.Repeat("shared prefix ", 20)
+	ca.Select([]*Worker{ws[1]}, &Request{Text: text}) // the prefix is cached on ws[1]
+	for range 20 {
+		for _, p := range []Policy{PowerOfTwo{}, ca} {
+			if w, _ := p.Select(ws, &Request{Text: text}); w == ws[1] {
+				t.Fatalf("%s picked the suspect worker", p.Name())
+			}
+		}
+	}
+	for _, w := range ws {
+		w.Breaker.out.suspect.Store(true)
+	}
+	if w, _ := (PowerOfTwo{}).Select(ws[:2], nil); w == nil {
+		t.Fatal("no pick when every worker is suspect")
+	}
+}
+
+// A probe of a worker that never answers ends at the health check timeout,
+// and such probes mark it unhealthy after the failure threshold.
+func TestHealthProbeOfHungWorkerTimesOut(t *testing.T) {
+	url := hungServer(t)
+	reg := NewRegistry()
+	w := NewWorker(url, Regular, NoBootstrapPort)
+	reg.Add(w)
+	h := &healthChecker{cfg: HealthConfig{Endpoint: "/health", Interval: time.Hour, Timeout: 100 * time.Millisecond,
+		FailureThreshold: 2, SuccessThreshold: 1}, reg: reg, client: &http.Client{}}
+	for range 2 {
+		start := time.Now()
+		h.round(context.Background())
+		if d := time.Since(start); d > time.Second {
+			t.Fatalf("a round over a hung worker took %v, want the 100 ms timeout", d)
+		}
+	}
+	if w.Healthy() {
+		t.Fatal("hung worker still healthy after 2 timed-out probes")
+	}
+	h.client.CloseIdleConnections()
+}
