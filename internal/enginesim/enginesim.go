@@ -13,7 +13,6 @@ package enginesim
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"flag"
 	"fmt"
 	"hash/fnv"
@@ -23,13 +22,11 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/pdrouter/pdrouter/internal/mockworker"
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 )
 
 // auxItem is one aux slot: room, pages, and a digest of the prompt.
@@ -96,23 +93,23 @@ type statusError struct {
 func (e statusError) Error() string   { return e.msg }
 func (e statusError) HTTPStatus() int { return e.status }
 
-// Sim implements mockworker.KVTransfer.
+// Sim implements mockworker.KVTransfer. When its kvproxy restarts, the
+// next request connects again and registers the pool anew (see link).
 type Sim struct {
-	o         Options
-	seg       *shm.Segment
-	cl        *control.Client
-	transport string
-	bufs      [][]byte // one per KV buffer
-	aux       []byte
-	item      int // bytes per page per buffer
+	o      Options
+	layout control.Layout
+	item   int // bytes per page per buffer
+	pages  int // pages per buffer
+	nbuf   int
+	size   int // pool bytes: KV buffers, then aux
+	linkState
 
-	mu       sync.Mutex
-	free     []uint32 // free pages
-	freeAux  []int32
-	waiters  []*waiter
-	wg       sync.WaitGroup
-	closing  chan struct{}
-	closeErr error
+	mu      sync.Mutex
+	free    []uint32 // free pages
+	freeAux []int32
+	waiters []*waiter
+	wg      sync.WaitGroup
+	closing chan struct{}
 }
 
 type waiter struct{ ready chan struct{} }
@@ -120,7 +117,7 @@ type waiter struct{ ready chan struct{} }
 var _ mockworker.KVTransfer = (*Sim)(nil)
 
 // New connects to the kvproxy, has it allocate and register the pool, and
-// maps the pool.
+// maps the pool; it fails if the kvproxy is not there.
 func New(ctx context.Context, o Options) (*Sim, error) {
 	if o.Layers <= 0 || o.BuffersPerLay <= 0 || o.BytesPerToken <= 0 || o.PageSize <= 0 || o.PoolTokens < o.PageSize || o.ChunkTokens < o.PageSize || o.AuxSlots <= 0 {
 		return nil, fmt.Errorf("bad KV layout %+v", o)
@@ -129,58 +126,43 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 		return nil, fmt.Errorf("--kv-bytes-per-token %d must be a multiple of 8", o.BytesPerToken)
 	}
 	s := &Sim{o: o, item: o.BytesPerToken * o.PageSize, closing: make(chan struct{})}
-	pages := o.PoolTokens / o.PageSize
-	nbuf := o.Layers * o.BuffersPerLay
-	size := nbuf*pages*s.item + o.AuxSlots*auxItem
-	l := control.Layout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
-	for b := 0; b < nbuf; b++ {
-		off := b * pages * s.item
-		l.Regions = append(l.Regions, control.RegionSpec{Kind: control.KindKV, Offset: uint64(off), Len: uint64(pages * s.item), ItemLen: uint32(s.item)})
+	s.pages = o.PoolTokens / o.PageSize
+	s.nbuf = o.Layers * o.BuffersPerLay
+	span := s.pages * s.item
+	s.size = s.nbuf*span + o.AuxSlots*auxItem
+	s.layout = control.Layout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
+	for b := 0; b < s.nbuf; b++ {
+		s.layout.Regions = append(s.layout.Regions, control.RegionSpec{Kind: control.KindKV, Offset: uint64(b * span), Len: uint64(span), ItemLen: uint32(s.item)})
 	}
-	auxOff := nbuf * pages * s.item
-	l.Regions = append(l.Regions, control.RegionSpec{Kind: control.KindAux, Offset: uint64(auxOff), Len: uint64(o.AuxSlots * auxItem), ItemLen: auxItem})
-	for p := pages - 1; p >= 0; p-- {
+	s.layout.Regions = append(s.layout.Regions, control.RegionSpec{Kind: control.KindAux, Offset: uint64(s.nbuf * span), Len: uint64(o.AuxSlots * auxItem), ItemLen: auxItem})
+	for p := s.pages - 1; p >= 0; p-- {
 		s.free = append(s.free, uint32(p))
 	}
 	for a := o.AuxSlots - 1; a >= 0; a-- {
 		s.freeAux = append(s.freeAux, int32(a))
 	}
-	var err error
-	if s.cl, err = control.Dial(o.Control); err != nil {
+	l, err := s.dial(ctx)
+	if err != nil {
 		return nil, err
 	}
-	// The kvproxy allocates the pool (so its transport can use memory it
-	// owns) and hands back the segment's fd; we map the same pages.
-	tr, fd, err := s.cl.Register(ctx, l)
-	if err == nil {
-		s.seg, err = shm.Map(fd)
-		if err != nil {
-			syscall.Close(fd)
-		} else if len(s.seg.Mem) < size {
-			s.seg.Close()
-			err = fmt.Errorf("segment of %d bytes, layout needs %d", len(s.seg.Mem), size)
-		}
-	}
-	if err != nil {
-		s.cl.Close()
-		return nil, fmt.Errorf("register KV pool with kvproxy: %w", err)
-	}
-	s.transport = tr
-	for b := 0; b < nbuf; b++ {
-		off := b * pages * s.item
-		s.bufs = append(s.bufs, s.seg.Mem[off:off+pages*s.item])
-	}
-	s.aux = s.seg.Mem[auxOff:size]
+	s.cur, s.links = l, 1
 	return s, nil
 }
 
 // Close disconnects from the kvproxy (which aborts open rooms) and unmaps
-// the pool once quarantined pages are released.
+// the pool; requests must have ended. Quarantined pages are released first.
 func (s *Sim) Close() error {
 	close(s.closing)
-	err := s.cl.Close()
+	s.lmu.Lock()
+	l := s.cur
+	s.cur, s.linkClosed = nil, true
+	idle := l != nil && l.users == 0 // else the last put closes it
+	s.lmu.Unlock()
 	s.wg.Wait()
-	return errors.Join(err, s.seg.Close())
+	if !idle {
+		return nil
+	}
+	return l.close()
 }
 
 // FreePages reports free pages (for tests: every request must give its pages back).
@@ -300,16 +282,16 @@ func (s *Sim) pageSeed(seed uint64, b, i int) uint64 {
 
 // fill writes page i of the prompt (stored at pool page p) of buffer b;
 // check compares instead.
-func (s *Sim) fill(seed uint64, b, i int, p uint32) {
-	dst := s.bufs[b][int(p)*s.item:][:s.item]
+func (s *Sim) fill(l *link, seed uint64, b, i int, p uint32) {
+	dst := l.bufs[b][int(p)*s.item:][:s.item]
 	x := s.pageSeed(seed, b, i)
 	for k := 0; k < len(dst); k += 8 {
 		binary.LittleEndian.PutUint64(dst[k:], x+uint64(k)*0x9E3779B97F4A7C15)
 	}
 }
 
-func (s *Sim) check(seed uint64, b, i int, p uint32) bool {
-	src := s.bufs[b][int(p)*s.item:][:s.item]
+func (s *Sim) check(l *link, seed uint64, b, i int, p uint32) bool {
+	src := l.bufs[b][int(p)*s.item:][:s.item]
 	x := s.pageSeed(seed, b, i)
 	for k := 0; k < len(src); k += 8 {
 		if binary.LittleEndian.Uint64(src[k:]) != x+uint64(k)*0x9E3779B97F4A7C15 {
@@ -319,10 +301,10 @@ func (s *Sim) check(seed uint64, b, i int, p uint32) bool {
 	return true
 }
 
-func (s *Sim) auxSlot(a int32) []byte { return s.aux[int(a)*auxItem:][:auxItem] }
+func auxSlot(l *link, a int32) []byte { return l.aux[int(a)*auxItem:][:auxItem] }
 
-func (s *Sim) result(st kvtransfer.Status) *mockworker.KVResult {
-	return &mockworker.KVResult{Bytes: int64(st.Bytes), Pages: int64(st.Pages), Transport: s.transport,
+func result(l *link, st kvtransfer.Status) *mockworker.KVResult {
+	return &mockworker.KVResult{Bytes: int64(st.Bytes), Pages: int64(st.Pages), Transport: l.transport,
 		ChecksumOK: true, TransferMS: float64(st.Transfer.Microseconds()) / 1000}
 }
 
@@ -334,46 +316,61 @@ func (s *Sim) Prefill(ctx context.Context, r mockworker.KVRequest) (*mockworker.
 	if err != nil {
 		return nil, err
 	}
-	st, err := s.prefill(ctx, r, pages, aux)
-	s.release(pages, aux, err != nil)
-	if err != nil {
-		return nil, err
+	for try := 0; ; try++ {
+		l, err := s.acquire(ctx)
+		if err != nil {
+			s.release(pages, aux, false)
+			return nil, err
+		}
+		st, first, err := s.prefill(ctx, l, r, pages, aux)
+		// A link that broke on the room's first call (the kvproxy went
+		// away before the room existed there) is replaced, once.
+		if s.put(l, err) && first && try == 0 && ctx.Err() == nil {
+			continue
+		}
+		s.release(pages, aux, err != nil)
+		if err != nil {
+			return nil, err
+		}
+		return result(l, st), nil
 	}
-	return s.result(st), nil
 }
 
-func (s *Sim) prefill(ctx context.Context, r mockworker.KVRequest, pages []uint32, aux int32) (kvtransfer.Status, error) {
+// prefill fills and sends the room's pages on l; first reports an error
+// from the room's first call.
+func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, pages []uint32, aux int32) (st kvtransfer.Status, first bool, err error) {
 	seed := seedOf(r)
-	a := s.auxSlot(aux)
+	a := auxSlot(l, aux)
 	binary.LittleEndian.PutUint64(a, r.Room)
 	binary.LittleEndian.PutUint64(a[8:], uint64(len(pages)))
 	binary.LittleEndian.PutUint64(a[16:], seed)
 	chunk := s.o.ChunkTokens / s.o.PageSize
 	for start := 0; start < len(pages) || start == 0; start += chunk {
 		end := min(start+chunk, len(pages))
-		for b := range s.bufs {
+		for b := range l.bufs {
 			for i := start; i < end; i++ {
-				s.fill(seed, b, i, pages[i])
+				s.fill(l, seed, b, i, pages[i])
 			}
 		}
-		if err := s.cl.Send(ctx, r.Room, pages[start:end], end == len(pages), aux); err != nil {
-			s.abort(r.Room, "send failed")
-			return kvtransfer.Status{}, fmt.Errorf("kvproxy send: %w", err)
+		if err := l.cl.Send(ctx, r.Room, pages[start:end], end == len(pages), aux); err != nil {
+			abort(l, r.Room, "send failed")
+			return st, start == 0, fmt.Errorf("kvproxy send: %w", err)
 		}
 		if end == len(pages) {
 			break
 		}
 	}
-	return s.wait(ctx, r.Room)
+	st, err = wait(ctx, l, r.Room)
+	return st, false, err
 }
 
 // wait waits for the room's end; if ctx ends first (the client went away),
 // the room is aborted on both sides.
-func (s *Sim) wait(ctx context.Context, room uint64) (kvtransfer.Status, error) {
-	st, err := s.cl.Wait(ctx, room)
+func wait(ctx context.Context, l *link, room uint64) (kvtransfer.Status, error) {
+	st, err := l.cl.Wait(ctx, room)
 	if err != nil {
 		if ctx.Err() != nil {
-			s.abort(room, "client disconnected")
+			abort(l, room, "client disconnected")
 		}
 		return st, err
 	}
@@ -383,10 +380,40 @@ func (s *Sim) wait(ctx context.Context, room uint64) (kvtransfer.Status, error) 
 	return st, nil
 }
 
-func (s *Sim) abort(room uint64, reason string) {
+func abort(l *link, room uint64, reason string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_ = s.cl.Abort(ctx, room, reason)
+	_ = l.cl.Abort(ctx, room, reason)
+}
+
+// expect announces the room on a live link and returns it (to give back
+// with put); on failure it releases the pages. A link that broke on this
+// first call (the kvproxy went away before the room existed there) is
+// replaced, once.
+func (s *Sim) expect(ctx context.Context, r mockworker.KVRequest, pages []uint32, aux int32) (*link, error) {
+	for try := 0; ; try++ {
+		l, err := s.acquire(ctx)
+		if err != nil {
+			s.release(pages, aux, false)
+			return nil, err
+		}
+		clear(auxSlot(l, aux))
+		err = l.cl.Expect(ctx, r.Room, bootstrapAddr(r), pages, aux)
+		if err == nil {
+			return l, nil
+		}
+		// The client left while Expect was in flight: the room may exist
+		// already, and data may land in its pages.
+		gone := ctx.Err() != nil
+		if gone {
+			abort(l, r.Room, "client disconnected")
+		}
+		if s.put(l, err) && !gone && try == 0 {
+			continue
+		}
+		s.release(pages, aux, gone)
+		return nil, fmt.Errorf("kvproxy expect: %w", err)
+	}
 }
 
 // Decode allocates the prompt's pages, expects the room, waits for it and
@@ -397,34 +424,29 @@ func (s *Sim) Decode(ctx context.Context, r mockworker.KVRequest) (*mockworker.K
 	if err != nil {
 		return nil, err
 	}
-	a := s.auxSlot(aux)
-	clear(a)
-	if err := s.cl.Expect(ctx, r.Room, bootstrapAddr(r), pages, aux); err != nil {
-		// The client left while Expect was in flight: the room may exist
-		// already, and data may land in its pages.
-		gone := ctx.Err() != nil
-		if gone {
-			s.abort(r.Room, "client disconnected")
-		}
-		s.release(pages, aux, gone)
-		return nil, fmt.Errorf("kvproxy expect: %w", err)
-	}
-	st, err := s.wait(ctx, r.Room)
+	l, err := s.expect(ctx, r, pages, aux)
 	if err != nil {
+		return nil, err
+	}
+	st, err := wait(ctx, l, r.Room)
+	if err != nil {
+		s.put(l, err)
 		s.release(pages, aux, true)
 		return nil, err
 	}
+	defer s.put(l, nil) // after the check: put may unmap a replaced link's pool
 	defer s.release(pages, aux, false)
+	a := auxSlot(l, aux)
 	seed := seedOf(r)
 	if binary.LittleEndian.Uint64(a) != r.Room || binary.LittleEndian.Uint64(a[8:]) != uint64(n) || binary.LittleEndian.Uint64(a[16:]) != seed {
 		return nil, fmt.Errorf("KV checksum mismatch: aux slot does not match room %d", r.Room)
 	}
-	for b := range s.bufs {
+	for b := range l.bufs {
 		for i, p := range pages {
-			if !s.check(seed, b, i, p) {
+			if !s.check(l, seed, b, i, p) {
 				return nil, fmt.Errorf("KV checksum mismatch: room %d buffer %d page %d", r.Room, b, i)
 			}
 		}
 	}
-	return s.result(st), nil
+	return result(l, st), nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -65,9 +66,13 @@ func (c *sims) req(room uint64, prompt string, tokens int) mockworker.KVRequest 
 }
 
 func run(p, d *Sim, pr, dr mockworker.KVRequest) (pres, dres *mockworker.KVResult, perr, derr error) {
+	return runCtx(context.Background(), p, d, pr, dr)
+}
+
+func runCtx(ctx context.Context, p, d *Sim, pr, dr mockworker.KVRequest) (pres, dres *mockworker.KVResult, perr, derr error) {
 	var wg sync.WaitGroup
-	wg.Go(func() { pres, perr = p.Prefill(context.Background(), pr) })
-	wg.Go(func() { dres, derr = d.Decode(context.Background(), dr) })
+	wg.Go(func() { pres, perr = p.Prefill(ctx, pr) })
+	wg.Go(func() { dres, derr = d.Decode(ctx, dr) })
 	wg.Wait()
 	return
 }
@@ -146,5 +151,96 @@ func TestSplitArgs(t *testing.T) {
 	kv, rest := SplitArgs([]string{"--role", "decode", "--kvproxy", "/s", "--kv-layers=4", "-kv-page-size", "8", "--port", "1"})
 	if strings.Join(kv, " ") != "--kvproxy /s --kv-layers=4 -kv-page-size 8" || strings.Join(rest, " ") != "--role decode --port 1" {
 		t.Fatalf("kv %q rest %q", kv, rest)
+	}
+}
+
+// restart stops a kvproxy and starts one like it on the same control socket
+// (and, for prefill, bootstrap and peer port), as a process manager would.
+func restart(t *testing.T, old *sidecar.Sidecar, role string) *sidecar.Sidecar {
+	t.Helper()
+	cfg := sidecar.Config{Role: role, Transport: "tcp", Host: "127.0.0.1", Control: old.Addrs().Control,
+		Heartbeat: time.Second, WaitingTimeout: 500 * time.Millisecond}
+	if role == "prefill" {
+		_, port, _ := net.SplitHostPort(old.Addrs().Bootstrap)
+		cfg.BootstrapPort, _ = strconv.Atoi(port)
+		_, port, _ = net.SplitHostPort(old.Addrs().Peer)
+		cfg.PeerPort, _ = strconv.Atoi(port)
+	}
+	if err := old.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s, err := sidecar.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+// A restarted kvproxy serves the same Sims again: the next request
+// registers the pool anew, without restarting the engine.
+func TestRestartedKVProxyServesAgain(t *testing.T) {
+	for _, role := range []string{"prefill", "decode"} {
+		t.Run(role, func(t *testing.T) {
+			ps, ds := proxy(t, "prefill"), proxy(t, "decode")
+			c := &sims{}
+			var err error
+			if c.p, err = New(context.Background(), opts(ps.Addrs().Control)); err != nil {
+				t.Fatal(err)
+			}
+			if c.d, err = New(context.Background(), opts(ds.Addrs().Control)); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.p.Close(); c.d.Close() })
+			if c.boot, err = net.ResolveTCPAddr("tcp", ps.Addrs().Bootstrap); err != nil {
+				t.Fatal(err)
+			}
+			sim, victim := c.d, ds
+			if role == "prefill" {
+				sim, victim = c.p, ps
+			}
+			if _, _, perr, derr := run(c.p, c.d, c.req(1, "a", 100), c.req(1, "a", 100)); perr != nil || derr != nil {
+				t.Fatalf("before: prefill %v decode %v", perr, derr)
+			}
+			// Down: the engine answers a retryable 503 at once.
+			if err := victim.Close(); err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			if role == "prefill" {
+				_, err = sim.Prefill(context.Background(), c.req(2, "b", 100))
+			} else {
+				_, err = sim.Decode(context.Background(), c.req(2, "b", 100))
+			}
+			var hs interface{ HTTPStatus() int }
+			if !errors.Is(err, ErrKVProxyDown) || !errors.As(err, &hs) || hs.HTTPStatus() != 503 || time.Since(start) > 2*time.Second {
+				t.Fatalf("kvproxy down: %v after %v", err, time.Since(start))
+			}
+			restart(t, victim, role)
+			// Back within the redial interval (plus scheduling).
+			restarted := time.Now()
+			for room := uint64(100); ; room++ {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				_, _, perr, derr := runCtx(ctx, c.p, c.d, c.req(room, "c", 100), c.req(room, "c", 100))
+				cancel()
+				if perr == nil && derr == nil {
+					break
+				}
+				if time.Since(restarted) > 3*time.Second {
+					t.Fatalf("not serving 3 s after the restart: prefill %v decode %v", perr, derr)
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+			t.Logf("serving again %v after the restart", time.Since(restarted).Round(time.Millisecond))
+			for i := range 5 {
+				r := c.req(uint64(10+i), "c", 100+i)
+				if _, dres, perr, derr := run(c.p, c.d, r, r); perr != nil || derr != nil || !dres.ChecksumOK {
+					t.Fatalf("after restart, request %d: prefill %v decode %v", i, perr, derr)
+				}
+			}
+			if sim.Links() != 2 {
+				t.Fatalf("%d control connections, want 2 (one reconnect)", sim.Links())
+			}
+		})
 	}
 }

@@ -39,6 +39,10 @@ func Dial(path string) (*Client, error) {
 	return cl, nil
 }
 
+// Done is closed once the connection is broken or closed; calls then fail
+// with ErrClientClosed and the caller must dial again.
+func (c *Client) Done() <-chan struct{} { return c.done }
+
 // Close closes the connection; the kvproxy aborts rooms still open on it.
 func (c *Client) Close() error {
 	err := c.c.Close()
