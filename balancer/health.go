@@ -80,7 +80,7 @@ func (h *healthChecker) apply(w *Worker, ok bool) {
 func probe(ctx context.Context, c *http.Client, w *Worker, path string, timeout time.Duration) bool {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	resp, err := get(ctx, c, w.URL+path, w.APIKey)
+	resp, err := get(ctx, c, w.BaseURL+path, w.APIKey)
 	if err != nil {
 		return false
 	}

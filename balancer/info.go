@@ -31,6 +31,9 @@ type WorkerInfo struct {
 	ConnectionMode     string            `json:"connection_mode"`
 	DisableHealthCheck bool              `json:"disable_health_check"`
 	BootstrapPort      *int              `json:"bootstrap_port,omitempty"`
+	DPBaseURL          string            `json:"dp_base_url,omitempty"` // these three with --dp-aware only, as smg
+	DPRank             *int              `json:"dp_rank,omitempty"`
+	DPSize             int               `json:"dp_size,omitempty"`
 	Metadata           map[string]string `json:"metadata,omitempty"`
 	JobStatus          *JobStatus        `json:"job_status,omitempty"`
 }
@@ -44,6 +47,9 @@ func (w *Worker) Info() WorkerInfo {
 	}
 	if w.Type == Prefill && w.BootstrapPort != NoBootstrapPort {
 		wi.BootstrapPort = &w.BootstrapPort
+	}
+	if w.DPSize > 0 {
+		wi.DPBaseURL, wi.DPRank, wi.DPSize = w.BaseURL, &w.DPRank, w.DPSize
 	}
 	return wi
 }

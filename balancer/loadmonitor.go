@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"strconv"
 	"sync"
 	"time"
 )
@@ -37,12 +38,21 @@ func (lm *loadMonitor) poll(ctx context.Context) {
 
 // FetchLoad reads one worker's load: SGLang's GET /v1/loads?include=core
 // (sgl-project/sglang#16976), or for an engine without it (404 or 405, then
-// remembered) the deprecated /get_load.
+// remembered) the deprecated /get_load. A DP rank's worker (--dp-aware)
+// asks for its rank (dp_rank=) and counts only that rank's entries.
 func FetchLoad(ctx context.Context, c *http.Client, w *Worker, timeout time.Duration) (int64, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	rank := -1
+	if w.DPSize > 0 {
+		rank = w.DPRank
+	}
 	if !w.st.legacyLoad.Load() {
-		body, status, err := getBody(ctx, c, w, "/v1/loads?include=core")
+		path := "/v1/loads?include=core"
+		if rank >= 0 {
+			path += "&dp_rank=" + strconv.Itoa(rank)
+		}
+		body, status, err := getBody(ctx, c, w, path)
 		switch {
 		case err != nil:
 			return 0, err
@@ -51,7 +61,7 @@ func FetchLoad(ctx context.Context, c *http.Client, w *Worker, timeout time.Dura
 		case status/100 != 2:
 			return 0, &statusError{status}
 		default:
-			return parseLoads(body)
+			return parseLoads(body, rank)
 		}
 	}
 	body, status, err := getBody(ctx, c, w, "/get_load")
@@ -61,11 +71,11 @@ func FetchLoad(ctx context.Context, c *http.Client, w *Worker, timeout time.Dura
 	if status/100 != 2 {
 		return 0, &statusError{status}
 	}
-	return parseLoad(body)
+	return parseLoad(body, rank)
 }
 
 func getBody(ctx context.Context, c *http.Client, w *Worker, path string) ([]byte, int, error) {
-	resp, err := get(ctx, c, w.URL+path, w.APIKey)
+	resp, err := get(ctx, c, w.BaseURL+path, w.APIKey)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -78,12 +88,19 @@ func getBody(ctx context.Context, c *http.Client, w *Worker, path string) ([]byt
 // pending prefill, what SGLang balances its DP ranks by) is preferred;
 // older 0.5.x releases report num_used_tokens only.
 type rankLoad struct {
-	NumTotalTokens *int64 `json:"num_total_tokens"`
-	NumUsedTokens  *int64 `json:"num_used_tokens"`
+	DPRank         json.RawMessage `json:"dp_rank"`
+	NumTotalTokens *int64          `json:"num_total_tokens"`
+	NumUsedTokens  *int64          `json:"num_used_tokens"`
 }
 
-// parseLoads sums the ranks of a /v1/loads reply.
-func parseLoads(body []byte) (int64, error) {
+// ofRank reports whether an entry whose dp_rank is entry counts towards
+// rank (-1: every rank); an entry that names no rank counts for all.
+func ofRank(entry json.RawMessage, rank int) bool {
+	return rank < 0 || len(entry) == 0 || string(entry) == "null" || string(entry) == strconv.Itoa(rank)
+}
+
+// parseLoads sums the ranks of a /v1/loads reply (only rank's when >= 0).
+func parseLoads(body []byte, rank int) (int64, error) {
 	var v struct {
 		Loads *[]rankLoad `json:"loads"`
 	}
@@ -95,6 +112,9 @@ func parseLoads(body []byte) (int64, error) {
 	}
 	var sum int64
 	for _, r := range *v.Loads {
+		if !ofRank(r.DPRank, rank) {
+			continue
+		}
 		switch {
 		case r.NumTotalTokens != nil:
 			sum += *r.NumTotalTokens
@@ -110,8 +130,9 @@ type statusError struct{ code int }
 func (e *statusError) Error() string { return "status " + http.StatusText(e.code) }
 
 type loadEntry struct {
-	NumTokens *int64 `json:"num_tokens"`
-	Load      *int64 `json:"load"`
+	DPRank    json.RawMessage `json:"dp_rank"`
+	NumTokens *int64          `json:"num_tokens"`
+	Load      *int64          `json:"load"`
 }
 
 func (e loadEntry) value() int64 {
@@ -124,12 +145,16 @@ func (e loadEntry) value() int64 {
 	return 0
 }
 
-func parseLoad(body []byte) (int64, error) {
+// parseLoad reads /get_load: a list of per-rank entries (only rank's
+// counted when >= 0) or, from older engines, one object.
+func parseLoad(body []byte, rank int) (int64, error) {
 	var arr []loadEntry
 	if err := json.Unmarshal(body, &arr); err == nil {
 		var sum int64
 		for _, e := range arr {
-			sum += e.value()
+			if ofRank(e.DPRank, rank) {
+				sum += e.value()
+			}
 		}
 		return sum, nil
 	}

@@ -13,7 +13,7 @@ func FuzzParseLoad(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(func(t *testing.T, body []byte) {
-		got, err := parseLoad(body)
+		got, err := parseLoad(body, -1)
 		var arr []struct {
 			NumTokens int64 `json:"num_tokens"`
 		}

@@ -22,7 +22,7 @@ func TestParseLoads(t *testing.T) {
 		{`[{"num_tokens":3}]`, 0, false},
 		{`nope`, 0, false},
 	} {
-		got, err := parseLoads([]byte(c.body))
+		got, err := parseLoads([]byte(c.body), -1)
 		if (err == nil) != c.ok || got != c.want {
 			t.Errorf("parseLoads(%s) = %d, %v; want %d, ok %v", c.body, got, err, c.want, c.ok)
 		}

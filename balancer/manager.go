@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"net/url"
 	"slices"
@@ -21,6 +20,7 @@ import (
 // ManagerConfig is what the Manager needs from the CLI.
 type ManagerConfig struct {
 	PD               bool          // readiness needs a prefill and a decode worker
+	DPAware          bool          // --dp-aware: one worker per DP rank of each engine (dp_size from /server_info)
 	StartupTimeout   time.Duration // --worker-startup-timeout-secs, per worker
 	StartupInterval  time.Duration // --worker-startup-check-interval: cap of the registration poll interval
 	LoadPollInterval time.Duration // > 0 polls /get_load; 0 polls every StartupInterval (spec) once a policy reading loads is attached
@@ -141,9 +141,6 @@ func (m *Manager) Start() error {
 			timeout: m.cfg.Health.Timeout}
 		m.wg.Go(func() { lm.run(m.ctx) })
 	}
-	if d := newOutlierDetector(m.cfg, m.reg, m.client); d != nil {
-		m.wg.Go(func() { d.run(m.ctx) })
-	}
 	return nil
 }
 
@@ -178,7 +175,7 @@ func (m *Manager) Add(spec WorkerSpec) (string, error) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if old := m.reg.Snapshot().ByURL(w.URL); old != nil {
+	if old := m.lookup(w.URL); old != nil {
 		return old.ID, fmt.Errorf("%w: %s", ErrWorkerExists, w.URL)
 	}
 	for id, j := range m.jobs {
@@ -226,15 +223,16 @@ func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
 	return w, nil
 }
 
-// register is one AddWorker job: wait for health, discover, publish.
+// register is one AddWorker job: wait for health, discover, publish (with
+// --dp-aware, one worker per DP rank, all in one snapshot).
 func (m *Manager) register(ctx context.Context, j *job) {
 	defer j.cancel()
 	w := j.w
 	m.setStatus(j, JobProcessing, "waiting for "+m.cfg.Health.Endpoint)
 	err := m.awaitHealthy(ctx, w)
-	var id string
-	if err == nil && w.ModelID == "unknown" {
-		id = m.discoverModel(ctx, w)
+	var info serverInfo
+	if err == nil && (w.ModelID == "unknown" || m.cfg.DPAware) {
+		info, err = m.discover(ctx, w)
 	}
 	m.mu.Lock()
 	switch {
@@ -244,10 +242,14 @@ func (m *Manager) register(ctx context.Context, j *job) {
 		j.status = newJobStatus(w.URL, JobFailed, err.Error())
 		m.log.Warn("worker registration failed", zap.String("url", w.URL), zap.Error(err))
 	default:
-		w.ModelID = cmp.Or(id, w.ModelID) // under mu: Get may be reading the pending worker
-		if _, added := m.reg.Add(w); added {
+		if w.ModelID == "unknown" { // under mu: Get may be reading the pending worker
+			w.ModelID = cmp.Or(info.model, w.ModelID)
+		}
+		ws := m.ranks(w, info.dpSize)
+		if _, added := m.reg.AddAll(ws); added {
 			delete(m.jobs, w.ID)
-			m.log.Info("worker registered", zap.String("url", w.URL), zap.String("type", w.Type.String()), zap.String("model", w.ModelID))
+			m.log.Info("worker registered", zap.String("url", w.URL), zap.String("type", w.Type.String()),
+				zap.String("model", w.ModelID), zap.Int("dp_ranks", len(ws)))
 		} else {
 			err = fmt.Errorf("%w: %s", ErrWorkerExists, w.URL)
 			j.status = newJobStatus(w.URL, JobFailed, err.Error())
@@ -256,6 +258,22 @@ func (m *Manager) register(ctx context.Context, j *job) {
 	j.err = err
 	m.mu.Unlock()
 	close(j.done)
+}
+
+// ranks is what registering w publishes: w itself, or with --dp-aware one
+// worker per DP rank ("URL@0".."URL@N-1"); rank 0 keeps the job's id, so
+// that Await and GET /workers/{id} find the registration.
+func (m *Manager) ranks(w *Worker, dpSize int) []*Worker {
+	if !m.cfg.DPAware {
+		return []*Worker{w}
+	}
+	ws := make([]*Worker, max(dpSize, 1))
+	for i := range ws {
+		ws[i] = w.rank(i, len(ws), m.cfg.Breaker)
+		m.cfg.Metrics.instrument(ws[i])
+	}
+	ws[0].ID = w.ID
+	return ws
 }
 
 // awaitHealthy polls the health endpoint until 2xx, backing off from 100 ms
@@ -282,40 +300,100 @@ func (m *Manager) awaitHealthy(ctx context.Context, w *Worker) error {
 	}
 }
 
-// discoverModel reads served_model_name, else model_path, from /server_info
-// (falling back to /get_server_info). Failures only leave the id unknown.
-func (m *Manager) discoverModel(ctx context.Context, w *Worker) string {
+// serverInfo is what registration reads from SGLang's /server_info.
+type serverInfo struct {
+	model  string // served_model_name, else model_path; "" if neither
+	dpSize int    // dp_size; 0 when not reported
+}
+
+// maxDPSize bounds the ranks one engine may expand into (a misreporting
+// engine must not make the router allocate without limit).
+const maxDPSize = 1024
+
+// parseServerInfo reads a /server_info reply. A dp_size that is not an
+// integer in 1..maxDPSize is an error: routing by it would send requests to
+// ranks the engine lacks.
+func parseServerInfo(body []byte) (serverInfo, error) {
+	var raw struct {
+		ServedModelName any    `json:"served_model_name"` // a string, or a list in some SGLang versions
+		ModelPath       string `json:"model_path"`
+		DPSize          any    `json:"dp_size"`
+	}
+	if err := json.Unmarshal(body, &raw); err != nil {
+		return serverInfo{}, err
+	}
+	info := serverInfo{model: raw.ModelPath}
+	switch n := raw.ServedModelName.(type) {
+	case string:
+		info.model = cmp.Or(n, info.model)
+	case []any:
+		if len(n) > 0 {
+			if s, _ := n[0].(string); s != "" {
+				info.model = s
+			}
+		}
+	}
+	switch d := raw.DPSize.(type) {
+	case nil:
+	case float64:
+		if d != float64(int(d)) || d < 1 || d > maxDPSize {
+			return info, fmt.Errorf("dp_size %v: want an integer in 1..%d", d, maxDPSize)
+		}
+		info.dpSize = int(d)
+	default:
+		return info, fmt.Errorf("dp_size %v: want an integer in 1..%d", d, maxDPSize)
+	}
+	return info, nil
+}
+
+// discover reads the model name and dp_size from /server_info, falling back
+// to /get_server_info (the 0.3.x order). Without --dp-aware failures only
+// leave the model unknown. With it, an engine that reports no dp_size (or
+// serves neither endpoint) is one rank, but one that cannot be read after
+// three tries fails the registration: guessing one rank for an engine of
+// eight would send it all to rank 0.
+func (m *Manager) discover(ctx context.Context, w *Worker) (serverInfo, error) {
+	var err error
+	for try := range 3 {
+		var info serverInfo
+		if info, err = m.readServerInfo(ctx, w); err == nil {
+			return info, nil
+		}
+		if !m.cfg.DPAware || ctx.Err() != nil {
+			break
+		}
+		t := time.NewTimer(time.Duration(try+1) * 200 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	if !m.cfg.DPAware {
+		return serverInfo{}, nil
+	}
+	return serverInfo{}, fmt.Errorf("--dp-aware: reading dp_size of %s: %w", w.URL, err)
+}
+
+// readServerInfo is one try of discover.
+func (m *Manager) readServerInfo(ctx context.Context, w *Worker) (serverInfo, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	for _, path := range []string{"/server_info", "/get_server_info"} {
-		resp, err := get(ctx, m.client, w.URL+path, w.APIKey)
+		body, status, err := getBody(ctx, m.client, w, path)
 		if err != nil {
-			return ""
+			return serverInfo{}, err
 		}
-		var info struct {
-			ServedModelName any    `json:"served_model_name"` // a string, or a list in some SGLang versions
-			ModelPath       string `json:"model_path"`
-		}
-		ok := resp.StatusCode/100 == 2 && json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&info) == nil
-		resp.Body.Close()
-		if !ok {
+		if status/100 != 2 {
 			continue
 		}
-		switch n := info.ServedModelName.(type) {
-		case string:
-			if n != "" {
-				return n
-			}
-		case []any:
-			if len(n) > 0 {
-				if s, _ := n[0].(string); s != "" {
-					return s
-				}
-			}
+		info, err := parseServerInfo(body)
+		if err != nil {
+			return serverInfo{}, fmt.Errorf("%s: %w", path, err)
 		}
-		return info.ModelPath
+		return info, nil
 	}
-	return ""
+	return serverInfo{}, nil // neither endpoint: nothing to learn
 }
 
 func (m *Manager) setStatus(j *job, status, msg string) {
@@ -374,12 +452,27 @@ func (m *Manager) job(idOrURL string) *job {
 	return nil
 }
 
+// lookup finds a worker by id or URL; an engine's base URL finds its first
+// DP rank.
 func (m *Manager) lookup(idOrURL string) *Worker {
+	if ws := m.lookupAll(idOrURL); len(ws) > 0 {
+		return ws[0]
+	}
+	return nil
+}
+
+// lookupAll finds a worker by id or URL, or every DP rank of an engine by
+// its base URL.
+func (m *Manager) lookupAll(idOrURL string) []*Worker {
 	s := m.reg.Snapshot()
 	if w := s.ByID(idOrURL); w != nil {
-		return w
+		return []*Worker{w}
 	}
-	return s.ByURL(strings.TrimRight(idOrURL, "/"))
+	u := strings.TrimRight(idOrURL, "/")
+	if w := s.ByURL(u); w != nil {
+		return []*Worker{w}
+	}
+	return s.ByBaseURL(u)
 }
 
 // List describes the registered workers (pending registrations are not
@@ -404,29 +497,40 @@ func (m *Manager) Remove(idOrURL string) (WorkerInfo, bool) {
 		return j.w.Info(), true
 	}
 	m.mu.Unlock()
-	w := m.lookup(idOrURL)
-	if w == nil {
+	ws := m.lookupAll(idOrURL)
+	if len(ws) == 0 {
 		return WorkerInfo{}, false
 	}
-	if _, ok := m.reg.Remove(w.URL); !ok {
+	key := ws[0].URL // a worker, or with a base URL all its engine's ranks
+	if len(ws) > 1 {
+		key = ws[0].BaseURL
+	}
+	gone, ok := m.reg.Remove(key)
+	if !ok {
 		return WorkerInfo{}, false
 	}
-	m.cfg.Metrics.forget(w.URL)
-	m.log.Info("worker removed", zap.String("url", w.URL))
-	return w.Info(), true
+	for _, w := range gone {
+		m.cfg.Metrics.forget(w.URL)
+		m.log.Info("worker removed", zap.String("url", w.URL))
+	}
+	return gone[0].Info(), true
 }
 
-// Update changes a registered worker's priority, cost, labels or API key.
+// Update changes a registered worker's priority, cost, labels or API key;
+// an engine's base URL updates all its DP ranks.
 func (m *Manager) Update(idOrURL string, u WorkerUpdate) (WorkerInfo, error) {
-	w := m.lookup(idOrURL)
-	if w == nil {
+	ws := m.lookupAll(idOrURL)
+	var first *Worker
+	for _, w := range ws {
+		nw := w.withAttrs(u)
+		if m.reg.replace(nw) && first == nil {
+			first = nw
+		}
+	}
+	if first == nil {
 		return WorkerInfo{}, ErrWorkerNotFound
 	}
-	nw := w.withAttrs(u)
-	if !m.reg.replace(nw) {
-		return WorkerInfo{}, ErrWorkerNotFound
-	}
-	return nw.Info(), nil
+	return first.Info(), nil
 }
 
 // Ready reports whether traffic can be served: in PD mode at least one

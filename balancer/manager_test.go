@@ -188,7 +188,7 @@ func TestLoadMonitorSumsRanks(t *testing.T) {
 	m.Start()
 	w := m.Snapshot().ByID(id)
 	waitFor(t, "a load report", func() bool { n, ok := w.ReportedLoad(); return ok && n == 41 })
-	if n, err := parseLoad([]byte(`{"load": 9}`)); err != nil || n != 9 {
+	if n, err := parseLoad([]byte(`{"load": 9}`), -1); err != nil || n != 9 {
 		t.Fatalf("legacy {load}: %d %v", n, err)
 	}
 }

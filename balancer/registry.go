@@ -15,10 +15,15 @@ type Snapshot struct {
 	ByType [3][]*Worker // indexed by WorkerType
 	byURL  map[string]*Worker
 	byID   map[string]*Worker
+	byBase map[string][]*Worker // an engine's workers: its DP ranks, or itself
 }
 
 func (s *Snapshot) ByURL(u string) *Worker { return s.byURL[u] }
 func (s *Snapshot) ByID(id string) *Worker { return s.byID[id] }
+
+// ByBaseURL returns the workers of the engine at base: one per DP rank
+// with --dp-aware, else the one worker.
+func (s *Snapshot) ByBaseURL(base string) []*Worker { return s.byBase[base] }
 
 // Available returns the workers of a type that may take traffic now. It
 // allocates only when some worker is unavailable.
@@ -76,31 +81,49 @@ func (r *Registry) publish(all []*Worker) {
 // Add registers a worker, assigning an ID when it has none. Adding a URL that
 // is already registered returns the existing worker and false.
 func (r *Registry) Add(w *Worker) (*Worker, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	cur := r.snap.Load()
-	if old := cur.byURL[w.URL]; old != nil {
+	if old, ok := r.AddAll([]*Worker{w}); !ok {
 		return old, false
 	}
-	if w.ID == "" {
-		w.ID = uuid.NewString()
-	}
-	r.publish(append(slices.Clone(cur.All), w))
 	return w, true
 }
 
-// Remove unregisters a worker by URL. In-flight requests keep their pointer
-// and finish normally.
-func (r *Registry) Remove(url string) (*Worker, bool) {
+// AddAll registers an engine's workers (its DP ranks) in one snapshot, so
+// that no request sees only some of them. If any URL is taken, nothing is
+// added and the worker holding it is returned.
+func (r *Registry) AddAll(ws []*Worker) (*Worker, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	cur := r.snap.Load()
-	w := cur.byURL[url]
-	if w == nil {
+	for _, w := range ws {
+		if old := cur.byURL[w.URL]; old != nil {
+			return old, false
+		}
+	}
+	for _, w := range ws {
+		if w.ID == "" {
+			w.ID = uuid.NewString()
+		}
+	}
+	r.publish(append(slices.Clone(cur.All), ws...))
+	return nil, true
+}
+
+// Remove unregisters a worker by URL, or every DP rank of the engine whose
+// base URL it is, returning them. In-flight requests keep their pointer and
+// finish normally.
+func (r *Registry) Remove(url string) ([]*Worker, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cur := r.snap.Load()
+	gone := cur.byBase[url]
+	if w := cur.byURL[url]; w != nil {
+		gone = []*Worker{w}
+	}
+	if len(gone) == 0 {
 		return nil, false
 	}
-	r.publish(slices.DeleteFunc(slices.Clone(cur.All), func(x *Worker) bool { return x == w }))
-	return w, true
+	r.publish(slices.DeleteFunc(slices.Clone(cur.All), func(x *Worker) bool { return slices.Contains(gone, x) }))
+	return gone, true
 }
 
 // replace swaps the worker with w's ID for w (an attribute update).
@@ -119,11 +142,13 @@ func (r *Registry) replace(w *Worker) bool {
 }
 
 func buildSnapshot(all []*Worker) *Snapshot {
-	s := &Snapshot{All: all, byURL: make(map[string]*Worker, len(all)), byID: make(map[string]*Worker, len(all))}
+	s := &Snapshot{All: all, byURL: make(map[string]*Worker, len(all)), byID: make(map[string]*Worker, len(all)),
+		byBase: make(map[string][]*Worker, len(all))}
 	for _, w := range all {
 		s.ByType[w.Type] = append(s.ByType[w.Type], w)
 		s.byURL[w.URL] = w
 		s.byID[w.ID] = w
+		s.byBase[w.BaseURL] = append(s.byBase[w.BaseURL], w)
 	}
 	return s
 }

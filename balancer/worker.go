@@ -7,6 +7,7 @@ import (
 	"maps"
 	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync/atomic"
 )
@@ -54,7 +55,8 @@ const NoBootstrapPort = -1
 // the old pointer still count against the same worker.
 type Worker struct {
 	ID                 string
-	URL                string // base URL, no trailing slash
+	URL                string // identity: the base URL, or with --dp-aware "BASE@RANK"
+	BaseURL            string // where requests and probes go: URL without "@RANK", no trailing slash
 	ModelID            string
 	Type               WorkerType
 	BootstrapPort      int    // NoBootstrapPort when none
@@ -64,6 +66,9 @@ type Worker struct {
 	Labels             map[string]string
 	APIKey             string // sent as Bearer to this worker; empty = none
 	DisableHealthCheck bool
+	// DPSize > 0 marks one rank of a data-parallel engine (--dp-aware):
+	// requests carry DPRank, in [0, DPSize), for the engine to honour.
+	DPRank, DPSize int
 
 	st      *workerState
 	Breaker *Breaker
@@ -92,8 +97,10 @@ type workerState struct {
 // NewWorker builds a worker from its base URL. The worker starts healthy;
 // registration decides when it joins a pool.
 func NewWorker(rawURL string, typ WorkerType, bootstrapPort int) *Worker {
+	base := strings.TrimRight(rawURL, "/")
 	w := &Worker{
-		URL:           strings.TrimRight(rawURL, "/"),
+		URL:           base,
+		BaseURL:       base,
 		Type:          typ,
 		BootstrapPort: bootstrapPort,
 		ModelID:       "unknown",
@@ -105,6 +112,20 @@ func NewWorker(rawURL string, typ WorkerType, bootstrapPort int) *Worker {
 	w.BootstrapHost = BootstrapHost(w.URL)
 	w.st.healthy.Store(true)
 	return w
+}
+
+// rank is the worker for one DP rank of w's engine, named "URL@RANK" as
+// sglang-router and smg name them. It has its own health, load and breaker
+// (so one rank's failures do not shut out the others), and no ID yet.
+func (w *Worker) rank(rank, size int, breaker BreakerConfig) *Worker {
+	c := *w
+	c.URL = w.BaseURL + "@" + strconv.Itoa(rank)
+	c.ID = ""
+	c.DPRank, c.DPSize = rank, size
+	c.st = &workerState{}
+	c.st.healthy.Store(w.Healthy())
+	c.Breaker = NewBreaker(breaker)
+	return &c
 }
 
 // Defaults of WorkerConfigRequest (spec §3.3).

@@ -75,7 +75,7 @@ func TestLoadsPerRank(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	waitFor(t, "in flight", func() bool { return h.s.Stats().InFlight == 1 })
+	waitFor(t, "request on rank 2", func() bool { return h.s.Stats().RankRequests[2] == 1 })
 	var v1 struct {
 		Count int `json:"dp_rank_count"`
 		Loads []struct {
