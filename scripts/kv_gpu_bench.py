@@ -4,10 +4,12 @@ each with its own kvproxy, hold the Llama-3.1-8B KV layout on the GPU
 (32 layers x K and V, 8 heads x 128 x bf16 = 2 KiB a token, page 16 =
 32 KiB a page a buffer) and register it with their kvproxy by CUDA IPC
 handle. The prefill engine writes 128..32k tokens of pages, contiguous or
-every other page, into the decode engine's pool through kvproxy (triples
-merged like SGLang's group_concurrent_contiguous, as many calls as the
-control frame needs); every received page is checksummed on the GPU against
-the sender's, and the pages between them must be untouched.
+every other page, into the decode engine's pool through kvproxy: contiguous
+as triples merged like SGLang's group_concurrent_contiguous; scattered as
+one page write (Client.write_pages: 64 buffers x page pairs) and, for
+comparison, as a triple per page (scattered-triples); every received page is
+checksummed on the GPU against the sender's, and the pages between them
+must be untouched.
 
     PYTHONPATH=python python3 scripts/kv_gpu_bench.py --kvproxy bin/cuda/bin/kvproxy --out kv-gpu.json
 """
@@ -33,7 +35,8 @@ BUFFERS = 2 * LAYERS
 TOKENS = [128, 1024, 4096, 32768]
 POOL_PAGES = 2 * max(TOKENS) // PAGE + 8  # room for every other page of 32k tokens
 FILL = 0x3EEE  # what decode pages hold before a transfer
-MAX_CALL = 40000  # triples per control call (a 1 MiB frame)
+MAX_CALL = control.MAX_TRIPLES  # triples per control call (kvproxy's 16 MiB frame)
+PATTERNS = ("contiguous", "scattered", "scattered-triples")
 
 
 def pool():
@@ -67,6 +70,7 @@ def page_sets(tokens, pattern):
     n = tokens // PAGE
     if pattern == "contiguous":
         return list(range(n)), list(range(n))
+    # scattered, either form: every other page on both sides.
     return [2 * i for i in range(n)], [2 * i + 1 for i in range(n)]
 
 
@@ -181,13 +185,13 @@ def run_mode(args, mode, tmp):
         return json.loads(line)
 
     hello = json.loads(child.stdout.readline())
-    bufs = pool()
+    bufs_gpu = pool()
     cl = control.Client(pp.sock)
     cl.hello()
     t0 = time.perf_counter()
-    register(cl, bufs)
+    register(cl, bufs_gpu)
     reg_us = (time.perf_counter() - t0) * 1e6 / BUFFERS
-    src_ptrs = [b.data_ptr() for b in bufs]
+    src_ptrs = [b.data_ptr() for b in bufs_gpu]
     # The control floor: a write of nothing (one control round trip).
     peer = hello["peer"].encode()
     empty = struct.pack("<I", len(peer)) + peer + struct.pack("<I", 0)
@@ -198,15 +202,40 @@ def run_mode(args, mode, tmp):
         if i >= 10:
             floor.append(time.perf_counter() - t)
     rows = []
-    for pattern in ("contiguous", "scattered"):
+    for pattern in PATTERNS:
         for tokens in TOKENS:
             sp, dpages = page_sets(tokens, pattern)
+            pages = pattern == "scattered"
             s, d, n = triples(src_ptrs, hello["ptrs"], sp, dpages)
             calls = [(s[i:i + MAX_CALL], d[i:i + MAX_CALL], n[i:i + MAX_CALL]) for i in range(0, len(s), MAX_CALL)]
-            # The same calls prepacked: kvproxy's time without Python's packing.
-            bodies = [struct.pack("<I", len(peer)) + peer + struct.pack("<I", len(c[0])) +
-                      b"".join(struct.pack("<QQQ", *t) for t in zip(*c)) for c in calls]
-            for b in bufs:
+            head = struct.pack("<I", len(peer)) + peer
+            if pages:
+                # One page write: every buffer, the same page pairs.
+                bufs = [(a, b, PAGE_BYTES) for a, b in zip(src_ptrs, hello["ptrs"])]
+                pairs = b"".join(struct.pack("<II", a, b) for a, b in zip(sp, dpages))
+                tail = struct.pack("<I", len(pairs) // 8) + pairs
+                bodies = [head + struct.pack("<I", len(bufs)) + b"".join(struct.pack("<QQQ", *b) for b in bufs) + tail]
+                # The control path: the same frame with a zero page length,
+                # which kvproxy reads, decodes and refuses before any work.
+                bad = [head + struct.pack("<I", len(bufs)) + b"".join(struct.pack("<QQQ", a, b, 0 if i == 0 else l)
+                                                                       for i, (a, b, l) in enumerate(bufs)) + tail]
+                op = control.OP_WRITE_PAGES
+
+                def client_call():
+                    cl.write_pages(hello["peer"], bufs, sp, dpages)
+            else:
+                # The same calls prepacked: kvproxy's time without Python's packing.
+                bodies = [head + struct.pack("<I", len(c[0])) + b"".join(struct.pack("<QQQ", *t) for t in zip(*c)) for c in calls]
+                # The control path: the same frames with an unregistered
+                # first source, which kvproxy reads, decodes and refuses.
+                bad = [body[:len(body) - 24 * len(c[0])] + struct.pack("<QQQ", 8, 8, 8) + body[len(body) - 24 * len(c[0]) + 24:]
+                       for body, c in zip(bodies, calls)]
+                op = control.OP_WRITE
+
+                def client_call():
+                    for c in calls:
+                        cl.write(hello["peer"], *c)
+            for b in bufs_gpu:
                 b.view(torch.int32).random_()
             torch.cuda.synchronize()
             ask({"op": "fill"})
@@ -216,60 +245,46 @@ def run_mode(args, mode, tmp):
             for i in range(3 + reps):
                 t = time.perf_counter()
                 for body in bodies:
-                    cl._call(control.OP_WRITE, body)
+                    cl._call(op, body)
                 if i >= 3:
                     times.append(time.perf_counter() - t)
             m1 = (pp.metric("kvproxy_gpu_write_resolve_seconds_total"), pp.metric("kvproxy_gpu_write_copy_seconds_total"))
-            for i in range(min(reps, 5)):
+            for i in range(1 + min(reps, 5)):
                 t = time.perf_counter()
-                for c in calls:
-                    cl.write(hello["peer"], *c)
-                e2e.append(time.perf_counter() - t)
-            # The control path alone: the same frames with an unregistered
-            # first source, which kvproxy reads, decodes and refuses.
-            bad = [body[:len(body) - 24 * len(c[0])] + struct.pack("<QQQ", 8, 8, 8) + body[len(body) - 24 * len(c[0]) + 24:]
-                   for body, c in zip(bodies, calls)]
+                client_call()
+                if i >= 1:
+                    e2e.append(time.perf_counter() - t)
             ctl = []
             for i in range(2 + reps):
                 t = time.perf_counter()
                 for body in bad:
                     try:
-                        cl._call(control.OP_WRITE, body)
+                        cl._call(op, body)
                     except control.KVProxyError:
                         pass
                     else:
-                        raise RuntimeError("kvproxy accepted an unregistered source")
+                        raise RuntimeError("kvproxy accepted a bad write")
                 if i >= 2:
                     ctl.append(time.perf_counter() - t)
-            # Past the Python client's 1 MiB frame: the whole transfer in one
-            # call (kvproxy takes 16 MiB frames), to show what the split costs.
-            one = []
-            if len(calls) > 1:
-                body = (struct.pack("<I", len(peer)) + peer + struct.pack("<I", len(s)) +
-                        b"".join(struct.pack("<QQQ", *t) for t in zip(s, d, n)))
-                for i in range(2 + reps):
-                    t = time.perf_counter()
-                    cl._call(control.OP_WRITE, body)
-                    if i >= 2:
-                        one.append(time.perf_counter() - t)
             f = os.path.join(tmp, "want.pt")
-            torch.save(checksums(bufs, sp).cpu(), f)
+            torch.save(checksums(bufs_gpu, sp).cpu(), f)
             v = ask({"op": "verify", "file": f, "pages": dpages})
             total = tokens * TOKEN_BYTES * BUFFERS
             med = statistics.median(times)
-            row = {"mode": mode, "pattern": pattern, "tokens": tokens, "bytes": total, "runs": len(s), "calls": len(calls),
+            row = {"mode": mode, "pattern": pattern, "tokens": tokens, "bytes": total, "runs": len(s),
+                   "calls": 1 if pages else len(calls), "frame_bytes": sum(len(b) for b in bodies),
                    "reps": reps, "median_us": med * 1e6, "min_us": min(times) * 1e6, "max_us": max(times) * 1e6,
                    "gbps": total / med / 1e9, "run_bytes": n[0], "verify": v,
                    "client_write_median_us": statistics.median(e2e) * 1e6,
-                   "one_call_median_us": statistics.median(one) * 1e6 if one else None,
                    "control_path_us": statistics.median(ctl) * 1e6,
                    # kvproxy's own time per write (means over the prepacked writes, warm-up included)
                    "kvproxy_resolve_us": (m1[0] - m0[0]) / (3 + reps) * 1e6, "kvproxy_copy_us": (m1[1] - m0[1]) / (3 + reps) * 1e6,
                    "verified": v["mismatched"] == 0 and v.get("gaps_touched", 0) == 0}
             rows.append(row)
-            print("%-7s %-10s %6d tok %7d runs %9.1f us %8.1f GB/s (resolve %.0f us, copy %.0f us, control %.0f us; one call %s us) verified=%s" % (
-                mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["kvproxy_resolve_us"], row["kvproxy_copy_us"], row["control_path_us"],
-                "%.0f" % row["one_call_median_us"] if one else "-", row["verified"]), file=sys.stderr, flush=True)
+            print("%-7s %-17s %6d tok %7d runs %9.1f us %8.1f GB/s (resolve %.0f us, copy %.0f us, control %.0f us, client call %.0f us, "
+                  "frame %d B) verified=%s" % (mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["kvproxy_resolve_us"],
+                                               row["kvproxy_copy_us"], row["control_path_us"], row["client_write_median_us"],
+                                               row["frame_bytes"], row["verified"]), file=sys.stderr, flush=True)
     child.stdin.write(json.dumps({"op": "quit"}) + "\n")
     child.stdin.close()
     child.wait(30)
