@@ -141,6 +141,9 @@ func (m *Manager) Start() error {
 			timeout: m.cfg.Health.Timeout}
 		m.wg.Go(func() { lm.run(m.ctx) })
 	}
+	if d := newOutlierDetector(m.cfg, m.reg, m.client); d != nil {
+		m.wg.Go(func() { d.run(m.ctx) })
+	}
 	return nil
 }
 
