@@ -146,6 +146,19 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+    def alive(self, timeout=0.0):
+        """False once this connection is closed or kvproxy has hung up; waits
+        up to timeout seconds for a hang-up (without reading: replies stay
+        with their callers)."""
+        if self._closed is not None:
+            return False
+        p = select.poll()  # one per call: a poll object must not be shared between threads
+        try:
+            p.register(self._sock.fileno(), 0)  # HUP, ERR and NVAL are always reported
+            return not p.poll(int(timeout * 1000))
+        except (OSError, ValueError):
+            return False
+
     # Ops.
 
     def hello(self):

@@ -59,12 +59,16 @@ def _overlapping(ranges):
 class TransferEngine:
     """mooncake.engine.TransferEngine over kvproxy.
 
-    If kvproxy goes away, calls fail (negative) and the next call after it
-    is back on the same socket reconnects and registers everything again;
-    give kvproxy a fixed --peer-port so the session id peers hold stays right.
+    If kvproxy goes away, calls fail at once (negative, the cause logged)
+    and a watcher thread dials the same socket again (every
+    RECONNECT_INTERVAL, backing off to RECONNECT_MAX) until it is back, then
+    registers every region again: an engine that makes no calls (decode,
+    whose memory peers write into) is served again too. Give kvproxy a fixed
+    --peer-port so the session id peers hold stays right.
     """
 
     RECONNECT_INTERVAL = 0.5
+    RECONNECT_MAX = 2.0
 
     def __init__(self):
         self._client = None
@@ -72,6 +76,10 @@ class TransferEngine:
         self._last_dial = 0.0
         self._peer_addr = None
         self.transport = None
+        self._down_logged = False  # kvproxy unreachable, said once
+        self._stop = None  # set to stop the watcher
+        self._watcher = None
+        self._sock_path = None
         self._lock = threading.RLock()
         # Registered engine ranges (ptr -> length); the page-aligned
         # segments kvproxy holds (start -> (size, memfd kept for
@@ -92,17 +100,42 @@ class TransferEngine:
         with self._lock:
             if self._initialized:
                 return 0
+            # Read once: reconnects go to the same kvproxy.
+            self._sock_path = os.environ.get("PDROUTER_KVPROXY_SOCK", control.DEFAULT_SOCK)
             if self._dial() is None:
                 return -1
             self._initialized = True
+            self._stop = threading.Event()
+            self._watcher = threading.Thread(target=self._watch, args=(self._stop,), name="pdrouter-kv-watch", daemon=True)
+            self._watcher.start()
         return 0
+
+    def _watch(self, stop):
+        """Notices kvproxy hanging up and reconnects, backing off while it stays down."""
+        delay = self.RECONNECT_INTERVAL
+        while not stop.is_set():
+            client = self._client
+            if client is not None:
+                if not client.alive(self.RECONNECT_INTERVAL):
+                    if stop.is_set():  # close() shut the socket
+                        return
+                    self._lost(client, control.ControlClosed("kvproxy hung up"))
+                    logger.warning("TransferEngine: kvproxy at %s went away; reconnecting", client.sock_path)
+                continue
+            if self._conn() is not None:
+                delay = self.RECONNECT_INTERVAL
+                continue
+            stop.wait(delay)
+            delay = min(2 * delay, self.RECONNECT_MAX)
 
     def _dial(self):
         self._last_dial = time.monotonic()
         try:
-            client = control.Client(timeout=float(os.environ.get("PDROUTER_KVPROXY_TIMEOUT", "30")))
+            client = control.Client(self._sock_path, timeout=float(os.environ.get("PDROUTER_KVPROXY_TIMEOUT", "30")))
         except OSError as e:
-            logger.error("TransferEngine: %s", e)
+            if not self._down_logged:  # the watcher retries: say it once
+                logger.error("TransferEngine: %s (calls fail until it is back)", e)
+                self._down_logged = True
             return None
         try:
             self._peer_addr, self.transport = client.hello()
@@ -115,15 +148,19 @@ class TransferEngine:
             client.close()
             return None
         self._client = client
+        self._down_logged = False
         return client
 
     def _conn(self):
         """The live control connection, re-dialled (rate-limited) after kvproxy went away."""
         client = self._client
+        if client is not None and not client.alive():
+            self._lost(client, control.ControlClosed("kvproxy hung up"))
+            client = None
         if client is not None or not self._initialized:
             return client
         with self._lock:
-            if self._client is None and time.monotonic() - self._last_dial >= self.RECONNECT_INTERVAL:
+            if self._initialized and self._client is None and time.monotonic() - self._last_dial >= self.RECONNECT_INTERVAL:
                 if self._dial() is not None:
                     logger.warning("TransferEngine: reconnected to kvproxy, %d regions registered again", len(self._segments) + len(self._cuda))
             return self._client
@@ -146,6 +183,9 @@ class TransferEngine:
     def close(self):
         """Drops the control connection; kvproxy unregisters everything with it."""
         with self._lock:
+            if self._stop is not None:
+                self._stop.set()
+            watcher, self._stop, self._watcher = self._watcher, None, None
             client, self._client = self._client, None
             self._initialized = False
             for _, fd in self._segments.values():
@@ -154,7 +194,9 @@ class TransferEngine:
             self._segments.clear()
             self._cuda.clear()
         if client is not None:
-            client.close()
+            client.close()  # wakes the watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(5)
 
     # Memory.
 
