@@ -39,32 +39,18 @@ type engineRID struct {
 // engineAborts counts the abort calls under way.
 type engineAborts struct{ inFlight atomic.Int32 }
 
-// requestRID is the rid of r's body as sent in regular mode: the client's
-// (copied: the leg may outlive the handler), else a fresh one spliced into
-// a copy of the body. With aborts off the body is sent as it is.
-func (s *Server) requestRID(r *request) ([]byte, engineRID) {
-	batch := batchSize(r.route, r.body, &r.info)
+// setRID gives b, the body a leg sends, the rid the engine will know the
+// request by: the client's (copied: the leg may outlive the handler), else a
+// fresh one set on b, which costs no copy of the body. With aborts off the
+// body is sent as it is.
+func (s *Server) setRID(r *request, b *splice.Body, batch int) engineRID {
 	switch {
 	case s.cfg.AbortTimeout == 0:
-		return r.body, engineRID{}
+		return engineRID{}
 	case r.info.RID.OK():
-		return r.body, engineRID{bytes.Clone(r.body[r.info.RID.Start:r.info.RID.End]), batch}
+		return engineRID{bytes.Clone(r.body[r.info.RID.Start:r.info.RID.End]), batch}
 	}
-	body, rid := splice.InsertRID(append(make([]byte, 0, len(r.body)+splice.RIDLen+16), r.body...))
-	return body, engineRID{rid, batch}
-}
-
-// spliceRID gives body, the injected PD body (a buffer of its own), the
-// client's rid or a fresh one, so that both legs carry the same.
-func (s *Server) spliceRID(r *request, body []byte, batch int) ([]byte, engineRID) {
-	switch {
-	case s.cfg.AbortTimeout == 0:
-		return body, engineRID{}
-	case r.info.RID.OK():
-		return body, engineRID{bytes.Clone(r.body[r.info.RID.Start:r.info.RID.End]), batch}
-	}
-	body, rid := splice.InsertRID(body)
-	return body, engineRID{rid, batch}
+	return engineRID{splice.SetNewRID(b), batch}
 }
 
 // abortIfHeld is called as l closes: an engine that was sent the request
@@ -77,7 +63,8 @@ func (l *leg) abortIfHeld() {
 	if l.resp != nil && (l.resp.eof || l.resp.StatusCode/100 != 2) {
 		return // the engine is done with it
 	}
-	l.s.abortEngine(l.w, l.rid)
+	// The rid may live in a body a retry is about to reuse.
+	l.s.abortEngine(l.w, engineRID{bytes.Clone(l.rid.val), l.rid.batch})
 }
 
 // abortEngine sends w the aborts for rid on a goroutine of their own.

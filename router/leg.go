@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // leg is one upstream request bound to one worker: a prefill, decode or
@@ -27,6 +28,7 @@ type leg struct {
 	failed *failedWorkers // the client request's: its failure reaches each worker's breaker once
 	sc     *scope         // what the leg was sent under; its end may leave the engine busy
 	rid    engineRID      // what the engine knows the request by (abort.go)
+	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
 }
 
 // open binds the leg of a client request that has failed on failed to w
@@ -88,9 +90,9 @@ func (l *leg) record(ok bool) {
 // head (then in l.resp). A failure is the worker's unless sc ended first
 // for another reason than the request timeout: a client gone, a failed
 // prefill or an abandoned attempt says nothing about this worker.
-func (l *leg) send(sc *scope, path string, body, header []byte) error {
+func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) error {
 	l.sc = sc
-	resp, err := l.s.upstream.post(sc, l.w.URL, path, body, header)
+	resp, err := l.s.upstream.post(sc, l.w.URL, path, body, header, l.guard)
 	if err != nil {
 		cause := sc.Cause()
 		l.blame = cause == nil || errors.Is(cause, context.DeadlineExceeded)

@@ -395,7 +395,7 @@ func TestLegClosesOnce(t *testing.T) {
 	l.open(s, w, nil)
 	sc := &scope{}
 	sc.cancel(errRequestTimeout) // a timeout is the worker's failure
-	if err := l.send(sc, "/generate", nil, nil); err == nil {
+	if err := l.send(sc, "/generate", bodyOf(nil), nil); err == nil {
 		t.Fatal("send on an ended scope succeeded")
 	}
 	l.close()
@@ -407,7 +407,7 @@ func TestLegClosesOnce(t *testing.T) {
 	l.open(s, w, nil)
 	sc = &scope{}
 	sc.cancel(errClientGone) // not the worker's
-	l.send(sc, "/generate", nil, nil)
+	l.send(sc, "/generate", bodyOf(nil), nil)
 	l.close()
 	if fails, _ := w.Breaker.Counts(); fails != 1 || w.Load() != 0 {
 		t.Errorf("a client gone: %d breaker failures, load %d; want 1 and 0", fails, w.Load())

@@ -32,13 +32,17 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	body, rid := s.bootstrapBody(r, pw)
 	r.pd, r.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
-	a := s.startPrefill(r, pw, body, rid)
-	if fail, ok := s.openDecode(r, a, dw, body); !ok {
-		return fail, false
+	a := s.startPrefill(r, pw)
+	fail, ok := s.openDecode(r, a, dw)
+	streaming := false
+	if ok {
+		fail, streaming = s.reply(ctx, r, &r.leg, a)
 	}
-	return s.reply(ctx, r, &r.leg, a)
+	if !streaming {
+		a.releaseBody()
+	}
+	return fail, streaming
 }
 
 // pickPair chooses one worker of each side from one registry snapshot.
@@ -52,16 +56,18 @@ func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balance
 	return pw, dw, fail
 }
 
-// bootstrapBody is the client's body with pw's bootstrap fields, a fresh
-// room and the rid (abort.go), in a buffer of its own that both legs share.
-func (s *Server) bootstrapBody(r *request, pw *balancer.Worker) ([]byte, engineRID) {
+// bootstrapBody makes a.body the client's body with pw's bootstrap
+// fields, a fresh room and the rid (abort.go), which both legs send. It
+// holds only the edits: the rest is written from the client's buffer.
+func (s *Server) bootstrapBody(r *request, a *attempt, pw *balancer.Worker) {
 	port := pw.BootstrapPort
 	if port == balancer.NoBootstrapPort {
 		port = splice.NoPort
 	}
 	batch := batchSize(r.route, r.body, &r.info)
-	body, _ := splice.AppendBootstrap(make([]byte, 0, len(r.body)+192), r.body, &r.info, pw.BootstrapHost, port, batch)
-	return s.spliceRID(r, body, batch)
+	a.body.Reset(r.body)
+	splice.SetBootstrap(&a.body, &r.info, pw.BootstrapHost, port, batch)
+	a.rid = s.setRID(r, &a.body, batch)
 }
 
 // attempt is one PD try: the scope both legs run under and the prefill leg
@@ -72,22 +78,30 @@ type attempt struct {
 	prefill leg
 	done    chan struct{} // closed when the prefill leg has ended
 	err     *apiError     // set before done closes when prefill failed
-	body    []byte        // prefill's reply, kept only for logprob merging
+	logp    []byte        // prefill's reply, kept only for logprob merging
 	rid     engineRID     // both legs'
 	pd      *pdSeries     // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
+
+	// body is what both legs send. Its segments are the client's buffer,
+	// which fasthttp reuses once the response is complete: prefill writes
+	// it under guard, which releaseBody takes back.
+	body  splice.Body
+	guard writeGuard
 }
 
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
-func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte, rid engineRID) *attempt {
-	a := &attempt{done: make(chan struct{}), rid: rid, pd: r.pd, start: r.pdStart}
+func (s *Server) startPrefill(r *request, pw *balancer.Worker) *attempt {
+	a := &attempt{done: make(chan struct{}), pd: r.pd, start: r.pdStart}
+	s.bootstrapBody(r, a, pw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(s, pw, &r.failed)
-	a.prefill.rid = rid
+	a.prefill.rid = a.rid
+	a.prefill.guard = &a.guard
 	r.hold()
 	s.background.Add(1)
-	go s.runPrefill(a, r, body)
+	go s.runPrefill(a, r)
 	return a
 }
 
@@ -95,11 +109,11 @@ func (s *Server) startPrefill(r *request, pw *balancer.Worker, body []byte, rid 
 // than a closure: nothing to allocate for it). The leg closes before its
 // failure cancels the attempt, so that its connection may be pooled, and
 // before done, so that its breaker has heard of it when the client does.
-func (s *Server) runPrefill(a *attempt, r *request, body []byte) {
+func (s *Server) runPrefill(a *attempt, r *request) {
 	defer s.background.Done()
 	defer r.release()
 	defer close(a.done)
-	a.err, a.body = a.readPrefill(r, body)
+	a.err, a.logp = a.readPrefill(r)
 	if a.err == nil && a.scope.Err() == nil {
 		a.pd.prefill.Observe(time.Since(a.start).Seconds())
 	}
@@ -111,9 +125,9 @@ func (s *Server) runPrefill(a *attempt, r *request, body []byte) {
 
 // readPrefill sends the prefill leg and reads its reply. An error caused by
 // the attempt ending for another reason is not a prefill failure.
-func (a *attempt) readPrefill(r *request, body []byte) (*apiError, []byte) {
+func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 	l := &a.prefill
-	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
+	if err := l.send(&a.scope, r.path, &a.body, r.header); err != nil {
 		if a.scope.Err() != nil {
 			return nil, nil
 		}
@@ -146,6 +160,15 @@ func (a *attempt) failure() *apiError {
 	return a.err
 }
 
+// releaseBody returns once no leg of the attempt reads the client's body
+// any more: a prefill still writing it when the reply is over (a worker
+// not reading its socket) is cut short.
+func (a *attempt) releaseBody() {
+	if a != nil {
+		a.guard.release(a.abandon)
+	}
+}
+
 // abandon ends the attempt for a reason other than prefill: prefill's leg
 // is cancelled if still running.
 func (a *attempt) abandon() {
@@ -162,7 +185,7 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 	}
 	select {
 	case <-a.done:
-		return a.body, a.err == nil
+		return a.logp, a.err == nil
 	case <-a.scope.Done():
 		return nil, false
 	}
@@ -171,11 +194,11 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 // openDecode opens the request's leg on dw and sends it. False means no
 // reply follows: the failure to report is returned (nil when the client is
 // gone).
-func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker, body []byte) (*apiError, bool) {
+func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	l := &r.leg
 	l.open(s, dw, &r.failed)
 	l.rid = a.rid
-	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
+	if err := l.send(&a.scope, r.path, &a.body, r.header); err != nil {
 		l.close()
 		if f := a.failure(); f != nil {
 			return f, false // JSON even for a stream: nothing was sent yet (as OpenAI and SGLang)

@@ -19,11 +19,12 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	if w.APIKey != "" { // regular mode authenticates to the worker with its own key
 		header = appendHeader(forwardHeaders(nil, ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
-	body, rid := s.requestRID(r)
+	// Attempts run one after the other: each may reuse the request's body.
+	r.out.Reset(r.body)
 	l := &r.leg
 	l.open(s, w, &r.failed)
-	l.rid = rid
-	if err := l.send(&r.scope, r.path, body, header); err != nil {
+	l.rid = s.setRID(r, &r.out, batchSize(r.route, r.body, &r.info))
+	if err := l.send(&r.scope, r.path, &r.out, header); err != nil {
 		l.close()
 		if r.clientGone() {
 			return nil, false

@@ -17,7 +17,7 @@ type request struct {
 	s         *Server
 	route     routeKind
 	path      string
-	body      []byte // the client's body: fasthttp's buffer, valid until the handler returns
+	body      []byte // the client's body: fasthttp's buffer, valid until the response is written
 	info      splice.Info
 	start     time.Time
 	requestID []byte
@@ -43,11 +43,16 @@ type request struct {
 	pdStart time.Time // when the last PD attempt sent its prefill leg
 
 	failed failedWorkers // workers this request's legs failed on (leg.go)
+
+	// out is what a regular-mode attempt sends: the client's body and the
+	// rid (PD attempts have their own, prefill may outlive an attempt).
+	out splice.Body
 }
 
-// newRequest keeps the client's body in place: everything that outlives the
-// handler (a prefill leg, a stream) uses its own copies (the injected body,
-// the header lines), so fasthttp may reuse its buffer afterwards.
+// newRequest keeps the client's body in place, and legs send it from there
+// (splice.Body): it is valid until the response is written, a stream's
+// included. A prefill leg may outlive that, so it writes the body under its
+// attempt's guard (releaseBody); the header lines are a copy.
 func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
 	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
 	r.body = ctx.PostBody()

@@ -17,6 +17,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // upstream is the router's HTTP/1.1 client towards workers. It is our own
@@ -122,7 +123,12 @@ func (r *upstreamResponse) Close() error {
 
 // post sends body to baseURL+path with the given extra header lines
 // ("Name: value\r\n" each) and returns once the reply's head has arrived.
-func (u *upstream) post(sc *scope, baseURL, path string, body []byte, extra []byte) (*upstreamResponse, error) {
+// The body's segments are written as they are: a large body is never
+// copied into a buffer of its own.
+//
+// guard, when not nil, is how the body's owner takes it back while the
+// call may still be writing it (guard.release).
+func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
 	addr, host, tlsHost, err := hostPort(baseURL)
 	if err != nil {
 		return nil, err
@@ -139,7 +145,7 @@ func (u *upstream) post(sc *scope, baseURL, path string, body []byte, extra []by
 			}
 			conn = &upConn{c: c, br: bufio.NewReaderSize(c, upReadBuffer), addr: addr}
 		}
-		resp, err := u.roundTrip(sc, conn, host, path, body, extra)
+		resp, err := u.roundTrip(sc, conn, host, path, body, extra, guard)
 		// A reused connection the worker closed while idle fails before any
 		// reply byte: send again on a fresh one, as net/http does.
 		if err != nil && reused && attempt == 0 && sc.Err() == nil && errors.Is(err, errUpstreamClosed) {
@@ -149,7 +155,7 @@ func (u *upstream) post(sc *scope, baseURL, path string, body []byte, extra []by
 	}
 }
 
-func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, extra []byte) (*upstreamResponse, error) {
+func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
 	fail := func(err error) (*upstreamResponse, error) {
 		sc.unregister(conn)
 		conn.c.Close()
@@ -161,6 +167,10 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, e
 	if !sc.register(conn) {
 		return fail(nil)
 	}
+	if !guard.begin() { // the reply is over: this attempt has nothing left to send
+		sc.cancel(errBodyReleased)
+		return fail(nil)
+	}
 	bw := requestWriters.Get().(*bufio.Writer)
 	bw.Reset(conn.c)
 	bw.WriteString("POST ")
@@ -168,12 +178,17 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, e
 	bw.WriteString(" HTTP/1.1\r\nHost: ")
 	bw.WriteString(host)
 	bw.WriteString("\r\nContent-Type: application/json\r\nContent-Length: ")
-	bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(len(body)), 10))
+	bw.Write(strconv.AppendInt(bw.AvailableBuffer(), int64(body.Len()), 10))
 	bw.WriteString("\r\n")
 	bw.Write(extra)
 	bw.WriteString("\r\n")
-	bw.Write(body)
+	// bufio copies the small segments and writes a large one straight
+	// from the client's buffer.
+	for _, seg := range body.Segments() {
+		bw.Write(seg)
+	}
 	err := bw.Flush()
+	guard.end()
 	bw.Reset(nil)
 	requestWriters.Put(bw)
 	if err != nil {
@@ -194,6 +209,50 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body, e
 		r.body = strings.NewReader("")
 	}
 	return r, nil
+}
+
+// writeGuard hands a body back to its owner: a leg that may outlive the
+// handler (prefill) writes it only under the guard, and release, called
+// before the client's buffer may be reused, waits for a write under way
+// (cut by cancel) and fails any later one.
+type writeGuard struct {
+	mu       sync.Mutex
+	released bool
+	writing  sync.Mutex // held during a write
+}
+
+var errBodyReleased = errors.New("request body released before it was sent")
+
+func (g *writeGuard) begin() bool {
+	if g == nil {
+		return true
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.released {
+		return false
+	}
+	g.writing.Lock()
+	return true
+}
+
+func (g *writeGuard) end() {
+	if g != nil {
+		g.writing.Unlock()
+	}
+}
+
+// release returns once no write is under way; a write still going on
+// (a worker not reading its socket) is ended by cancel.
+func (g *writeGuard) release(cancel func()) {
+	g.mu.Lock()
+	g.released = true
+	g.mu.Unlock()
+	if !g.writing.TryLock() {
+		cancel()
+		g.writing.Lock()
+	}
+	g.writing.Unlock()
 }
 
 func isReset(err error) bool {

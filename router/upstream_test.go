@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // serverConns is a test server's view of the connections it accepted.
@@ -65,7 +66,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 	u := newUpstream()
 	defer u.close()
 	for i, path := range []string{"/a", "/chunked", "/b", "/chunked", "/c"} {
-		resp, err := u.post(&scope{}, srv.URL, path, []byte(`{"i":1}`), []byte("X-Test: 1\r\n"))
+		resp, err := u.post(&scope{}, srv.URL, path, bodyOf([]byte(`{"i":1}`)), []byte("X-Test: 1\r\n"), nil)
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
@@ -85,7 +86,7 @@ func TestUpstreamRetriesAConnectionClosedWhileIdle(t *testing.T) {
 	u := newUpstream()
 	defer u.close()
 	for i := range 2 {
-		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
+		resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
 		}
@@ -114,11 +115,11 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 	cause := errors.New("other leg failed")
 	time.AfterFunc(50*time.Millisecond, func() { ctx.cancel(cause) })
 	start := time.Now()
-	_, err := u.post(ctx, srv.URL, "/", nil, nil)
+	_, err := u.post(ctx, srv.URL, "/", bodyOf(nil), nil, nil)
 	if !errors.Is(err, cause) || time.Since(start) > 2*time.Second {
 		t.Fatalf("err %v after %v, want the cancel cause at once", err, time.Since(start))
 	}
-	resp, err := u.post(&scope{}, srv.URL+"x", "/", nil, nil)
+	resp, err := u.post(&scope{}, srv.URL+"x", "/", bodyOf(nil), nil, nil)
 	if err == nil {
 		resp.Close()
 		t.Fatal("a malformed URL must fail")
@@ -138,7 +139,7 @@ func TestUpstreamHalfReadBodyIsNotReused(t *testing.T) {
 	u := newUpstream()
 	defer u.close()
 	for range 2 {
-		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
+		resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -175,7 +176,7 @@ func TestUpstreamClosesIdleConnections(t *testing.T) {
 	defer u.close()
 	u.idleTimeout = 50 * time.Millisecond
 	for range 2 { // the second reuses the first's connection and rearms the reaper
-		resp, err := u.post(&scope{}, srv.URL, "/", nil, nil)
+		resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -218,7 +219,7 @@ func TestUpstreamPoolsOnlyRegisteredWorkers(t *testing.T) {
 	defer u.close()
 	reg.OnChange(func(s *balancer.Snapshot) { u.follow(s) })
 	get := func(base, path string) {
-		resp, err := u.post(&scope{}, base, path, nil, nil)
+		resp, err := u.post(&scope{}, base, path, bodyOf(nil), nil, nil)
 		if err != nil {
 			t.Error(err)
 			return
@@ -248,4 +249,11 @@ func TestUpstreamPoolsOnlyRegisteredWorkers(t *testing.T) {
 	if n := len(u.idle[strings.TrimPrefix(gone.URL, "http://")]); n != 0 {
 		t.Errorf("%d connections of a removed worker pooled", n)
 	}
+}
+
+// bodyOf is b as an unedited upstream body.
+func bodyOf(b []byte) *splice.Body {
+	var body splice.Body
+	body.Reset(b)
+	return &body
 }

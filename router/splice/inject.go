@@ -2,7 +2,6 @@ package splice
 
 import (
 	"math/rand/v2"
-	"slices"
 	"strconv"
 )
 
@@ -10,16 +9,16 @@ import (
 // sglang-router and SGLang's mini load balancer do.
 func NewRoom() uint64 { return rand.Uint64() & (1<<63 - 1) }
 
-// AppendBootstrap appends body with bootstrap_host, bootstrap_port and
-// bootstrap_room set for the pair's prefill worker. Client-sent bootstrap
-// values are replaced in place (key order survives); missing keys are added
-// before the closing brace. Everything else is copied byte for byte.
-// It returns the first room drawn.
+// SetBootstrap sets bootstrap_host, bootstrap_port and bootstrap_room on
+// b for the pair's prefill worker: client-sent values are replaced in place
+// (key order survives), missing keys are added before the closing brace,
+// everything else stays the client's bytes. It returns the first room
+// drawn.
 //
 // host is sent as a JSON string, port as an integer or null when it is
 // NoPort, and batch > 1 turns each value into an array with a fresh room per
 // element.
-func AppendBootstrap(dst, body []byte, info *Info, host string, port, batch int) ([]byte, uint64) {
+func SetBootstrap(b *Body, info *Info, host string, port, batch int) uint64 {
 	var vals [3][]byte
 	var scratch [96]byte
 	room := NewRoom()
@@ -43,37 +42,19 @@ func AppendBootstrap(dst, body []byte, info *Info, host string, port, batch int)
 			return strconv.AppendUint(b, r, 10)
 		})
 	}
-
-	// Replace present values in body order.
-	order := [3]int{0, 1, 2}
-	slices.SortFunc(order[:], func(a, b int) int { return int(info.Bootstrap[a].Start - info.Bootstrap[b].Start) })
-	pos := 0
-	for _, k := range order {
-		sp := info.Bootstrap[k]
-		if !sp.OK() {
-			continue
-		}
-		dst = append(dst, body[pos:sp.Start]...)
-		dst = append(dst, vals[k]...)
-		pos = int(sp.End)
-	}
-	closing := lastBrace(body)
-	dst = append(dst, body[pos:closing]...)
-	empty := isEmptyObject(body, closing)
 	for k, key := range bootstrapKeys {
-		if info.Bootstrap[k].OK() {
-			continue
-		}
-		if !empty {
-			dst = append(dst, ',')
-		}
-		empty = false
-		dst = append(dst, '"')
-		dst = append(dst, key...)
-		dst = append(dst, '"', ':')
-		dst = append(dst, vals[k]...)
+		b.Set(key, info.Bootstrap[k], vals[k])
 	}
-	return append(dst, body[closing:]...), room
+	return room
+}
+
+// AppendBootstrap appends body with the bootstrap fields SetBootstrap sets,
+// in one buffer.
+func AppendBootstrap(dst, body []byte, info *Info, host string, port, batch int) ([]byte, uint64) {
+	var b Body
+	b.Reset(body)
+	room := SetBootstrap(&b, info, host, port, batch)
+	return b.AppendTo(dst), room
 }
 
 // NoPort makes bootstrap_port JSON null: SGLang then uses its default.

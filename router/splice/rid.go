@@ -10,12 +10,10 @@ import (
 // shape of SGLang's own (uuid4().hex).
 const RIDLen = 32
 
-// InsertRID adds "rid":"<fresh id>" before the closing brace of obj, a
-// validated JSON object without a rid, growing obj in place. It returns the
-// object and the rid's JSON value (quotes included) inside it.
-func InsertRID(obj []byte) (out, rid []byte) {
-	var field [8 + RIDLen + 1]byte // ,"rid":"…"
-	copy(field[:], `,"rid":"`)
+// SetNewRID sets a fresh "rid" on b, which has none, and returns its JSON
+// value (quotes included) inside b.
+func SetNewRID(b *Body) []byte {
+	var val [RIDLen + 2]byte
 	var raw [RIDLen / 2]byte
 	for i := 0; i < len(raw); i += 8 {
 		v := rand.Uint64()
@@ -23,19 +21,10 @@ func InsertRID(obj []byte) (out, rid []byte) {
 			raw[i+j] = byte(v >> (8 * j))
 		}
 	}
-	hex.Encode(field[8:8+RIDLen], raw[:])
-	field[len(field)-1] = '"'
-	ins := field[:]
-	closing := lastBrace(obj)
-	if isEmptyObject(obj, closing) {
-		ins = ins[1:] // no comma in {}
-	}
-	n := len(obj)
-	obj = append(obj, ins...)
-	copy(obj[closing+len(ins):], obj[closing:n]) // the brace and what follows it
-	copy(obj[closing:], ins)
-	valStart := closing + len(ins) - RIDLen - 2
-	return obj, obj[valStart : closing+len(ins)]
+	val[0] = '"'
+	hex.Encode(val[1:1+RIDLen], raw[:])
+	val[len(val)-1] = '"'
+	return b.Set("rid", Span{}, val[:])
 }
 
 // RIDs calls fn with each request id a rid value names, as SGLang expands

@@ -6,9 +6,15 @@ import (
 	"testing"
 )
 
-func TestInsertRID(t *testing.T) {
+func TestSetNewRID(t *testing.T) {
+	newRID := func(body string) (out, rid []byte) {
+		var b Body
+		b.Reset([]byte(body))
+		rid = SetNewRID(&b)
+		return b.AppendTo(nil), rid
+	}
 	for _, body := range []string{`{"text":"hi"}`, `{}`, "{ }\n", `{"a":{"b":1}}  `} {
-		out, rid := InsertRID([]byte(body))
+		out, rid := newRID(body)
 		var m map[string]any
 		if err := json.Unmarshal(out, &m); err != nil {
 			t.Fatalf("%q -> %q: %v", body, out, err)
@@ -21,8 +27,8 @@ func TestInsertRID(t *testing.T) {
 			t.Fatalf("returned value %s, body has %q", rid, got)
 		}
 	}
-	_, a := InsertRID([]byte(`{}`))
-	_, b := InsertRID([]byte(`{}`))
+	_, a := newRID(`{}`)
+	_, b := newRID(`{}`)
 	if string(a) == string(b) {
 		t.Fatal("two rids alike")
 	}

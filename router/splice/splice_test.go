@@ -180,7 +180,16 @@ func FuzzSplice(f *testing.F) {
 		if !valid {
 			t.Fatalf("accepted invalid JSON %q", body)
 		}
-		out, _ := AppendBootstrap(nil, body, &info, "host", 8998, int(batch%5))
+		var b Body
+		b.Reset(body)
+		SetBootstrap(&b, &info, "host", 8998, int(batch%5))
+		if !info.RID.OK() {
+			SetNewRID(&b)
+		}
+		out := b.AppendTo(nil)
+		if len(out) != b.Len() {
+			t.Fatalf("Len %d, body %d bytes", b.Len(), len(out))
+		}
 		var m map[string]json.RawMessage
 		if err := json.Unmarshal(out, &m); err != nil {
 			t.Fatalf("output not a JSON object: %v\nin:  %s\nout: %s", err, body, out)

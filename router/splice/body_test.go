@@ -1,0 +1,98 @@
+package splice
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+	"unsafe"
+)
+
+// within reports whether s lies inside buf's memory.
+func within(s, buf []byte) bool {
+	if len(s) == 0 || len(buf) == 0 {
+		return false
+	}
+	p, lo := uintptr(unsafe.Pointer(unsafe.SliceData(s))), uintptr(unsafe.Pointer(unsafe.SliceData(buf)))
+	return p >= lo && p+uintptr(len(s)) <= lo+uintptr(len(buf))
+}
+
+func TestBodySegmentsShareTheClientBytes(t *testing.T) {
+	src := []byte(`{"text":"` + strings.Repeat("x", 1<<20) + `","bootstrap_port":7,"stream":true}`)
+	var info Info
+	if err := Inspect(src, &info); err != nil {
+		t.Fatal(err)
+	}
+	var b Body
+	b.Reset(src)
+	SetBootstrap(&b, &info, "10.0.0.1", 8998, 1)
+	rid := SetNewRID(&b)
+
+	shared := 0
+	for _, s := range b.Segments() {
+		if within(s, src) {
+			shared += len(s)
+		}
+	}
+	// Everything but the replaced port value (1 byte) is the client's own
+	// memory, not a copy.
+	if shared != len(src)-1 {
+		t.Fatalf("%d of %d client bytes sent from the client's buffer", shared, len(src))
+	}
+	out := b.AppendTo(nil)
+	if b.Len() != len(out) {
+		t.Fatalf("Len %d, body %d bytes", b.Len(), len(out))
+	}
+	var m map[string]any
+	if err := json.Unmarshal(out, &m); err != nil {
+		t.Fatal(err)
+	}
+	if m["bootstrap_port"] != 8998.0 || m["bootstrap_host"] != "10.0.0.1" || m["stream"] != true || `"`+m["rid"].(string)+`"` != string(rid) {
+		t.Fatalf("fields: port %v host %v stream %v rid %v (returned %s)", m["bootstrap_port"], m["bootstrap_host"], m["stream"], m["rid"], rid)
+	}
+	if !bytes.HasPrefix(out, []byte(`{"text":"xxx`)) || bytes.Count(out, []byte("bootstrap_port")) != 1 {
+		t.Fatalf("key order or uniqueness broken: %.40s…", out)
+	}
+}
+
+func TestBodySetCostsNoAllocation(t *testing.T) {
+	src := []byte(`{"text":"hi","bootstrap_room":1}`)
+	var info Info
+	if err := Inspect(src, &info); err != nil {
+		t.Fatal(err)
+	}
+	var b Body
+	allocs := testing.AllocsPerRun(100, func() {
+		b.Reset(src)
+		SetBootstrap(&b, &info, "host", 8998, 1)
+		SetNewRID(&b)
+		_ = b.Segments()
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocations per body, want 0", allocs)
+	}
+}
+
+func TestBodyValuesSurviveGrowth(t *testing.T) {
+	var b Body
+	b.Reset([]byte(`{}`))
+	first := b.Set("a", Span{}, []byte(`"first"`))
+	big := bytes.Repeat([]byte("1"), 4<<10) // past the inline space: vals moves to the heap
+	b.Set("b", Span{}, big)
+	if string(first) != `"first"` {
+		t.Fatalf("earlier value changed to %.20q", first)
+	}
+	if got, want := string(b.AppendTo(nil)), `{"a":"first","b":`+string(big)+`}`; got != want {
+		t.Fatalf("body %.40q…", got)
+	}
+}
+
+func TestBodyUneditedIsTheClientBody(t *testing.T) {
+	src := []byte(`{"a":1}`)
+	var b Body
+	b.Reset(src)
+	segs := b.Segments()
+	if len(segs) != 1 || !within(segs[0], src) || len(segs[0]) != len(src) {
+		t.Fatalf("segments %q", segs)
+	}
+}
