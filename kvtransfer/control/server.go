@@ -183,8 +183,8 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			}
 			c.reply(c.handle(ctx, req, fd))
 		}
-		if len(pending) == 0 && cap(pending) > 1<<20 {
-			pending = make([]byte, 0, 64<<10) // don't keep a big frame's room for an idle engine
+		if len(pending) == 0 && cap(pending) > 4<<20 {
+			pending = make([]byte, 0, 64<<10) // room for SGLang-sized writes stays; the biggest frames' does not
 		}
 	}
 }
