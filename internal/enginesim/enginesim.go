@@ -317,7 +317,7 @@ func (s *Sim) Prefill(ctx context.Context, r mockworker.KVRequest) (*mockworker.
 		return nil, err
 	}
 	for try := 0; ; try++ {
-		l, err := s.acquire(ctx)
+		l, err := s.acquire()
 		if err != nil {
 			s.release(pages, aux, false)
 			return nil, err
@@ -392,7 +392,7 @@ func abort(l *link, room uint64, reason string) {
 // replaced, once.
 func (s *Sim) expect(ctx context.Context, r mockworker.KVRequest, pages []uint32, aux int32) (*link, error) {
 	for try := 0; ; try++ {
-		l, err := s.acquire(ctx)
+		l, err := s.acquire()
 		if err != nil {
 			s.release(pages, aux, false)
 			return nil, err

@@ -15,7 +15,9 @@ import (
 
 // registerTimeout bounds one dial + register. While the kvproxy is down a
 // dial fails at once (no socket, or refused), so every request tries one.
-const registerTimeout = 2 * time.Second
+// It runs apart from the request's context: the kvproxy keeps a pool it
+// registered even if we stop waiting for the reply, and refuses a second.
+const registerTimeout = 10 * time.Second
 
 // link is one control connection and the pool segment registered on it. A
 // kvproxy that restarts knows nothing of the old pool, so a new link
@@ -82,7 +84,7 @@ func (s *Sim) dial(ctx context.Context) (*link, error) {
 
 // acquire returns the live link for one request, connecting again when the
 // kvproxy went away. The caller must give it back with put.
-func (s *Sim) acquire(ctx context.Context) (*link, error) {
+func (s *Sim) acquire() (*link, error) {
 	s.lmu.Lock()
 	defer s.lmu.Unlock()
 	if s.cur != nil && s.cur.broken() {
@@ -92,7 +94,7 @@ func (s *Sim) acquire(ctx context.Context) (*link, error) {
 		if s.linkClosed {
 			return nil, fmt.Errorf("%w: engine closed", ErrKVProxyDown)
 		}
-		dctx, cancel := context.WithTimeout(ctx, registerTimeout)
+		dctx, cancel := context.WithTimeout(context.Background(), registerTimeout)
 		l, err := s.dial(dctx)
 		cancel()
 		if err != nil {

@@ -52,10 +52,12 @@ func start(t *testing.T, env []string, ready string, name string, args ...string
 }
 
 type worker struct {
-	url     string
-	boot    int    // prefill: bootstrap port
-	metrics string // its kvproxy's metrics URL
-	proxy   *testenv.Proc
+	url       string
+	boot      int    // prefill: bootstrap port
+	metrics   string // its kvproxy's metrics URL
+	proxy     *testenv.Proc
+	proxyArgs []string // to start it again
+	engine    *testenv.Proc
 }
 
 type cluster struct {
@@ -71,6 +73,7 @@ type opts struct {
 	prefillDelay      string
 	heartbeat         string // default 500ms
 	router            bool
+	routerArgs        []string
 }
 
 func startCluster(t *testing.T, o opts) *cluster {
@@ -93,13 +96,13 @@ func startCluster(t *testing.T, o opts) *cluster {
 			w.boot = testenv.FreePort(t)
 			args = append(args, "--bootstrap-port", strconv.Itoa(w.boot))
 		}
-		w.proxy = start(t, env, "kvproxy ready", "kvproxy", args...)
+		w.proxy, w.proxyArgs = start(t, env, "kvproxy ready", "kvproxy", args...), args
 		port := testenv.FreePort(t)
 		margs := append([]string{"--role", role, "--port", strconv.Itoa(port), "--kvproxy", sock, "--tokens", "4"}, kvFlags...)
 		if role == "prefill" && o.prefillDelay != "" {
 			margs = append(margs, "--prefill-delay", o.prefillDelay)
 		}
-		start(t, nil, "listening on", "mockworker", margs...)
+		w.engine = start(t, nil, "listening on", "mockworker", margs...)
 		w.url = fmt.Sprintf("http://127.0.0.1:%d", port)
 		return w
 	}
@@ -118,6 +121,7 @@ func startCluster(t *testing.T, o opts) *cluster {
 		for _, d := range c.decodes {
 			args = append(args, "--decode", d.url)
 		}
+		args = append(args, o.routerArgs...)
 		start(t, nil, "listening", "pdrouter", args...)
 		c.router = fmt.Sprintf("http://127.0.0.1:%d", port)
 	}
