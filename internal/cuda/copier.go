@@ -18,14 +18,17 @@ import (
 //go:embed copy.ptx
 var copyPTX string
 
-// Copier moves batches of device-to-device runs on its own stream, in one
-// kernel launch per batch (or one cuMemcpyDtoDAsync per run), and waits
-// for them. Safe for concurrent use; batches run one at a time.
+// Copier moves batches of device-to-device runs on its own streams, in one
+// kernel launch per batch (or one cuMemcpyDtoDAsync per run, spread over
+// the streams), and waits for them. Safe for concurrent use; batches run
+// one at a time.
 type Copier struct {
 	d  *Device
 	mu sync.Mutex
-	// stream, module and fn are driver handles: C memory, never Go's.
-	stream, module, fn unsafe.Pointer
+	// streams, module and fn are driver handles: C memory, never Go's.
+	// The kernel runs on streams[0].
+	streams    [copyStreams]unsafe.Pointer
+	module, fn unsafe.Pointer
 	desc               uint64 // device buffer of descCap triples
 	descCap            int
 	// pinned is page-locked host memory for descCap triples, so the
@@ -41,7 +44,7 @@ func (d *Device) NewCopier() (*Copier, error) {
 	c := &Copier{d: d}
 	ptx := C.CString(copyPTX)
 	defer C.free(unsafe.Pointer(ptx))
-	if err := result("cuModuleLoadData(copy.ptx)", C.cudag_copier_create(d.ctx, ptx, &c.stream, &c.module, &c.fn)); err != nil {
+	if err := result("cuModuleLoadData(copy.ptx)", C.cudag_copier_create(d.ctx, ptx, &c.streams[0], copyStreams, &c.module, &c.fn)); err != nil {
 		return nil, err
 	}
 	return c, nil
@@ -89,14 +92,11 @@ func (c *Copier) Copy(runs []Run, mode CopyMode) (CopyMode, error) {
 		c.list = buf
 	}
 	n := len(buf) / 3
-	kernel := C.int(0)
-	grid := min(n, maxGrid)
-	if mode == CopyKernel {
-		kernel = 1
+	runsPtr := (*C.uint64_t)(unsafe.Pointer(&buf[0]))
+	if mode == CopyMemcpy {
+		return mode, result("copy runs", C.cudag_memcpy_runs(c.d.ctx, &c.streams[0], copyStreams, runsPtr, C.uint(n)))
 	}
-	err := result("copy runs", C.cudag_copy_runs(c.d.ctx, c.stream, c.fn, C.uint64_t(c.desc),
-		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), kernel, C.uint(grid), 256, 0))
-	return mode, err
+	return mode, result("copy runs", C.cudag_copy_runs(c.d.ctx, c.streams[0], c.fn, C.uint64_t(c.desc), runsPtr, C.uint(n), C.uint(min(n, maxGrid)), 256, 0))
 }
 
 // Batch is a kernel copy in parts: each Add puts its runs on the GPU at
@@ -141,8 +141,8 @@ func (b *Batch) Add(runs []Run) error {
 		}
 	}
 	n := len(buf) / 3
-	b.err = result("copy runs", C.cudag_copy_runs(c.d.ctx, c.stream, c.fn, C.uint64_t(c.desc+uint64(24*b.used)),
-		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), 1, C.uint(min(n, maxGrid)), 256, 1))
+	b.err = result("copy runs", C.cudag_copy_runs(c.d.ctx, c.streams[0], c.fn, C.uint64_t(c.desc+uint64(24*b.used)),
+		(*C.uint64_t)(unsafe.Pointer(&buf[0])), C.uint(n), C.uint(min(n, maxGrid)), 256, 1))
 	b.used += n
 	return b.err
 }
@@ -151,7 +151,7 @@ func (b *Batch) Add(runs []Run) error {
 // releases the copier.
 func (b *Batch) Wait() error {
 	defer b.c.mu.Unlock()
-	return errors.Join(b.err, result("cuStreamSynchronize", C.cudag_stream_wait(b.c.d.ctx, b.c.stream)))
+	return errors.Join(b.err, result("cuStreamSynchronize", C.cudag_stream_wait(b.c.d.ctx, b.c.streams[0])))
 }
 
 // pieces counts the kernel's descriptors for runs.
@@ -206,6 +206,6 @@ func (c *Copier) Close() error {
 	}
 	c.closed = true
 	err := c.freeDesc()
-	C.cudag_copier_destroy(c.d.ctx, c.stream, c.module)
+	C.cudag_copier_destroy(c.d.ctx, &c.streams[0], copyStreams, c.module)
 	return err
 }

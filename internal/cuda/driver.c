@@ -252,67 +252,90 @@ void cudag_ctx_pop(void)
 
 #define CU_STREAM_NON_BLOCKING 1
 
-int cudag_copier_create(void *ctx, const char *ptx, void **stream, void **module, void **fn)
+int cudag_copier_create(void *ctx, const char *ptx, void **streams, unsigned ns, void **module, void **fn)
 {
 	CUresult r = cu.ctx_push(ctx);
 	if (r != CUDA_SUCCESS) {
 		return r;
 	}
 	CUcontext popped;
-	r = cu.stream_create(stream, CU_STREAM_NON_BLOCKING);
-	if (r != CUDA_SUCCESS) {
-		cu.ctx_pop(&popped);
-		return r;
+	unsigned made = 0;
+	for (; made < ns && r == CUDA_SUCCESS; made++) {
+		r = cu.stream_create(&streams[made], CU_STREAM_NON_BLOCKING);
 	}
-	r = cu.module_load_data(module, ptx);
-	if (r == CUDA_SUCCESS) {
-		r = cu.module_get_function(fn, *module, "copy_runs");
-		if (r != CUDA_SUCCESS) {
-			cu.module_unload(*module);
+	if (r != CUDA_SUCCESS) {
+		made--; // the failed one holds nothing
+	} else {
+		r = cu.module_load_data(module, ptx);
+		if (r == CUDA_SUCCESS) {
+			r = cu.module_get_function(fn, *module, "copy_runs");
+			if (r != CUDA_SUCCESS) {
+				cu.module_unload(*module);
+			}
 		}
 	}
 	if (r != CUDA_SUCCESS) {
-		cu.stream_destroy(*stream);
+		while (made > 0) {
+			cu.stream_destroy(streams[--made]);
+		}
 	}
 	cu.ctx_pop(&popped);
 	return r;
 }
 
-void cudag_copier_destroy(void *ctx, void *stream, void *module)
+void cudag_copier_destroy(void *ctx, void *const *streams, unsigned ns, void *module)
 {
 	if (cu.ctx_push(ctx) != CUDA_SUCCESS) {
 		return;
 	}
-	cu.stream_destroy(stream);
+	for (unsigned i = 0; i < ns; i++) {
+		cu.stream_destroy(streams[i]);
+	}
 	cu.module_unload(module);
 	CUcontext popped;
 	cu.ctx_pop(&popped);
 }
 
 // cudag_copy_runs moves n runs (src, dst, len triples at host address
-// runs): with the kernel (desc: device buffer of at least n triples) when
-// kernel is set, else one cuMemcpyDtoDAsync per run; then waits unless
-// nowait is set.
+// runs) with the kernel (desc: device buffer of at least n triples) on
+// stream, then waits unless nowait is set.
 int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
-		    unsigned n, int kernel, unsigned grid, unsigned block, int nowait)
+		    unsigned n, unsigned grid, unsigned block, int nowait)
 {
 	CUresult r = cu.ctx_push(ctx);
 	if (r != CUDA_SUCCESS) {
 		return r;
 	}
-	if (kernel) {
-		r = cu.memcpy_htod_async(desc, runs, (size_t)n * 24, stream);
-		if (r == CUDA_SUCCESS) {
-			void *args[] = {&desc, &n};
-			r = cu.launch_kernel(fn, grid, 1, 1, block, 1, 1, 0, stream, args, NULL);
-		}
-	} else {
-		for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
-			r = cu.memcpy_dtod_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], stream);
-		}
+	r = cu.memcpy_htod_async(desc, runs, (size_t)n * 24, stream);
+	if (r == CUDA_SUCCESS) {
+		void *args[] = {&desc, &n};
+		r = cu.launch_kernel(fn, grid, 1, 1, block, 1, 1, 0, stream, args, NULL);
 	}
 	if (!nowait || r != CUDA_SUCCESS) {
 		CUresult s = cu.stream_sync(stream);
+		if (r == CUDA_SUCCESS) {
+			r = s;
+		}
+	}
+	CUcontext popped;
+	cu.ctx_pop(&popped);
+	return r;
+}
+
+// cudag_memcpy_runs moves n runs with one cuMemcpyDtoDAsync each, round
+// robin over ns streams (one copy's tail overlaps the next one's start),
+// and waits for all of them.
+int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n)
+{
+	CUresult r = cu.ctx_push(ctx);
+	if (r != CUDA_SUCCESS) {
+		return r;
+	}
+	for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
+		r = cu.memcpy_dtod_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], streams[i % ns]);
+	}
+	for (unsigned i = 0; i < ns; i++) {
+		CUresult s = cu.stream_sync(streams[i]);
 		if (r == CUDA_SUCCESS) {
 			r = s;
 		}

@@ -44,11 +44,12 @@ int cudag_pointer_kind(uint64_t ptr, int *kind, int *ordinal);
 int cudag_mem_alloc_host(void *ctx, size_t n, void **p);
 int cudag_mem_free_host(void *ctx, void *p);
 
-// The batched copier: a stream and the copy_runs kernel (copy.ptx).
-int cudag_copier_create(void *ctx, const char *ptx, void **stream, void **module, void **fn);
-void cudag_copier_destroy(void *ctx, void *stream, void *module);
+// The batched copier: ns streams and the copy_runs kernel (copy.ptx).
+int cudag_copier_create(void *ctx, const char *ptx, void **streams, unsigned ns, void **module, void **fn);
+void cudag_copier_destroy(void *ctx, void *const *streams, unsigned ns, void *module);
 int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
-		    unsigned n, int kernel, unsigned grid, unsigned block, int nowait);
+		    unsigned n, unsigned grid, unsigned block, int nowait);
+int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n);
 int cudag_stream_wait(void *ctx, void *stream);
 
 #endif
