@@ -29,8 +29,8 @@ type Copier struct {
 	// The kernel runs on streams[0].
 	streams    [copyStreams]unsafe.Pointer
 	module, fn unsafe.Pointer
-	desc               uint64 // device buffer of descCap triples
-	descCap            int
+	desc       uint64 // device buffer of descCap triples
+	descCap    int
 	// pinned is page-locked host memory for descCap triples, so the
 	// descriptors go up asynchronously instead of through the driver's
 	// staging of pageable memory.
