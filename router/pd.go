@@ -88,6 +88,11 @@ type attempt struct {
 	// it under guard, which releaseBody takes back.
 	body  splice.Body
 	guard writeGuard
+
+	// headed, made for streams only, is closed once prefill's reply head
+	// is in (headOK: a 2xx) or its send failed (prefillVerdict).
+	headed chan struct{}
+	headOK bool
 }
 
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
@@ -101,6 +106,9 @@ func (s *Server) startPrefill(r *request, pw *balancer.Worker) *attempt {
 	a.prefill.guard = &a.guard
 	r.hold()
 	s.background.Add(1)
+	if r.info.Stream {
+		a.headed = make(chan struct{})
+	}
 	go s.runPrefill(a, r)
 	return a
 }
@@ -127,7 +135,12 @@ func (s *Server) runPrefill(a *attempt, r *request) {
 // the attempt ending for another reason is not a prefill failure.
 func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 	l := &a.prefill
-	if err := l.send(&a.scope, r.path, &a.body, r.header); err != nil {
+	err := l.send(&a.scope, r.path, &a.body, r.header)
+	if a.headed != nil {
+		a.headOK = err == nil && l.resp.StatusCode/100 == 2
+		close(a.headed)
+	}
+	if err != nil {
 		if a.scope.Err() != nil {
 			return nil, nil
 		}
@@ -138,7 +151,6 @@ func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 		return upstreamError("prefill", status, readError(l.resp)), nil
 	}
 	var out []byte
-	var err error
 	if r.mergeLogprobs() {
 		out, err = io.ReadAll(l.resp)
 	} else {
@@ -154,6 +166,38 @@ func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 // failure returns prefill's error if prefill is what ended the attempt.
 func (a *attempt) failure() *apiError {
 	if a == nil || a.scope.Cause() != errPrefillFailed {
+		return nil
+	}
+	<-a.done
+	return a.err
+}
+
+// prefillHeadGrace is how long a stream whose decode answered first waits
+// for prefill's reply head. SGLang's prefill answers its head at once and
+// decode's first token needs prefill's KV, so this wait costs nothing
+// there; an engine or mock whose prefill head comes late costs a stream at
+// most this, and a prefill failing after it is an SSE error event.
+const prefillHeadGrace = 200 * time.Millisecond
+
+// prefillVerdict returns prefill's failure if its reply head (or its send)
+// failed within prefillHeadGrace: a stream whose decode answered first is
+// then still retried, nothing having reached the client.
+func (a *attempt) prefillVerdict() *apiError {
+	if a == nil || a.headed == nil {
+		return nil
+	}
+	select {
+	case <-a.headed:
+	default:
+		t := time.NewTimer(prefillHeadGrace)
+		defer t.Stop()
+		select {
+		case <-a.headed:
+		case <-t.C:
+			return nil
+		}
+	}
+	if a.headOK {
 		return nil
 	}
 	<-a.done

@@ -8,10 +8,11 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// startStream waits for the first body bytes of l's reply, so that a
-// failure before them can still be answered with a proper status (and
-// retried), then makes the rest the response body (streamRelay), which now
-// owns the leg. a is nil in regular mode.
+// startStream waits for the first body bytes of l's reply and, in PD
+// mode, for prefill's reply head, so that a failure before them can still
+// be answered with a proper status (and retried), then makes the rest the
+// response body (streamRelay), which now owns the leg. a is nil in regular
+// mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
@@ -25,6 +26,14 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 			return nil, false
 		}
 		return &apiError{Status: 502, Code: l.w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
+	}
+	// Decode may answer before prefill has (an engine that does not wait
+	// for the KV, a mock): the client has had nothing yet, so a prefill
+	// failure is still a retryable error, as for a non-stream.
+	if f := a.prefillVerdict(); f != nil {
+		l.close()
+		chunkPool.Put(bufp)
+		return f, false
 	}
 	var merge *logprobMerger
 	if prefill, ok := a.logprobs(r); ok {

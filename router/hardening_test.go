@@ -1,0 +1,93 @@
+package router
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/pdrouter/pdrouter/internal/mockworker"
+)
+
+// Issue 13's router-side hardening: stream retries, stream idle timeout,
+// a client that stops reading, secrets in logs, body copies, idle upstream
+// sockets.
+
+// leakCheck verifies no goroutine outlives the test but fasthttp's own.
+func leakCheck(t *testing.T) {
+	t.Helper()
+	goleak.VerifyNone(t,
+		goleak.IgnoreCurrent(),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"))
+}
+
+// startMock starts a mock worker the test closes.
+func startMock(t *testing.T, cfg mockworker.Config) *mockworker.Server {
+	t.Helper()
+	w, err := mockworker.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	return w
+}
+
+// pdPair is a PD config over one prefill and one decode mock.
+func pdPair(p, d *mockworker.Server) Config {
+	cfg := DefaultConfig()
+	cfg.PDDisaggregation = true
+	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
+	cfg.Decode = []string{d.URL()}
+	return cfg
+}
+
+func shutdown(t *testing.T, srv *Server) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		t.Error(err)
+	}
+}
+
+func postStream(t *testing.T, url, body string) (int, string) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}
+
+// Row 10: decode streams at once (for 400 ms) while prefill fails 50 ms
+// in with a retryable 500. Nothing may reach the client before prefill has
+// answered, so the stream is retried as a non-stream would be, and the
+// client sees one clean stream (before: a token, then prefill's error event).
+func TestStreamRetriedWhenPrefillFailsAfterDecodeAnswered(t *testing.T) {
+	defer leakCheck(t)
+	p := startMock(t, mockworker.Config{Role: mockworker.RolePrefill, PrefillDelay: 50 * time.Millisecond, FailFirstN: 1})
+	d := startMock(t, mockworker.Config{Role: mockworker.RoleDecode, Tokens: 20, TokenDelay: 20 * time.Millisecond})
+	cfg := pdPair(p, d)
+	cfg.Retry.MaxRetries = 3
+	base, srv := serveInProcess(t, cfg)
+	defer shutdown(t, srv)
+
+	status, body := postStream(t, base+"/generate", `{"text":"a b","stream":true}`)
+	if status != 200 || strings.Contains(body, `"error"`) || !strings.HasSuffix(strings.TrimSpace(body), "data: [DONE]") {
+		t.Fatalf("status %d, body %q: want one clean stream", status, body)
+	}
+	if got := p.Stats().Requests; got != 2 {
+		t.Fatalf("prefill saw %d requests, want 2 (the failure, then the retry)", got)
+	}
+	http.DefaultClient.CloseIdleConnections()
+}
