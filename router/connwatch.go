@@ -3,77 +3,141 @@ package router
 import (
 	"errors"
 	"net"
+	"sync"
 	"syscall"
 	"time"
 )
 
 // fasthttp never tells a handler that its client went away (valyala/fasthttp
 // #468, #965): RequestCtx.Done() only fires at server shutdown. While a
-// handler waits on upstream we therefore watch the socket ourselves: wait
-// until it turns readable and peek, so EOF or a reset means the client is
-// gone while bytes mean a pipelined request (then we stop watching).
+// handler waits on upstream we therefore watch the socket ourselves: once
+// it turns readable we peek, so EOF or a reset means the client is gone
+// while bytes mean a pipelined request (then we stop watching).
+//
+// On Linux one epoll set per router holds every watched socket and one
+// goroutine waits on it (connwatch_linux.go): an open stream costs an
+// epoll registration, not a goroutine stack. Elsewhere, or if epoll cannot
+// be set up, each watch is a goroutine parked in a read of its own.
 //
 // The watch starts only once a request has lasted watchDelay (see
-// inflight.go): most of its cost (a goroutine, a peek, parking in the
-// netpoller) is then paid only by requests long enough for a disconnect to
-// matter, and a generation request learns of a departed client at most
-// watchDelay plus a sweep tick late.
+// inflight.go): short requests pay nothing for it, and a generation
+// request learns of a departed client at most watchDelay plus a sweep tick
+// late.
 const watchDelay = 2 * time.Millisecond
 
-// connWatcher watches one client connection until stopped.
-type connWatcher struct {
-	conn   syscall.Conn
-	onGone func()
-	done   chan struct{} // closed when the watch has ended
+// watcher starts and ends the watches of one router. The zero value is
+// ready; the epoll set is made at the first watch.
+type watcher struct {
+	mu     sync.Mutex
+	ep     *epoller
+	epErr  error // epoll could not be set up: watches use goroutines
+	closed bool
 }
 
-// startWatch calls onGone (from another goroutine) if the peer closes c. It
-// returns nil when c cannot be watched (not a socket, e.g. in-memory tests).
-func startWatch(c net.Conn, onGone func()) *connWatcher {
+// connWatch is one connection's watch. It lives in the request (no
+// allocation of its own on the epoll path).
+type connWatch struct {
+	rc     syscall.RawConn
+	conn   net.Conn
+	onGone func()
+	ep     *epoller      // nil: watched by a goroutine of its own
+	token  uint64        // its key in ep
+	done   chan struct{} // goroutine watch: closed when it has ended
+}
+
+// start makes cw watch c and call onGone (from another goroutine) if the
+// peer closes it. False when c cannot be watched (not a socket, e.g. TLS
+// or in-memory tests) or the watcher is closed.
+func (w *watcher) start(cw *connWatch, c net.Conn, onGone func()) bool {
 	sc, ok := c.(syscall.Conn)
 	if !ok {
+		return false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	*cw = connWatch{rc: rc, conn: c, onGone: onGone}
+	if ep := w.epoller(); ep != nil && ep.add(cw) == nil {
+		return true
+	}
+	cw.ep = nil
+	cw.done = make(chan struct{})
+	// A read deadline left from reading the request would end the
+	// parked read early.
+	_ = c.SetReadDeadline(time.Time{})
+	go cw.watchAlone()
+	return true
+}
+
+// epoller is the shared epoll set, made on first use; nil when there is
+// none to use.
+func (w *watcher) epoller() *epoller {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed {
 		return nil
 	}
-	w := &connWatcher{conn: sc, onGone: onGone, done: make(chan struct{})}
-	go w.watch()
-	return w
+	if w.ep == nil && w.epErr == nil {
+		w.ep, w.epErr = newEpoller()
+	}
+	return w.ep
 }
 
-// watch runs until the peer leaves or stop.
-func (w *connWatcher) watch() {
-	defer close(w.done)
-	rc, err := w.conn.SyscallConn()
-	if err != nil {
-		return
+// close ends the shared watch (at hard shutdown, when every request is
+// cancelled anyway); watches still registered end with their requests.
+func (w *watcher) close() {
+	w.mu.Lock()
+	w.closed = true
+	ep := w.ep
+	w.mu.Unlock()
+	if ep != nil {
+		ep.close()
 	}
+}
+
+// peekPeer tells what a readable socket holds: gone is EOF or an error,
+// sent is bytes (a pipelined request), neither is nothing yet.
+func peekPeer(fd uintptr) (gone, sent bool) {
 	var buf [1]byte
+	n, _, err := syscall.Recvfrom(int(fd), buf[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+	if errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EINTR) {
+		return false, false
+	}
+	return err != nil || n == 0, err == nil && n > 0
+}
+
+// watchAlone is the goroutine watch: it parks in the netpoller until the
+// socket turns readable or stop expires its deadline.
+func (cw *connWatch) watchAlone() {
+	defer close(cw.done)
 	gone := false
-	err = rc.Read(func(fd uintptr) bool {
-		n, _, err := syscall.Recvfrom(int(fd), buf[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-		if errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EINTR) {
-			return false // not readable yet: park in the netpoller
-		}
-		gone = err != nil || n == 0
-		return true
+	err := cw.rc.Read(func(fd uintptr) bool {
+		var sent bool
+		gone, sent = peekPeer(fd)
+		return gone || sent
 	})
 	if err == nil && gone {
-		w.onGone()
+		cw.onGone()
 	}
 }
 
-// stop ends the watch before the server reads from the connection again.
-// A deadline in the past wakes a parked read (or makes a read about to
-// start fail at once); it is cleared afterwards so the server's own
+// stop ends the watch before the server reads from the connection again;
+// onGone is not called after stop returns. A goroutine watch is woken by a
+// read deadline in the past, cleared afterwards so the server's own
 // deadlines apply.
-func (w *connWatcher) stop() {
-	if w == nil {
-		return
+func (cw *connWatch) stop() {
+	switch {
+	case cw == nil:
+	case cw.ep != nil:
+		cw.ep.remove(cw)
+	case cw.done != nil:
+		select {
+		case <-cw.done:
+		default:
+			_ = cw.conn.SetReadDeadline(time.Unix(1, 0))
+			<-cw.done
+		}
+		_ = cw.conn.SetReadDeadline(time.Time{})
 	}
-	select {
-	case <-w.done:
-	default:
-		_ = w.conn.(net.Conn).SetReadDeadline(time.Unix(1, 0))
-		<-w.done
-	}
-	_ = w.conn.(net.Conn).SetReadDeadline(time.Time{})
 }

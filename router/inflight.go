@@ -33,11 +33,14 @@ type inflight struct {
 	kick      chan struct{}
 	stop      chan struct{}
 	done      chan struct{}
+
+	watcher watcher // the disconnect watches (connwatch.go)
 }
 
 // tracking is what the tracker keeps in each request, under its lock.
 type tracking struct {
-	watch     *connWatcher  // started once the request is watchDelay old
+	watch     connWatch     // started once the request is watchDelay old
+	watching  bool          // watch was started
 	responded bool          // the response is complete: no watch may start
 	released  bool          // the last reference is gone
 	long      *list.Element // its place in the long list, if there
@@ -80,12 +83,15 @@ func (f *inflight) add(r *request) {
 
 // finished marks r's response as complete: no watch may start any more. It
 // returns the watch to stop if one was started.
-func (f *inflight) finished(r *request) *connWatcher {
+func (f *inflight) finished(r *request) *connWatch {
 	f.mu.Lock()
 	r.track.responded = true
-	w := r.track.watch
+	watching := r.track.watching
 	f.mu.Unlock()
-	return w
+	if !watching {
+		return nil
+	}
+	return &r.track.watch
 }
 
 // remove stops tracking r (its last reference is gone).
@@ -151,7 +157,7 @@ func (f *inflight) sweep(now time.Time) bool {
 			continue
 		}
 		if !r.track.responded && r.conn != nil {
-			r.track.watch = startWatch(r.conn, r.clientLeft)
+			r.track.watching = f.watcher.start(&r.track.watch, r.conn, r.clientLeft)
 		}
 		r.track.long = f.long.PushBack(r)
 	}
@@ -200,4 +206,5 @@ func (f *inflight) close() {
 	}
 	close(f.stop)
 	<-f.done
+	f.watcher.close()
 }

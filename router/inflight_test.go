@@ -16,7 +16,7 @@ func trackedRequest(f *inflight, start time.Time, conn net.Conn) *request {
 func newTestInflight(t *testing.T, timeout time.Duration) *inflight {
 	f := &inflight{timeout: timeout, kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
 	close(f.done)
-	t.Cleanup(func() { close(f.stop) })
+	t.Cleanup(func() { close(f.stop); f.watcher.close() })
 	return f
 }
 
@@ -73,14 +73,14 @@ func TestInflightWatchesOnlyLongRequests(t *testing.T) {
 		t.Fatal("watch started before watchDelay")
 	}
 	f.sweep(t0.Add(watchDelay))
-	if quick.track.watch != nil {
+	if quick.track.watching {
 		t.Fatal("a request answered in time got a watch")
 	}
 	f.remove(quick)
 
 	slow := trackedRequest(f, t0, server)
 	f.sweep(t0.Add(watchDelay))
-	if slow.track.watch == nil {
+	if !slow.track.watching {
 		t.Fatal("no watch on a request older than watchDelay")
 	}
 	client.Close()

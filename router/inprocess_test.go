@@ -155,7 +155,7 @@ func waitFor(t testing.TB, cond func() bool) {
 }
 
 // tcpPair connects a client to ln and returns both ends.
-func tcpPair(t *testing.T, ln net.Listener) (client, server net.Conn) {
+func tcpPair(t testing.TB, ln net.Listener) (client, server net.Conn) {
 	t.Helper()
 	client, err := net.Dial("tcp", ln.Addr().String())
 	if err != nil {
@@ -166,49 +166,6 @@ func tcpPair(t *testing.T, ln net.Listener) (client, server net.Conn) {
 		t.Fatal(err)
 	}
 	return client, server
-}
-
-func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	for _, c := range []struct {
-		name     string
-		act      func(net.Conn)
-		wantGone bool
-	}{
-		{"close", func(c net.Conn) { c.Close() }, true},
-		{"pipelined bytes", func(c net.Conn) { c.Write([]byte("GET / HTTP/1.1\r\n")) }, false},
-	} {
-		client, server := tcpPair(t, ln)
-		gone := make(chan struct{}, 1)
-		w := startWatch(server, func() { gone <- struct{}{} })
-		time.Sleep(2 * watchDelay) // parked in the netpoller
-		c.act(client)
-		select {
-		case <-gone:
-			if !c.wantGone {
-				t.Errorf("%s: reported gone", c.name)
-			}
-		case <-time.After(300 * time.Millisecond):
-			if c.wantGone {
-				t.Errorf("%s: not reported", c.name)
-			}
-		}
-		w.stop()
-		// The connection is usable again: its deadline was cleared.
-		if !c.wantGone {
-			server.SetReadDeadline(time.Now().Add(time.Second))
-			buf := make([]byte, 3)
-			if _, err := server.Read(buf); err != nil || string(buf) != "GET" {
-				t.Errorf("%s: read after stop: %q %v", c.name, buf, err)
-			}
-		}
-		client.Close()
-		server.Close()
-	}
 }
 
 func TestRequestTimeoutEndsAStreamWithOneErrorEvent(t *testing.T) {

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# bench-streams: memory and descriptors per open stream, two pdrouter builds side by side in one
+# run (an A/B of a change to what a stream holds). For each stream count, each build gets a fresh
+# PD 1P+1D router on the same mockworkers, the runs alternating between the builds; while the
+# streams are open a sampler reads the router's RSS and open descriptors.
+#
+#   scripts/bench-streams.sh OLD_PDROUTER NEW_PDROUTER
+#
+# Knobs (environment): BIN (bin: mockworker, pdbench); COUNTS ("1000 9800"); RATE for each count
+# above 1000 (2000/s; 1000 and fewer open at once); TOKENS (256) per stream; TOKEN_DELAY (10ms
+# for 1000 and fewer, BIG_TOKEN_DELAY 40ms above, so that all are open together); ROUNDS (1).
+# Prints one line per run; per-stream figures are (peak − idle) / peak open streams.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# = 2 ] || { echo "usage: $0 OLD_PDROUTER NEW_PDROUTER" >&2; exit 2; }
+OLD=$1 NEW=$2
+BIN=${BIN:-bin}
+COUNTS=${COUNTS:-1000 9800}
+RATE=${RATE:-2000}
+TOKENS=${TOKENS:-256}
+TOKEN_DELAY=${TOKEN_DELAY:-10ms}
+BIG_TOKEN_DELAY=${BIG_TOKEN_DELAY:-40ms}
+ROUNDS=${ROUNDS:-1}
+ulimit -n "$(ulimit -Hn)"
+. scripts/bench-lib.sh
+bench_setup bench-streams
+
+worker() { # VAR ROLE [flags]
+	local var=$1 role=$2 port
+	shift 2
+	port=$(free_port)
+	"$BIN/mockworker" --role "$role" --port "$port" --record-requests -1 "$@" >"$T/mw-$port.log" 2>&1 &
+	pids+=($!)
+	until http_ok "$port" /health; do sleep 0.1; done
+	printf -v "$var" %s "$port"
+}
+worker P prefill --tokens "$TOKENS" --token-delay 0
+worker D decode --tokens "$TOKENS" --token-delay "$TOKEN_DELAY"
+worker DB decode --tokens "$TOKENS" --token-delay "$BIG_TOKEN_DELAY"
+
+# sample PID FILE: every 0.1 s, "rss_kib fds" of PID until it exits or the file's run ends.
+sample() {
+	while kill -0 "$1" 2>/dev/null && [ ! -e "$2.stop" ]; do
+		echo "$(awk '/^VmRSS/ {print $2}' "/proc/$1/status" 2>/dev/null) $(ls "/proc/$1/fd" 2>/dev/null | wc -l)" >>"$2"
+		sleep 0.1
+	done
+}
+
+# run NAME BINARY N: N streams through a fresh router built from BINARY.
+run() {
+	local name=$1 bin=$2 n=$3 port prom pid dec rate idle_rss idle_fds
+	port=$(free_port) prom=$(free_port)
+	dec=$D rate=inf
+	if ((n > 1000)); then dec=$DB rate=$RATE; fi
+	"$bin" --host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin --log-level warn \
+		--pd-disaggregation --prefill "http://127.0.0.1:$P" 8998 --decode "http://127.0.0.1:$dec" >"$T/router-$name-$n.log" 2>&1 &
+	pid=$!
+	pids+=("$pid")
+	until http_ok "$port" /readiness; do sleep 0.1; done
+	idle_rss=$(awk '/^VmRSS/ {print $2}' "/proc/$pid/status")
+	idle_fds=$(ls "/proc/$pid/fd" | wc -l)
+	local s="$T/sample-$name-$n"
+	rm -f "$s" "$s.stop"
+	sample "$pid" "$s" &
+	local sampler=$!
+	"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:$port" --model mock --random-input-len 32 \
+		--random-output-len "$TOKENS" --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$n" \
+		--request-rate "$rate" --request-timeout 120s --output-file "$T/pdbench-$name-$n.jsonl" >"$T/pdbench-$name-$n.txt" 2>&1 || true
+	touch "$s.stop"
+	wait "$sampler" || true
+	local hwm peak_fds done failed open
+	hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
+	peak_fds=$(awk 'BEGIN {m = 0} $2 > m {m = $2} END {print m}' "$s")
+	done=$(tail -n1 "$T/pdbench-$name-$n.jsonl" | grep -o '"completed":[0-9]*' | cut -d: -f2)
+	failed=$(tail -n1 "$T/pdbench-$name-$n.jsonl" | grep -o '"failed":[0-9]*' | cut -d: -f2)
+	open=$(tail -n1 "$T/pdbench-$name-$n.jsonl" | grep -o '"peak_concurrency":[0-9]*' | cut -d: -f2)
+	kill "$pid"
+	wait "$pid" 2>/dev/null || true
+	awk -v name="$name" -v n="$n" -v done="${done:-0}" -v failed="${failed:-$n}" -v open="${open:-0}" \
+		-v ir="$idle_rss" -v hr="$hwm" -v ifd="$idle_fds" -v pf="$peak_fds" 'BEGIN {
+		o = open > 0 ? open : 1
+		printf "%-4s streams %5d  completed %5d failed %5d peak open %5d  idle RSS %6.1f MiB  peak RSS %6.1f MiB  %5.1f KiB/stream  peak fds %5d  %.2f fds/stream\n",
+			name, n, done, failed, open, ir / 1024, hr / 1024, (hr - ir) / o, pf, (pf - ifd) / o
+	}'
+}
+
+for n in $COUNTS; do
+	for ((round = 1; round <= ROUNDS; round++)); do
+		if ((round % 2)); then run old "$OLD" "$n"; run new "$NEW" "$n"; else run new "$NEW" "$n"; run old "$OLD" "$n"; fi
+	done
+done
