@@ -115,9 +115,9 @@ func NewBreaker(cfg BreakerConfig) *Breaker {
 }
 
 // Allow reports whether a request may go to the worker, moving open to
-// half-open once the open duration has passed. Half-open admits trials
-// while fewer than SuccessThreshold requests wait for a reply head, so a
-// worker that still does not answer takes a few requests, not its share.
+// half-open once the open duration has passed. Half-open admits one trial
+// at a time (while no request waits for a reply head), so a worker that
+// still does not answer holds one request, not its share of traffic.
 func (b *Breaker) Allow() bool {
 	if b.cfg.Disabled {
 		return true
@@ -138,9 +138,7 @@ func (b *Breaker) Allow() bool {
 	return b.trialsFree()
 }
 
-func (b *Breaker) trialsFree() bool {
-	return b.out.awaiting.Load() < int32(b.cfg.SuccessThreshold)
-}
+func (b *Breaker) trialsFree() bool { return b.out.awaiting.Load() == 0 }
 
 // Record feeds one request outcome into the breaker. What counts as success
 // is the caller's call (PD: 2xx or 4xx; regular: 2xx).

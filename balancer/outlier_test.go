@@ -47,8 +47,8 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 	}
 }
 
-// A half-open breaker admits trials only while fewer than the success
-// threshold wait for a reply head.
+// A half-open breaker admits one trial at a time: none while a request
+// waits for a reply head.
 func TestBreakerHalfOpenLimitsTrials(t *testing.T) {
 	w := NewWorker("http://10.0.0.1:1", Decode, NoBootstrapPort)
 	clk := &fakeClock{t: time.Unix(1000, 0)}
@@ -57,16 +57,25 @@ func TestBreakerHalfOpenLimitsTrials(t *testing.T) {
 	w.AwaitReply() // stuck since before the ejection
 	w.Record(false)
 	clk.add(time.Second)
-	if !w.Available() || w.Breaker.State() != BreakerHalfOpen {
-		t.Fatalf("not half-open with one request waiting: %v", w.Breaker.State())
-	}
-	w.AwaitReply()
 	if w.Available() {
-		t.Fatal("half-open admitted a third request while two wait for a reply")
+		t.Fatal("half-open admitted a trial while a request waits for a reply")
+	}
+	if w.Breaker.State() != BreakerHalfOpen {
+		t.Fatalf("not half-open after the ejection: %v", w.Breaker.State())
 	}
 	w.ReplyDone(true)
 	if !w.Available() {
-		t.Fatal("half-open refused a trial after a reply arrived")
+		t.Fatal("half-open refused a trial with nothing waiting")
+	}
+	w.AwaitReply() // the trial
+	if w.Available() {
+		t.Fatal("half-open admitted a second trial while the first waits")
+	}
+	w.ReplyDone(true)
+	w.Record(true)
+	w.Record(true)
+	if w.Breaker.State() != BreakerClosed || !w.Available() {
+		t.Fatalf("2 successful trials did not close: %v", w.Breaker.State())
 	}
 }
 

@@ -147,6 +147,8 @@ func (c Config) Validate() error {
 		{r.Jitter < 0 || r.Jitter > 1, "retry jitter_factor must be in [0, 1]"},
 		{m.Breaker.FailureThreshold < 1 || m.Breaker.SuccessThreshold < 1, "circuit breaker thresholds must be >= 1"},
 		{m.Breaker.OpenDuration <= 0, "circuit breaker durations must be > 0"},
+		{m.Breaker.MaxEjectionPercent < 1 || m.Breaker.MaxEjectionPercent > 100, "outlier_max_ejection_percent must be in 1..100"},
+		{m.Breaker.StallTimeout < 0 || m.Breaker.MaxOpenDuration < 0, "outlier durations must be >= 0"},
 		{a.QueueSize > 0 && a.QueueTimeout <= 0, "queue_timeout_secs must be > 0 when queue_size > 0"},
 		{a.QueueSize < 0, "queue_size must be >= 0"},
 		{c.RequestTimeout <= 0, "request_timeout_secs must be > 0"},

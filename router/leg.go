@@ -92,7 +92,9 @@ func (l *leg) record(ok bool) {
 // prefill or an abandoned attempt says nothing about this worker.
 func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) error {
 	l.sc = sc
+	l.w.AwaitReply()
 	resp, err := l.s.upstream.post(sc, l.w.URL, path, body, header, l.guard)
+	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
 	if err != nil {
 		cause := sc.Cause()
 		l.blame = cause == nil || errors.Is(cause, context.DeadlineExceeded)

@@ -107,6 +107,12 @@ func newParser() (*cli.Parser, *options) {
 	p.Duration(cb, "cb-timeout-duration-secs", &m.Breaker.OpenDuration, time.Second, "Seconds open before half-open")
 	p.Duration(cb, "cb-window-duration-secs", &o.cbWindow, time.Second, "Validated but unused, as in sglang-router")
 	p.Bool(cb, "disable-circuit-breaker", &m.Breaker.Disabled, "Never open circuits")
+	p.Duration(cb, "outlier-first-byte-timeout-secs", &m.Breaker.StallTimeout, time.Second,
+		"Seconds a worker may hold requests without a reply head, answering none, before policies steer around it and it is probed: a failed probe ejects it (0: off)")
+	p.Int(cb, "outlier-max-ejection-percent", &m.Breaker.MaxEjectionPercent,
+		"No ejection while this share of a pool is ejected or unhealthy, as Envoy's max_ejection_percent (100: no cap)")
+	p.Duration(cb, "outlier-max-ejection-time-secs", &m.Breaker.MaxOpenDuration, time.Second,
+		"Longest ejection: each ejection in a row lasts --cb-timeout-duration-secs longer, up to this")
 
 	p.Int(hc, "health-failure-threshold", &m.Health.FailureThreshold, "Consecutive failed checks before a worker is unhealthy")
 	p.Int(hc, "health-success-threshold", &m.Health.SuccessThreshold, "Consecutive passed checks before it is healthy again")
