@@ -75,7 +75,7 @@ func (s *Server) abortEngine(w *balancer.Worker, rid engineRID) {
 		return
 	}
 	s.background.Add(1)
-	go s.sendAborts(w.URL, w.APIKey, rid)
+	go s.sendAborts(w.BaseURL, w.APIKey, rid)
 }
 
 func (s *Server) sendAborts(url, apiKey string, rid engineRID) {

@@ -120,7 +120,7 @@ func (s *Server) configuredWorkers() []*balancer.Worker {
 func (s *Server) checkWorker(ctx context.Context, w *balancer.Worker) (map[string]any, []Finding) {
 	target := w.Type.String() + " " + w.URL
 	var out []Finding
-	status, _, err := s.doctorGet(ctx, w.URL+"/health", w.APIKey)
+	status, _, err := s.doctorGet(ctx, w.BaseURL+"/health", w.APIKey)
 	switch {
 	case err != nil:
 		return nil, append(out, Finding{VerdictFail, "health", target, "unreachable: " + err.Error()})
@@ -149,7 +149,7 @@ func (s *Server) checkWorker(ctx context.Context, w *balancer.Worker) (map[strin
 func (s *Server) serverInfoOf(ctx context.Context, w *balancer.Worker) (map[string]any, error) {
 	var last string
 	for _, path := range []string{"/server_info", "/get_server_info"} {
-		status, body, err := s.doctorGet(ctx, w.URL+path, w.APIKey)
+		status, body, err := s.doctorGet(ctx, w.BaseURL+path, w.APIKey)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %v", path, err)
 		}

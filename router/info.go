@@ -122,7 +122,7 @@ func (s *Server) get(w *balancer.Worker, path string, timeout time.Duration) (*h
 func (s *Server) call(method string, w *balancer.Worker, path string, timeout time.Duration) (*http.Response, []byte, error) {
 	ctx, cancel := context.WithTimeout(s.base, timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, method, w.URL+path, nil)
+	req, err := http.NewRequestWithContext(ctx, method, w.BaseURL+path, nil)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -93,7 +93,7 @@ func (l *leg) record(ok bool) {
 func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) error {
 	l.sc = sc
 	l.w.AwaitReply()
-	resp, err := l.s.upstream.post(sc, l.w.URL, path, body, header, l.guard)
+	resp, err := l.s.upstream.post(sc, l.w.BaseURL, path, body, header, l.guard)
 	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
 	if err != nil {
 		cause := sc.Cause()

@@ -33,7 +33,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		return fail, false
 	}
 	r.pd, r.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
-	a := s.startPrefill(r, pw)
+	a := s.startPrefill(r, pw, dw)
 	fail, ok := s.openDecode(r, a, dw)
 	streaming := false
 	if ok {
@@ -59,7 +59,7 @@ func (s *Server) pickPair(ctx *fasthttp.RequestCtx, r *request) (pw, dw *balance
 // bootstrapBody makes a.body the client's body with pw's bootstrap
 // fields, a fresh room and the rid (abort.go), which both legs send. It
 // holds only the edits: the rest is written from the client's buffer.
-func (s *Server) bootstrapBody(r *request, a *attempt, pw *balancer.Worker) {
+func (s *Server) bootstrapBody(r *request, a *attempt, pw, dw *balancer.Worker) {
 	port := pw.BootstrapPort
 	if port == balancer.NoBootstrapPort {
 		port = splice.NoPort
@@ -68,6 +68,27 @@ func (s *Server) bootstrapBody(r *request, a *attempt, pw *balancer.Worker) {
 	a.body.Reset(r.body)
 	splice.SetBootstrap(&a.body, &r.info, pw.BootstrapHost, port, batch)
 	a.rid = s.setRID(r, &a.body, batch)
+	if pw.DPSize > 0 || dw.DPSize > 0 {
+		a.setRanks(r, pw, dw)
+	}
+}
+
+// setRanks gives the legs the DP ranks of their workers (--dp-aware) as smg
+// does (pd_router.rs): prefill's as routed_dp_rank to prefill; decode's as
+// routed_dp_rank and prefill's as disagg_prefill_dp_rank (where decode
+// fetches the KV from) to decode, in a body of its own that shares the
+// bootstrap fields and rid. Done before prefill starts writing its body.
+func (a *attempt) setRanks(r *request, pw, dw *balancer.Worker) {
+	a.decode = new(splice.Body)
+	a.body.CopyTo(a.decode)
+	at := splice.FindRanks(r.body, &r.info)
+	if pw.DPSize > 0 {
+		splice.SetRank(&a.body, &at, splice.RoutedDPRank, pw.DPRank)
+		splice.SetRank(a.decode, &at, splice.DisaggPrefillDPRank, pw.DPRank)
+	}
+	if dw.DPSize > 0 {
+		splice.SetRank(a.decode, &at, splice.RoutedDPRank, dw.DPRank)
+	}
 }
 
 // attempt is one PD try: the scope both legs run under and the prefill leg
@@ -86,8 +107,9 @@ type attempt struct {
 	// body is what both legs send. Its segments are the client's buffer,
 	// which fasthttp reuses once the response is complete: prefill writes
 	// it under guard, which releaseBody takes back.
-	body  splice.Body
-	guard writeGuard
+	body   splice.Body
+	guard  writeGuard
+	decode *splice.Body // decode's own body when the legs carry DP ranks; nil: body
 
 	// headed, made for streams only, is closed once prefill's reply head
 	// is in (headOK: a 2xx) or its send failed (prefillVerdict).
@@ -97,9 +119,9 @@ type attempt struct {
 
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
-func (s *Server) startPrefill(r *request, pw *balancer.Worker) *attempt {
+func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
 	a := &attempt{done: make(chan struct{}), pd: r.pd, start: r.pdStart}
-	s.bootstrapBody(r, a, pw)
+	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(s, pw, &r.failed)
 	a.prefill.rid = a.rid
@@ -242,7 +264,11 @@ func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiEr
 	l := &r.leg
 	l.open(s, dw, &r.failed)
 	l.rid = a.rid
-	if err := l.send(&a.scope, r.path, &a.body, r.header); err != nil {
+	body := &a.body
+	if a.decode != nil {
+		body = a.decode
+	}
+	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
 		l.close()
 		if f := a.failure(); f != nil {
 			return f, false // JSON even for a stream: nothing was sent yet (as OpenAI and SGLang)

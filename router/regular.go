@@ -7,6 +7,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // regularAttempt sends the body unchanged to one worker (non-PD mode).
@@ -21,6 +22,10 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	}
 	// Attempts run one after the other: each may reuse the request's body.
 	r.out.Reset(r.body)
+	if w.DPSize > 0 { // --dp-aware: the rank, as sglang-router 0.3.x names it
+		at := splice.FindRanks(r.body, &r.info)
+		splice.SetRank(&r.out, &at, splice.DataParallelRank, w.DPRank)
+	}
 	l := &r.leg
 	l.open(s, w, &r.failed)
 	l.rid = s.setRID(r, &r.out, batchSize(r.route, r.body, &r.info))

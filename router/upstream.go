@@ -338,7 +338,7 @@ func (u *upstream) reap() {
 func (u *upstream) follow(snap *balancer.Snapshot) bool {
 	workers := make(map[string]bool, len(snap.All))
 	for _, w := range snap.All {
-		if addr, _, _, err := hostPort(w.URL); err == nil {
+		if addr, _, _, err := hostPort(w.BaseURL); err == nil {
 			workers[addr] = true
 		}
 	}

@@ -58,7 +58,7 @@ func newParser() (*cli.Parser, *options) {
 	p.Duration(r, "max-idle-secs", &po.MaxIdle, time.Second, "Idle seconds before a manual-policy routing key is evicted")
 	p.String(r, "assignment-mode", &po.AssignmentMode, "How the manual policy assigns new routing keys", balancer.AssignmentModes()...)
 	p.Int(r, "max-payload-size", &c.MaxPayloadSize, "Maximum request body in bytes (larger is a 413)")
-	p.Bool(r, "dp-aware", &o.ignoredBool, "Data-parallel aware scheduling").Ignored = true
+	p.Bool(r, "dp-aware", &m.DPAware, "Route to each data-parallel rank of an engine as its own worker (dp_size from /server_info)")
 	p.Bool(r, "allow-requests-without-routing-key", &o.ignoredBool, "Allow keyless requests under consistent_hashing/manual").Ignored = true
 
 	p.Bool(pd, "mini-lb", &o.ignoredBool, "Use the Python MiniLB").Ignored = true

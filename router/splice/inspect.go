@@ -31,6 +31,7 @@ type Info struct {
 	Stream        bool
 	ReturnLogprob bool // /generate return_logprob:true
 	Logprobs      bool // OpenAI logprobs present and not false/null
+	HasRanks      bool // a DP rank field is present (FindRanks locates them)
 	N             int64
 	Text          Span // /generate "text" value (string or array)
 	Prompt        Span // /v1/completions "prompt" value
@@ -99,6 +100,8 @@ func (info *Info) record(key []byte, valStart, valEnd int, b []byte) {
 				info.Bootstrap[i] = sp
 			}
 		}
+	case "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank":
+		info.HasRanks = true
 	}
 }
 
