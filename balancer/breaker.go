@@ -66,6 +66,7 @@ type Breaker struct {
 	word     atomic.Uint64    // state<<62 | failures<<31 | successes
 	openedAt atomic.Int64     // unix nanos; written before the CAS that opens
 	openFor  atomic.Int64     // this ejection's duration; written with openedAt
+	gated    atomic.Bool      // ejected for a stall: stays open past openFor until a probe passes
 	okTotal  atomic.Uint64    // every success ever, read by passive health
 
 	// Under ejectMu: ejections in a row (the back-off multiplier) and when
@@ -129,7 +130,7 @@ func (b *Breaker) Allow() bool {
 	case BreakerHalfOpen:
 		return b.trialsFree()
 	}
-	if b.now().UnixNano()-b.openedAt.Load() < b.openFor.Load() {
+	if !b.expired(b.now().UnixNano()) || b.gated.Load() {
 		return false
 	}
 	if b.word.CompareAndSwap(v, pack(BreakerHalfOpen, 0, 0)) {
@@ -216,17 +217,48 @@ func (b *Breaker) eject(v uint64, reason string) bool {
 	if st == BreakerClosed && b.closedAt > 0 && b.cfg.OpenDuration > 0 {
 		k = max(0, k-(now-b.closedAt)/int64(b.cfg.OpenDuration)) // one step back per base time spent closed
 	}
-	k++
-	dur := min(int64(b.cfg.OpenDuration)*k, max(int64(b.cfg.MaxOpenDuration), int64(b.cfg.OpenDuration)))
 	b.openedAt.Store(now)
-	b.openFor.Store(dur)
+	b.openFor.Store(b.ejectionTime(k + 1))
 	if !b.word.CompareAndSwap(v, pack(BreakerOpen, 0, 0)) {
 		return false
 	}
-	b.ejections = k
+	b.ejections = k + 1
+	b.gated.Store(reason == ejectStall)
 	b.transition(st, BreakerOpen)
 	b.ejected(reason, true)
 	return true
+}
+
+// ejectionTime is the k-th ejection in a row's: k base times, capped.
+func (b *Breaker) ejectionTime(k int64) int64 {
+	return min(int64(b.cfg.OpenDuration)*k, max(int64(b.cfg.MaxOpenDuration), int64(b.cfg.OpenDuration)))
+}
+
+func (b *Breaker) expired(now int64) bool { return now-b.openedAt.Load() >= b.openFor.Load() }
+
+// gateDue reports whether the breaker was ejected for a stall and its time
+// is up: a probe decides (probed) whether it goes half-open.
+func (b *Breaker) gateDue(now int64) bool {
+	return b.gated.Load() && b.State() == BreakerOpen && b.expired(now)
+}
+
+// probed ends a stall ejection's time on a passing probe, else ejects the
+// worker again (the next back-off step): a worker still hung then takes
+// no trial request at all.
+func (b *Breaker) probed(ok bool) {
+	ejectMu.Lock()
+	defer ejectMu.Unlock()
+	if !b.gated.Load() || b.State() != BreakerOpen {
+		return
+	}
+	if ok {
+		b.gated.Store(false)
+		return
+	}
+	b.ejections++
+	b.openedAt.Store(b.now().UnixNano())
+	b.openFor.Store(b.ejectionTime(b.ejections))
+	b.ejected(ejectStall, true)
 }
 
 // Eject opens a closed or half-open breaker at once (a stall confirmed by a
@@ -255,7 +287,7 @@ func (b *Breaker) closed() {
 
 // isEjected reports whether the breaker keeps its worker out at now.
 func (b *Breaker) isEjected(now int64) bool {
-	return b.State() == BreakerOpen && now-b.openedAt.Load() < b.openFor.Load()
+	return b.State() == BreakerOpen && (b.gated.Load() || !b.expired(now))
 }
 
 // mayEject reports whether b's worker may be ejected at now: the pool's

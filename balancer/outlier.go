@@ -78,7 +78,9 @@ func (o *outlierState) stalled(now int64, timeout time.Duration) bool {
 // suspect at once, and ejected (Breaker.Eject, within the pool's cap) when
 // a health probe, bounded by the health check timeout, fails too: a worker
 // whose answers are merely slow (long non-stream generations) passes it.
-// Without probes (health checks disabled) a stall only steers.
+// Such an ejection ends on a passing probe only (a failing one ejects the
+// worker again), so a worker still hung takes no trial request. Without
+// probes (health checks disabled) a stall only steers.
 type outlierDetector struct {
 	reg    *Registry
 	client *http.Client
@@ -110,28 +112,45 @@ func (d *outlierDetector) run(ctx context.Context) {
 }
 
 // sweep marks stalled workers suspect and probes each at most once per
-// stall timeout while its breaker lets traffic in.
+// stall timeout while its breaker lets traffic in, and a stall-ejected one
+// when its time is up.
 func (d *outlierDetector) sweep(ctx context.Context, now int64) {
 	for _, w := range d.reg.Snapshot().All {
-		if w.Breaker == nil {
+		b := w.Breaker
+		if b == nil {
 			continue
 		}
-		o := &w.Breaker.out
+		o := &b.out
 		stalled := o.stalled(now, d.stall)
 		if stalled != o.suspect.Load() {
 			o.suspect.Store(stalled)
 		}
-		if !stalled || d.health.Disabled || w.DisableHealthCheck || w.Breaker.State() == BreakerOpen ||
-			now-o.probedAt.Load() < int64(d.stall) || !o.probing.CompareAndSwap(false, true) {
-			continue
+		switch {
+		case b.gateDue(now):
+			d.probe(ctx, w, now, b.probed)
+		case stalled && b.State() != BreakerOpen && now-o.probedAt.Load() >= int64(d.stall):
+			d.probe(ctx, w, now, func(ok bool) {
+				if !ok && o.stalled(time.Now().UnixNano(), d.stall) {
+					b.Eject()
+				}
+			})
 		}
-		o.probedAt.Store(now)
-		d.probes.Go(func() {
-			defer o.probing.Store(false)
-			if !probe(ctx, d.client, w, d.health.Endpoint, d.health.Timeout) && ctx.Err() == nil &&
-				o.stalled(time.Now().UnixNano(), d.stall) {
-				w.Breaker.Eject()
-			}
-		})
 	}
+}
+
+// probe checks w's health endpoint in the background, one probe per
+// worker at a time, and hands the result to then.
+func (d *outlierDetector) probe(ctx context.Context, w *Worker, now int64, then func(ok bool)) {
+	o := &w.Breaker.out
+	if d.health.Disabled || w.DisableHealthCheck || !o.probing.CompareAndSwap(false, true) {
+		return
+	}
+	o.probedAt.Store(now)
+	d.probes.Go(func() {
+		defer o.probing.Store(false)
+		ok := probe(ctx, d.client, w, d.health.Endpoint, d.health.Timeout)
+		if ctx.Err() == nil {
+			then(ok)
+		}
+	})
 }

@@ -4,8 +4,10 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -181,6 +183,10 @@ func hungServer(t *testing.T) string {
 }
 
 func outlierManager(t *testing.T, urls ...string) (*Manager, []*Worker, *prometheus.Registry) {
+	return outlierManagerOpen(t, time.Minute, urls...)
+}
+
+func outlierManagerOpen(t *testing.T, ejection time.Duration, urls ...string) (*Manager, []*Worker, *prometheus.Registry) {
 	t.Helper()
 	pr := prometheus.NewRegistry()
 	met, err := NewMetrics(pr)
@@ -189,6 +195,7 @@ func outlierManager(t *testing.T, urls ...string) (*Manager, []*Worker, *prometh
 	}
 	cfg := DefaultBreakerConfig()
 	cfg.StallTimeout = 100 * time.Millisecond
+	cfg.OpenDuration = ejection
 	m := NewManager(ManagerConfig{Metrics: met, Breaker: cfg,
 		Health: HealthConfig{Interval: time.Hour, Timeout: 200 * time.Millisecond}})
 	t.Cleanup(m.Stop)
@@ -241,6 +248,39 @@ func TestStallEjectsHungWorker(t *testing.T) {
 		t.Fatal("still suspect after answering")
 	}
 	hung.ReplyDone(false)
+}
+
+// A stall ejection outlasts its time while probes fail, and ends on the
+// first passing one.
+func TestStallEjectionEndsOnPassingProbe(t *testing.T) {
+	var hung atomic.Bool
+	hung.Store(true)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if hung.Load() {
+			<-r.Context().Done() // the probe's timeout
+		}
+	}))
+	t.Cleanup(srv.Close)
+	_, ws, pr := outlierManagerOpen(t, 200*time.Millisecond, srv.URL, newFakeEngine(t, 200).URL)
+	w := ws[0]
+	w.AwaitReply()
+	waitFor(t, "the ejection", func() bool { return !w.Available() })
+	w.ReplyDone(false) // the stuck request gave up: nothing holds the worker now
+	// Asked all along, as traffic would: never available past the 200 ms.
+	for end := time.Now().Add(700 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+		if w.Available() {
+			t.Fatal("available while its probes fail")
+		}
+	}
+	labels := map[string]string{"worker_type": "decode", "reason": "stall"}
+	if v, _ := gauge(t, pr, "smg_worker_outlier_ejections_total", labels); v < 2 {
+		t.Fatalf("stall ejections = %v, want >= 2 (the failed probe at the end ejects again)", v)
+	}
+	hung.Store(false)
+	waitFor(t, "the return after a passing probe", w.Available)
+	if st := w.Breaker.State(); st != BreakerHalfOpen {
+		t.Fatalf("state %v after the passing probe, want half_open", st)
+	}
 }
 
 // A stall caught while the pool is at its cap is refused and counted.
