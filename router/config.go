@@ -49,6 +49,15 @@ type Config struct {
 	BodyReadTimeout       time.Duration
 	IdleConnectionTimeout time.Duration
 
+	// StreamIdleTimeout ends a stream whose worker sent no byte for that
+	// long after its first (0: never): one SSE error event, both legs
+	// cancelled and their engines told to abort.
+	StreamIdleTimeout time.Duration
+	// UpstreamIdleTimeout closes a pooled worker connection unused for that
+	// long; below the engines' keep-alive (uvicorn's 5 s), so the router,
+	// not the worker, closes it.
+	UpstreamIdleTimeout time.Duration
+
 	// AbortTimeout bounds each POST /abort_request the router sends to an
 	// engine still holding a request whose client left or timed out; 0
 	// sends none (abort.go).
@@ -93,6 +102,8 @@ func DefaultConfig() Config {
 		HeaderReadTimeout:     30 * time.Second,
 		BodyReadTimeout:       300 * time.Second,
 		IdleConnectionTimeout: 60 * time.Second,
+		StreamIdleTimeout:     300 * time.Second,
+		UpstreamIdleTimeout:   3 * time.Second,
 	}
 }
 
@@ -161,6 +172,8 @@ func (c Config) Validate() error {
 		{c.MaxHeaderSize < 4<<10, "max_header_size must be >= 4096"},
 		{c.HeaderReadTimeout <= 0 || c.BodyReadTimeout <= 0 || c.IdleConnectionTimeout <= 0,
 			"header_read_timeout_secs, body_read_timeout_secs and idle_connection_timeout_secs must be > 0"},
+		{c.StreamIdleTimeout < 0, "stream_idle_timeout_secs must be >= 0 (0: no stream idle timeout)"},
+		{c.UpstreamIdleTimeout <= 0, "upstream_pool_idle_timeout_secs must be > 0"},
 	} {
 		if check.bad {
 			return invalid("%s", check.rule)

@@ -28,6 +28,10 @@ var (
 // errUpstreamClosed is a keep-alive connection the worker had closed.
 var errUpstreamClosed = errors.New("worker closed the connection")
 
+// errStreamIdle is a worker's stream silent for --stream-idle-timeout-secs;
+// it also ends the request's scope, so that both legs' engines abort.
+var errStreamIdle = errors.New("no data from the worker within the stream idle timeout")
+
 // apiError is a router-made error in sglang-router 0.3.x's OpenAI-style shape.
 type apiError struct {
 	Status  int

@@ -2,6 +2,7 @@ package router
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
@@ -88,6 +89,75 @@ func TestStreamRetriedWhenPrefillFailsAfterDecodeAnswered(t *testing.T) {
 	}
 	if got := p.Stats().Requests; got != 2 {
 		t.Fatalf("prefill saw %d requests, want 2 (the failure, then the retry)", got)
+	}
+	http.DefaultClient.CloseIdleConnections()
+}
+
+// Deliver 2: a stream whose decode goes silent after its first token ends
+// at --stream-idle-timeout-secs with one SSE error event, not at the
+// request timeout; the decode leg is closed, its engine told to abort, and
+// the worker's breaker hears of it.
+func TestStreamIdleTimeoutEndsASilentStream(t *testing.T) {
+	defer leakCheck(t)
+	p := startMock(t, mockworker.Config{Role: mockworker.RolePrefill})
+	d := startMock(t, mockworker.Config{Role: mockworker.RoleDecode, Tokens: 3, TokenDelay: 10 * time.Second})
+	cfg := pdPair(p, d)
+	cfg.StreamIdleTimeout = 300 * time.Millisecond
+	base, srv := serveInProcess(t, cfg)
+	defer shutdown(t, srv)
+
+	start := time.Now()
+	status, body := postStream(t, base+"/generate", `{"text":"a b","stream":true}`)
+	took := time.Since(start)
+	events := sseEvents(body)
+	if status != 200 || len(events) != 2 || !strings.Contains(events[0], `"text"`) ||
+		!strings.Contains(events[1], `"code":"stream_idle_timeout"`) {
+		t.Fatalf("status %d, events %q: want a token, then one stream_idle_timeout event", status, events)
+	}
+	if took < 300*time.Millisecond || took > 3*time.Second {
+		t.Fatalf("stream ended after %v, want about the 300 ms idle timeout", took)
+	}
+	waitFor(t, func() bool { return d.Stats().InFlight == 0 && len(d.Aborts()) == 1 })
+	var sent struct {
+		RID string `json:"rid"`
+	}
+	if err := json.Unmarshal([]byte(d.Requests()[0].Body), &sent); err != nil || d.Aborts()[0].RID != sent.RID {
+		t.Fatalf("abort of %q, want the request's rid %q (%v)", d.Aborts()[0].RID, sent.RID, err)
+	}
+	http.DefaultClient.CloseIdleConnections()
+}
+
+// sseEvents splits an SSE body into its events.
+func sseEvents(body string) []string {
+	var out []string
+	for _, e := range strings.Split(strings.TrimSpace(body), "\n\n") {
+		if e != "" {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// The idle timeout's read deadline does not outlive its stream: the
+// connection goes back to the pool clean and serves the next request.
+func TestStreamIdleDeadlineClearedForTheNextRequest(t *testing.T) {
+	defer leakCheck(t)
+	w := startMock(t, mockworker.Config{Tokens: 3, TokenDelay: 20 * time.Millisecond})
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = []string{w.URL()}
+	cfg.StreamIdleTimeout = 200 * time.Millisecond
+	base, srv := serveInProcess(t, cfg)
+	defer shutdown(t, srv)
+
+	if status, body := postStream(t, base+"/generate", `{"text":"a","stream":true}`); status != 200 || strings.Contains(body, "error") {
+		t.Fatalf("stream: %d %q", status, body)
+	}
+	time.Sleep(400 * time.Millisecond) // past the stream's deadline, within the pool's idle timeout
+	if status, body := postStream(t, base+"/generate", `{"text":"a"}`); status != 200 {
+		t.Fatalf("next request on the pooled connection: %d %q", status, body)
+	}
+	if n := w.Stats().Requests; n != 2 {
+		t.Fatalf("worker saw %d requests, want 2", n)
 	}
 	http.DefaultClient.CloseIdleConnections()
 }

@@ -387,7 +387,7 @@ func TestLegClosesOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &Server{upstream: newUpstream(), bm: bm}
+	s := &Server{upstream: newUpstream(DefaultConfig().UpstreamIdleTimeout), bm: bm}
 	defer s.upstream.close()
 	w := balancer.NewWorker(url, balancer.Regular, balancer.NoBootstrapPort)
 

@@ -227,11 +227,11 @@ func (a *attempt) prefillVerdict() *apiError {
 }
 
 // releaseBody returns once no leg of the attempt reads the client's body
-// any more: a prefill still writing it when the reply is over (a worker
-// not reading its socket) is cut short.
+// any more (writeGuard.release): a prefill still writing it when the reply
+// is over is cut short, one not yet writing gets a copy.
 func (a *attempt) releaseBody() {
 	if a != nil {
-		a.guard.release(a.abandon)
+		a.guard.release(&a.body, a.abandon)
 	}
 }
 

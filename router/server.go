@@ -93,7 +93,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		s.cancelBase()
 		return nil, err
 	}
-	s.upstream = newUpstream()
+	s.upstream = newUpstream(cfg.UpstreamIdleTimeout)
 	s.upstream.tls = s.workerTLS
 	s.inflight = newInflight(cfg.RequestTimeout)
 	s.infoCalls = newInfoClient(s.workerTLS, 50*time.Second, log)

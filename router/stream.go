@@ -46,6 +46,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	if merge != nil {
 		first = merge.feed(first)
 	}
+	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
 	ctx.Response.SetBodyStream(&streamRelay{r: r, leg: l, attempt: a, bufp: bufp,
 		pending: first, readErr: err, merge: merge}, -1)
 	return nil, true
@@ -128,6 +129,13 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		return nil
 	}
 	sr.leg.bodyFailed()
+	if sr.readErr == errStreamIdle {
+		// The worker is blamed (bodyFailed, above); ending the request
+		// now cancels prefill too, and both engines hear an abort.
+		sr.r.cancel(errStreamIdle)
+		return (&apiError{Status: 504, Code: "stream_idle_timeout", Message: "no data from the " + sr.leg.w.Type.String() +
+			" worker for " + sr.r.s.cfg.StreamIdleTimeout.String()}).sseFrame()
+	}
 	e := sr.attempt.failure()
 	if e == nil {
 		if sr.r.clientGone() {
@@ -154,6 +162,7 @@ func (sr *streamRelay) CloseWithError(writeErr error) error {
 		sr.r.cancel(errClientGone)
 	}
 	sr.leg.close()
+	sr.attempt.releaseBody() // fasthttp reuses the client's buffer next
 	sr.releaseBuf()
 	sr.r.finish()
 	return nil

@@ -48,11 +48,13 @@ type upstream struct {
 	closed  bool                 // shut down: nothing is pooled any more
 }
 
-func newUpstream() *upstream {
+// newUpstream pools up to 500 idle connections per worker (as smg), each
+// closed after idleTimeout unused.
+func newUpstream(idleTimeout time.Duration) *upstream {
 	return &upstream{
 		dialer:      net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second},
 		maxIdle:     500,
-		idleTimeout: 50 * time.Second,
+		idleTimeout: idleTimeout,
 		idle:        map[string][]*upConn{},
 	}
 }
@@ -89,16 +91,48 @@ type upstreamResponse struct {
 	scope      *scope // the connection is registered with it while in use
 	eof        bool
 	failed     bool
+
+	// idle, once set (idleTimeout), bounds every read: a reply silent that
+	// long fails with errStreamIdle. idleUntil is the read deadline set.
+	idle      time.Duration
+	idleUntil time.Time
 }
 
 func (r *upstreamResponse) Read(p []byte) (int, error) {
+	if r.idle > 0 {
+		r.armIdle()
+	}
 	n, err := r.body.Read(p)
 	if err == io.EOF {
 		r.eof = true
 	} else if err != nil {
 		r.failed = true
+		if r.idle > 0 && !time.Now().Before(r.idleUntil) && r.scope.Cause() == nil {
+			err = errStreamIdle
+		}
 	}
 	return n, err
+}
+
+// idleTimeout makes every later read fail with errStreamIdle once the
+// reply has been silent for d (0: never).
+func (r *upstreamResponse) idleTimeout(d time.Duration) { r.idle = d }
+
+// armIdle keeps the connection's read deadline between idle and 9/8 idle
+// ahead, moving it only when it is nearer than idle: at most once per
+// idle/8, not once per chunk.
+func (r *upstreamResponse) armIdle() {
+	now := time.Now()
+	if r.idleUntil.Sub(now) >= r.idle {
+		return
+	}
+	r.idleUntil = now.Add(r.idle + r.idle/8)
+	_ = r.conn.c.SetReadDeadline(r.idleUntil)
+	// A cancellation that came first set a deadline in the past, which
+	// this one just replaced: put it back.
+	if r.scope.Cause() != nil {
+		r.conn.cancelled(nil)
+	}
 }
 
 // ContentType is the reply's Content-Type.
@@ -112,6 +146,9 @@ func (r *upstreamResponse) Close() error {
 	reusable := r.eof && !r.failed && !cancelled && !r.Header.ConnectionClose()
 	_ = r.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(r.resp)
+	if reusable && !r.idleUntil.IsZero() {
+		reusable = r.conn.c.SetReadDeadline(time.Time{}) == nil
+	}
 	if reusable {
 		r.u.put(r.conn)
 	} else {
@@ -213,23 +250,27 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *s
 
 // writeGuard hands a body back to its owner: a leg that may outlive the
 // handler (prefill) writes it only under the guard, and release, called
-// before the client's buffer may be reused, waits for a write under way
-// (cut by cancel) and fails any later one.
+// before the client's buffer may be reused, makes sure no write reads that
+// buffer afterwards.
 type writeGuard struct {
 	mu       sync.Mutex
-	released bool
 	writing  sync.Mutex // held during a write
+	wrote    bool       // a write has been made
+	released bool       // the owner took the buffer back
+	detached bool       // then the body was given a copy of its own
 }
 
 var errBodyReleased = errors.New("request body released before it was sent")
 
+// begin starts a write; false when the buffer is gone (a retry after
+// release, on a connection the worker had closed).
 func (g *writeGuard) begin() bool {
 	if g == nil {
 		return true
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.released {
+	if g.released && !g.detached {
 		return false
 	}
 	g.writing.Lock()
@@ -237,21 +278,34 @@ func (g *writeGuard) begin() bool {
 }
 
 func (g *writeGuard) end() {
-	if g != nil {
-		g.writing.Unlock()
+	if g == nil {
+		return
 	}
+	g.mu.Lock()
+	g.wrote = true
+	g.mu.Unlock()
+	g.writing.Unlock()
 }
 
-// release returns once no write is under way; a write still going on
-// (a worker not reading its socket) is ended by cancel.
-func (g *writeGuard) release(cancel func()) {
+// release returns once no write will read body's client bytes. A write
+// under way (a worker not reading its socket) is ended by cancel; a body
+// not written yet (its leg still dialing, or not yet scheduled) gets a copy
+// of its own, which costs a copy only then.
+func (g *writeGuard) release(body *splice.Body, cancel func()) {
 	g.mu.Lock()
 	g.released = true
-	g.mu.Unlock()
-	if !g.writing.TryLock() {
-		cancel()
-		g.writing.Lock()
+	if g.writing.TryLock() {
+		if !g.wrote {
+			body.Detach()
+			g.detached = true
+		}
+		g.writing.Unlock()
+		g.mu.Unlock()
+		return
 	}
+	g.mu.Unlock()
+	cancel()
+	g.writing.Lock()
 	g.writing.Unlock()
 }
 

@@ -63,7 +63,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 		}
 		w.Write(b)
 	})
-	u := newUpstream()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
 	defer u.close()
 	for i, path := range []string{"/a", "/chunked", "/b", "/chunked", "/c"} {
 		resp, err := u.post(&scope{}, srv.URL, path, bodyOf([]byte(`{"i":1}`)), []byte("X-Test: 1\r\n"), nil)
@@ -83,7 +83,7 @@ func TestUpstreamReusesConnections(t *testing.T) {
 
 func TestUpstreamRetriesAConnectionClosedWhileIdle(t *testing.T) {
 	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
-	u := newUpstream()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
 	defer u.close()
 	for i := range 2 {
 		resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
@@ -109,7 +109,7 @@ func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 		}
 	})
 	defer close(release)
-	u := newUpstream()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
 	defer u.close()
 	ctx := &scope{}
 	cause := errors.New("other leg failed")
@@ -136,7 +136,7 @@ func TestUpstreamHalfReadBodyIsNotReused(t *testing.T) {
 	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
 		io.WriteString(w, strings.Repeat("x", 100000))
 	})
-	u := newUpstream()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
 	defer u.close()
 	for range 2 {
 		resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
@@ -172,7 +172,7 @@ func TestHostPort(t *testing.T) {
 
 func TestUpstreamClosesIdleConnections(t *testing.T) {
 	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
-	u := newUpstream()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
 	defer u.close()
 	u.idleTimeout = 50 * time.Millisecond
 	for range 2 { // the second reuses the first's connection and rearms the reaper
@@ -215,7 +215,7 @@ func TestUpstreamPoolsOnlyRegisteredWorkers(t *testing.T) {
 	for _, u := range []string{gone.URL, stays.URL} {
 		reg.Add(balancer.NewWorker(u, balancer.Regular, balancer.NoBootstrapPort))
 	}
-	u := newUpstream()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
 	defer u.close()
 	reg.OnChange(func(s *balancer.Snapshot) { u.follow(s) })
 	get := func(base, path string) {
@@ -256,4 +256,103 @@ func bodyOf(b []byte) *splice.Body {
 	var body splice.Body
 	body.Reset(b)
 	return &body
+}
+
+// Row 12: a stalled worker makes a burst of connections (one per request
+// waiting on it). Once it answers they go back to the pool, capped per
+// worker, and the pool shrinks to nothing at the idle timeout instead of
+// keeping the burst's sockets open.
+func TestUpstreamPoolShrinksAfterABurst(t *testing.T) {
+	stall := make(chan struct{})
+	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		<-stall
+		io.WriteString(w, "ok")
+	})
+	u := newUpstream(200 * time.Millisecond)
+	u.maxIdle = 10
+	defer u.close()
+	const burst = 40
+	var wg sync.WaitGroup
+	for range burst {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			io.Copy(io.Discard, resp)
+			resp.Close()
+		}()
+	}
+	waitFor(t, func() bool { return conns.openCount() == burst })
+	close(stall)
+	wg.Wait()
+	if open := conns.openCount(); open > u.maxIdle {
+		// The server may see a close a moment late: wait for it.
+		waitFor(t, func() bool { return conns.openCount() <= u.maxIdle })
+	}
+	u.mu.Lock()
+	pooled := len(u.idle[strings.TrimPrefix(srv.URL, "http://")])
+	u.mu.Unlock()
+	if pooled != u.maxIdle {
+		t.Fatalf("%d connections pooled after the burst, want the cap %d", pooled, u.maxIdle)
+	}
+	waitFor(t, func() bool { return conns.openCount() == 0 })
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if len(u.idle) != 0 || u.reaping {
+		t.Errorf("after the idle timeout: pool %v, reaper armed %v", u.idle, u.reaping)
+	}
+}
+
+// A prefill not yet writing when the reply is over gets a copy of the body:
+// the client's buffer may be reused at once, and the worker still gets
+// the client's bytes. One writing is cut (cancel) and waited for.
+func TestWriteGuardRelease(t *testing.T) {
+	got := make(chan string, 1)
+	srv, _ := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got <- string(b)
+	})
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
+	defer u.close()
+
+	src := []byte(`{"text":"client"}`)
+	body := bodyOf(src)
+	var g writeGuard
+	g.release(body, func() { t.Error("cancelled with no write under way") })
+	copy(src, `{"text":"REUSED"}`) // fasthttp's next request
+	resp, err := u.post(&scope{}, srv.URL, "/", body, nil, &g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Close()
+	if b := <-got; b != `{"text":"client"}` {
+		t.Fatalf("worker got %q", b)
+	}
+
+	// Released after a write: a retry may not read the buffer again.
+	var done writeGuard
+	if !done.begin() {
+		t.Fatal("begin refused before release")
+	}
+	done.end()
+	done.release(bodyOf(src), func() { t.Error("cancelled with no write under way") })
+	if done.begin() {
+		t.Fatal("a write began after release on a written body")
+	}
+
+	// Released during a write: cancel ends it, release waits for it.
+	var busy writeGuard
+	busy.begin()
+	cancelled := make(chan struct{})
+	go func() { <-cancelled; busy.end() }()
+	busy.release(bodyOf(src), func() { close(cancelled) })
+	select {
+	case <-cancelled:
+	default:
+		t.Fatal("a write under way was not cancelled")
+	}
 }

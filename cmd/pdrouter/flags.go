@@ -89,6 +89,8 @@ func newParser() (*cli.Parser, *options) {
 	p.Duration(rq, "header-read-timeout-secs", &c.HeaderReadTimeout, time.Second, "Seconds a client has to send a request's head")
 	p.Duration(rq, "body-read-timeout-secs", &c.BodyReadTimeout, time.Second, "Seconds a client has to send a request's body once its head is in")
 	p.Duration(rq, "idle-connection-timeout-secs", &c.IdleConnectionTimeout, time.Second, "Seconds a keep-alive client connection may stay idle")
+	p.Duration(rq, "stream-idle-timeout-secs", &c.StreamIdleTimeout, time.Second, "Seconds a stream may go without a byte from its worker after the first; then one SSE error event, and both legs end (0: never)")
+	p.Duration(rq, "upstream-pool-idle-timeout-secs", &c.UpstreamIdleTimeout, time.Second, "Seconds a pooled worker connection may stay unused before the router closes it (keep below the engines' keep-alive, 5 s for SGLang)")
 
 	p.Int(rl, "max-concurrent-requests", &c.Admission.MaxConcurrent, "Token bucket capacity; -1 disables admission control")
 	p.Int(rl, "queue-size", &c.Admission.QueueSize, "Requests that may wait for a token (0 = 429 at once)")

@@ -1,6 +1,9 @@
 package splice
 
-import "slices"
+import (
+	"bytes"
+	"slices"
+)
 
 // Body is an upstream request body held as segments: runs of the client's
 // bytes, never copied, with the router's edits (bootstrap fields, rid)
@@ -72,6 +75,13 @@ func (b *Body) Set(key string, at Span, val []byte) []byte {
 	b.vals = append(b.vals, val...)
 	*e = edit{start: closing, end: closing, val: b.vals[start:], member: true}
 	return e.val[len(key)+3:]
+}
+
+// Detach gives b a copy of the client's bytes, for a body that must
+// outlive the buffer it was read into.
+func (b *Body) Detach() {
+	b.src = bytes.Clone(b.src)
+	b.build()
 }
 
 // Segments are the body's bytes in order; their total is Len.
