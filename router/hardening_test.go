@@ -4,8 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
+	"net/http/httptest"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -160,4 +164,63 @@ func TestStreamIdleDeadlineClearedForTheNextRequest(t *testing.T) {
 		t.Fatalf("worker saw %d requests, want 2", n)
 	}
 	http.DefaultClient.CloseIdleConnections()
+}
+
+// Row 6: a client that stops reading a stream holds it only until the
+// write deadline (--request-timeout-secs + writeGrace): the
+// router's blocked write fails, the stream is closed and its upstream leg
+// with it, while the client still holds its socket open.
+func TestClientThatStopsReadingReleasesItsStream(t *testing.T) {
+	defer leakCheck(t)
+	var active atomic.Int32
+	chunk := "data: " + strings.Repeat("x", 64<<10) + "\n\n"
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		active.Add(1)
+		defer active.Add(-1)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for { // as fast as the router takes it, until it closes the connection
+			if _, err := io.WriteString(w, chunk); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+		}
+	}))
+	defer upstream.Close()
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = []string{upstream.URL}
+	cfg.RequestTimeout = time.Second
+	base, srv := serveInProcess(t, cfg)
+	defer shutdown(t, srv)
+
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.(*net.TCPConn).SetReadBuffer(4 << 10); err != nil {
+		t.Fatal(err)
+	}
+	body := `{"text":"x","stream":true}`
+	if _, err := io.WriteString(c, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "+
+		strconv.Itoa(len(body))+"\r\n\r\n"+body); err != nil {
+		t.Fatal(err)
+	}
+	// The client reads nothing from here on.
+	waitFor(t, func() bool { return active.Load() == 1 })
+	start := time.Now()
+	deadline := start.Add(cfg.RequestTimeout + writeGrace + 5*time.Second)
+	for active.Load() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("upstream leg still open %v after the request started (request timeout %v)", time.Since(start), cfg.RequestTimeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if took := time.Since(start); took < cfg.RequestTimeout {
+		t.Fatalf("upstream leg closed after %v, before the request timeout", took)
+	}
+	waitFor(t, func() bool {
+		srv.inflight.mu.Lock()
+		defer srv.inflight.mu.Unlock()
+		return srv.inflight.emptyLocked()
+	})
 }
