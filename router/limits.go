@@ -14,15 +14,19 @@ import (
 
 // Client-side limits: what one client connection may cost the router.
 
-// knownMethod reports whether m is a method the router serves; any other is
-// answered 405 and counted as OTHER, so clients cannot mint metric series.
-func knownMethod(m string) bool {
-	switch m {
-	case "GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH":
-		return true
+// knownMethod returns m as one of the methods the router serves (a
+// constant, so no request copies fasthttp's bytes); any other is answered
+// 405 and counted as OTHER, so clients cannot mint metric series.
+func knownMethod(m []byte) (string, bool) {
+	for _, k := range servedMethods {
+		if string(m) == k {
+			return k, true
+		}
 	}
-	return false
+	return "", false
 }
+
+var servedMethods = [...]string{"POST", "GET", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"}
 
 // otherMethod is the metrics label of every method knownMethod refuses.
 const otherMethod = "OTHER"

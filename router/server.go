@@ -125,6 +125,12 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		NoDefaultServerHeader:         true,
 		DisableHeaderNamesNormalizing: false,
 		CloseOnShutdown:               true,
+		// A PD stream then holds no read buffer (MaxHeaderSize, 64 KiB by
+		// default) while it streams: fasthttp returns it to its pool once
+		// the request is read. The price is one more read per keep-alive
+		// request, within the noise of PD's own cost but ~10 % of a regular
+		// request's, so regular mode keeps its buffer (bench/RESULTS.md).
+		ReduceMemoryUsage: cfg.PDDisaggregation,
 		ConnState: func(_ net.Conn, st fasthttp.ConnState) {
 			switch st {
 			case fasthttp.StateNew:
@@ -205,12 +211,9 @@ func (s *Server) Registry() *balancer.Registry { return s.reg }
 // handle is the outermost layer: CORS, request id, metrics, auth, routing.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
-	method := string(ctx.Method())
 	s.setRequestID(ctx)
-	// The header/body read deadline must not cut the watch for a departed
-	// client (connwatch.go) while the handler runs; fasthttp re-arms it.
-	_ = ctx.SetReadDeadline(time.Time{})
-	if !knownMethod(method) {
+	method, known := knownMethod(ctx.Method())
+	if !known {
 		refuseMethod(ctx)
 		s.metrics.observeHTTP(otherMethod, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 		return
