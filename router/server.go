@@ -75,6 +75,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	log = redactLogger(log) // no credential reaches a log line (redact.go)
 	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg), pdm: newPDMetrics(promReg)}
 	var err error
 	if s.bm, err = balancer.NewMetrics(promReg); err != nil {

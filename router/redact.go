@@ -1,0 +1,91 @@
+package router
+
+import (
+	"regexp"
+	"strings"
+	"unicode"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// Every log line the router writes goes through redactCore: values of
+// credential headers (and bearer tokens anywhere) are replaced before any
+// encoder, console or --json-log, sees them. The router logs no request
+// heads on purpose (fasthttp's errors run with SecureErrorLogMessage), so
+// this is the net for what a library, an error string or a future log line
+// carries by accident.
+
+const redacted = "[REDACTED]"
+
+// secretHeader matches "Name: value" or "Name=value" for the credential
+// headers, up to the end of the line or of a quoted or listed value.
+var secretHeader = regexp.MustCompile(`(?i)\b(authorization|proxy-authorization|cookie|set-cookie|x-api-key|api-key|x-auth-token|x-amz-security-token)(\s*[:=]\s*)[^\r\n"',;]*`)
+
+// bearer matches a bearer or basic credential on its own.
+var bearer = regexp.MustCompile(`(?i)\b(bearer\s+[A-Za-z0-9._~+/=-]+|basic\s+[A-Za-z0-9+/]{8,}={0,2})`)
+
+// redactSecrets returns s with credential values replaced.
+func redactSecrets(s string) string {
+	s = secretHeader.ReplaceAllString(s, "${1}${2}"+redacted)
+	return bearer.ReplaceAllStringFunc(s, func(m string) string {
+		return m[:strings.IndexFunc(m, unicode.IsSpace)] + " " + redacted
+	})
+}
+
+// redactLogger makes every entry log writes redacted.
+func redactLogger(log *zap.Logger) *zap.Logger {
+	return log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core { return redactCore{c} }))
+}
+
+type redactCore struct{ zapcore.Core }
+
+func (c redactCore) With(fields []zapcore.Field) zapcore.Core {
+	return redactCore{c.Core.With(redactFields(fields))}
+}
+
+func (c redactCore) Check(e zapcore.Entry, ce *zapcore.CheckedEntry) *zapcore.CheckedEntry {
+	if c.Enabled(e.Level) {
+		return ce.AddCore(e, c)
+	}
+	return ce
+}
+
+func (c redactCore) Write(e zapcore.Entry, fields []zapcore.Field) error {
+	e.Message = redactSecrets(e.Message)
+	return c.Core.Write(e, redactFields(fields))
+}
+
+// redactFields rewrites the fields that carry text: strings, byte strings,
+// errors (as their message) and stringers.
+func redactFields(fields []zapcore.Field) []zapcore.Field {
+	out := fields
+	for i, f := range fields {
+		var text string
+		switch f.Type {
+		case zapcore.StringType:
+			text = f.String
+		case zapcore.ByteStringType:
+			text = string(f.Interface.([]byte))
+		case zapcore.ErrorType:
+			if err, ok := f.Interface.(error); ok && err != nil {
+				text = err.Error()
+			}
+		case zapcore.StringerType:
+			if s, ok := f.Interface.(interface{ String() string }); ok {
+				text = s.String()
+			}
+		default:
+			continue
+		}
+		clean := redactSecrets(text)
+		if clean == text && f.Type == zapcore.StringType {
+			continue
+		}
+		if &out[0] == &fields[0] {
+			out = append([]zapcore.Field(nil), fields...) // never edit the caller's slice
+		}
+		out[i] = zap.String(f.Key, clean)
+	}
+	return out
+}
