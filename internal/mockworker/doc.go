@@ -31,6 +31,8 @@
 //	--bootstrap-port N             port assumed for "bootstrap_port": null (8998)
 //	--record-requests N            requests kept by /_mock/requests (1000; <0 none)
 //	--no-v1-loads                  GET /v1/loads answers 404 (only /get_load)
+//	--report-transfer-ms MS        report a KV transfer of MS ms (kv_transfer.transfer_ms,
+//	                               prefill and decode) without a KV engine
 //	--page-size, --cache-dtype (kv_cache_dtype), --tp-size, --dp-size, --transfer-backend
 //	                               what /server_info reports (1, auto, 1, 1, mooncake);
 //	                               --dp-size N is also the DP ranks requests may name
@@ -74,10 +76,11 @@
 //
 // Info routes: GET /v1/models, /get_model_info, /model_info, /get_server_info,
 // /server_info (disaggregation_mode is the role or "null"), /get_load
-// ([{"dp_rank":0,"num_reqs","num_waiting_reqs":0,"num_tokens"}] from requests
-// in flight), /v1/loads (SGLang's newer shape: {"loads":[{"dp_rank":0,
-// "num_used_tokens","num_total_tokens",...}],"aggregate"}; dp_rank= and
-// include= checked), /health, /health_generate, /metrics (sglang:* series),
+// ([{"dp_rank":0,"num_reqs","num_waiting_reqs":0,"num_tokens"}, ...] one
+// entry per DP rank, from requests in flight), /v1/loads (SGLang's newer
+// shape: {"loads":[{"dp_rank":0,"num_used_tokens","num_total_tokens",...},
+// ...],"aggregate"}; dp_rank= selects a rank (400 outside dp_size) and
+// include= is checked), /health, /health_generate, /metrics (sglang:* series),
 // GET|POST /flush_cache.
 //
 // # PD roles
