@@ -314,3 +314,44 @@ func TestDPAwareOffLeavesWorkersAndBodies(t *testing.T) {
 		t.Errorf("body %s", recs[0].Body)
 	}
 }
+
+// Each rank has its own breaker: a sick rank is shut out while its
+// engine's other rank keeps serving, and both stay healthy (probes go to
+// the engine, which is up).
+func TestDPAwareRankBreakersIndependent(t *testing.T) {
+	t.Parallel()
+	e := startWorker(t, "regular", "--dp-size", "2", "--fail-dp-rank", "1", "--tokens", "1")
+	r := startRouter(t, "--dp-aware", "--policy", "round_robin", "--disable-retries", "--worker-urls", e.URL(),
+		"--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "600", "--health-check-interval-secs", "1")
+	dpWorkers(t, r, 2)
+	body := `{"text":"x","sampling_params":{"max_new_tokens":1}}`
+	failed := 0
+	for range 4 { // round robin: rank 1 fails twice, then its breaker is open
+		if resp, _ := post(t, r.url+"/generate", body); resp.StatusCode != 200 {
+			failed++
+		}
+	}
+	if failed != 2 {
+		t.Fatalf("%d of 4 failed, want rank 1's 2", failed)
+	}
+	dpReset(t, e)
+	for range 6 {
+		balPick(t, r.url+"/generate", body)
+	}
+	for _, rec := range e.requests(t) {
+		if rec.DPRank != 0 {
+			t.Errorf("a request reached rank %d after its breaker opened", rec.DPRank)
+		}
+	}
+	time.Sleep(1500 * time.Millisecond) // a health check round
+	for _, w := range dpWorkers(t, r, 2) {
+		if !w.IsHealthy {
+			t.Errorf("%s unhealthy: its engine answers /health", w.URL)
+		}
+	}
+	for rank, want := range map[int]float64{0: 0, 1: 1} {
+		if v, ok := balMetric(t, r, "smg_worker_cb_state", fmt.Sprintf(`worker="%s@%d"`, e.URL(), rank)); !ok || v != want {
+			t.Errorf("cb state of rank %d = %v (%v), want %v", rank, v, ok, want)
+		}
+	}
+}

@@ -65,6 +65,9 @@ type Config struct {
 	// NoServerInfo answers GET /server_info 404 (only /get_server_info, as
 	// older SGLang); NoDPSize leaves dp_size out of both.
 	NoServerInfo, NoDPSize bool
+	// FailDPRank, when set, fails with 500 every generation request that
+	// runs on that DP rank (one sick rank of an engine).
+	FailDPRank *int
 	// Engine is what /server_info reports of the engine's layout; zero
 	// fields are DefaultEngine's.
 	Engine EngineInfo
@@ -188,6 +191,7 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.BoolVar(&c.NoV1Loads, "no-v1-loads", false, "answer GET /v1/loads 404 (an engine with /get_load only)")
 	fs.BoolVar(&c.NoServerInfo, "no-server-info", false, "answer GET /server_info 404 (an engine with /get_server_info only)")
 	fs.BoolVar(&c.NoDPSize, "no-dp-size", false, "leave dp_size out of /server_info and /get_server_info")
+	failRank := fs.Int("fail-dp-rank", -1, "answer 500 to generation requests run on this DP rank (-1 = none)")
 	fs.IntVar(&c.Engine.PageSize, "page-size", 0, "page_size in /server_info (default 1)")
 	fs.StringVar(&c.Engine.KVCacheDtype, "cache-dtype", "", "kv_cache_dtype in /server_info (default auto; not --kv-…, which cmd/mockworker gives the KV engine)")
 	fs.IntVar(&c.Engine.TPSize, "tp-size", 0, "tp_size in /server_info (default 1)")
@@ -208,6 +212,9 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments: %v", fs.Args())
+	}
+	if *failRank >= 0 {
+		c.FailDPRank = failRank
 	}
 	if c.Port < 0 {
 		return c, errors.New("--port is required")

@@ -38,6 +38,7 @@
 //	                               --dp-size N is also the DP ranks requests may name
 //	--no-server-info               GET /server_info answers 404 (/get_server_info only)
 //	--no-dp-size                   dp_size left out of both info replies
+//	--fail-dp-rank N               requests run on DP rank N answer 500 (-1: none)
 //	--tls-cert F --tls-key F       serve HTTPS (URL() is then https://)
 //	--tls-client-ca F              and require client certificates signed by F (mTLS)
 //

@@ -135,3 +135,21 @@ func TestServerInfoKnobs(t *testing.T) {
 		t.Errorf("flags %+v %v", c, err)
 	}
 }
+
+func TestFailDPRank(t *testing.T) {
+	one := 1
+	h := start(t, Config{Engine: EngineInfo{DPSize: 2}, FailDPRank: &one})
+	if code, _, b := h.post("/generate", `{"text":"a","routed_dp_rank":1}`); code != 500 || !strings.Contains(string(b), "fail-dp-rank") {
+		t.Errorf("rank 1: %d %s", code, b)
+	}
+	if code, _, b := h.post("/generate", `{"text":"a","routed_dp_rank":0}`); code != 200 {
+		t.Errorf("rank 0: %d %s", code, b)
+	}
+	c, err := ParseFlags("m", []string{"--port", "0", "--fail-dp-rank", "3"}, new(strings.Builder))
+	if err != nil || c.FailDPRank == nil || *c.FailDPRank != 3 {
+		t.Errorf("flag: %v %v", c.FailDPRank, err)
+	}
+	if c, _ := ParseFlags("m", []string{"--port", "0"}, new(strings.Builder)); c.FailDPRank != nil {
+		t.Error("fail-dp-rank set by default")
+	}
+}

@@ -290,6 +290,9 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 	if perr != nil {
 		return writeError(w, perr)
 	}
+	if f := s.cfg.FailDPRank; f != nil && req.ranks.rank == *f {
+		return writeError(w, errorf(http.StatusInternalServerError, "mock failure: DP rank %d (fail-dp-rank)", *f))
+	}
 	if s.cfg.Role != RoleRegular && ep.generates() && req.boot == nil {
 		return writeError(w, badRequest("%s server requires bootstrap_host and bootstrap_room in the request", s.cfg.Role))
 	}
