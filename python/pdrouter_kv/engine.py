@@ -9,12 +9,13 @@ kvproxy peer port, so the session id is the peer kvproxy's peer address.
 kvproxy's control socket: $PDROUTER_KVPROXY_SOCK (default /tmp/kvproxy.sock).
 """
 
+import array
 import logging
 import os
 import threading
 import time
 
-from . import control, cuda, remap
+from . import control, cuda, pageplan, remap
 
 logger = logging.getLogger("pdrouter_kv")
 
@@ -37,6 +38,18 @@ def _ints(name, values):
             raise TypeError("%s: want int, got %s" % (name, type(v).__name__))
         out.append(v)
     return out
+
+
+def _u64s(name, values):
+    """values as array('Q'), checked in one pass: any int goes, as in
+    Mooncake's binding (bool and numpy ints too); OverflowError if one is
+    negative or over 64 bits."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError("%s: want a list of int, got %s" % (name, type(values).__name__))
+    try:
+        return array.array("Q", values)
+    except TypeError as e:
+        raise TypeError("%s: want int: %s" % (name, e)) from None
 
 
 def _int(name, v):
@@ -301,9 +314,13 @@ class TransferEngine:
         """Writes each local buffer into the peer engine's memory; returns 0 once
         every byte is in the peer's memory, negative on any failure."""
         peer = _session(target_hostname)
-        srcs = _ints("buffers", buffers)
-        dsts = _ints("peer_buffer_addresses", peer_buffer_addresses)
-        lens = _ints("lengths", lengths)
+        try:
+            srcs = _u64s("buffers", buffers)
+            dsts = _u64s("peer_buffer_addresses", peer_buffer_addresses)
+            lens = _u64s("lengths", lengths)
+        except OverflowError as e:
+            logger.warning("batch_transfer_sync_write to %s: addresses and lengths must be unsigned 64-bit ints: %s", peer, e)
+            return ERR_TRANSFER
         if not len(srcs) == len(dsts) == len(lens):
             raise ValueError("batch_transfer_sync_write: %d buffers, %d peer addresses, %d lengths" % (len(srcs), len(dsts), len(lens)))
         client = self._conn()
@@ -311,9 +328,21 @@ class TransferEngine:
             return ERR_NOT_INITIALIZED
         if not srcs:
             return 0
+        # Page-structured batches (SGLang's: the same page runs in every K/V
+        # buffer) go as page writes, what is left as triples.
+        writes = ()
+        if (client.features or 0) & control.FEATURE_WRITE_PAGES:
+            with self._lock:
+                regions = list(self._ranges.items()) + list(self._cuda.items())
+            found = pageplan.plan(srcs, dsts, lens, regions, control.MAX_PAGE_WRITE)
+            if found is not None:
+                writes, (srcs, dsts, lens) = found
         # kvproxy checks both ends against the registrations: an address
-        # outside them fails the call and nothing moves.
+        # outside them fails the call (a batch with a source outside every
+        # region goes as triples only, so then nothing moves).
         try:
+            for buffers, src_pages, dst_pages in writes:
+                client.write_pages(peer, buffers, src_pages, dst_pages)
             for i in range(0, len(srcs), control.MAX_TRIPLES):
                 j = i + control.MAX_TRIPLES
                 client.write(peer, srcs[i:j], dsts[i:j], lens[i:j])

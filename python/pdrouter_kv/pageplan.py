@@ -1,0 +1,137 @@
+"""Finds page writes in a batch of (src, dst, len) triples.
+
+SGLang's mooncake backend sends one triple per run of pages per K/V buffer
+(its group_concurrent_contiguous), buffer after buffer, the same page runs in
+every buffer. kvproxy moves that as a page write (control.Client.write_pages:
+buffers x page pairs, OP_WRITE_PAGES) far faster on the GPU than as triples
+and in a frame 1/3 x buffers as long. plan() recovers it, vectorised with
+numpy: triples are grouped by the registered region holding their source;
+in a group, the page length is the gcd of the lengths and of the offsets
+from the group's lowest source and destination, so every triple is a run of
+whole pages; groups with the same runs in page units share one page write.
+Whatever does not fit stays a triple.
+"""
+
+import array
+
+try:
+    import numpy as np
+except ImportError:  # then every batch goes as triples
+    np = None
+
+# A group's runs become a page write only while its pages are at most this
+# many times its triples: kvproxy expands page writes of host memory into a
+# triple per page, and long runs move as fast as triples anyway.
+MAX_PAGES_PER_TRIPLE = 2
+# Page writes one batch may become before the rest goes as triples.
+MAX_WRITES = 16
+# Smaller batches go as triples: nothing to gain.
+MIN_TRIPLES = 64
+
+_U32 = 1 << 32
+
+
+def plan(srcs, dsts, lens, regions, max_ranges):
+    """Splits a batch into page writes and leftover triples.
+
+    srcs, dsts, lens: array('Q'); regions: (start, length)
+    of each registered local range; max_ranges: the most buffers x pairs one
+    page write may name. Returns (writes, rest) with writes a list of
+    (buffers, src_pages, dst_pages) as control.Client.write_pages takes them
+    and rest the (srcs, dsts, lens) left over (array('Q')), or None when the batch is
+    better sent as it is (no numpy, too small, nothing fits, or a source
+    outside every region: kvproxy then refuses the batch whole).
+    """
+    if np is None or len(srcs) < MIN_TRIPLES or not regions:
+        return None
+    s, d, n = (np.frombuffer(v, dtype=np.uint64) for v in (srcs, dsts, lens))
+    regions = sorted(regions)
+    starts = np.array([r[0] for r in regions], dtype=np.uint64)
+    ends = np.array([r[0] + r[1] for r in regions], dtype=np.uint64)
+    g = np.searchsorted(starts, s, side="right").astype(np.int64) - 1
+    if g.min() < 0:
+        return None
+    end = s + n
+    if ((end < s) | (end > ends[g])).any():
+        return None
+    zero = np.flatnonzero(n == 0)  # zero-length triples stay triples
+    order = None
+    if len(zero):
+        order = np.setdiff1d(np.arange(len(g)), zero, assume_unique=True)
+    if (np.diff(g if order is None else g[order]) < 0).any():
+        # SGLang's come buffer after buffer, each in the same order; others
+        # are put so (by source within a buffer) to find the same runs.
+        order = np.arange(len(g)) if order is None else order
+        order = order[np.lexsort((s[order], g[order]))]
+    if order is not None:
+        if not len(order):
+            return None
+        g = g[order]
+    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    counts = np.diff(np.r_[first, len(g)])
+    writes, rest = [], [zero]
+    for c in np.unique(counts).tolist():
+        groups = np.flatnonzero(counts == c)
+        if len(groups) == len(first):
+            rows = np.arange(len(g)).reshape(len(groups), c)
+        else:
+            rows = first[groups][:, None] + np.arange(c)
+        idx = rows if order is None else order[rows]
+        if order is None and len(groups) == len(first):  # SGLang's: views, no gathers
+            cols = [v.reshape(rows.shape) for v in (s, d, n)]
+        else:
+            cols = [v[idx] for v in (s, d, n)]
+        w, left = _group_writes(*cols, max_ranges, MAX_WRITES - len(writes))
+        writes += w
+        rest.append(idx[left].ravel())
+    if not writes:
+        return None
+    rest = np.concatenate(rest)
+    return writes, tuple(array.array("Q", v[rest].tobytes()) for v in (s, d, n))
+
+
+def _group_writes(s, d, n, max_ranges, max_writes):
+    """Page writes for buffers of the same number of triples (a row each:
+    [buffers, triples] arrays); returns them and the rows left over."""
+    smin, dmin = s.min(axis=1), d.min(axis=1)
+    so, do = s - smin[:, None], d - dmin[:, None]
+    # The shortest triple is a page if it divides everything (SGLang's
+    # pages are powers of two: shifts then); else the gcd.
+    page = n.min(axis=1)
+    if not (page & (page - np.uint64(1))).any():
+        shift = np.array([p.bit_length() - 1 for p in page.tolist()], dtype=np.uint64)[:, None]
+        sp, dp, cnt = so >> shift, do >> shift, n >> shift
+        odd = (((so | do | n) & (page - np.uint64(1))[:, None]) != 0).any(axis=1)
+    else:
+        pc = page[:, None]
+        sp, dp, cnt = so // pc, do // pc, n // pc
+        odd = ((sp * pc != so) | (dp * pc != do) | (cnt * pc != n)).any(axis=1)
+    if odd.any():
+        page[odd] = np.gcd.reduce(np.gcd(np.gcd(n[odd], so[odd]), do[odd]), axis=1)
+        pc = page[odd][:, None]
+        sp[odd], dp[odd], cnt[odd] = so[odd] // pc, do[odd] // pc, n[odd] // pc
+    hi = (np.maximum(sp, dp) + cnt).max(axis=1)
+    fits = (hi <= _U32) & (cnt.sum(axis=1) <= MAX_PAGES_PER_TRIPLE * s.shape[1])
+    left = np.flatnonzero(fits)
+    writes, used = [], np.zeros(len(s), dtype=bool)
+    while len(left) and len(writes) < max_writes:
+        ref = left[0]
+        same = (sp[left] == sp[ref]).all(axis=1) & (dp[left] == dp[ref]).all(axis=1) & (cnt[left] == cnt[ref]).all(axis=1)
+        bucket = left[same][:max_ranges]  # the rest (never seen) goes as triples
+        left = left[~same]
+        used[bucket] = True
+        writes += _page_writes(bucket, sp[ref], dp[ref], cnt[ref], smin, dmin, page, max_ranges)
+    return writes, ~used
+
+
+def _page_writes(bucket, sp, dp, cnt, smin, dmin, page, max_ranges):
+    """The runs (sp, dp, cnt) expanded into page pairs, for every buffer of
+    bucket, in as many page writes as max_ranges asks."""
+    cnt = cnt.astype(np.int64)
+    total = int(cnt.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    src_pages = (np.repeat(sp.astype(np.int64), cnt) + within).tolist()
+    dst_pages = (np.repeat(dp.astype(np.int64), cnt) + within).tolist()
+    buffers = [(int(smin[i]), int(dmin[i]), int(page[i])) for i in bucket.tolist()]
+    step = max(1, max_ranges // len(buffers))
+    return [(buffers, src_pages[i:i + step], dst_pages[i:i + step]) for i in range(0, total, step)]
