@@ -77,6 +77,8 @@ type Config struct {
 	// used on every connection to an https worker.
 	WorkerTLS    tlsconfig.ClientOptions
 	ControlPlane ControlPlaneAuth
+
+	Trace TraceConfig // OpenTelemetry traces (trace.go)
 }
 
 // DefaultConfig returns sglang-router 0.3.x defaults, except port 8000: the
@@ -97,6 +99,7 @@ func DefaultConfig() Config {
 		Retry:            balancer.DefaultRetryConfig(),
 		Admission:        balancer.AdmissionConfig{MaxConcurrent: -1, QueueSize: 100, QueueTimeout: 60 * time.Second},
 		Manager:          balancer.DefaultManagerConfig(),
+		Trace:            TraceConfig{Endpoint: DefaultOTLPTracesEndpoint},
 
 		MaxHeaderSize:         64 << 10,
 		HeaderReadTimeout:     30 * time.Second,
@@ -136,6 +139,9 @@ func (c Config) Validate() error {
 		return err
 	}
 	if err := c.validSecurity(); err != nil {
+		return err
+	}
+	if err := c.Trace.validTrace(); err != nil {
 		return err
 	}
 	po, r, a, m := c.PolicyOptions, c.Retry, c.Admission, c.Manager

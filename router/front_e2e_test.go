@@ -331,8 +331,8 @@ func TestCLI(t *testing.T) {
 	// --log-dir the log also goes to DIR/smg.log.
 	w := startWorker(t, "regular")
 	dir := t.TempDir()
-	r := startRouter(t, "--worker-urls", w.URL(), "--enable-trace", "--log-level", "info", "--log-dir", dir)
-	if !strings.Contains(r.Output(), "--enable-trace") || !strings.Contains(r.Output(), "ignored") {
+	r := startRouter(t, "--worker-urls", w.URL(), "--reasoning-parser", "deepseek-r1", "--log-level", "info", "--log-dir", dir)
+	if !strings.Contains(r.Output(), "--reasoning-parser") || !strings.Contains(r.Output(), "ignored") {
 		t.Errorf("ignored flag not logged:\n%s", r.Output())
 	}
 	if b, err := os.ReadFile(filepath.Join(dir, "smg.log")); err != nil || !strings.Contains(string(b), "pdrouter listening") {

@@ -28,6 +28,7 @@ type leg struct {
 	failed *failedWorkers // the client request's: its failure reaches each worker's breaker once
 	sc     *scope         // what the leg was sent under; its end may leave the engine busy
 	rid    engineRID      // what the engine knows the request by (abort.go)
+	trace  *legSpan       // nil unless traced (trace.go)
 	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
 }
 
@@ -92,6 +93,7 @@ func (l *leg) record(ok bool) {
 // prefill or an abandoned attempt says nothing about this worker.
 func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) error {
 	l.sc = sc
+	header = l.trace.start(l, path, header)
 	l.w.AwaitReply()
 	resp, err := l.s.upstream.post(sc, l.w.BaseURL, path, body, header, l.guard)
 	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
@@ -120,6 +122,7 @@ func (l *leg) close() {
 		return
 	}
 	l.closed = true
+	l.trace.end(l)
 	l.abortIfHeld()
 	switch {
 	case l.resp != nil:

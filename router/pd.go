@@ -103,6 +103,7 @@ type attempt struct {
 	rid     engineRID     // both legs'
 	pd      *pdSeries     // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
+	kv      kvReport      // the KV transfer time a reply reports (pdmetrics.go)
 
 	// body is what both legs send. Its segments are the client's buffer,
 	// which fasthttp reuses once the response is complete: prefill writes
@@ -124,6 +125,7 @@ func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(s, pw, &r.failed)
+	a.prefill.trace = r.trace.leg()
 	a.prefill.rid = a.rid
 	a.prefill.guard = &a.guard
 	r.hold()
@@ -175,8 +177,9 @@ func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 	var out []byte
 	if r.mergeLogprobs() {
 		out, err = io.ReadAll(l.resp)
+		a.scanWhole(out)
 	} else {
-		_, err = io.Copy(io.Discard, l.resp)
+		err = a.drainPrefill(l.resp)
 	}
 	if err != nil && a.scope.Err() == nil {
 		l.bodyFailed()
@@ -263,6 +266,7 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	l := &r.leg
 	l.open(s, dw, &r.failed)
+	l.trace = r.trace.leg()
 	l.rid = a.rid
 	body := &a.body
 	if a.decode != nil {

@@ -28,14 +28,13 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 		if s.cfg.PDDisaggregation {
 			s.pdm.bootstrapFailures.Inc()
 		}
-		r.finish()
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
+		r.finish() // after the reply is set: the trace records its status
 		return path
 	}
 	admit, err := s.admission.Acquire(&r.scope)
 	if err != nil {
 		gone := r.clientGone()
-		r.finish()
 		s.metrics.rateLimit.WithLabelValues("rejected").Inc()
 		switch {
 		case errors.Is(err, balancer.ErrQueueTimeout):
@@ -47,6 +46,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 			// longer than the request timeout): answer, never an empty 200.
 			writeError(ctx, &apiError{Status: 504, Code: "request_timeout", Message: "request timed out waiting in the admission queue"})
 		}
+		r.finish()
 		return path
 	}
 	s.metrics.admitted.Inc()
@@ -190,6 +190,7 @@ func (r *request) routingText() []byte {
 // failed on yet.
 func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, r *request, pr *balancer.Request) (*balancer.Worker, *apiError) {
 	p := s.policies[t]
+	start := r.trace.now()
 	avail := snap.Available(t)
 	if len(avail) == 0 {
 		return nil, selectionError(t.String(), len(snap.ByType[t]))
@@ -200,5 +201,6 @@ func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, r *request
 		return nil, &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + p.Name() + " policy made no selection"}
 	}
 	s.bm.Selected(w, p.Name())
+	r.trace.selected(start, w, p.Name())
 	return w, nil
 }

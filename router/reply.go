@@ -30,6 +30,7 @@ func (s *Server) reply(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt)
 		}
 		return &apiError{Status: 502, Code: "read_response_failed", Message: "Failed to read " + side + " response: " + err.Error()}, false
 	}
+	a.scanWhole(ctx.Response.Body())
 	if prefill, ok := a.logprobs(r); ok {
 		ctx.SetBody(mergeLogprobsJSON(prefill, ctx.Response.Body()))
 	}

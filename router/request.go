@@ -43,6 +43,7 @@ type request struct {
 	pdStart time.Time // when the last PD attempt sent its prefill leg
 
 	failed failedWorkers // workers this request's legs failed on (leg.go)
+	trace  *reqTrace     // nil unless traced (trace.go)
 
 	// out is what a regular-mode attempt sends: the client's body and the
 	// rid (PD attempts have their own, prefill may outlive an attempt).
@@ -62,6 +63,7 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	r.conn = ctx.Conn()
 	r.refs.Store(1)
 	s.inflight.add(r)
+	r.trace = s.trace.start(ctx, r)
 	return r
 }
 
@@ -77,6 +79,7 @@ func (r *request) release() {
 
 // finish is called once when the response to the client is complete.
 func (r *request) finish() {
+	r.trace.end(r)
 	r.s.inflight.finished(r).stop()
 	if r.admit != nil {
 		r.admit()
@@ -96,4 +99,5 @@ func (r *request) clientGone() bool { return r.scope.Cause() == errClientGone }
 func (r *request) observeFirstByte() {
 	r.metrics.ttft.Observe(since(r.start))
 	r.observePDTTFT()
+	r.leg.trace.firstByte(r.info.Stream)
 }

@@ -67,6 +67,7 @@ type Server struct {
 	background sync.WaitGroup // prefill legs that outlive their handler, engine aborts
 	aborts     engineAborts
 	pdm        *pdMetrics
+	trace      *tracer // nil: tracing off (trace.go)
 }
 
 // New builds a router from cfg, which must pass Config.Validate. Metrics
@@ -91,6 +92,10 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	s.admission = balancer.NewAdmission(cfg.Admission)
 	s.base, s.cancelBase = context.WithCancel(context.Background())
 	if err := s.secure(); err != nil {
+		s.cancelBase()
+		return nil, err
+	}
+	if s.trace, err = newTracer(cfg.Trace, log); err != nil {
 		s.cancelBase()
 		return nil, err
 	}
@@ -200,6 +205,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.cancelBase()
 	s.inflight.close()
 	s.background.Wait()
+	s.trace.shutdown()
 	s.manager.Stop()
 	s.infoCalls.CloseIdleConnections()
 	s.upstream.close()

@@ -16,6 +16,7 @@ import (
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
+	a.scanDecode((*bufp)[:n])
 	if n == 0 && err != nil && err != io.EOF {
 		l.close()
 		chunkPool.Put(bufp)
@@ -111,6 +112,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	if sr.readErr == nil {
 		var n int
 		n, sr.readErr = sr.leg.resp.Read(buf)
+		sr.attempt.scanDecode(buf[:n])
 		if n > 0 {
 			if sr.merge != nil {
 				return sr.merge.feed(buf[:n])

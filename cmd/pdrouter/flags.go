@@ -133,14 +133,15 @@ func newParser() (*cli.Parser, *options) {
 		{be, "history-backend"}, {db, "oracle-wallet-path"}, {db, "oracle-tns-alias"},
 		{db, "oracle-connect-descriptor"}, {db, "oracle-username"}, {db, "oracle-password"}, {db, "oracle-pool-min"},
 		{db, "oracle-pool-max"}, {db, "oracle-pool-timeout-secs"}, {db, "postgres-db-url"}, {db, "postgres-pool-max"},
-		{db, "redis-url"}, {db, "redis-pool-max"}, {db, "redis-retention-days"}, {tr, "otlp-traces-endpoint"},
+		{db, "redis-url"}, {db, "redis-pool-max"}, {db, "redis-retention-days"},
 	} {
 		p.OptString(f.group, f.name, &o.ignoredOpt, "").Ignored = true
 	}
 	p.String(au, "api-key", &c.APIKey, "API key: clients must send it as a Bearer token; also used towards workers")
 	p.Bool(tk, "tokenizer-cache-enable-l0", &o.ignoredBool, "").Ignored = true
 	p.Bool(tk, "tokenizer-cache-enable-l1", &o.ignoredBool, "").Ignored = true
-	p.Bool(tr, "enable-trace", &o.ignoredBool, "").Ignored = true
+	p.Bool(tr, "enable-trace", &c.Trace.Enabled, "Enable OpenTelemetry tracing: a span per request, W3C traceparent on both legs")
+	p.String(tr, "otlp-traces-endpoint", &c.Trace.Endpoint, "OTLP/gRPC collector endpoint (host:port, or an http:// or https:// URL) if --enable-trace is set")
 	addSecurityFlags(p, &o.security)
 	return p, o
 }

@@ -73,6 +73,10 @@ type Config struct {
 	Engine EngineInfo
 
 	KV KVTransfer // nil = no KV transfer
+	// ReportTransferMS > 0 with no KV: report a transfer of this many ms
+	// (kv_transfer.transfer_ms) without moving anything, for routers'
+	// KV transfer metrics.
+	ReportTransferMS float64
 
 	TLS *TLS // nil = plain HTTP
 
@@ -156,8 +160,13 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("invalid status code %d", c.StatusCode)
 	case c.FailFirstN < 0:
 		return c, fmt.Errorf("invalid fail-first-n %d", c.FailFirstN)
+	case c.ReportTransferMS < 0:
+		return c, fmt.Errorf("invalid report-transfer-ms %v", c.ReportTransferMS)
 	case c.RandomFailRate < 0 || c.RandomFailRate > 1:
 		return c, fmt.Errorf("invalid random-fail-rate %v: want [0,1]", c.RandomFailRate)
+	}
+	if c.KV == nil && c.ReportTransferMS > 0 {
+		c.KV = reportedKV(c.ReportTransferMS)
 	}
 	return c, nil
 }
@@ -188,6 +197,7 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.Int64Var(&c.Seed, "seed", 0, "random seed (0 = time-based)")
 	fs.IntVar(&c.BootstrapPort, "bootstrap-port", DefaultBootstrapPort, "bootstrap port assumed for a null bootstrap_port")
 	fs.IntVar(&c.RecordLimit, "record-requests", DefaultRecordLimit, "generation requests kept for /_mock/requests (negative = none)")
+	fs.Float64Var(&c.ReportTransferMS, "report-transfer-ms", 0, "report a KV transfer of this many ms in kv_transfer (none is made) when no KV engine is attached")
 	fs.BoolVar(&c.NoV1Loads, "no-v1-loads", false, "answer GET /v1/loads 404 (an engine with /get_load only)")
 	fs.BoolVar(&c.NoServerInfo, "no-server-info", false, "answer GET /server_info 404 (an engine with /get_server_info only)")
 	fs.BoolVar(&c.NoDPSize, "no-dp-size", false, "leave dp_size out of /server_info and /get_server_info")

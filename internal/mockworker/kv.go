@@ -46,3 +46,14 @@ type KVResult struct {
 	ChecksumOK bool    `json:"checksum_ok"`
 	TransferMS float64 `json:"transfer_ms"`
 }
+
+// reportedKV moves nothing and reports a transfer of its ms
+// (Config.ReportTransferMS).
+type reportedKV float64
+
+func (k reportedKV) Prefill(context.Context, KVRequest) (*KVResult, error) { return k.result(), nil }
+func (k reportedKV) Decode(context.Context, KVRequest) (*KVResult, error)  { return k.result(), nil }
+
+func (k reportedKV) result() *KVResult {
+	return &KVResult{Transport: "none", ChecksumOK: true, TransferMS: float64(k)}
+}
