@@ -22,7 +22,8 @@ import (
 // (GET /health, GET /route) at the host and port the router injects; and
 // every prefill/decode pair agrees, per /server_info, on what KV transfer
 // needs to match (sgl-project/sglang#23342: "hangs although workers are
-// healthy and the bootstrap port is reachable").
+// healthy and the bootstrap port is reachable"); and the bootstrap_host
+// injected is one the decode engines can connect to.
 
 // Verdicts of a Finding.
 const (
@@ -76,25 +77,33 @@ func (s *Server) Doctor(ctx context.Context) []Finding {
 	out = append(out, sameModel(workers, infos))
 	if s.cfg.PDDisaggregation {
 		out = append(out, pairChecks(workers, infos)...)
+		out = append(out, bootstrapHostChecks(ctx, workers, systemHosts)...)
 	}
 	return out
 }
 
+// doctorWorkers is one worker per engine, keyed by BaseURL: --dp-aware
+// registers an engine as one worker per rank (BASE@RANK), and the checks
+// are the engine's.
 func (s *Server) doctorWorkers() []*balancer.Worker {
-	registered := map[string]*balancer.Worker{}
+	registered := map[string]*balancer.Worker{} // by BaseURL: the first rank
+	var order []string
 	for _, w := range s.reg.Snapshot().All {
-		registered[w.URL] = w
+		if _, ok := registered[w.BaseURL]; !ok {
+			registered[w.BaseURL] = w
+			order = append(order, w.BaseURL)
+		}
 	}
 	var ws []*balancer.Worker
 	for _, w := range s.configuredWorkers() {
-		if r, ok := registered[w.URL]; ok {
+		if r, ok := registered[w.BaseURL]; ok {
 			w = r
 		}
-		delete(registered, w.URL)
+		delete(registered, w.BaseURL)
 		ws = append(ws, w)
 	}
-	for _, w := range s.reg.Snapshot().All {
-		if registered[w.URL] != nil {
+	for _, u := range order {
+		if w := registered[u]; w != nil {
 			ws = append(ws, w)
 		}
 	}
@@ -291,4 +300,106 @@ func (s *Server) doctor(ctx *fasthttp.RequestCtx) {
 		status = 503
 	}
 	writeJSON(ctx, status, map[string]any{"healthy": status == 200, "findings": findings})
+}
+
+// hostLookup is how the doctor sees hosts: what a name resolves to, and
+// whether an address is this machine's own.
+type hostLookup struct {
+	resolve func(ctx context.Context, host string) ([]net.IP, error)
+	local   func(ip net.IP) bool
+}
+
+// systemHosts resolves with the system resolver; local addresses are
+// loopback and those of this machine's interfaces.
+var systemHosts = hostLookup{
+	resolve: func(ctx context.Context, host string) ([]net.IP, error) {
+		if ip := net.ParseIP(host); ip != nil {
+			return []net.IP{ip}, nil
+		}
+		ctx, cancel := context.WithTimeout(ctx, doctorTimeout)
+		defer cancel()
+		addrs, err := net.DefaultResolver.LookupIPAddr(ctx, host)
+		ips := make([]net.IP, len(addrs))
+		for i, a := range addrs {
+			ips[i] = a.IP
+		}
+		return ips, err
+	},
+	local: func(ip net.IP) bool {
+		if ip.IsLoopback() {
+			return true
+		}
+		addrs, _ := net.InterfaceAddrs()
+		for _, a := range addrs {
+			if n, ok := a.(*net.IPNet); ok && n.IP.Equal(ip) {
+				return true
+			}
+		}
+		return false
+	},
+}
+
+// bootstrapHostChecks is one finding per prefill on the bootstrap_host the
+// router injects, which decode engines connect to (the bootstrap check
+// already calls its port from here). From the router it can be verified
+// that the host resolves, that it is no wildcard address, and, for a
+// loopback host, that every decode runs on this machine: one elsewhere
+// would connect to its own loopback. (A decode may resolve names
+// differently; the router sees only its own view.)
+func bootstrapHostChecks(ctx context.Context, workers []*balancer.Worker, look hostLookup) []Finding {
+	var out []Finding
+	seen := map[string]bool{}
+	for _, p := range workers {
+		if p.Type != balancer.Prefill || seen[p.BaseURL] {
+			continue
+		}
+		seen[p.BaseURL] = true
+		out = append(out, bootstrapHostCheck(ctx, p, workers, look))
+	}
+	return out
+}
+
+func bootstrapHostCheck(ctx context.Context, p *balancer.Worker, workers []*balancer.Worker, look hostLookup) Finding {
+	target := "prefill " + p.URL
+	host := strings.Trim(p.BootstrapHost, "[]")
+	ips, err := look.resolve(ctx, host)
+	if err != nil || len(ips) == 0 {
+		return Finding{VerdictFail, "bootstrap_host", target, fmt.Sprintf("injected bootstrap_host %s does not resolve: %v", host, err)}
+	}
+	loopback := true
+	for _, ip := range ips {
+		if ip.IsUnspecified() {
+			return Finding{VerdictFail, "bootstrap_host", target, "injected bootstrap_host " + host +
+				" is a wildcard address, which decode engines cannot connect to: register the prefill by an address they reach"}
+		}
+		loopback = loopback && ip.IsLoopback()
+	}
+	if !loopback {
+		return Finding{VerdictOK, "bootstrap_host", target, "injected bootstrap_host " + host + " resolves to " + joinIPs(ips)}
+	}
+	for _, d := range workers {
+		if d.Type != balancer.Decode {
+			continue
+		}
+		dhost := strings.Trim(balancer.BootstrapHost(d.BaseURL), "[]")
+		dips, err := look.resolve(ctx, dhost)
+		if err != nil {
+			return Finding{VerdictFail, "bootstrap_host", target, fmt.Sprintf("injected bootstrap_host %s is loopback; cannot tell whether decode %s runs on this host: %v", host, d.URL, err)}
+		}
+		for _, ip := range dips {
+			if !look.local(ip) {
+				return Finding{VerdictFail, "bootstrap_host", target, "injected bootstrap_host " + host + " is loopback, but decode " + d.URL +
+					" (" + ip.String() + ") runs on another host and would connect to its own: register the prefill by an address the decodes reach"}
+			}
+		}
+	}
+	return Finding{VerdictOK, "bootstrap_host", target, "injected bootstrap_host " + host + " is loopback, and every decode runs on this host"}
+}
+
+func joinIPs(ips []net.IP) string {
+	s := make([]string, len(ips))
+	for i, ip := range ips {
+		s[i] = ip.String()
+	}
+	return strings.Join(s, ", ")
 }

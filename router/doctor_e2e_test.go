@@ -1,6 +1,7 @@
 package router_test
 
 import (
+	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
@@ -85,6 +86,7 @@ func TestDoctorHealthyDeployment(t *testing.T) {
 	wantFinding(t, lines, "ok", "bootstrap", p.URL(), "127.0.0.1:"+port)
 	wantFinding(t, lines, "ok", "model", "all workers", "every worker serves mock")
 	wantFinding(t, lines, "ok", "pair", p.URL()+" -> "+d.URL(), "page_size, kv_cache_dtype, tp_size, dp_size, disaggregation_transfer_backend")
+	wantFinding(t, lines, "ok", "bootstrap_host", p.URL(), "injected bootstrap_host 127.0.0.1 is loopback, and every decode runs on this host")
 
 	// The running router answers the same on GET /doctor.
 	r := startRouter(t, append(args, "--policy", "round_robin")...)
@@ -120,5 +122,45 @@ func TestDoctorFindsEachProblem(t *testing.T) {
 	wantFinding(t, lines, "FAIL", "pair", p.URL()+" -> "+d3.URL(), "tp_size 2 vs 1")
 	if !strings.Contains(lines[len(lines)-1], "problems found") {
 		t.Errorf("last line %q", lines[len(lines)-1])
+	}
+}
+
+// A prefill registered by a wildcard address answers the router (a
+// connection to 0.0.0.0 stays on this host), but the bootstrap_host
+// injected from it is nothing a decode engine can connect to.
+func TestDoctorWildcardBootstrapHost(t *testing.T) {
+	t.Parallel()
+	port := bootstrapStub(t)
+	p, d := startWorker(t, "prefill"), startWorker(t, "decode")
+	wildcard := strings.Replace(p.URL(), "127.0.0.1", "0.0.0.0", 1)
+	lines, code := doctor(t, "--pd-disaggregation", "--prefill", wildcard, port, "--decode", d.URL())
+	if code != 1 {
+		t.Fatalf("exit %d, want 1:\n%s", code, strings.Join(lines, "\n"))
+	}
+	wantFinding(t, lines, "ok", "health", wildcard, "reachable and healthy")
+	wantFinding(t, lines, "FAIL", "bootstrap_host", wildcard, "injected bootstrap_host 0.0.0.0 is a wildcard address")
+}
+
+// With --dp-aware each engine registers as one worker per rank; the doctor
+// still checks each engine once.
+func TestDoctorDPAwareChecksEnginesOnce(t *testing.T) {
+	t.Parallel()
+	port := bootstrapStub(t)
+	p, d := startWorker(t, "prefill", "--dp-size", "2"), startWorker(t, "decode", "--dp-size", "2")
+	r := startRouter(t, "--pd-disaggregation", "--dp-aware", "--policy", "round_robin", "--prefill", p.URL(), port, "--decode", d.URL())
+	resp, body := get(t, r.url+"/doctor")
+	var got struct {
+		Healthy  bool
+		Findings []struct{ Verdict, Check, Target string }
+	}
+	if err := json.Unmarshal(body, &got); err != nil || resp.StatusCode != 200 || !got.Healthy {
+		t.Fatalf("GET /doctor: %d %s %v", resp.StatusCode, body, err)
+	}
+	count := map[string]int{}
+	for _, f := range got.Findings {
+		count[f.Check]++
+	}
+	if count["health"] != 2 || count["pair"] != 1 || count["bootstrap_host"] != 1 {
+		t.Errorf("findings per check %v, want 2 health, 1 pair, 1 bootstrap_host:\n%s", count, body)
 	}
 }
