@@ -28,8 +28,8 @@ harness() {
 	shift
 	"$VENV/bin/python" python/harness/run_pd.py --python "$VENV/bin/python" --workdir "$work/$name" --label "$name" "$@"
 }
-run "kvproxy tcp, SGLang's bootstrap: 200 requests, abort, kvproxy killed and restarted, decode killed" \
-	harness ours --engine kvproxy --kvproxy "$KVPROXY" --requests 200 --phases normal,kill-prefill-kvproxy,recover,kill-decode
+run "kvproxy tcp, SGLang's bootstrap: 200 requests, abort, prefill and decode kvproxy killed and restarted, decode killed" \
+	harness ours --engine kvproxy --kvproxy "$KVPROXY" --requests 200 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
 run "kvproxy tcp, kvproxy's bootstrap server: 50 requests, abort" \
 	harness ours-kvproxy-bootstrap --engine kvproxy --kvproxy "$KVPROXY" --bootstrap kvproxy --requests 50 --phases normal
 run "Mooncake's TransferEngine (tcp): 50 requests, abort, decode killed" \

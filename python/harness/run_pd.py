@@ -6,9 +6,10 @@ failed check.
 Scenarios: normal (every request Success, every page right), abort (one
 room aborted: it ends Failed on both sides, the rest succeed),
 kill-decode (decode engine SIGKILLed mid-run: prefill's rooms all end, the
-decode kvproxy drops the dead engine's memory), kill-prefill-kvproxy
-(prefill kvproxy SIGKILLed mid-transfer: every room on both sides ends, none
-hangs).
+decode kvproxy drops the dead engine's memory), kill-prefill-kvproxy and
+kill-decode-kvproxy (that kvproxy SIGKILLed mid-transfer: every room on both
+sides ends, none hangs; restarted, the running engine registers its memory
+again).
 """
 
 import argparse
@@ -172,7 +173,7 @@ def main():
     p.add_argument("--kvproxy-arg", action="append", default=[], help="extra kvproxy flag (repeatable)")
     p.add_argument("--bootstrap", choices=["sglang", "kvproxy"], default="sglang")
     p.add_argument("--phases", default="normal",
-                   help="comma list of warmup, normal, kill-prefill-kvproxy (then restarts it), recover, kill-decode (last)")
+                   help="comma list of warmup, normal, kill-prefill-kvproxy / kill-decode-kvproxy (then restarts it), recover, kill-decode (last)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8192)
@@ -277,11 +278,11 @@ def main():
             for role in alive:
                 sides[role].send(json.dumps(dict(cmd="run", plan=plan_path, out=os.path.join(work, "%s-%s.json" % (ph, role)), abort_room=aborted)))
             fault_at = None
-            if ph in ("kill-decode", "kill-prefill-kvproxy"):
+            if ph in ("kill-decode", "kill-prefill-kvproxy", "kill-decode-kvproxy"):
                 # Strike with rooms done and rooms still moving.
                 sides["prefill"].wait_line(lambda l: '"progress": %d,' % a.fault_after in l, a.bound * 2)
                 fault_at = time.time()
-                victim = sides["decode"] if ph == "kill-decode" else kvp["prefill"]
+                victim = sides["decode"] if ph == "kill-decode" else kvp[ph.split("-")[1]]
                 victim.kill()
                 victim.p.wait()
                 if ph == "kill-decode":
@@ -324,14 +325,17 @@ def main():
                     d = dec.get(x["room"])
                     pr["decode_wall_s"] = d["wall_s"] if d else None
                     pr["check_s"] = d["check_s"] if d else None
-            if ph == "kill-prefill-kvproxy":
-                kvp["prefill"].restart()
-                # SGLang's failed-session probe calls send_probe, on which the
-                # engine reconnects and registers again; the probe's success
-                # lifts SGLang's blacklist of the decode session.
-                got = wait_gauge(kvp["prefill"], "kvproxy_registered_regions", summary["registered_regions"]["prefill"], a.bound)
-                ps["prefill_regions_after_restart"] = got
-                check(got == summary["registered_regions"]["prefill"], "the engine did not register again with the restarted kvproxy (%s regions)" % got)
+            if ph in ("kill-prefill-kvproxy", "kill-decode-kvproxy"):
+                role = ph.split("-")[1]
+                kvp[role].restart()
+                # The engine's watcher reconnects and registers again (a
+                # decode engine makes no call that would); SGLang's
+                # failed-session probe then lifts its blacklist of the session.
+                t_restart = time.time()
+                got = wait_gauge(kvp[role], "kvproxy_registered_regions", summary["registered_regions"][role], a.bound)
+                ps["%s_regions_after_restart" % role] = got
+                ps["registered_again_s"] = round(time.time() - t_restart, 2)
+                check(got == summary["registered_regions"][role], "the %s engine did not register again with its restarted kvproxy (%s regions)" % (role, got))
                 time.sleep(2)
             if ph == "kill-decode" and kvp:
                 got = wait_gauge(kvp["decode"], "kvproxy_registered_regions", summary["baseline_regions"]["decode"], a.bound)
