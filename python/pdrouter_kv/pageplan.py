@@ -46,28 +46,32 @@ def plan(srcs, dsts, lens, regions, max_ranges):
         return None
     s, d, n = (np.frombuffer(v, dtype=np.uint64) for v in (srcs, dsts, lens))
     regions = sorted(regions)
+    # g: 1 + the index of the region holding each source (0: none).
     starts = np.array([r[0] for r in regions], dtype=np.uint64)
-    ends = np.array([r[0] + r[1] for r in regions], dtype=np.uint64)
-    g = np.searchsorted(starts, s, side="right").astype(np.int64) - 1
-    if g.min() < 0:
+    ends = np.array([0] + [r[0] + r[1] for r in regions], dtype=np.uint64)
+    g = np.searchsorted(starts, s, side="right")
+    if g.min() == 0 or max(s.max(), n.max()) >= 1 << 63:  # below 2^63, s + n cannot wrap
         return None
-    end = s + n
-    if ((end < s) | (end > ends[g])).any():
+    if ((s + n) > ends[g]).any():
         return None
-    zero = np.flatnonzero(n == 0)  # zero-length triples stay triples
+    zero = np.flatnonzero(n == 0) if n.min() == 0 else np.empty(0, dtype=np.intp)  # zero-length triples stay triples
     order = None
     if len(zero):
         order = np.setdiff1d(np.arange(len(g)), zero, assume_unique=True)
-    if (np.diff(g if order is None else g[order]) < 0).any():
+    step = np.diff(g if order is None else g[order])
+    if len(step) and step.min() < 0:
         # SGLang's come buffer after buffer, each in the same order; others
         # are put so (by source within a buffer) to find the same runs.
         order = np.arange(len(g)) if order is None else order
         order = order[np.lexsort((s[order], g[order]))]
+        step = None
     if order is not None:
         if not len(order):
             return None
         g = g[order]
-    first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        if step is None:
+            step = np.diff(g)
+    first = np.r_[0, np.flatnonzero(step) + 1]
     counts = np.diff(np.r_[first, len(g)])
     writes, rest = [], [zero]
     for c in np.unique(counts).tolist():
@@ -99,18 +103,23 @@ def _group_writes(s, d, n, max_ranges, max_writes):
     # pages are powers of two: shifts then); else the gcd.
     page = n.min(axis=1)
     if not (page & (page - np.uint64(1))).any():
+        # In place where it can: fresh temporaries cost as much as the work.
+        bits = np.bitwise_or(so, do)
+        bits |= n
+        bits &= (page - np.uint64(1))[:, None]
+        odd = bits.any(axis=1)
         shift = np.array([p.bit_length() - 1 for p in page.tolist()], dtype=np.uint64)[:, None]
-        sp, dp, cnt = so >> shift, do >> shift, n >> shift
-        odd = (((so | do | n) & (page - np.uint64(1))[:, None]) != 0).any(axis=1)
+        sp, dp, cnt = np.right_shift(so, shift, out=so), np.right_shift(do, shift, out=do), np.right_shift(n, shift, out=bits)
     else:
         pc = page[:, None]
         sp, dp, cnt = so // pc, do // pc, n // pc
         odd = ((sp * pc != so) | (dp * pc != do) | (cnt * pc != n)).any(axis=1)
-    if odd.any():
-        page[odd] = np.gcd.reduce(np.gcd(np.gcd(n[odd], so[odd]), do[odd]), axis=1)
+    if odd.any():  # (so and do may be shifted by now)
+        so, do = s[odd] - smin[odd][:, None], d[odd] - dmin[odd][:, None]
+        page[odd] = np.gcd.reduce(np.gcd(np.gcd(n[odd], so), do), axis=1)
         pc = page[odd][:, None]
-        sp[odd], dp[odd], cnt[odd] = so[odd] // pc, do[odd] // pc, n[odd] // pc
-    hi = (np.maximum(sp, dp) + cnt).max(axis=1)
+        sp[odd], dp[odd], cnt[odd] = so // pc, do // pc, n[odd] // pc
+    hi = np.maximum(sp.max(axis=1), dp.max(axis=1)) + cnt.max(axis=1)  # a bound on the last page + 1
     fits = (hi <= _U32) & (cnt.sum(axis=1) <= MAX_PAGES_PER_TRIPLE * s.shape[1])
     left = np.flatnonzero(fits)
     writes, used = [], np.zeros(len(s), dtype=bool)
