@@ -7,7 +7,10 @@ handle. The prefill engine writes 128..32k tokens of pages, contiguous or
 every other page, into the decode engine's pool through kvproxy: contiguous
 as triples merged like SGLang's group_concurrent_contiguous; scattered as
 one page write (Client.write_pages: 64 buffers x page pairs) and, for
-comparison, as a triple per page (scattered-triples); every received page is
+comparison, as a triple per page (scattered-triples); scattered-sglang is
+SGLang's unchanged call, the triple per page through the Mooncake-compatible
+TransferEngine.batch_transfer_sync_write (which finds the page write in it),
+timed end to end, checking and planning included; every received page is
 checksummed on the GPU against the sender's, and the pages between them
 must be untouched.
 
@@ -26,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from pdrouter_kv import control  # noqa: E402
+from pdrouter_kv import control, engine, pageplan  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 TOKEN_BYTES = HEADS * HEAD_DIM * 2
@@ -36,7 +39,7 @@ TOKENS = [128, 1024, 4096, 32768]
 POOL_PAGES = 2 * max(TOKENS) // PAGE + 8  # room for every other page of 32k tokens
 FILL = 0x3EEE  # what decode pages hold before a transfer
 MAX_CALL = control.MAX_TRIPLES  # triples per control call (kvproxy's 16 MiB frame)
-PATTERNS = ("contiguous", "scattered", "scattered-triples")
+PATTERNS = ("contiguous", "scattered", "scattered-triples", "scattered-sglang")
 
 
 def pool():
@@ -186,10 +189,15 @@ def run_mode(args, mode, tmp):
 
     hello = json.loads(child.stdout.readline())
     bufs_gpu = pool()
-    cl = control.Client(pp.sock)
-    cl.hello()
+    # SGLang's engine; its control connection serves the prepacked calls too.
+    os.environ["PDROUTER_KVPROXY_SOCK"] = pp.sock
+    te = engine.TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", args.transport, "") != 0:
+        raise RuntimeError("TransferEngine.initialize failed")
+    cl = te._client
     t0 = time.perf_counter()
-    register(cl, bufs_gpu)
+    if te.batch_register_memory([b.data_ptr() for b in bufs_gpu], [b.numel() * b.element_size() for b in bufs_gpu]) != 0:
+        raise RuntimeError("TransferEngine.batch_register_memory failed")
     reg_us = (time.perf_counter() - t0) * 1e6 / BUFFERS
     src_ptrs = [b.data_ptr() for b in bufs_gpu]
     # The control floor: a write of nothing (one control round trip).
@@ -206,6 +214,7 @@ def run_mode(args, mode, tmp):
         for tokens in TOKENS:
             sp, dpages = page_sets(tokens, pattern)
             pages = pattern == "scattered"
+            sglang = pattern == "scattered-sglang"
             s, d, n = triples(src_ptrs, hello["ptrs"], sp, dpages)
             calls = [(s[i:i + MAX_CALL], d[i:i + MAX_CALL], n[i:i + MAX_CALL]) for i in range(0, len(s), MAX_CALL)]
             head = struct.pack("<I", len(peer)) + peer
@@ -223,6 +232,13 @@ def run_mode(args, mode, tmp):
 
                 def client_call():
                     cl.write_pages(hello["peer"], bufs, sp, dpages)
+            elif sglang:
+                bodies = bad = None
+                op = None
+
+                def client_call():
+                    if te.batch_transfer_sync_write(hello["peer"], s, d, n) != 0:
+                        raise RuntimeError("batch_transfer_sync_write failed")
             else:
                 # The same calls prepacked: kvproxy's time without Python's packing.
                 bodies = [head + struct.pack("<I", len(c[0])) + b"".join(struct.pack("<QQQ", *t) for t in zip(*c)) for c in calls]
@@ -244,7 +260,9 @@ def run_mode(args, mode, tmp):
             m0 = (pp.metric("kvproxy_gpu_write_resolve_seconds_total"), pp.metric("kvproxy_gpu_write_copy_seconds_total"))
             for i in range(3 + reps):
                 t = time.perf_counter()
-                for body in bodies:
+                if sglang:  # what SGLang waits for: no prepacked form
+                    client_call()
+                for body in bodies or ():
                     cl._call(op, body)
                 if i >= 3:
                     times.append(time.perf_counter() - t)
@@ -255,7 +273,7 @@ def run_mode(args, mode, tmp):
                 if i >= 1:
                     e2e.append(time.perf_counter() - t)
             ctl = []
-            for i in range(2 + reps):
+            for i in range(2 + reps if bad else 0):
                 t = time.perf_counter()
                 for body in bad:
                     try:
@@ -266,29 +284,43 @@ def run_mode(args, mode, tmp):
                         raise RuntimeError("kvproxy accepted a bad write")
                 if i >= 2:
                     ctl.append(time.perf_counter() - t)
+            plan = None
+            if sglang:  # how the engine sent it, and what finding that cost
+                def planned():
+                    return pageplan.plan(*(engine._u64s("v", v) for v in (s, d, n)), list(te._cuda.items()), control.MAX_PAGE_WRITE)
+                found = planned()
+                plan_s = []
+                for _ in range(5):
+                    t = time.perf_counter()
+                    planned()
+                    plan_s.append(time.perf_counter() - t)
+                plan = {"page_writes": len(found[0]) if found else 0, "triples_left": len(found[1][0]) if found else len(s),
+                        "check_and_plan_us": min(plan_s) * 1e6}
             f = os.path.join(tmp, "want.pt")
             torch.save(checksums(bufs_gpu, sp).cpu(), f)
             v = ask({"op": "verify", "file": f, "pages": dpages})
             total = tokens * TOKEN_BYTES * BUFFERS
             med = statistics.median(times)
             row = {"mode": mode, "pattern": pattern, "tokens": tokens, "bytes": total, "runs": len(s),
-                   "calls": 1 if pages else len(calls), "frame_bytes": sum(len(b) for b in bodies),
+                   "calls": 1 if pages else len(calls), "frame_bytes": sum(len(b) for b in bodies or ()),
                    "reps": reps, "median_us": med * 1e6, "min_us": min(times) * 1e6, "max_us": max(times) * 1e6,
                    "gbps": total / med / 1e9, "run_bytes": n[0], "verify": v,
                    "client_write_median_us": statistics.median(e2e) * 1e6,
-                   "control_path_us": statistics.median(ctl) * 1e6,
+                   "control_path_us": statistics.median(ctl) * 1e6 if ctl else None,
                    # kvproxy's own time per write (means over the prepacked writes, warm-up included)
                    "kvproxy_resolve_us": (m1[0] - m0[0]) / (3 + reps) * 1e6, "kvproxy_copy_us": (m1[1] - m0[1]) / (3 + reps) * 1e6,
                    "verified": v["mismatched"] == 0 and v.get("gaps_touched", 0) == 0}
+            if plan:
+                row["plan"] = plan
             rows.append(row)
             print("%-7s %-17s %6d tok %7d runs %9.1f us %8.1f GB/s (resolve %.0f us, copy %.0f us, control %.0f us, client call %.0f us, "
                   "frame %d B) verified=%s" % (mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["kvproxy_resolve_us"],
-                                               row["kvproxy_copy_us"], row["control_path_us"], row["client_write_median_us"],
-                                               row["frame_bytes"], row["verified"]), file=sys.stderr, flush=True)
+                                               row["kvproxy_copy_us"], row["control_path_us"] or 0, row["client_write_median_us"],
+                                               row["frame_bytes"], row["verified"]), plan or "", file=sys.stderr, flush=True)
     child.stdin.write(json.dumps({"op": "quit"}) + "\n")
     child.stdin.close()
     child.wait(30)
-    cl.close()
+    te.close()
     time.sleep(0.5)
     left = {"prefill": pp.regions(), "decode": dp.regions()}
     pp.stop()
