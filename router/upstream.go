@@ -221,7 +221,7 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *s
 	bw.WriteString("\r\n")
 	// bufio copies the small segments and writes a large one straight
 	// from the client's buffer.
-	for _, seg := range body.Segments() {
+	for seg := range body.Segments {
 		bw.Write(seg)
 	}
 	err := bw.Flush()

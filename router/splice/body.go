@@ -1,54 +1,51 @@
 package splice
 
-import (
-	"bytes"
-	"slices"
-)
+import "bytes"
 
 // Body is an upstream request body held as segments: runs of the client's
-// bytes, never copied, with the router's edits (bootstrap fields, rid)
-// between them. A large body then costs its size once, in the buffer it
-// was read into, however many legs and retries send it.
+// bytes, never copied, with the router's edits (bootstrap fields, rid, DP
+// ranks) between them. A large body then costs its size once, in the
+// buffer it was read into, however many legs and retries send it.
 //
 // Reset it with the client's body, Set the fields, then write Segments.
 // The client's bytes must stay unchanged while the body is in use; a Body
-// is not safe for concurrent edits, but its segments may be written by
+// is not safe for concurrent edits, but its segments may be read by
 // several legs at once.
 type Body struct {
-	src   []byte
+	src     []byte
+	closing int  // index of src's closing brace
+	empty   bool // src is {}: the first new member needs no comma
+	// edits in body order: replacements by position, then the new members
+	// (all at the closing brace) in the order they were set.
 	edits [maxEdits]edit
 	n     int
-	// vals holds the edits' bytes (",\"key\":value" for added members): its
-	// own small array first, a heap buffer beyond. Growing it never moves
-	// the bytes of earlier edits, which the returned values point into.
-	vals  []byte
-	space [256]byte
-
-	// The segments are rebuilt by every edit, so that legs may read them
-	// at once.
-	segs  [3*maxEdits + 1][]byte // per edit: the client's run, a comma, the value
-	nsegs int
 	size  int
+	// vals holds the edits' bytes ("\"key\":value" for new members): its
+	// own small array first, a heap buffer beyond. Edits point into it by
+	// offset, and growing it never moves the bytes Set has returned.
+	vals  []byte
+	space [192]byte
 }
 
 // maxEdits is how many fields one body may have set: the three bootstrap
-// fields, the rid, and room for a few more.
+// fields, the rid, two DP rank fields, and room for more.
 const maxEdits = 8
 
-// edit replaces src[start:end] with val (start == end: inserts); member
-// edits insert before the closing brace and need a separating comma.
+// edit replaces src[start:end] (start == end: inserts) with vals[v0:v1].
 type edit struct {
-	start, end int
-	val        []byte
-	member     bool
+	start, end int32
+	v0, v1     int32
+	member     bool // a new member: a comma goes before it unless it opens an empty object
 }
 
 // Reset makes b the client's body src, unedited.
 func (b *Body) Reset(src []byte) {
 	b.src = src
+	b.closing = lastBrace(src)
+	b.empty = isEmptyObject(src, b.closing)
 	b.n = 0
+	b.size = len(src)
 	b.vals = b.space[:0]
-	b.build()
 }
 
 // Set gives the top-level key the JSON value val: in place of the client's
@@ -59,33 +56,61 @@ func (b *Body) Set(key string, at Span, val []byte) []byte {
 	if b.n == maxEdits {
 		panic("splice: too many fields set on one body")
 	}
-	e := &b.edits[b.n]
-	b.n++
-	defer b.build()
-	start := len(b.vals)
-	if at.OK() {
-		b.vals = append(b.vals, val...)
-		*e = edit{start: int(at.Start), end: int(at.End), val: b.vals[start:]}
-		return e.val
+	e := edit{start: at.Start, end: at.End, v0: int32(len(b.vals))}
+	if !at.OK() {
+		e = edit{start: int32(b.closing), end: int32(b.closing), v0: e.v0, member: true}
+		if !b.empty || b.hasMember() {
+			b.size++ // the comma
+		}
+		b.vals = append(b.vals, '"')
+		b.vals = append(b.vals, key...)
+		b.vals = append(b.vals, '"', ':')
 	}
-	closing := lastBrace(b.src)
-	b.vals = append(b.vals, '"')
-	b.vals = append(b.vals, key...)
-	b.vals = append(b.vals, '"', ':')
+	valAt := len(b.vals)
 	b.vals = append(b.vals, val...)
-	*e = edit{start: closing, end: closing, val: b.vals[start:], member: true}
-	return e.val[len(key)+3:]
+	e.v1 = int32(len(b.vals))
+	b.size += int(e.v1-e.v0) - int(e.end-e.start)
+	// Insert in order; a member goes after every edit at its position.
+	i := b.n
+	for i > 0 && b.edits[i-1].start > e.start {
+		b.edits[i] = b.edits[i-1]
+		i--
+	}
+	b.edits[i] = e
+	b.n++
+	return b.vals[valAt:len(b.vals):len(b.vals)]
 }
 
-// Detach gives b a copy of the client's bytes, for a body that must
-// outlive the buffer it was read into.
-func (b *Body) Detach() {
-	b.src = bytes.Clone(b.src)
-	b.build()
+func (b *Body) hasMember() bool {
+	return b.n > 0 && b.edits[b.n-1].member
 }
 
-// Segments are the body's bytes in order; their total is Len.
-func (b *Body) Segments() [][]byte { return b.segs[:b.nsegs] }
+var comma = []byte{','}
+
+// Segments yields the body's bytes in order (for seg := range b.Segments);
+// their total is Len. It only reads b.
+func (b *Body) Segments(yield func([]byte) bool) {
+	pos := int32(0)
+	members := 0
+	for _, e := range b.edits[:b.n] {
+		if e.start > pos && !yield(b.src[pos:e.start]) {
+			return
+		}
+		if e.member {
+			if (!b.empty || members > 0) && !yield(comma) {
+				return
+			}
+			members++
+		}
+		if !yield(b.vals[e.v0:e.v1]) {
+			return
+		}
+		pos = e.end
+	}
+	if int(pos) < len(b.src) {
+		yield(b.src[pos:])
+	}
+}
 
 // Len is the body's size in bytes.
 func (b *Body) Len() int { return b.size }
@@ -93,41 +118,21 @@ func (b *Body) Len() int { return b.size }
 // AppendTo appends the whole body to dst (tests, and callers that need it
 // in one piece).
 func (b *Body) AppendTo(dst []byte) []byte {
-	for _, s := range b.Segments() {
+	for s := range b.Segments {
 		dst = append(dst, s...)
 	}
 	return dst
 }
 
-var comma = []byte{','}
+// Detach gives b a copy of the client's bytes, for a body that must
+// outlive the buffer it was read into.
+func (b *Body) Detach() { b.src = bytes.Clone(b.src) }
 
-func (b *Body) build() {
-	edits := b.edits[:b.n]
-	// Replacements in body order; members (all at the closing brace) after
-	// them, in the order they were set.
-	slices.SortStableFunc(edits, func(x, y edit) int { return x.start - y.start })
-	b.nsegs, b.size = 0, 0
-	pos := 0
-	empty := isEmptyObject(b.src, lastBrace(b.src))
-	for _, e := range edits {
-		b.add(b.src[pos:e.start])
-		if e.member {
-			if !empty {
-				b.add(comma)
-			}
-			empty = false
-		}
-		b.add(e.val)
-		pos = e.end
-	}
-	b.add(b.src[pos:])
-}
-
-func (b *Body) add(s []byte) {
-	if len(s) == 0 {
-		return
-	}
-	b.segs[b.nsegs] = s
-	b.nsegs++
-	b.size += len(s)
+// CopyTo makes dst a copy of b, edits included, that is edited on its own:
+// PD's two legs share the bootstrap fields and rid but, with DP ranks,
+// differ in the rank fields.
+func (b *Body) CopyTo(dst *Body) {
+	dst.Reset(b.src)
+	dst.vals = append(dst.vals, b.vals...)
+	dst.edits, dst.n, dst.size = b.edits, b.n, b.size
 }

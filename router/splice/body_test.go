@@ -29,7 +29,7 @@ func TestBodySegmentsShareTheClientBytes(t *testing.T) {
 	rid := SetNewRID(&b)
 
 	shared := 0
-	for _, s := range b.Segments() {
+	for s := range b.Segments {
 		if within(s, src) {
 			shared += len(s)
 		}
@@ -66,7 +66,9 @@ func TestBodySetCostsNoAllocation(t *testing.T) {
 		b.Reset(src)
 		SetBootstrap(&b, &info, "host", 8998, 1)
 		SetNewRID(&b)
-		_ = b.Segments()
+		for s := range b.Segments {
+			_ = s
+		}
 	})
 	if allocs != 0 {
 		t.Fatalf("%v allocations per body, want 0", allocs)
@@ -91,7 +93,10 @@ func TestBodyUneditedIsTheClientBody(t *testing.T) {
 	src := []byte(`{"a":1}`)
 	var b Body
 	b.Reset(src)
-	segs := b.Segments()
+	var segs [][]byte
+	for s := range b.Segments {
+		segs = append(segs, s)
+	}
 	if len(segs) != 1 || !within(segs[0], src) || len(segs[0]) != len(src) {
 		t.Fatalf("segments %q", segs)
 	}

@@ -73,18 +73,3 @@ func SetRank(b *Body, at *Ranks, field, rank int) {
 	var v [20]byte
 	b.Set(rankKeys[field], at[field], strconv.AppendInt(v[:0], int64(rank), 10))
 }
-
-// CopyTo makes dst a copy of b, edits included, that is edited on its own:
-// PD's two legs share the bootstrap fields and rid but, with DP ranks,
-// differ in the rank fields.
-func (b *Body) CopyTo(dst *Body) {
-	dst.Reset(b.src)
-	for _, e := range b.edits[:b.n] {
-		start := len(dst.vals)
-		dst.vals = append(dst.vals, e.val...)
-		e.val = dst.vals[start:]
-		dst.edits[dst.n] = e
-		dst.n++
-	}
-	dst.build()
-}
