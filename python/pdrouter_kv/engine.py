@@ -101,6 +101,7 @@ class TransferEngine:
         self._ranges = {}
         self._segments = {}
         self._cuda = {}
+        self._triples_only = set()  # peers that refused a page write the triples of which went
 
     # Set-up.
 
@@ -330,26 +331,36 @@ class TransferEngine:
             return 0
         # Page-structured batches (SGLang's: the same page runs in every K/V
         # buffer) go as page writes, what is left as triples.
-        writes = ()
-        if (client.features or 0) & control.FEATURE_WRITE_PAGES:
+        writes, (s, d, n) = (), (srcs, dsts, lens)
+        if (client.features or 0) & control.FEATURE_WRITE_PAGES and peer not in self._triples_only:
             with self._lock:
                 regions = list(self._ranges.items()) + list(self._cuda.items())
             found = pageplan.plan(srcs, dsts, lens, regions, control.MAX_PAGE_WRITE)
             if found is not None:
-                writes, (srcs, dsts, lens) = found
+                writes, (s, d, n) = found
         # kvproxy checks both ends against the registrations: an address
         # outside them fails the call (a batch with a source outside every
         # region goes as triples only, so then nothing moves).
+        refused = False
         try:
-            for buffers, src_pages, dst_pages in writes:
-                client.write_pages(peer, buffers, src_pages, dst_pages)
-            for i in range(0, len(srcs), control.MAX_TRIPLES):
+            try:
+                for buffers, src_pages, dst_pages in writes:
+                    client.write_pages(peer, buffers, src_pages, dst_pages)
+            except control.KVProxyError as e:
+                # kvproxy moves a GPU buffer's pages within one region of the
+                # peer's: destinations over several go as triples (all of
+                # them again: the same bytes), to this peer from now on.
+                logger.info("batch_transfer_sync_write to %s: page write refused (%s), sending triples", peer, e)
+                refused, (s, d, n) = True, (srcs, dsts, lens)
+            for i in range(0, len(s), control.MAX_TRIPLES):
                 j = i + control.MAX_TRIPLES
-                client.write(peer, srcs[i:j], dsts[i:j], lens[i:j])
+                client.write(peer, s[i:j], d[i:j], n[i:j])
         except (OSError, ValueError, control.KVProxyError) as e:
             logger.warning("batch_transfer_sync_write to %s: %s", peer, e)
             self._lost(client, e)
             return ERR_TRANSFER
+        if refused:
+            self._triples_only.add(peer)
         return 0
 
     def send_probe(self, target_hostname):

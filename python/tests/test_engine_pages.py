@@ -166,6 +166,16 @@ class PageBatchTest(unittest.TestCase):
         self.assertGreaterEqual(self.spy.calls["write_pages"], 1)
 
     @needs_numpy
+    def test_a_refused_page_write_goes_as_triples_to_that_peer_from_then_on(self):
+        # As kvproxy refuses a GPU page write whose destinations span several peer regions.
+        def refuse(*a, **k):  # moving nothing: the triples must bring every byte
+            self.spy.calls["write_pages"] += 1
+            raise control.KVProxyError("page write buffer 0: not in one region")
+        self.spy.client.write_pages = refuse
+        self.check(self.send(*self.sglang([(2 * i, 2 * i + 1, 1) for i in range(POOL // 2)])), writes=1, pages=1)
+        self.check(self.send(*self.sglang([(2 * i + 1, 2 * i, 1) for i in range(POOL // 2)])), writes=2, pages=1)
+
+    @needs_numpy
     def test_big_sglang_batch_splits_at_the_frame_limit(self):
         runs = [(2 * i, 2 * i + 1, 1) for i in range(POOL // 2)]
         with mock.patch.object(control, "MAX_PAGE_WRITE", BUFFERS * 10):
