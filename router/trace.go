@@ -79,6 +79,7 @@ func (c TraceConfig) endpointURL() string {
 
 // tracer is the router's: nil when tracing is off.
 type tracer struct {
+	log      *zap.Logger
 	provider *sdktrace.TracerProvider
 	t        trace.Tracer
 	prop     propagation.TraceContext
@@ -100,18 +101,20 @@ func newTracer(cfg TraceConfig, log *zap.Logger) (*tracer, error) {
 		sdktrace.WithBatcher(exp, sdktrace.WithBatchTimeout(500*time.Millisecond), sdktrace.WithMaxExportBatchSize(64)),
 		sdktrace.WithResource(resource.NewSchemaless(semconv.ServiceName("pdrouter"))),
 	)
-	return &tracer{provider: provider, t: provider.Tracer("github.com/pdrouter/pdrouter/router")}, nil
+	return &tracer{log: log, provider: provider, t: provider.Tracer("github.com/pdrouter/pdrouter/router")}, nil
 }
 
 // shutdown exports what is buffered, within a bounded time (the shutdown's
-// own deadline may be spent by then).
+// own deadline may be spent by then); what it could not send is logged.
 func (t *tracer) shutdown() {
 	if t == nil {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_ = t.provider.Shutdown(ctx)
+	if err := t.provider.Shutdown(ctx); err != nil {
+		t.log.Warn("traces not exported at shutdown", zap.Error(err))
+	}
 }
 
 // reqTrace is one request's span.
