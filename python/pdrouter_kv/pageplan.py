@@ -96,44 +96,44 @@ def plan(srcs, dsts, lens, regions, max_ranges):
 
 def _group_writes(s, d, n, max_ranges, max_writes):
     """Page writes for buffers of the same number of triples (a row each:
-    [buffers, triples] arrays); returns them and the rows left over."""
+    [buffers, triples] arrays); returns them and the rows left over.
+
+    Rows with the same offsets from their lowest source and destination
+    and the same lengths have the same runs: they are compared so, and only
+    one row of each kind is turned into pages."""
     smin, dmin = s.min(axis=1), d.min(axis=1)
     so, do = s - smin[:, None], d - dmin[:, None]
-    # The shortest triple is a page if it divides everything (SGLang's
-    # pages are powers of two: shifts then); else the gcd.
-    page = n.min(axis=1)
-    if not (page & (page - np.uint64(1))).any():
-        # In place where it can: fresh temporaries cost as much as the work.
-        bits = np.bitwise_or(so, do)
-        bits |= n
-        bits &= (page - np.uint64(1))[:, None]
-        odd = bits.any(axis=1)
-        shift = np.array([p.bit_length() - 1 for p in page.tolist()], dtype=np.uint64)[:, None]
-        sp, dp, cnt = np.right_shift(so, shift, out=so), np.right_shift(do, shift, out=do), np.right_shift(n, shift, out=bits)
-    else:
-        pc = page[:, None]
-        sp, dp, cnt = so // pc, do // pc, n // pc
-        odd = ((sp * pc != so) | (dp * pc != do) | (cnt * pc != n)).any(axis=1)
-    if odd.any():  # (so and do may be shifted by now)
-        so, do = s[odd] - smin[odd][:, None], d[odd] - dmin[odd][:, None]
-        page[odd] = np.gcd.reduce(np.gcd(np.gcd(n[odd], so), do), axis=1)
-        pc = page[odd][:, None]
-        sp[odd], dp[odd], cnt[odd] = so // pc, do // pc, n[odd] // pc
-    hi = np.maximum(sp.max(axis=1), dp.max(axis=1)) + cnt.max(axis=1)  # a bound on the last page + 1
-    fits = (hi <= _U32) & (cnt.sum(axis=1) <= MAX_PAGES_PER_TRIPLE * s.shape[1])
-    left = np.flatnonzero(fits)
+    left = np.arange(len(s))
     writes, used = [], np.zeros(len(s), dtype=bool)
-    while len(left) and len(writes) < max_writes:
+    for _ in range(max_writes):
+        if not len(left) or len(writes) >= max_writes:
+            break
         ref = left[0]
-        same = (sp[left] == sp[ref]).all(axis=1) & (dp[left] == dp[ref]).all(axis=1) & (cnt[left] == cnt[ref]).all(axis=1)
-        bucket = left[same][:max_ranges]  # the rest (never seen) goes as triples
-        left = left[~same]
-        used[bucket] = True
-        writes += _page_writes(bucket, sp[ref], dp[ref], cnt[ref], smin, dmin, page, max_ranges)
+        rows = (lambda m: m) if len(left) == len(s) else (lambda m: m[left])  # no copy the first time
+        same = (rows(so) == so[ref]).all(axis=1) & (rows(do) == do[ref]).all(axis=1) & (rows(n) == n[ref]).all(axis=1)
+        bucket, left = left[same][:max_ranges], left[~same]  # beyond max_ranges (never seen): triples
+        runs = _runs(so[ref], do[ref], n[ref])
+        if runs is not None:
+            used[bucket] = True
+            writes += _page_writes(bucket, *runs, smin, dmin, max_ranges)
     return writes, ~used
 
 
-def _page_writes(bucket, sp, dp, cnt, smin, dmin, page, max_ranges):
+def _runs(so, do, n):
+    """One row's triples as runs of pages (src page, dst page, pages, page
+    length), or None if its pages would be too many or their indexes past u32."""
+    # The shortest triple is a page if it divides everything; else the gcd.
+    page = int(n.min())
+    if ((so | do | n) % np.uint64(page)).any():
+        page = int(np.gcd.reduce(np.gcd(np.gcd(n, so), do)))
+    p = np.uint64(page)
+    sp, dp, cnt = so // p, do // p, n // p
+    if int(cnt.sum()) > MAX_PAGES_PER_TRIPLE * len(n) or int(max(sp.max(), dp.max()) + cnt.max()) > _U32:
+        return None
+    return sp, dp, cnt, page
+
+
+def _page_writes(bucket, sp, dp, cnt, page, smin, dmin, max_ranges):
     """The runs (sp, dp, cnt) expanded into page pairs, for every buffer of
     bucket, in as many page writes as max_ranges asks."""
     cnt = cnt.astype(np.int64)
@@ -141,6 +141,6 @@ def _page_writes(bucket, sp, dp, cnt, smin, dmin, page, max_ranges):
     within = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     src_pages = (np.repeat(sp.astype(np.int64), cnt) + within).tolist()
     dst_pages = (np.repeat(dp.astype(np.int64), cnt) + within).tolist()
-    buffers = [(int(smin[i]), int(dmin[i]), int(page[i])) for i in bucket.tolist()]
+    buffers = [(int(smin[i]), int(dmin[i]), page) for i in bucket.tolist()]
     step = max(1, max_ranges // len(buffers))
     return [(buffers, src_pages[i:i + step], dst_pages[i:i + step]) for i in range(0, total, step)]
