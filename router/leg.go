@@ -5,6 +5,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"syscall"
 
 	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/router/splice"
@@ -99,11 +100,25 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
 	if err != nil {
 		cause := sc.Cause()
-		l.blame = cause == nil || errors.Is(cause, context.DeadlineExceeded)
+		l.blame = (cause == nil || errors.Is(cause, context.DeadlineExceeded)) && !outOfLocalResources(err)
 		return err
 	}
 	l.resp = resp
 	return nil
+}
+
+// outOfLocalResources reports a failure of the router's own host: no
+// descriptor, buffer or local port for the connection. Blaming the worker
+// for it would open its breaker, and a router out of descriptors under a
+// burst of streams would then refuse every request until the breaker
+// closes, even once descriptors are free again.
+func outOfLocalResources(err error) bool {
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.EADDRNOTAVAIL} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // bodyFailed records that the reply's body broke off before its end (a
