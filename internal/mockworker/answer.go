@@ -1,6 +1,7 @@
 package mockworker
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"net/http"
@@ -67,6 +68,7 @@ type answer struct {
 	seqs  []sequence
 	kv    []*KVResult
 	start time.Time
+	ev    *sse // a stream's events once its head went out early, else nil
 }
 
 func (a *answer) model() string {
@@ -155,7 +157,9 @@ type sse struct {
 	started bool
 }
 
-func (a *answer) sse() *sse { return &sse{w: a.w, rc: http.NewResponseController(a.w)} }
+func (a *answer) sse() *sse { return cmp.Or(a.ev, newSSE(a.w)) }
+
+func newSSE(w http.ResponseWriter) *sse { return &sse{w: w, rc: http.NewResponseController(w)} }
 
 func (e *sse) send(v any) error {
 	b, err := json.Marshal(v)
@@ -167,7 +171,13 @@ func (e *sse) send(v any) error {
 
 func (e *sse) done() error { return e.write([]byte("[DONE]")) }
 
-func (e *sse) write(payload []byte) error {
+// head sends the stream's 200 and headers now.
+func (e *sse) head() error {
+	e.writeHead()
+	return e.rc.Flush()
+}
+
+func (e *sse) writeHead() {
 	if !e.started {
 		e.started = true
 		h := e.w.Header()
@@ -175,6 +185,10 @@ func (e *sse) write(payload []byte) error {
 		h.Set("Cache-Control", "no-cache")
 		e.w.WriteHeader(http.StatusOK)
 	}
+}
+
+func (e *sse) write(payload []byte) error {
+	e.writeHead()
 	e.buf = append(append(append(e.buf[:0], "data: "...), payload...), "\n\n"...)
 	if _, err := e.w.Write(e.buf); err != nil {
 		return err

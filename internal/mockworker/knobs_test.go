@@ -133,13 +133,23 @@ func TestPrefillDelay(t *testing.T) {
 	const d = 150 * time.Millisecond
 	h := start(t, Config{PrefillDelay: d, Tokens: 2})
 	t0 := time.Now()
-	resp := h.do(http.MethodPost, "/generate", `{"text":"x","stream":true}`)
-	defer resp.Body.Close()
+	resp := h.do(http.MethodPost, "/generate", `{"text":"x"}`)
+	resp.Body.Close()
 	if el := time.Since(t0); el < d {
-		t.Errorf("headers after %v, want >= %v", el, d)
+		t.Errorf("non-stream answer after %v, want >= %v", el, d)
+	}
+	// A stream's head comes at once (as SGLang's), its first event after d.
+	t0 = time.Now()
+	resp = h.do(http.MethodPost, "/generate", `{"text":"x","stream":true}`)
+	defer resp.Body.Close()
+	if el := time.Since(t0); resp.StatusCode != 200 || el >= d {
+		t.Errorf("stream head %d after %v, want 200 before %v", resp.StatusCode, el, d)
 	}
 	ev := readEvents(resp.Body)
 	<-ev
+	if el := time.Since(t0); el < d {
+		t.Errorf("first event after %v, want >= %v", el, d)
+	}
 	for range ev {
 	}
 	// A client leaving during the prefill delay is client_gone.
@@ -284,4 +294,14 @@ func TestLoadAndMetricsTrackInFlight(t *testing.T) {
 		_, b := d.get("/get_load")
 		return strings.Contains(string(b), `"num_tokens":0`) && d.s.Stats().InFlight == 0
 	})
+}
+
+func TestPrefillDelayStreamFailsBeforeItsHead(t *testing.T) {
+	const d = time.Hour // never waited: the failure comes first
+	h := start(t, Config{PrefillDelay: d, FailFirstN: 1})
+	resp := h.do(http.MethodPost, "/generate", `{"text":"x","stream":true}`)
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusInternalServerError || resp.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("got %d %q, want a JSON 500 at once", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
 }

@@ -304,11 +304,26 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 	s.rec.begin(req.ranks.rank, load)
 	defer s.rec.end(req.ranks.rank, load)
 
+	// SGLang answers a stream's head at once and its first event after the
+	// forward pass, so a stream's prefill delay comes after the head (and an
+	// injected failure before it, as a status).
+	var ev *sse
+	if req.stream && s.cfg.PrefillDelay > 0 {
+		if e := s.injectedFailure(); e != nil {
+			return writeError(w, e)
+		}
+		ev = newSSE(w)
+		if err := ev.head(); err != nil {
+			return err
+		}
+	}
 	if !sleep(ctx, s.cfg.PrefillDelay) {
 		return errClientGone
 	}
-	if e := s.injectedFailure(); e != nil {
-		return writeError(w, e)
+	if ev == nil {
+		if e := s.injectedFailure(); e != nil {
+			return writeError(w, e)
+		}
 	}
 	kv, err := s.transferKV(ctx, req, seqs)
 	if err != nil {
@@ -320,13 +335,17 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 		if errors.As(err, &se) {
 			status = se.HTTPStatus()
 		}
-		return writeError(w, errorf(status, "KV transfer failed: %v", err))
+		e := errorf(status, "KV transfer failed: %v", err)
+		if ev != nil {
+			return ev.write(errorBody(e.status, e.message))
+		}
+		return writeError(w, e)
 	}
 	used.prompt = int64(promptTokens(seqs))
 	for _, sq := range seqs {
 		used.completion += int64(len(sq.ids))
 	}
-	a := &answer{s: s, w: w, ctx: ctx, req: req, seqs: seqs, kv: kv, start: time.Unix(0, rec.StartedUnixNano)}
+	a := &answer{s: s, w: w, ctx: ctx, req: req, seqs: seqs, kv: kv, start: time.Unix(0, rec.StartedUnixNano), ev: ev}
 	switch ep {
 	case epGenerate:
 		return a.generate()
