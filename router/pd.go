@@ -231,7 +231,7 @@ func (a *attempt) prefillVerdict() *apiError {
 
 // releaseBody returns once no leg of the attempt reads the client's body
 // any more (writeGuard.release): a prefill still writing it when the reply
-// is over is cut short, one not yet writing gets a copy.
+// is over gets bodyWriteGrace to finish, one not yet writing gets a copy.
 func (a *attempt) releaseBody() {
 	if a != nil {
 		a.guard.release(&a.body, a.abandon)

@@ -287,10 +287,15 @@ func (g *writeGuard) end() {
 	g.writing.Unlock()
 }
 
+// bodyWriteGrace is how long release lets a write under way finish: into a
+// socket buffer that takes microseconds, so only a worker that does not
+// read its socket is cut.
+const bodyWriteGrace = 100 * time.Millisecond
+
 // release returns once no write will read body's client bytes. A write
-// under way (a worker not reading its socket) is ended by cancel; a body
-// not written yet (its leg still dialing, or not yet scheduled) gets a copy
-// of its own, which costs a copy only then.
+// under way gets bodyWriteGrace to end, then is ended by cancel; a body not
+// written yet (its leg still dialing, or not yet scheduled) gets a copy of
+// its own, which costs a copy only then.
 func (g *writeGuard) release(body *splice.Body, cancel func()) {
 	g.mu.Lock()
 	g.released = true
@@ -304,6 +309,12 @@ func (g *writeGuard) release(body *splice.Body, cancel func()) {
 		return
 	}
 	g.mu.Unlock()
+	for deadline := time.Now().Add(bodyWriteGrace); time.Now().Before(deadline); time.Sleep(50 * time.Microsecond) {
+		if g.writing.TryLock() {
+			g.writing.Unlock()
+			return
+		}
+	}
 	cancel()
 	g.writing.Lock()
 	g.writing.Unlock()
