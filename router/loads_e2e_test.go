@@ -20,10 +20,18 @@ func TestLoadsFromV1LoadsWithFallback(t *testing.T) {
 	older.waitStats(t, 10*time.Second, "a /get_load poll", func(s mockworker.Stats) bool { return s.GetLoadPolls > 0 })
 
 	// A request in flight on each worker makes their reported loads non-zero.
+	// The second is sent once the first is in flight, so power_of_two sees
+	// the first's load (two picks at once could both take one worker).
 	var clients sync.WaitGroup
 	defer clients.Wait()
-	for range 2 {
+	inFlight := func() int64 { return newer.stats(t).InFlight + older.stats(t).InFlight }
+	for i := range int64(2) {
 		clients.Go(func() { leave(t, r.url+"/generate", `{"text":"one two three"}`, false, 3*time.Second) })
+		for deadline := time.Now().Add(10 * time.Second); inFlight() <= i; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("request %d not in flight within 10s", i+1)
+			}
+		}
 	}
 	for _, w := range []worker{newer, older} {
 		w.waitStats(t, 10*time.Second, "a request in flight", func(s mockworker.Stats) bool { return s.InFlight > 0 })
