@@ -11,8 +11,7 @@ import unittest
 from unittest import mock
 
 from pdrouter_kv import control, pageplan
-from tests.kvproxy_proc import KVProxy
-from tests.test_engine import buffer, engine_on
+from tests.test_engine import EnginePairTest, buffer
 from tests.test_pageplan import merged_runs
 
 logging.getLogger("pdrouter_kv").setLevel(logging.CRITICAL)
@@ -38,29 +37,13 @@ class _Spy:
         return call
 
 
-class PageBatchTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.kp = [KVProxy("prefill"), KVProxy("decode")]
-
-    @classmethod
-    def tearDownClass(cls):
-        for k in cls.kp:
-            k.stop()
-
+class PageBatchTest(EnginePairTest):
     def setUp(self):
-        self.src_eng = engine_on(self.kp[0])
-        self.dst_eng = engine_on(self.kp[1])
+        super().setUp()
         self.session = "127.0.0.1:%d" % self.dst_eng.get_rpc_port()
         self.src = [self.pool(self.src_eng, os.urandom(PAGE * POOL)) for _ in range(BUFFERS + 1)]
         self.dst = [self.pool(self.dst_eng) for _ in range(BUFFERS + 1)]
         self.spy = _Spy(self.src_eng)
-
-    def tearDown(self):
-        self.src_eng.close()
-        self.dst_eng.close()
-        for k in self.kp:
-            self.assertEqual(k.wait_metric("kvproxy_registered_regions", 0), 0)
 
     def pool(self, engine, data=None):
         b = buffer(PAGE * POOL)
