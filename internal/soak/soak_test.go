@@ -3,7 +3,8 @@
 // KV moves through their kvproxies) and asserts that the router's and the
 // kvproxies' RSS, goroutines and open fds stay flat (issue 13, Deliver 9).
 //
-// `go test` runs a 20 s pass; `make soak MINUTES=N` sets SOAK_MINUTES.
+// `go test` runs a 20 s pass (RSS logged, not judged: see rssMinRun);
+// `make soak MINUTES=N` sets SOAK_MINUTES.
 //
 // Every checkpoint pauses the load, waits until nothing is in flight and
 // samples each process idle, so in-flight work is not mistaken for growth.
@@ -50,6 +51,11 @@ const (
 	// RSS a few MiB; a 1 KiB-per-request leak is tens of MiB in 10 min.
 	rssSlackMiB   = 16
 	rssSlackRatio = 0.25
+	// rssMinRun is the shortest run whose RSS is judged: the router's heap
+	// and prefix tree take about a minute of load to settle (the 10-minute
+	// run's baseline at 61 s stayed within 3 MiB), so a shorter pass, as
+	// `go test`'s, checks goroutines, fds and failures and only logs RSS.
+	rssMinRun = 2 * time.Minute
 )
 
 // KV pool of 2 layers × (K, V) × 64 bytes per token: the data path of a
@@ -333,7 +339,7 @@ func TestSoak(t *testing.T) {
 			t.Errorf("%s: %v rooms still active", u, n)
 		}
 	}
-	report(t, d.watched, samples)
+	report(t, d.watched, samples, total >= rssMinRun)
 }
 
 // rooms is a kvproxy's kvproxy_rooms_active summed over its roles.
@@ -350,8 +356,8 @@ func rooms(t *testing.T, url string) float64 {
 }
 
 // report logs every process's samples (and writes them to $SOAK_OUT as
-// JSON) and fails on growth beyond the bounds.
-func report(t *testing.T, watched []proc, samples map[string][]sample) {
+// JSON) and fails on growth beyond the bounds (RSS's only if judgeRSS).
+func report(t *testing.T, watched []proc, samples map[string][]sample, judgeRSS bool) {
 	if out := os.Getenv("SOAK_OUT"); out != "" {
 		b, _ := json.MarshalIndent(samples, "", " ")
 		if err := os.WriteFile(out, b, 0o644); err != nil {
@@ -367,7 +373,7 @@ func report(t *testing.T, watched []proc, samples map[string][]sample) {
 		}
 		t.Logf("%-11s baseline %v | end %v | peak %v", p.name, base, end, peak)
 		rssBound := base.RSSMiB + max(rssSlackMiB, rssSlackRatio*base.RSSMiB)
-		if end.RSSMiB > rssBound {
+		if judgeRSS && end.RSSMiB > rssBound {
 			t.Errorf("%s: RSS %.1f -> %.1f MiB, over the %.1f MiB bound", p.name, base.RSSMiB, end.RSSMiB, rssBound)
 		}
 		if end.Goroutines > base.Goroutines+countSlack {
