@@ -46,7 +46,14 @@ type sims struct {
 
 func pair(t *testing.T) *sims {
 	ps, ds := proxy(t, "prefill"), proxy(t, "decode")
-	c := &sims{pe: ps.Engine(), de: ds.Engine()}
+	c := connect(t, ps, ds)
+	c.pe, c.de = ps.Engine(), ds.Engine()
+	return c
+}
+
+// connect starts a mock engine on each kvproxy, closed at the test's end.
+func connect(t *testing.T, ps, ds *sidecar.Sidecar) *sims {
+	c := &sims{}
 	var err error
 	if c.p, err = New(context.Background(), opts(ps.Addrs().Control)); err != nil {
 		t.Fatal(err)
@@ -183,18 +190,7 @@ func TestRestartedKVProxyServesAgain(t *testing.T) {
 	for _, role := range []string{"prefill", "decode"} {
 		t.Run(role, func(t *testing.T) {
 			ps, ds := proxy(t, "prefill"), proxy(t, "decode")
-			c := &sims{}
-			var err error
-			if c.p, err = New(context.Background(), opts(ps.Addrs().Control)); err != nil {
-				t.Fatal(err)
-			}
-			if c.d, err = New(context.Background(), opts(ds.Addrs().Control)); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { c.p.Close(); c.d.Close() })
-			if c.boot, err = net.ResolveTCPAddr("tcp", ps.Addrs().Bootstrap); err != nil {
-				t.Fatal(err)
-			}
+			c := connect(t, ps, ds)
 			sim, victim := c.d, ds
 			if role == "prefill" {
 				sim, victim = c.p, ps
@@ -207,6 +203,7 @@ func TestRestartedKVProxyServesAgain(t *testing.T) {
 				t.Fatal(err)
 			}
 			start := time.Now()
+			var err error
 			if role == "prefill" {
 				_, err = sim.Prefill(context.Background(), c.req(2, "b", 100))
 			} else {
