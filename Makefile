@@ -50,6 +50,7 @@ bench:
 	@scripts/install-deps.sh bench
 	@$(MAKE) --no-print-directory build
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/fastproxy ./bench/fastproxy
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/stubengine ./bench/stubengine
 	@scripts/bench-router.sh
 
 bench-ucx: deps
