@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # make bench: pdrouter against the routers it replaces, sglang-router 0.3.2 and its successor smg
 # 1.13.0 (pip, in a cached venv: scripts/bench-venv.sh), against going straight to the backend and
-# against nginx as a keep-alive reverse proxy, all on the same zero-delay mockworkers, side by
-# side in one run on this machine.
+# against nginx as a keep-alive reverse proxy, all on the same zero-delay workers, side by side in
+# one run on this machine.
 #
-#   regular mode: wrk and pdbench → mockworker directly, → each router, → nginx, → fastproxy (a
+# The requests/s and fixed-rate latency rows run on bench/stubengine, an engine stand-in that sends
+# precomputed SGLang replies: the mockworker's net/http + encoding/json path costs ~4.5× a bare
+# answer in CPU per request (~90 µs against ~20 on a quiet box), and with wrk, workers and router
+# sharing 2 cores it took most of the CPU and compressed every router ratio (wrk also measures the
+# mockworker directly, for scale). The slow-prefill and streams rows keep the mockworkers, which
+# have the delay knobs.
+#
+#   regular mode: wrk and pdbench → the worker directly, → each router, → nginx, → fastproxy (a
 #                 bare fasthttp reverse proxy: what pdrouter's HTTP library costs before any router
 #                 work)
 #   PD mode:      each router with 1 prefill + 1 decode and 2 + 2, against the decode worker
@@ -22,7 +29,8 @@
 # --decode URL). Writes bench/out/router.json and the router section of bench/RESULTS.md.
 # Knobs (environment): BIN (bin); WRK_SECS (8) and LAT_SECS (8) per target, split in ROUNDS (4);
 # LAT_RATE (800 req/s); SLOW_PREFILL (300ms); STREAMS (1000, opened at once), BIG_STREAMS (10000,
-# opened at BIG_RATE 2000/s, tokens BIG_TOKEN_DELAY 40ms apart), STREAM_TOKENS (256); RUST=0 leaves sglang-router and smg out (no venv, no network needed).
+# opened at BIG_RATE 2000/s, tokens BIG_TOKEN_DELAY 40ms apart), STREAM_TOKENS (256); RUST=0 leaves sglang-router and smg out (no venv, no network needed);
+# WRK_ONLY=1 runs only the requests/s rounds and logs them with the ratios, writing no results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-bin}
@@ -37,8 +45,9 @@ BIG_RATE=${BIG_RATE:-2000}
 BIG_TOKEN_DELAY=${BIG_TOKEN_DELAY:-40ms}
 STREAM_TOKENS=${STREAM_TOKENS:-256}
 RUST=${RUST:-1}
+WRK_ONLY=${WRK_ONLY:-0}
 OUT=bench/out
-for b in pdrouter mockworker pdbench fastproxy; do
+for b in pdrouter mockworker stubengine pdbench fastproxy; do
 	[ -x "$BIN/$b" ] || { echo "bench-router: $BIN/$b missing; run make build" >&2; exit 1; }
 done
 for c in nginx wrk; do
@@ -78,9 +87,9 @@ wait_ok() { # PORT PATH NAME LOG [SECONDS [PID]]
 	exit 1
 }
 
-# start_worker VAR ROLE [flags...]: starts a mockworker and sets VAR to its port. (Functions that
-# start processes set variables instead of printing, since $(...) would run them in a subshell and
-# lose their pids.)
+# start_worker VAR ROLE [flags...]: starts a mockworker and sets VAR to its port and VAR_PID to its
+# pid. (Functions that start processes set variables instead of printing, since $(...) would run
+# them in a subshell and lose their pids.)
 start_worker() {
 	local var=$1 role=$2 port
 	shift 2
@@ -88,7 +97,18 @@ start_worker() {
 	"$BIN/mockworker" --role "$role" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 "$@" \
 		>"$T/mw-$port.log" 2>&1 &
 	pids+=($!)
+	printf -v "${var}_PID" %s "$!"
 	wait_ok "$port" /health "mockworker $role" "$T/mw-$port.log"
+	printf -v "$var" %s "$port"
+}
+# start_stub VAR ROLE: the same with a stubengine (8 tokens, zero delay).
+start_stub() {
+	local var=$1 role=$2 port
+	port=$(free_port)
+	"$BIN/stubengine" --role "$role" --port "$port" --tokens 8 >"$T/stub-$port.log" 2>&1 &
+	pids+=($!)
+	printf -v "${var}_PID" %s "$!"
+	wait_ok "$port" /health "stubengine $role" "$T/stub-$port.log"
 	printf -v "$var" %s "$port"
 }
 
@@ -171,13 +191,15 @@ GEN_BOOT="${GEN%\}},$BOOT}"
 
 LOAD_START=$(cut -d' ' -f1 /proc/loadavg)
 BENCH_START=$SECONDS
-log "starting mockworkers (1-minute load average $LOAD_START)"
-start_worker W regular
-start_worker P1 prefill
-start_worker D1 decode
-start_worker P2 prefill
-start_worker D2 decode
+log "starting the workers (1-minute load average $LOAD_START)"
+start_stub W regular
+start_stub P1 prefill
+start_stub D1 decode
+start_stub P2 prefill
+start_stub D2 decode
+start_worker MW regular
 start_worker SPP prefill --prefill-delay "$SLOW_PREFILL"
+start_worker SPD decode
 start_worker SP prefill
 start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 10ms
 start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELAY"
@@ -241,17 +263,19 @@ ROUTERS=()
 pd1=(--pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --decode "http://127.0.0.1:$D1")
 pd2=(--pd-disaggregation --prefill "http://127.0.0.1:$P1" 8998 --prefill "http://127.0.0.1:$P2" 8998
 	--decode "http://127.0.0.1:$D1" --decode "http://127.0.0.1:$D2")
-slow=(--pd-disaggregation --prefill "http://127.0.0.1:$SPP" 8998 --decode "http://127.0.0.1:$D1")
+slow=(--pd-disaggregation --prefill "http://127.0.0.1:$SPP" 8998 --decode "http://127.0.0.1:$SPD")
 streams=(--pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SD")
 big=(--pd-disaggregation --prefill "http://127.0.0.1:$SP" 8998 --decode "http://127.0.0.1:$SDB")
 for k in "${KINDS[@]}"; do
 	launch "$k" "${k}_reg" --worker-urls "http://127.0.0.1:$W"
 	launch "$k" "${k}_pd1" "${pd1[@]}"
 	launch "$k" "${k}_pd2" "${pd2[@]}"
+	ROUTERS+=("${k}_reg" "${k}_pd1" "${k}_pd2")
+	[ "$WRK_ONLY" = 1 ] && continue
 	launch "$k" "${k}_slow" "${slow[@]}"
 	launch "$k" "${k}_st" "${streams[@]}"
 	launch "$k" "${k}_big" "${big[@]}"
-	ROUTERS+=("${k}_reg" "${k}_pd1" "${k}_pd2" "${k}_slow" "${k}_st" "${k}_big")
+	ROUTERS+=("${k}_slow" "${k}_st" "${k}_big")
 done
 for r in "${ROUTERS[@]}"; do ready "$r"; done
 log "all routers ready after $((SECONDS - BENCH_START)) s"
@@ -269,13 +293,24 @@ for k in "${KINDS[@]}"; do
 		URL[$n]=${!port} PROCS[$n]=${!pid}
 	done
 done
-declare -A RPS REQS TICKS_USED
-for n in "${NAMES[@]}"; do RPS[$n]=0 REQS[$n]=0 TICKS_USED[$n]=0; done
+# The engines themselves, measured direct under wrk only: the stub (direct) and the mockworker it
+# replaces (mockw), with their own CPU per request (ENGINE_TICKS), so the run shows what the
+# mockworker would have taken from the routers' share of the cores.
+URL[mockw]=$MW
+declare -A ENGINE_PID=([direct]=$W_PID [mockw]=$MW_PID)
+declare -A RPS REQS TICKS_USED ENGINE_TICKS
+for n in "${NAMES[@]}" mockw; do RPS[$n]=0 REQS[$n]=0 TICKS_USED[$n]=0 ENGINE_TICKS[$n]=0; done
 for round in $(seq "$ROUNDS"); do
 	log "wrk round $round/$ROUNDS: -t1 -c64, $((WRK_SECS / ROUNDS))s per target, non-streamed 8-token /generate"
-	for n in "${NAMES[@]}"; do
+	for n in "${NAMES[@]}" mockw; do
 		body=$GEN
 		[ -n "${PD_BODY[$n]:-}" ] && body=$GEN_BOOT
+		if [ -n "${ENGINE_PID[$n]:-}" ]; then
+			read -r rps reqs ticks < <(wrk_run $((WRK_SECS / ROUNDS)) "http://127.0.0.1:${URL[$n]}/generate" "$body" "${ENGINE_PID[$n]}")
+			((rps > RPS[$n])) && RPS[$n]=$rps
+			REQS[$n]=$((REQS[$n] + reqs)) ENGINE_TICKS[$n]=$((ENGINE_TICKS[$n] + ticks))
+			continue
+		fi
 		# shellcheck disable=SC2086 # PROCS holds a list of pids
 		read -r rps reqs ticks < <(wrk_run $((WRK_SECS / ROUNDS)) "http://127.0.0.1:${URL[$n]}/generate" "$body" ${PROCS[$n]})
 		# Noise only ever slows a run down, so the best round is the closest to the truth.
@@ -283,9 +318,21 @@ for round in $(seq "$ROUNDS"); do
 		REQS[$n]=$((REQS[$n] + reqs)) TICKS_USED[$n]=$((TICKS_USED[$n] + ticks))
 	done
 done
-# cpu_us NAME: the proxy's CPU per wrk request, µs.
-cpu_us() { awk -v t="${TICKS_USED[$1]}" -v n="${REQS[$1]}" -v hz="$TICKS" 'BEGIN {printf "%.1f", (n > 0 ? t / hz / n * 1e6 : 0)}'; }
-log "req/s: $(for n in "${NAMES[@]}"; do printf '%s %s, ' "$n" "${RPS[$n]}"; done)"
+# cpu_us NAME: the proxy's CPU per wrk request, µs; engine_us NAME: the engine's, for direct and mockw.
+per_req_us() { awk -v t="$1" -v n="$2" -v hz="$TICKS" 'BEGIN {printf "%.1f", (n > 0 ? t / hz / n * 1e6 : 0)}'; }
+cpu_us() { per_req_us "${TICKS_USED[$1]}" "${REQS[$1]}"; }
+engine_us() { per_req_us "${ENGINE_TICKS[$1]}" "${REQS[$1]}"; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a / b; else printf "–"}'; }
+log "req/s: $(for n in "${NAMES[@]}" mockw; do printf '%s %s, ' "$n" "${RPS[$n]}"; done)"
+log "engine CPU µs/req under wrk: stubengine $(engine_us direct), mockworker $(engine_us mockw)"
+if [ "$WRK_ONLY" = 1 ]; then
+	log "proxy CPU µs/req: $(for n in "${NAMES[@]}"; do [ -n "${PROCS[$n]}" ] && printf '%s %s, ' "$n" "$(cpu_us "$n")"; done)"
+	for k in "${KINDS[@]:1}"; do
+		log "pdrouter / ${KIND_LABEL[$k]} req/s: regular $(ratio "${RPS[pdrouter_reg]}" "${RPS[${k}_reg]}"), PD 1+1 $(ratio "${RPS[pdrouter_pd1]}" "${RPS[${k}_pd1]}"), PD 2+2 $(ratio "${RPS[pdrouter_pd2]}" "${RPS[${k}_pd2]}")"
+	done
+	log "WRK_ONLY=1: done after $((SECONDS - BENCH_START)) s, nothing written"
+	exit 0
+fi
 for n in "${NAMES[@]}"; do
 	if [[ $n == *_* ]] && ((RPS[$n] < 2 * LAT_RATE)); then
 		log "$n saturates at ${RPS[$n]} req/s under wrk: LAT_RATE $LAT_RATE is not well below it"
@@ -370,7 +417,6 @@ lat() {
 	*) jmin "$T/lat-$1.jsonl" "$2" ;;
 	esac
 }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a / b; else printf "–"}'; }
 added_us() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.0f", (a - b) * 1000}'; }
 mib() { awk -v k="$1" 'BEGIN {printf "%.1f", k / 1024}'; }
 # per_stream_kib KEY: RSS over idle at the peak per stream open at the peak (fewer than asked for
@@ -381,6 +427,7 @@ fds_per_stream() { awk -v p="${ST_PEAK_FDS[$1]:-0}" -v i="${ST_IDLE_FDS[$1]:-0}"
 {
 	echo "{"
 	echo "  \"date\": \"$(date -u +%Y-%m-%dT%H:%M:%SZ)\", \"cpus\": $(nproc), \"load_average\": [$LOAD_START, $LOAD_END], \"seconds\": $ELAPSED,"
+	echo "  \"engines\": {\"stubengine\": {\"rps\": ${RPS[direct]}, \"cpu_us_per_req\": $(engine_us direct)}, \"mockworker\": {\"rps\": ${RPS[mockw]}, \"cpu_us_per_req\": $(engine_us mockw)}},"
 	echo "  \"wrk_secs\": $WRK_SECS, \"rounds\": $ROUNDS, \"latency_rate\": $LAT_RATE, \"slow_prefill\": \"$SLOW_PREFILL\", \"open_file_limit\": $FD_LIMIT,"
 	echo "  \"paths\": {"
 	sep=""
@@ -482,8 +529,13 @@ fi
 SECTION=$(
 	cat <<EOF
 Run $(date -u '+%Y-%m-%d %H:%M') UTC on $(nproc) cores (1-minute load average $LOAD_START at the start, $LOAD_END at
-the end; the cores are shared with other work), $ELAPSED s in all. Mockworkers with zero token delay.
-Requests/s from \`wrk -t1 -c64\` posting a non-streamed 8-token \`/generate\`, ${WRK_SECS} s per path;
+the end; the cores are shared with other work), $ELAPSED s in all. The requests/s and latency rows
+run on bench/stubengine (precomputed SGLang replies, zero delay), not on the mockworker, since the
+mockworker's CPU per request is several times a bare answer's and, on cores shared by wrk, workers
+and router, it took most of the CPU and compressed every router ratio (in this run, direct under
+wrk: stub $(engine_us direct) µs of CPU per request at ${RPS[direct]} req/s, mockworker $(engine_us mockw) µs at ${RPS[mockw]} req/s,
+$(ratio "$(engine_us mockw)" "$(engine_us direct)")× the CPU). The slow-prefill and streams rows keep the zero-delay mockworkers, which have
+the delay knobs. Requests/s from \`wrk -t1 -c64\` posting a non-streamed 8-token \`/generate\`, ${WRK_SECS} s per path;
 TTFT and E2E from pdbench, Poisson arrivals of streamed 8-token \`/generate\` requests at a fixed
 $LAT_RATE req/s, ${LAT_SECS} s per path. Each measurement runs in $ROUNDS rounds that visit every path in
 turn, and the table shows each path's best round, since load from other work only ever slows a
