@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -16,6 +17,9 @@ import (
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
+	if err == nil {
+		n, err = readBuffered(l.resp, *bufp, n)
+	}
 	a.scanDecode((*bufp)[:n])
 	if n == 0 && err != nil && err != io.EOF {
 		l.close()
@@ -63,9 +67,71 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 	}
 }
 
+// readBuffered adds to buf[:n], which the last read of resp filled short of
+// its end, the chunks that resp's connection has already received, as long
+// as reading them cannot wait for the network: the events that arrived
+// together reach the client in one write (and wake it once) instead of one
+// flushed HTTP chunk each. It returns the new length and the error of the
+// read that ended the body, if one did.
+func readBuffered(resp *upstreamResponse, buf []byte, n int) (int, error) {
+	// fasthttp reads a chunked body through the connection's reader, and a
+	// read that ends short of its buffer with bytes still buffered has
+	// ended at a chunk's end (it would otherwise have taken them): what is
+	// buffered starts with the next chunk's size line.
+	if resp.Header.ContentLength() != -1 || resp.conn == nil {
+		return n, nil
+	}
+	br := resp.conn.br
+	for n < len(buf) {
+		next, _ := br.Peek(br.Buffered())
+		if !wholeChunk(next) {
+			return n, nil
+		}
+		m, err := resp.Read(buf[n:])
+		n += m
+		if err != nil || m == 0 {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// wholeChunk reports whether b starts with a whole HTTP chunk with data: its
+// size line, its bytes and the CRLF after them, so that reading it takes
+// nothing from the network. The last chunk (size 0) is left to the next
+// read, since its trailer section can be of any length; a malformed size
+// line is too, and fails there.
+func wholeChunk(b []byte) bool {
+	size, i := 0, 0
+	for ; i < len(b) && unhex(b[i]) >= 0; i++ {
+		size = size<<4 | unhex(b[i])
+	}
+	if size == 0 || i > 8 { // a chunk under 4 GiB
+		return false
+	}
+	end := bytes.IndexByte(b[i:], '\n')
+	if end < 1 || b[i+end-1] != '\r' {
+		return false
+	}
+	return len(b)-(i+end+1) >= size+2
+}
+
+func unhex(c byte) int {
+	switch {
+	case '0' <= c && c <= '9':
+		return int(c - '0')
+	case 'a' <= c && c <= 'f':
+		return int(c - 'a' + 10)
+	case 'A' <= c && c <= 'F':
+		return int(c - 'A' + 10)
+	}
+	return -1
+}
+
 // streamRelay is the client's response body: fasthttp's connection
-// goroutine pulls the worker's SSE chunks through it and writes each as one
-// flushed HTTP chunk. (SetBodyStreamWriter would put a goroutine and an
+// goroutine pulls the worker's SSE chunks through it and writes what each
+// read returns (every chunk the worker's connection holds) as one flushed
+// HTTP chunk. (SetBodyStreamWriter would put a goroutine and an
 // in-memory pipe between the two for every stream.)
 type streamRelay struct {
 	r       *request
@@ -112,6 +178,9 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	if sr.readErr == nil {
 		var n int
 		n, sr.readErr = sr.leg.resp.Read(buf)
+		if n > 0 && sr.readErr == nil {
+			n, sr.readErr = readBuffered(sr.leg.resp, buf, n)
+		}
 		sr.attempt.scanDecode(buf[:n])
 		if n > 0 {
 			if sr.merge != nil {

@@ -1,0 +1,166 @@
+package router
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestWholeChunk(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		want bool
+	}{
+		{"5\r\nhello\r\n", true},
+		{"5\r\nhello\r\n7\r\npartial", true}, // the first is whole; the rest waits
+		{"A;ext=1\r\n0123456789\r\n", true},
+		{"5\r\nhello\r", false}, // its CRLF is still to come
+		{"5\r\nhel", false},
+		{"5\r", false},
+		{"1", false},
+		{"", false},
+		{"0\r\n\r\n", false},          // the last chunk: its trailer is the next read's
+		{"5\nhello\r\n", false},       // no CR: fasthttp's error to report
+		{"\r\n5\r\nhello\r\n", false}, // not at a size line
+		{"zz\r\nhello\r\n", false},    // not a size
+		{"123456789\r\nx\r\n", false}, // too long a size to be real
+		{"5 \r\nhello\r\n", true},     // whitespace before the CRLF is fasthttp's to judge
+		{"10\r\n0123456789abcde\r\n", false},
+	} {
+		if got := wholeChunk([]byte(c.in)); got != c.want {
+			t.Errorf("wholeChunk(%q) = %v, want %v", c.in, got, c.want)
+		}
+	}
+}
+
+// rawChunk frames payload as one HTTP chunk.
+func rawChunk(payload string) string {
+	return strconv.FormatInt(int64(len(payload)), 16) + "\r\n" + payload + "\r\n"
+}
+
+// streamClient sends a streamed /generate to base on a connection of its
+// own and returns a reader at the start of the response body.
+func streamClient(t *testing.T, base string) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	body := `{"text":"x","stream":true}`
+	fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	br := bufio.NewReader(c)
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 200 || len(resp.TransferEncoding) == 0 || resp.TransferEncoding[0] != "chunked" {
+		t.Fatalf("status %d, transfer encoding %v", resp.StatusCode, resp.TransferEncoding)
+	}
+	return c, br
+}
+
+// readRawChunk reads one HTTP chunk of the router's reply as framed.
+func readRawChunk(t *testing.T, c net.Conn, br *bufio.Reader, within time.Duration) string {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(within))
+	line, err := br.ReadString('\n')
+	if err != nil {
+		t.Fatalf("chunk size line: %v", err)
+	}
+	size, err := strconv.ParseInt(strings.TrimSpace(line), 16, 32)
+	if err != nil {
+		t.Fatalf("chunk size line %q: %v", line, err)
+	}
+	b := make([]byte, size+2)
+	if _, err := io.ReadFull(br, b); err != nil {
+		t.Fatalf("chunk of %d bytes: %v", size, err)
+	}
+	return string(b[:size])
+}
+
+// twoWriteWorker is a worker that answers a stream in two writes of its
+// raw chunked body: the head and first, then rest once release is closed.
+func twoWriteWorker(t *testing.T, first, rest string) (url string, release chan struct{}) {
+	release = make(chan struct{})
+	url = legWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		c, buf, err := w.(http.Hijacker).Hijack()
+		if err != nil {
+			panic(err)
+		}
+		defer c.Close()
+		buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + first)
+		buf.Flush()
+		select {
+		case <-release:
+		case <-time.After(10 * time.Second): // the test failed before releasing it
+			return
+		}
+		buf.WriteString(rest)
+		buf.Flush()
+	})
+	return url, release
+}
+
+// readRest reads the router's chunks up to the last one and returns their
+// bytes.
+func readRest(t *testing.T, c net.Conn, br *bufio.Reader) string {
+	t.Helper()
+	var rest strings.Builder
+	for {
+		ch := readRawChunk(t, c, br, 5*time.Second)
+		if ch == "" {
+			return rest.String()
+		}
+		rest.WriteString(ch)
+	}
+}
+
+// The events a worker's connection holds together reach the client as one
+// chunk, but a chunk still arriving is not waited for: what came before it
+// goes out at once.
+func TestStreamRelaysWhatHasArrivedInOneChunk(t *testing.T) {
+	events := []string{"data: {\"text\":\"a\"}\n\n", "data: {\"text\":\"ab\"}\n\n", "data: {\"text\":\"abc\"}\n\n"}
+	last := rawChunk("data: {\"text\":\"abcd\"}\n\n")
+	done := "data: [DONE]\n\n"
+	// The first write ends inside the fourth event's data.
+	worker, release := twoWriteWorker(t, rawChunk(events[0])+rawChunk(events[1])+rawChunk(events[2])+last[:8],
+		last[8:]+rawChunk(done)+"0\r\n\r\n")
+	e := startLegEnv(t, legRegularConfig(worker))
+	c, br := streamClient(t, e.base)
+	// Released only once the first chunk is in: a relay that waited for
+	// the fourth event would time out here.
+	first := readRawChunk(t, c, br, 5*time.Second)
+	close(release)
+	if want := strings.Join(events, ""); first != want {
+		t.Fatalf("first chunk %q, want the three events that had arrived, %q", first, want)
+	}
+	if rest, want := readRest(t, c, br), "data: {\"text\":\"abcd\"}\n\n"+done; rest != want {
+		t.Fatalf("rest of the stream %q, want %q", rest, want)
+	}
+	e.settle(t)
+}
+
+// A chunk cut inside its size line is not waited for either, and a chunk
+// larger than the relay's buffer is relayed whole across reads.
+func TestStreamRelaysAroundACutSizeLine(t *testing.T) {
+	big := "data: {\"text\":\"" + strings.Repeat("x", 40<<10) + "\"}\n\n"
+	framed := rawChunk(big)
+	worker, release := twoWriteWorker(t, rawChunk("data: 1\n\n")+framed[:2], framed[2:]+"0\r\n\r\n")
+	e := startLegEnv(t, legRegularConfig(worker))
+	c, br := streamClient(t, e.base)
+	if first := readRawChunk(t, c, br, 5*time.Second); first != "data: 1\n\n" {
+		t.Fatalf("first chunk %q", first)
+	}
+	close(release)
+	if rest := readRest(t, c, br); rest != big {
+		t.Fatalf("rest of the stream: %d bytes, want the %d-byte event", len(rest), len(big))
+	}
+	e.settle(t)
+}
