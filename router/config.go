@@ -39,10 +39,11 @@ type Config struct {
 	ShutdownGrace    time.Duration
 	CORSOrigins      []string
 
-	// Client connections: MaxConnections open at most (0: half the fd
-	// limit), heads up to MaxHeaderSize bytes (431 beyond), read within
-	// HeaderReadTimeout, bodies within BodyReadTimeout once the head is in,
-	// and a keep-alive connection closed after IdleConnectionTimeout idle.
+	// Client connections: MaxConnections open at most (0: what the fd
+	// limit holds, DefaultMaxConnections), heads up to MaxHeaderSize bytes
+	// (431 beyond), read within HeaderReadTimeout, bodies within
+	// BodyReadTimeout once the head is in, and a keep-alive connection
+	// closed after IdleConnectionTimeout idle.
 	MaxConnections        int
 	MaxHeaderSize         int
 	HeaderReadTimeout     time.Duration

@@ -69,7 +69,7 @@ func (s *Server) limitListener(ln net.Listener) net.Listener {
 	return netutil.Listen(ln, opt)
 }
 
-// maxConnections is --max-connections, or half the fd limit when unset.
+// maxConnections is --max-connections, or DefaultMaxConnections when unset.
 func (s *Server) maxConnections() int {
 	if s.cfg.MaxConnections > 0 {
 		return s.cfg.MaxConnections
@@ -78,7 +78,39 @@ func (s *Server) maxConnections() int {
 	if err != nil {
 		return 0
 	}
-	return netutil.DefaultMaxConns(soft)
+	return DefaultMaxConnections(soft)
+}
+
+// Descriptor budget. A client connection costs the router its own socket
+// and one worker socket while it has a request in flight (a PD stream's
+// decode leg); fdReserve is what is left beside those for everything else:
+// listeners and files, probes, the prefill legs of arriving PD streams and
+// the pooled idle worker connections. Half the limit for clients, as
+// before, left nothing: 10,000 clients at a limit of 20,000 ran the router
+// out of descriptors while their prefill legs were open, and its dials
+// failed instead of the surplus clients getting a clean 503.
+func fdReserve(fdLimit uint64) uint64 { return min(max(fdLimit/64, 64), 4096) }
+
+// DefaultMaxConnections is the client connection limit for an fd limit:
+// every client with one worker connection, and fdReserve to spare.
+func DefaultMaxConnections(fdLimit uint64) int {
+	fdLimit = min(fdLimit, 1<<21)
+	return int(max((fdLimit-min(fdReserve(fdLimit), fdLimit))/2, 16))
+}
+
+// maxIdlePerWorker bounds a worker's pool of idle connections (500, as
+// smg, where the fd limit is large): together the pools of a PD 1P+1D
+// router take at most half of fdReserve, leaving the rest to prefill legs
+// in flight.
+func maxIdlePerWorker(fdLimit uint64) int { return int(min(max(fdReserve(fdLimit)/4, 8), 500)) }
+
+// poolLimit is maxIdlePerWorker for this process's fd limit.
+func poolLimit() int {
+	soft, _, err := netutil.RaiseFileLimit()
+	if err != nil {
+		return 500
+	}
+	return maxIdlePerWorker(soft)
 }
 
 // malformed answers what fasthttp could not read as a request. The body

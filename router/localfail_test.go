@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -34,6 +35,7 @@ func TestOutOfDescriptorsDoesNotOpenTheWorkersBreaker(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	srv.upstream.localWait = 20 * time.Millisecond // each dial waits that long for descriptors before failing
 	var exhausted atomic.Bool
 	exhausted.Store(true)
 	srv.upstream.dialer.Control = func(string, string, syscall.RawConn) error {

@@ -100,6 +100,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		return nil, err
 	}
 	s.upstream = newUpstream(cfg.UpstreamIdleTimeout)
+	s.upstream.maxIdle = poolLimit()
 	s.upstream.tls = s.workerTLS
 	s.inflight = newInflight(cfg.RequestTimeout)
 	s.infoCalls = newInfoClient(s.workerTLS, 50*time.Second, log)

@@ -17,6 +17,7 @@ import (
 	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
@@ -39,6 +40,7 @@ type upstream struct {
 	tls         *tls.Config   // for https workers; nil = system roots
 	maxIdle     int           // idle connections kept per worker
 	idleTimeout time.Duration // a connection idle this long is closed
+	localWait   time.Duration // how long a dial out of local descriptors retries
 
 	mu      sync.Mutex
 	idle    map[string][]*upConn // by host:port, most recent last
@@ -55,6 +57,7 @@ func newUpstream(idleTimeout time.Duration) *upstream {
 		dialer:      net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second},
 		maxIdle:     500,
 		idleTimeout: idleTimeout,
+		localWait:   time.Second,
 		idle:        map[string][]*upConn{},
 	}
 }
@@ -427,15 +430,12 @@ func (u *upstream) follow(snap *balancer.Snapshot) bool {
 // shutdown).
 func (u *upstream) close() {
 	u.mu.Lock()
-	defer u.mu.Unlock()
 	u.closed = true
 	if u.reaper != nil {
 		u.reaper.Stop()
 	}
-	for addr, conns := range u.idle {
-		closeAll(conns)
-		delete(u.idle, addr)
-	}
+	u.mu.Unlock()
+	u.dropIdle()
 }
 
 func closeAll(conns []*upConn) {
@@ -469,7 +469,42 @@ func hostPort(baseURL string) (addr, host, tlsHost string, err error) {
 	return addr, host, tlsHost, nil
 }
 
+// dial connects to addr. A dial that fails for want of the router's own
+// descriptors (outOfLocalResources) first frees the pooled idle ones, then
+// waits for others to close (prefill legs end in milliseconds), for up to
+// localWait in all, before it fails: a burst of streams at the fd limit
+// then waits a little instead of failing.
 func (u *upstream) dial(ctx context.Context, addr, tlsHost string) (net.Conn, error) {
+	var b netutil.Backoff
+	deadline := time.Now().Add(u.localWait)
+	for {
+		c, err := u.dialOnce(ctx, addr, tlsHost)
+		if err == nil || !outOfLocalResources(err) || !time.Now().Before(deadline) {
+			return c, err
+		}
+		u.dropIdle()
+		t := time.NewTimer(min(b.Next(), time.Until(deadline)))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, err
+		}
+	}
+}
+
+// dropIdle closes every pooled connection (they hold descriptors a dial
+// needs).
+func (u *upstream) dropIdle() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for addr, conns := range u.idle {
+		closeAll(conns)
+		delete(u.idle, addr)
+	}
+}
+
+func (u *upstream) dialOnce(ctx context.Context, addr, tlsHost string) (net.Conn, error) {
 	if tlsHost == "" {
 		return u.dialer.DialContext(ctx, "tcp", addr)
 	}
