@@ -22,14 +22,16 @@
 #   streams:      STREAMS and BIG_STREAMS concurrent streams of STREAM_TOKENS tokens through each
 #                 router in PD 1+1 (a fresh router for each run): errors, peak RSS, RSS per stream.
 #                 The big run's streams arrive over a few seconds, since all at once would also
-#                 hold a prefill socket each in the router (3N descriptors, not 2N).
+#                 hold a prefill socket each in the router (3N descriptors, not 2N), and its decode
+#                 worker holds each stream's first token until they have all arrived.
 #
 # Every router gets the same flags: --host --port --prometheus-port --policy round_robin
 # --log-level warn, and the workers (--worker-urls, or --pd-disaggregation --prefill URL 8998
 # --decode URL). Writes bench/out/router.json and the router section of bench/RESULTS.md.
 # Knobs (environment): BIN (bin); WRK_SECS (8) and LAT_SECS (8) per target, split in ROUNDS (4);
 # LAT_RATE (800 req/s); SLOW_PREFILL (300ms); STREAMS (1000, opened at once), BIG_STREAMS (10000,
-# opened at BIG_RATE 2000/s, tokens BIG_TOKEN_DELAY 40ms apart), STREAM_TOKENS (256); RUST=0 leaves sglang-router and smg out (no venv, no network needed);
+# opened at BIG_RATE 2000/s, first token after BIG_FIRST_TOKEN (twice the arrivals' time + 5 s),
+# then BIG_TOKEN_DELAY 40ms apart, BIG_TIMEOUT 300s per stream), STREAM_TOKENS (256); RUST=0 leaves sglang-router and smg out (no venv, no network needed);
 # WRK_ONLY=1 runs only the requests/s rounds and logs them with the ratios, writing no results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,15 +63,26 @@ fi
 declare -A KIND_LABEL=([pdrouter]=pdrouter [sglang]=sglang-router [smg]=smg)
 
 # Every stream holds a client socket and a decode socket in the router, so N streams need 2N file
-# descriptors there: take the hard limit, and run fewer big streams if even that is too low (a
-# process without CAP_SYS_RESOURCE cannot raise it; the run says so).
+# descriptors there, plus a reserve for listeners, the prefill legs of arriving streams and pooled
+# idle sockets: pdrouter's default --max-connections is what the limit holds that way
+# ((limit - min(max(limit/64, 64), 4096)) / 2, router/limits.go). Take the hard limit, and run
+# that many big streams (in hundreds) if BIG_STREAMS do not fit (a process without
+# CAP_SYS_RESOURCE cannot raise it; the run says so).
 ulimit -n "$(ulimit -Hn)"
 FD_LIMIT=$(ulimit -n)
+FD_RESERVE=$((FD_LIMIT / 64 < 64 ? 64 : FD_LIMIT / 64 > 4096 ? 4096 : FD_LIMIT / 64))
+BIG_FIT=$(((FD_LIMIT - FD_RESERVE) / 2 / 100 * 100))
 BIG_RUN=$BIG_STREAMS
-if ((2 * BIG_STREAMS + 256 > FD_LIMIT)); then
-	BIG_RUN=$(((FD_LIMIT - 256) / 2 / 100 * 100))
+if ((BIG_STREAMS > BIG_FIT)); then
+	BIG_RUN=$BIG_FIT
 	echo "bench-router: open-file limit $FD_LIMIT (hard) holds $BIG_RUN streams, not $BIG_STREAMS" >&2
 fi
+# The big run's decode worker sends each stream's head at once and its first token only after
+# BIG_FIRST_TOKEN (as SGLang's decode waits for prefill's KV): tokens of the streams already open
+# would otherwise take the 2 cores while the rest arrive, the worker would stop accepting, its
+# listen queue overflow and the router's dials to it time out (connect errors, then its breaker).
+BIG_FIRST_TOKEN=${BIG_FIRST_TOKEN:-$((2 * BIG_RUN / BIG_RATE + 5))s}
+BIG_TIMEOUT=${BIG_TIMEOUT:-300s}
 
 mkdir -p "$OUT"
 . scripts/bench-lib.sh
@@ -202,7 +215,7 @@ start_worker SPP prefill --prefill-delay "$SLOW_PREFILL"
 start_worker SPD decode
 start_worker SP prefill
 start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 10ms
-start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELAY"
+start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELAY" --prefill-delay "$BIG_FIRST_TOKEN"
 
 log "starting nginx and the routers: ${KINDS[*]}"
 NG=$(free_port)
@@ -359,12 +372,15 @@ for k in "${KINDS[@]}"; do
 done
 
 # streams KIND KEY N RATE: N concurrent streams through KIND's fresh router K_KEY, arriving at
-# RATE per second (inf: all at once).
+# RATE per second (inf: all at once). The big run sends no warm-up stream (it would take a whole
+# stream's time) and gives each stream BIG_TIMEOUT: 2 cores relay N x STREAM_TOKENS events in
+# well over a minute, whatever the token delay.
 # While they run, a sampler counts the router's open descriptors every 0.1 s.
 declare -A ST_DONE ST_FAILED ST_PEAK ST_RSS ST_IDLE ST_SECS ST_IDLE_FDS ST_PEAK_FDS
 fd_count() { ls "/proc/$1/fd" 2>/dev/null | wc -l; }
 streams() {
-	local kind=$1 key=$2 n=$3 rate=$4 port pid start sampler
+	local kind=$1 key=$2 n=$3 rate=$4 port pid start sampler warm=1 timeout=120s
+	[ "$key" = big ] && warm=0 timeout=$BIG_TIMEOUT
 	port=${kind}_$key pid=${kind}_${key}_PID
 	ST_IDLE[$kind$key]=$(rss_kib "${!pid}")
 	ST_IDLE_FDS[$kind$key]=$(fd_count "${!pid}")
@@ -374,7 +390,7 @@ streams() {
 	sampler=$!
 	"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:${!port}" --model mock --random-input-len 32 \
 		--random-output-len "$STREAM_TOKENS" --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$n" \
-		--request-rate "$rate" --request-timeout 120s --output-file "$T/streams-$kind$key.jsonl" >"$T/streams-$kind$key.txt" 2>&1 ||
+		--warmup-requests "$warm" --request-rate "$rate" --request-timeout "$timeout" --output-file "$T/streams-$kind$key.jsonl" >"$T/streams-$kind$key.txt" 2>&1 ||
 		log "pdbench streams through $kind failed: $(tail -n 3 "$T/streams-$kind$key.txt")"
 	ST_SECS[$kind$key]=$((SECONDS - start))
 	touch "$T/fds-$kind$key.stop"
@@ -559,8 +575,8 @@ $(for k in "${KINDS[@]}"; do path_row "${KIND_LABEL[$k]} PD 1P+1D" "${k}_pd1" de
 Slow prefill: PD 1P+1D with a prefill worker that answers after $SLOW_PREFILL, streamed requests at 50 req/s for 4 s
 (a router that waits for prefill before relaying decode's stream adds the whole delay to TTFT).
 Streams: a fresh PD 1P+1D router per run, $STREAM_TOKENS tokens per stream; $STREAMS streams opened at once with tokens
-10 ms apart, $BIG_RUN opened at $BIG_RATE/s with tokens $BIG_TOKEN_DELAY apart (so that all are open together, while the
-prefill sockets of the ones arriving stay few). RSS per stream is (peak − idle RSS) / streams open at the peak, descriptors per stream likewise.
+10 ms apart, $BIG_RUN opened at $BIG_RATE/s, each with its first token after $BIG_FIRST_TOKEN and the rest $BIG_TOKEN_DELAY apart (so that all are open together, while the
+prefill sockets of the ones arriving stay few and the decode worker is not generating while they arrive). RSS per stream is (peak − idle RSS) / streams open at the peak, descriptors per stream likewise.
 
 $heads |
 $aligns |

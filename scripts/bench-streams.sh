@@ -6,22 +6,31 @@
 #
 #   scripts/bench-streams.sh OLD_PDROUTER NEW_PDROUTER
 #
-# Knobs (environment): BIN (bin: mockworker, pdbench); COUNTS ("1000 9800"); RATE for each count
-# above 1000 (2000/s; 1000 and fewer open at once); TOKENS (256) per stream; TOKEN_DELAY (10ms
-# for 1000 and fewer, BIG_TOKEN_DELAY 40ms above, so that all are open together); ROUNDS (1).
+# Knobs (environment): BIN (bin: mockworker, pdbench); COUNTS ("1000 N", N the most streams the
+# hard open-file limit holds through pdrouter's default --max-connections, in hundreds: 9800 at
+# 20,000); RATE for each count above 1000 (2000/s; 1000 and fewer open at once); TOKENS (256) per
+# stream; TOKEN_DELAY (10ms for 1000 and fewer, BIG_TOKEN_DELAY 40ms above, so that all are open
+# together); above 1000 the first token comes after FIRST_TOKEN (twice the largest count's
+# arrivals + 5 s; as in bench-router.sh, so that the decode worker is not generating while they
+# arrive) and each stream may take TIMEOUT (300s); ROUNDS (1).
 # Prints one line per run; per-stream figures are (peak − idle) / peak open streams.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# = 2 ] || { echo "usage: $0 OLD_PDROUTER NEW_PDROUTER" >&2; exit 2; }
 OLD=$1 NEW=$2
 BIN=${BIN:-bin}
-COUNTS=${COUNTS:-1000 9800}
+ulimit -n "$(ulimit -Hn)"
+FD_LIMIT=$(ulimit -n)
+FD_RESERVE=$((FD_LIMIT / 64 < 64 ? 64 : FD_LIMIT / 64 > 4096 ? 4096 : FD_LIMIT / 64))
+COUNTS=${COUNTS:-1000 $(((FD_LIMIT - FD_RESERVE) / 2 / 100 * 100))}
 RATE=${RATE:-2000}
 TOKENS=${TOKENS:-256}
 TOKEN_DELAY=${TOKEN_DELAY:-10ms}
 BIG_TOKEN_DELAY=${BIG_TOKEN_DELAY:-40ms}
 ROUNDS=${ROUNDS:-1}
-ulimit -n "$(ulimit -Hn)"
+TIMEOUT=${TIMEOUT:-300s}
+largest=$(printf '%s\n' $COUNTS | sort -n | tail -n1)
+FIRST_TOKEN=${FIRST_TOKEN:-$((2 * largest / RATE + 5))s}
 . scripts/bench-lib.sh
 bench_setup bench-streams
 
@@ -36,7 +45,7 @@ worker() { # VAR ROLE [flags]
 }
 worker P prefill --tokens "$TOKENS" --token-delay 0
 worker D decode --tokens "$TOKENS" --token-delay "$TOKEN_DELAY"
-worker DB decode --tokens "$TOKENS" --token-delay "$BIG_TOKEN_DELAY"
+worker DB decode --tokens "$TOKENS" --token-delay "$BIG_TOKEN_DELAY" --prefill-delay "$FIRST_TOKEN"
 
 # sample PID FILE: every 0.1 s, "rss_kib fds" of PID until it exits or the file's run ends.
 sample() {
@@ -48,10 +57,10 @@ sample() {
 
 # run NAME BINARY N: N streams through a fresh router built from BINARY.
 run() {
-	local name=$1 bin=$2 n=$3 port prom pid dec rate idle_rss idle_fds
+	local name=$1 bin=$2 n=$3 port prom pid dec rate idle_rss idle_fds warm=1 timeout=120s
 	port=$(free_port) prom=$(free_port)
 	dec=$D rate=inf
-	if ((n > 1000)); then dec=$DB rate=$RATE; fi
+	if ((n > 1000)); then dec=$DB rate=$RATE warm=0 timeout=$TIMEOUT; fi
 	"$bin" --host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin --log-level warn \
 		--pd-disaggregation --prefill "http://127.0.0.1:$P" 8998 --decode "http://127.0.0.1:$dec" >"$T/router-$name-$n.log" 2>&1 &
 	pid=$!
@@ -65,7 +74,7 @@ run() {
 	local sampler=$!
 	"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:$port" --model mock --random-input-len 32 \
 		--random-output-len "$TOKENS" --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$n" \
-		--request-rate "$rate" --request-timeout 120s --output-file "$T/pdbench-$name-$n.jsonl" >"$T/pdbench-$name-$n.txt" 2>&1 || true
+		--warmup-requests "$warm" --request-rate "$rate" --request-timeout "$timeout" --output-file "$T/pdbench-$name-$n.jsonl" >"$T/pdbench-$name-$n.txt" 2>&1 || true
 	touch "$s.stop"
 	wait "$sampler" || true
 	local hwm peak_fds done failed open
