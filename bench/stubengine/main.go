@@ -63,10 +63,9 @@ func main() {
 	}
 }
 
-// probeFilter logs fasthttp's connection errors except the HTTP/2
-// prior-knowledge preface ("PRI * HTTP/2.0") that sglang-router and smg send
-// each worker at start-up to see whether it speaks gRPC; they fall back to
-// HTTP/1.1 when it is refused.
+// probeFilter logs fasthttp's connection errors except those for the HTTP/2
+// prior-knowledge preface ("PRI * HTTP/2.0"), a probe that sglang-router and
+// smg send each worker at start-up before going on over HTTP/1.1.
 type probeFilter struct{}
 
 func (probeFilter) Printf(format string, args ...any) {

@@ -4,7 +4,9 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"io"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -145,27 +147,52 @@ func TestStreamFraming(t *testing.T) {
 	}
 }
 
-// The stream goes out as one write: every event reaches the client in the
-// first read after the head (zero delay, nothing paced).
-func TestStreamWrittenAtOnce(t *testing.T) {
+// The stream goes out at once: one HTTP chunk holding every event, then the
+// last chunk, nothing paced.
+func TestStreamIsOneChunk(t *testing.T) {
 	addr := serve(t, "regular", 8)
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	body := `{"stream":true}`
-	if _, err := c.Write([]byte("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 15\r\n\r\n" + body)); err != nil {
+	if _, err := c.Write([]byte("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 15\r\n\r\n{\"stream\":true}")); err != nil {
 		t.Fatal(err)
 	}
-	var resp fasthttp.Response
-	resp.StreamBody = true
-	if err := resp.Read(bufio.NewReader(c)); err != nil {
-		t.Fatal(err)
+	r := bufio.NewReader(c)
+	for { // the head
+		line, err := r.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		if line == "\r\n" {
+			break
+		}
 	}
-	all := resp.Body()
-	if n := bytes.Count(all, []byte("data: ")); n != 9 {
-		t.Fatalf("%d events, want 8 and [DONE]", n)
+	var sizes []int64
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := strconv.ParseInt(strings.TrimSpace(line), 16, 64)
+		if err != nil {
+			t.Fatalf("chunk size line %q: %v", line, err)
+		}
+		sizes = append(sizes, n)
+		if n == 0 {
+			break
+		}
+		chunk := make([]byte, n+2)
+		if _, err := io.ReadFull(r, chunk); err != nil {
+			t.Fatal(err)
+		}
+		if got := bytes.Count(chunk, []byte("data: ")); got != 9 {
+			t.Fatalf("chunk holds %d events, want 8 and [DONE]", got)
+		}
+	}
+	if len(sizes) != 2 {
+		t.Fatalf("chunk sizes %v, want one chunk and the last", sizes)
 	}
 }
 
