@@ -15,6 +15,7 @@ import (
 // response body (streamRelay), which now owns the leg. a is nil in regular
 // mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
+	awaitBody(l.resp)
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
 	if err == nil {
@@ -55,6 +56,17 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	ctx.Response.SetBodyStream(&streamRelay{r: r, leg: l, attempt: a, bufp: bufp,
 		pending: first, readErr: err, merge: merge}, -1)
 	return nil, true
+}
+
+// awaitBody waits until resp's connection has received some of its body,
+// in the connection's own reader: a stream waiting long for its first event
+// (decode's comes after prefill and the KV transfer) holds no relay buffer
+// meanwhile. A body of known length 0 has nothing to wait for, and an error
+// is left to the read that follows, which meets it again.
+func awaitBody(resp *upstreamResponse) {
+	if cl := resp.Header.ContentLength(); resp.conn != nil && (cl == -1 || cl > 0) {
+		_, _ = resp.conn.br.Peek(1)
+	}
 }
 
 // readSome reads until it gets at least one byte or an error.

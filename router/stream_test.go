@@ -6,8 +6,10 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -163,4 +165,58 @@ func TestStreamRelaysAroundACutSizeLine(t *testing.T) {
 		t.Fatalf("rest of the stream: %d bytes, want the %d-byte event", len(rest), len(big))
 	}
 	e.settle(t)
+}
+
+// A stream waiting for its first event holds no relay buffer: N PD streams
+// whose decode worker has sent only its reply head cost about 33 KiB each
+// in this process, the in-process workers' share included, and 62 KiB when
+// each held the 32 KiB buffer of the relay's first read.
+func TestStreamWaitingForItsFirstEventHoldsNoBuffer(t *testing.T) {
+	const streams = 200
+	var arrived atomic.Int32
+	var release atomic.Pointer[chan struct{}]
+	open := make(chan struct{})
+	close(open)
+	release.Store(&open)
+	worker := legWorker(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.(http.Flusher).Flush() // the head, then nothing until released
+		arrived.Add(1)
+		select {
+		case <-*release.Load():
+		case <-r.Context().Done():
+		}
+		io.WriteString(w, "data: [DONE]\n\n")
+	})
+	// PD mode, whose client connections keep no read buffer while they
+	// stream (ReduceMemoryUsage).
+	e := startLegEnv(t, legPDConfig(legWorker(t, answer(200)), worker))
+	c, br := streamClient(t, e.base) // one stream first, so that pools are warm
+	readRest(t, c, br)
+	held := make(chan struct{})
+	release.Store(&held)
+	arrived.Store(0)
+	before := heapInUse()
+	for range streams {
+		c, err := net.Dial("tcp", strings.TrimPrefix(e.base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		body := `{"text":"x","stream":true}`
+		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	}
+	waitFor(t, func() bool { return arrived.Load() == streams })
+	perStream := (heapInUse() - before) / streams
+	close(held)
+	if perStream > 48<<10 {
+		t.Fatalf("%d KiB of heap per stream waiting for its first event, want about 33 (no 32 KiB relay buffer among it)", perStream>>10)
+	}
+}
+
+func heapInUse() int64 {
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return int64(m.HeapInuse)
 }
