@@ -48,7 +48,7 @@ func TestConnWatcherSeesDisconnectAndNotPipelining(t *testing.T) {
 			if !w.start(&cw, server, func() { gone <- struct{}{} }) {
 				t.Fatalf("%s/%s: not watched", name, c.name)
 			}
-			time.Sleep(2 * watchDelay) // parked
+			time.Sleep(5 * time.Millisecond) // parked
 			c.act(client)
 			select {
 			case <-gone:
