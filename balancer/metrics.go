@@ -2,10 +2,11 @@ package balancer
 
 import (
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdrouter/pdrouter/internal/readmap"
 )
 
 // Metrics holds the worker, breaker, retry and policy series of spec §6.1.
@@ -26,7 +27,7 @@ type Metrics struct {
 	retryBackoff     *prometheus.HistogramVec
 	manualEntries    prometheus.Gauge
 	branches         map[string]*prometheus.CounterVec // by policy name
-	selected         sync.Map                          // selectionKey → prometheus.Counter
+	selected         readmap.Map[selectionKey, prometheus.Counter]
 }
 
 // selectionKey caches resolved selection counters: resolving four labels
@@ -85,9 +86,9 @@ func (m *Metrics) Selected(w *Worker, policy string) {
 	k := selectionKey{w.Type, w.ModelID, policy}
 	c, ok := m.selected.Load(k)
 	if !ok {
-		c, _ = m.selected.LoadOrStore(k, m.selection.WithLabelValues(w.Type.String(), connectionMode, w.ModelID, policy))
+		c = m.selected.LoadOrStore(k, m.selection.WithLabelValues(w.Type.String(), connectionMode, w.ModelID, policy))
 	}
-	c.(prometheus.Counter).Inc()
+	c.Inc()
 }
 
 // WorkerError counts a failed attempt on w (errorType e.g. "status_5xx", "connect").

@@ -2,10 +2,11 @@ package router
 
 import (
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdrouter/pdrouter/internal/readmap"
 )
 
 // durationBuckets are sglang-router's buckets for *_duration_seconds.
@@ -30,9 +31,9 @@ type metrics struct {
 	// request's CPU. Keys are bounded (routes, served models, standard
 	// methods, statuses), so the caches are too.
 	admitted prometheus.Counter
-	routes   sync.Map // routeKey → *routeMetrics
-	http     sync.Map // httpKey → *httpMetrics
-	statuses sync.Map // status code → its smg_http_responses_total series without an error code
+	routes   readmap.Map[routeKey, *routeMetrics]
+	http     readmap.Map[httpKey, *httpMetrics]
+	statuses readmap.Map[int, prometheus.Counter] // smg_http_responses_total without an error code
 }
 
 type routeKey struct {
@@ -51,15 +52,14 @@ type routeMetrics struct {
 
 func (m *metrics) forRoute(k routeKey) *routeMetrics {
 	if v, ok := m.routes.Load(k); ok {
-		return v.(*routeMetrics)
+		return v
 	}
 	endpoint := k.route.String()
-	v, _ := m.routes.LoadOrStore(k, &routeMetrics{
+	return m.routes.LoadOrStore(k, &routeMetrics{
 		requests: m.routerRequests.WithLabelValues("http", k.backend, "http", k.model, endpoint, boolLabel(k.stream)),
 		duration: m.routerDuration.WithLabelValues("http", k.backend, "http", k.model, endpoint),
 		ttft:     m.ttft.WithLabelValues(k.backend, endpoint),
 	})
-	return v.(*routeMetrics)
 }
 
 type httpKey struct{ method, path string }
@@ -72,13 +72,10 @@ type httpMetrics struct {
 // observeHTTP counts one request on the smg_http_* families.
 func (m *metrics) observeHTTP(method, path string, status int, errorCode []byte, seconds float64) {
 	k := httpKey{method, path}
-	var hm *httpMetrics
-	if v, ok := m.http.Load(k); ok {
-		hm = v.(*httpMetrics)
-	} else {
+	hm, ok := m.http.Load(k)
+	if !ok {
 		// handle passes known methods only (knownMethod), so the key set is bounded.
-		hm = &httpMetrics{requests: m.httpRequests.WithLabelValues(method, path), duration: m.httpDuration.WithLabelValues(method, path)}
-		m.http.Store(k, hm)
+		hm = m.http.LoadOrStore(k, &httpMetrics{requests: m.httpRequests.WithLabelValues(method, path), duration: m.httpDuration.WithLabelValues(method, path)})
 	}
 	hm.requests.Inc()
 	hm.duration.Observe(seconds)
@@ -88,9 +85,9 @@ func (m *metrics) observeHTTP(method, path string, status int, errorCode []byte,
 	}
 	c, ok := m.statuses.Load(status)
 	if !ok {
-		c, _ = m.statuses.LoadOrStore(status, m.httpResponses.WithLabelValues(statusLabel(status), ""))
+		c = m.statuses.LoadOrStore(status, m.httpResponses.WithLabelValues(statusLabel(status), ""))
 	}
-	c.(prometheus.Counter).Inc()
+	c.Inc()
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {

@@ -5,11 +5,12 @@ import (
 	"io"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdrouter/pdrouter/internal/readmap"
 )
 
 // pdMetrics are smg's PD stage series (smg-project/smg's metrics module),
@@ -24,7 +25,7 @@ type pdMetrics struct {
 	ttft              *prometheus.HistogramVec
 	kvTransfer        *prometheus.HistogramVec
 	bootstrapFailures prometheus.Counter
-	byModel           sync.Map // model label -> *pdSeries
+	byModel           readmap.Map[string, *pdSeries] // by model label
 }
 
 // pdSeries are one model's resolved children (no label hashing per request).
@@ -48,14 +49,13 @@ func newPDMetrics(reg prometheus.Registerer) *pdMetrics {
 
 func (m *pdMetrics) forModel(model string) *pdSeries {
 	if v, ok := m.byModel.Load(model); ok {
-		return v.(*pdSeries)
+		return v
 	}
-	v, _ := m.byModel.LoadOrStore(model, &pdSeries{
+	return m.byModel.LoadOrStore(model, &pdSeries{
 		prefill:    m.prefill.WithLabelValues("pd", model, "sglang"),
 		ttft:       m.ttft.WithLabelValues("pd", model, "sglang"),
 		kvTransfer: m.kvTransfer.WithLabelValues("pd", model, "sglang"),
 	})
-	return v.(*pdSeries)
 }
 
 // observePDTTFT records the PD time to first byte of r's last attempt.
