@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Where pdrouter's CPU goes: a pdrouter built with -tags pprof (cmd/pdrouter/pprof.go) runs in
-# regular mode and in PD 1P+1D on zero-delay mockworkers, and a CPU profile is taken from it while
+# regular mode and in PD 1P+1D on zero-delay workers, and a CPU profile is taken from it while
 # `wrk -t1 -c64` posts non-streamed 8-token /generate requests. Writes the profiles to
 # bench/out/pprof-{regular,pd}.pb.gz and their top costs to the router-profile section of
-# bench/RESULTS.md. Knobs: BIN (bin, for mockworker), PROFILE_SECS (8).
+# bench/RESULTS.md. Knobs: BIN (bin, for the workers), PROFILE_SECS (8), WORKER (stubengine, whose
+# fixed replies leave the cores to the router; mockworker, SGLang's behaviour in more detail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-bin}
 GO=${GO:-go}
 PROFILE_SECS=${PROFILE_SECS:-8}
+WORKER=${WORKER:-stubengine}
 OUT=bench/out
-[ -x "$BIN/mockworker" ] || { echo "bench-profile: $BIN/mockworker missing; run make build" >&2; exit 1; }
+case $WORKER in
+stubengine | mockworker) ;;
+*) echo "bench-profile: WORKER must be stubengine or mockworker" >&2; exit 2 ;;
+esac
+[ -x "$BIN/$WORKER" ] || { echo "bench-profile: $BIN/$WORKER missing (make bench builds it)" >&2; exit 1; }
 command -v wrk >/dev/null || { echo "bench-profile: wrk missing; run scripts/install-deps.sh bench" >&2; exit 1; }
 mkdir -p "$OUT"
 . scripts/bench-lib.sh
@@ -29,9 +35,13 @@ CGO_ENABLED=0 $GO build -tags pprof -o "$T/pdrouter-pprof" ./cmd/pdrouter
 worker() { # VAR ROLE
 	local port
 	port=$(free_port)
-	"$BIN/mockworker" --role "$2" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 >"$T/mw-$port.log" 2>&1 &
+	if [ "$WORKER" = stubengine ]; then
+		"$BIN/stubengine" --role "$2" --port "$port" --tokens 8 >"$T/w-$port.log" 2>&1 &
+	else
+		"$BIN/mockworker" --role "$2" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 >"$T/w-$port.log" 2>&1 &
+	fi
 	pids+=($!)
-	wait_ok "$port" /health "$T/mw-$port.log"
+	wait_ok "$port" /health "$T/w-$port.log"
 	printf -v "$1" %s "$port"
 }
 worker W regular
@@ -87,7 +97,7 @@ SECTION=$(
 	cat <<EOF
 Run $(date -u '+%Y-%m-%d %H:%M') UTC on $(nproc) cores (1-minute load average $LOAD_START at the start, $LOAD_END at the end),
 \`scripts/bench-profile.sh\`: pdrouter built with \`-tags pprof\`, $PROFILE_SECS s CPU profiles under \`wrk -t1 -c64\`
-(non-streamed 8-token \`/generate\`, zero-delay mockworkers): regular $(awk '/^Requests\/sec/ {printf "%.0f", $2}' "$T/wrk-regular.txt") req/s,
+(non-streamed 8-token \`/generate\`, zero-delay ${WORKER}s): regular $(awk '/^Requests\/sec/ {printf "%.0f", $2}' "$T/wrk-regular.txt") req/s,
 PD 1P+1D $(awk '/^Requests\/sec/ {printf "%.0f", $2}' "$T/wrk-pd.txt") req/s. Profiles: bench/out/pprof-{regular,pd}.pb.gz.
 
 Regular, top functions by own time (flat %, cumulative %):
