@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -41,6 +42,10 @@ type upstream struct {
 	maxIdle     int           // idle connections kept per worker
 	idleTimeout time.Duration // a connection idle this long is closed
 	localWait   time.Duration // how long a dial out of local descriptors retries
+
+	// endpoints are the registered workers' base URLs split once
+	// (follow), not at every request.
+	endpoints atomic.Pointer[map[string]endpoint]
 
 	mu      sync.Mutex
 	idle    map[string][]*upConn // by host:port, most recent last
@@ -169,7 +174,7 @@ func (r *upstreamResponse) Close() error {
 // guard, when not nil, is how the body's owner takes it back while the
 // call may still be writing it (guard.release).
 func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
-	addr, host, tlsHost, err := hostPort(baseURL)
+	addr, host, tlsHost, err := u.endpoint(baseURL)
 	if err != nil {
 		return nil, err
 	}
@@ -405,13 +410,16 @@ func (u *upstream) reap() {
 // worker left.
 func (u *upstream) follow(snap *balancer.Snapshot) bool {
 	workers := make(map[string]bool, len(snap.All))
+	endpoints := make(map[string]endpoint, len(snap.All))
 	for _, w := range snap.All {
-		if addr, _, _, err := hostPort(w.BaseURL); err == nil {
+		if addr, host, tlsHost, err := hostPort(w.BaseURL); err == nil {
 			workers[addr] = true
+			endpoints[w.BaseURL] = endpoint{addr, host, tlsHost}
 		}
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
+	u.endpoints.Store(&endpoints) // under mu: the last snapshot's wins
 	left := false
 	for addr := range u.workers {
 		left = left || !workers[addr]
@@ -442,6 +450,20 @@ func closeAll(conns []*upConn) {
 	for _, c := range conns {
 		c.c.Close()
 	}
+}
+
+// endpoint is a worker base URL split by hostPort.
+type endpoint struct{ addr, host, tlsHost string }
+
+// endpoint is hostPort for baseURL, from the registered workers' when it is
+// one of them.
+func (u *upstream) endpoint(baseURL string) (addr, host, tlsHost string, err error) {
+	if m := u.endpoints.Load(); m != nil {
+		if e, ok := (*m)[baseURL]; ok {
+			return e.addr, e.host, e.tlsHost, nil
+		}
+	}
+	return hostPort(baseURL)
 }
 
 // hostPort splits a worker base URL into a dial address, a Host header and,

@@ -170,6 +170,32 @@ func TestHostPort(t *testing.T) {
 	}
 }
 
+// The registered workers' URLs are split once, as hostPort splits them;
+// any other URL (a worker that just left) is still split when it is used.
+func TestUpstreamEndpointsFollowTheRegistry(t *testing.T) {
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
+	defer u.close()
+	reg := balancer.NewRegistry()
+	reg.OnChange(func(s *balancer.Snapshot) { u.follow(s) })
+	a, b := "https://[fe80::1]:8443", "http://worker"
+	reg.Add(balancer.NewWorker(a, balancer.Regular, balancer.NoBootstrapPort))
+	reg.Add(balancer.NewWorker(b, balancer.Regular, balancer.NoBootstrapPort))
+	reg.Remove(b)
+	if m := *u.endpoints.Load(); len(m) != 1 || m[a] != (endpoint{"[fe80::1]:8443", "[fe80::1]:8443", "fe80::1"}) {
+		t.Fatalf("endpoints %v, want only %s's, split", m, a)
+	}
+	for _, url := range []string{a, b} {
+		addr, host, tlsHost, err := u.endpoint(url)
+		wa, wh, wt, werr := hostPort(url)
+		if [3]string{addr, host, tlsHost} != [3]string{wa, wh, wt} || err != werr {
+			t.Errorf("%s: %q %q %q %v, want hostPort's %q %q %q %v", url, addr, host, tlsHost, err, wa, wh, wt, werr)
+		}
+	}
+	if _, _, _, err := u.endpoint("ftp://x"); err == nil {
+		t.Error("ftp accepted")
+	}
+}
+
 func TestUpstreamClosesIdleConnections(t *testing.T) {
 	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
 	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
