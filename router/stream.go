@@ -156,11 +156,87 @@ type streamRelay struct {
 	sent    bool // the first byte went out
 	ended   bool // the last bytes are pending: nothing more to read
 	closed  bool
+	first   [1]byte // WriteTo's wait for the next event reads its first byte here
 }
 
-// Once the first chunk is out, chunks are read straight into fasthttp's
-// copy buffer (p): an open stream holds no buffer of its own, unless its
-// logprobs are merged.
+// WriteTo is how fasthttp writes the stream (fasthttp.BodyWriterTo, instead
+// of Read through a copy buffer it would hold for the whole stream): each
+// pass waits for the worker's next event holding no buffer, reads what has
+// arrived into a pooled one, writes it as one flushed HTTP chunk and gives
+// the buffer back, so an open stream holds none between events.
+func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) {
+	var written int64
+	for {
+		out, bufp := sr.nextOut()
+		var err error
+		if len(out) > 0 {
+			if !sr.sent {
+				sr.r.observeFirstByte()
+				sr.sent = true
+			}
+			var n int
+			n, err = w.Write(out)
+			written += int64(n)
+		}
+		if bufp != nil {
+			chunkPool.Put(bufp)
+		}
+		if err != nil || sr.ended {
+			return written, err
+		}
+	}
+}
+
+// SupportsBodyWriteTo tells fasthttp that WriteTo writes what Read returns.
+func (sr *streamRelay) SupportsBodyWriteTo() bool { return true }
+
+// nextOut returns the client's next bytes and, when they are in a pooled
+// buffer of their own, that buffer, to be given back once they are written.
+func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
+	if len(sr.pending) > 0 { // the first chunk, in sr.bufp
+		out := sr.pending
+		sr.pending = nil
+		return out, nil
+	}
+	if sr.merge != nil || sr.readErr != nil {
+		return sr.next(sr.mergeBuf()), nil
+	}
+	sr.releaseBuf()
+	resp := sr.leg.resp
+	n, err := readSome(resp, sr.first[:])
+	if n == 0 {
+		sr.readErr = err
+		return sr.next(nil), nil
+	}
+	bufp := chunkPool.Get().(*[]byte)
+	buf := *bufp
+	buf[0] = sr.first[0]
+	// The rest of the event is read only if it has arrived: a read of the
+	// one byte ends mid-chunk, where a read of what is buffered cannot wait.
+	if err == nil && resp.conn.br.Buffered() > 0 {
+		var m int
+		m, err = resp.Read(buf[n:])
+		n += m
+		if err == nil {
+			n, err = readBuffered(resp, buf, n)
+		}
+	}
+	sr.readErr = err
+	sr.attempt.scanDecode(buf[:n])
+	return buf[:n], bufp
+}
+
+// mergeBuf is the buffer next reads into: the merger's own, or none once
+// the worker's body has ended (next then only ends the stream).
+func (sr *streamRelay) mergeBuf() []byte {
+	if sr.bufp == nil {
+		return nil
+	}
+	return *sr.bufp
+}
+
+// Read is the io.Reader fasthttp's SetBodyStream takes; WriteTo is what it
+// uses. Once the first chunk is out, chunks are read straight into p.
 func (sr *streamRelay) Read(p []byte) (int, error) {
 	for len(sr.pending) == 0 {
 		if sr.ended {
