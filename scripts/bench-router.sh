@@ -535,7 +535,8 @@ if ((BIG_RUN < BIG_STREAMS)); then
 	targets+=" (not met as stated: the router held $(fds_per_stream pdrouterbig) descriptors per open stream at its peak"
 	targets+=" (${ST_PEAK_FDS[pdrouterbig]} for ${ST_PEAK[pdrouterbig]} open) and never fewer than 2 (client and decode sockets),"
 	targets+=" so this machine's hard open-file limit, $FD_LIMIT (not raisable without CAP_SYS_RESOURCE), holds at most"
-	targets+=" $(((FD_LIMIT - ${ST_IDLE_FDS[pdrouterbig]}) / 2)) streams through one router process;"
+	targets+=" $(((FD_LIMIT - ${ST_IDLE_FDS[pdrouterbig]}) / 2)) streams through one router process, and its default --max-connections admits"
+	targets+=" $(((FD_LIMIT - FD_RESERVE) / 2)) clients, keeping $FD_RESERVE descriptors for prefill legs and pools;"
 	targets+=" at $(per_stream_kib pdrouterbig) KiB per stream, 10000 streams would take"
 	targets+=" $(awk -v i="${ST_IDLE[pdrouterbig]}" -v k="$(per_stream_kib pdrouterbig)" 'BEGIN {printf "%.0f", (i + 10000 * k) / 1024}') MiB)."
 else
