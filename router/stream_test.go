@@ -181,11 +181,14 @@ func TestStreamWaitingForItsFirstEventHoldsNoBuffer(t *testing.T) {
 
 // Nor does a stream between two events: fasthttp writes it through
 // WriteTo, not through a 4 KiB copy buffer of its own for the whole stream
-// (27 KiB per stream here, 38-42 through Read).
+// (21-30 KiB per stream here, 38-42 through Read).
 func TestStreamBetweenEventsHoldsNoBuffer(t *testing.T) {
 	var _ fasthttp.BodyWriterTo = (*streamRelay)(nil)
-	if perStream := heapPerWaitingStream(t, "data: {\"text\":\"a\"}\n\n"); perStream > 33<<10 {
-		t.Fatalf("%d KiB of heap per stream between events, want about 27 (38-42 with a copy buffer per stream)", perStream>>10)
+	// The lesser of two runs: a process's first one also pays for pools
+	// filling up (21-25 KiB per stream after it, up to 30 in it).
+	first := "data: {\"text\":\"a\"}\n\n"
+	if perStream := min(heapPerWaitingStream(t, first), heapPerWaitingStream(t, first)); perStream > 33<<10 {
+		t.Fatalf("%d KiB of heap per stream between events, want about 24 (38-42 with a copy buffer per stream)", perStream>>10)
 	}
 }
 
