@@ -29,28 +29,12 @@ RATE=${RATE:-0}
 SYSCALL_EVENTS=raw_syscalls:sys_enter,syscalls:sys_enter_read,syscalls:sys_enter_write,syscalls:sys_enter_epoll_ctl,syscalls:sys_enter_epoll_pwait,syscalls:sys_enter_futex,syscalls:sys_enter_nanosleep
 . scripts/bench-lib.sh
 bench_setup bench-ab
+check_worker
 TICKS=$(getconf CLK_TCK)
 
-case $WORKER in
-stubengine | mockworker) ;;
-*) echo "bench-ab: WORKER must be stubengine or mockworker" >&2; exit 2 ;;
-esac
-[ -x "$BIN/$WORKER" ] || { echo "bench-ab: $BIN/$WORKER missing (make bench builds it)" >&2; exit 1; }
-worker() { # VAR ROLE
-	local port
-	port=$(free_port)
-	if [ "$WORKER" = stubengine ]; then
-		"$BIN/stubengine" --role "$2" --port "$port" --tokens 8 >"$T/w-$port.log" 2>&1 &
-	else
-		"$BIN/mockworker" --role "$2" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 >"$T/w-$port.log" 2>&1 &
-	fi
-	pids+=($!)
-	until http_ok "$port" /health; do sleep 0.1; done
-	printf -v "$1" %s "$port"
-}
-worker W regular
-worker P prefill
-worker D decode
+start_wrk_worker W regular
+start_wrk_worker P prefill
+start_wrk_worker D decode
 
 declare -A PORT PID
 names=()

@@ -35,3 +35,36 @@ http_ok() {
 	exec 3<&-
 	[[ $status == *" 200"* ]]
 }
+
+# The zero-delay workers of the wrk scripts, chosen by WORKER: stubengine (fixed replies, a fraction
+# of a router's cost per request, so that a router change shows) or mockworker (SGLang's behaviour
+# in more detail, dearer than the router). Uses BIN, T and pids.
+#   check_worker: exits unless WORKER names one of them and BIN holds it.
+#   start_wrk_worker VAR ROLE: starts one, waits up to 30 s for its /health and sets VAR to its port.
+check_worker() {
+	case $WORKER in
+	stubengine | mockworker) ;;
+	*) log "WORKER must be stubengine or mockworker"; exit 2 ;;
+	esac
+	[ -x "$BIN/$WORKER" ] || { log "$BIN/$WORKER missing (make bench builds it)"; exit 1; }
+}
+start_wrk_worker() {
+	local port
+	port=$(free_port)
+	if [ "$WORKER" = stubengine ]; then
+		"$BIN/stubengine" --role "$2" --port "$port" --tokens 8 >"$T/w-$port.log" 2>&1 &
+	else
+		"$BIN/mockworker" --role "$2" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 >"$T/w-$port.log" 2>&1 &
+	fi
+	pids+=($!)
+	for _ in $(seq 300); do
+		if http_ok "$port" /health; then
+			printf -v "$1" %s "$port"
+			return
+		fi
+		sleep 0.1
+	done
+	log "$WORKER --role $2 never answered /health; its log:"
+	tail -n 20 "$T/w-$port.log" >&2
+	exit 1
+}

@@ -12,15 +12,11 @@ GO=${GO:-go}
 PROFILE_SECS=${PROFILE_SECS:-8}
 WORKER=${WORKER:-stubengine}
 OUT=bench/out
-case $WORKER in
-stubengine | mockworker) ;;
-*) echo "bench-profile: WORKER must be stubengine or mockworker" >&2; exit 2 ;;
-esac
-[ -x "$BIN/$WORKER" ] || { echo "bench-profile: $BIN/$WORKER missing (make bench builds it)" >&2; exit 1; }
 command -v wrk >/dev/null || { echo "bench-profile: wrk missing; run scripts/install-deps.sh bench" >&2; exit 1; }
 mkdir -p "$OUT"
 . scripts/bench-lib.sh
 bench_setup bench-profile
+check_worker
 
 wait_ok() { # PORT PATH LOG
 	for _ in $(seq 300); do http_ok "$1" "$2" && return 0; sleep 0.1; done
@@ -32,21 +28,9 @@ wait_ok() { # PORT PATH LOG
 log "building pdrouter with -tags pprof"
 CGO_ENABLED=0 $GO build -tags pprof -o "$T/pdrouter-pprof" ./cmd/pdrouter
 
-worker() { # VAR ROLE
-	local port
-	port=$(free_port)
-	if [ "$WORKER" = stubengine ]; then
-		"$BIN/stubengine" --role "$2" --port "$port" --tokens 8 >"$T/w-$port.log" 2>&1 &
-	else
-		"$BIN/mockworker" --role "$2" --port "$port" --tokens 8 --token-delay 0 --record-requests -1 >"$T/w-$port.log" 2>&1 &
-	fi
-	pids+=($!)
-	wait_ok "$port" /health "$T/w-$port.log"
-	printf -v "$1" %s "$port"
-}
-worker W regular
-worker P prefill
-worker D decode
+start_wrk_worker W regular
+start_wrk_worker P prefill
+start_wrk_worker D decode
 
 # profile NAME ARGS...: one router, wrk against it, a CPU profile of PROFILE_SECS taken meanwhile.
 profile() {
