@@ -1,12 +1,10 @@
 package router
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,30 +13,11 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/internal/testenv"
 )
 
-// syncBuffer is a log sink the router's goroutines may write at once.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) Sync() error { return nil }
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // jsonLogger is --json-log at debug level, into buf.
-func jsonLogger(buf *syncBuffer) *zap.Logger {
+func jsonLogger(buf *testenv.SyncBuffer) *zap.Logger {
 	return zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), buf, zapcore.DebugLevel))
 }
 
@@ -64,7 +43,7 @@ func TestRedactSecrets(t *testing.T) {
 // Every kind of text a log line carries is redacted, in the message, in
 // fields, in errors and in fields added with With; other text is kept.
 func TestRedactLoggerCoversEveryField(t *testing.T) {
-	var buf syncBuffer
+	var buf testenv.SyncBuffer
 	log := redactLogger(jsonLogger(&buf)).With(zap.String("ctx", "Cookie: a="+secret))
 	log.Info("head was Authorization: Bearer "+secret,
 		zap.String("s", "x-api-key="+secret),
@@ -97,7 +76,7 @@ func TestRouterLogsNoCredentials(t *testing.T) {
 	cfg.MaxHeaderSize = 4 << 10
 	cfg.Policy = "round_robin"
 	cfg.Manager.Health.Disabled = true
-	var buf syncBuffer
+	var buf testenv.SyncBuffer
 	srv, err := New(cfg, jsonLogger(&buf), prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)

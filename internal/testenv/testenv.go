@@ -140,22 +140,26 @@ type Proc struct {
 	// on it when that is a HOST:PORT, as in "listening on HOST:PORT".
 	Line string
 	Addr string
-	log  *syncBuffer
+	log  *SyncBuffer
 	done chan struct{}
 }
 
-type syncBuffer struct {
+// SyncBuffer is a bytes.Buffer that goroutines may write at once: a
+// process's output, or a logger's sink (Sync makes it a zapcore.WriteSyncer).
+type SyncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (s *syncBuffer) Write(p []byte) (int, error) {
+func (s *SyncBuffer) Write(p []byte) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.Write(p)
 }
 
-func (s *syncBuffer) String() string {
+func (s *SyncBuffer) Sync() error { return nil }
+
+func (s *SyncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
@@ -181,7 +185,7 @@ func Start(t testing.TB, bin string, args ...string) *Proc {
 // test ends and its output is logged if the test failed.
 func StartWith(t testing.TB, bin string, o Options, args ...string) *Proc {
 	t.Helper()
-	p := &Proc{Cmd: exec.Command(bin, args...), log: &syncBuffer{}, done: make(chan struct{})}
+	p := &Proc{Cmd: exec.Command(bin, args...), log: &SyncBuffer{}, done: make(chan struct{})}
 	p.Cmd.Env = append(childEnv(), o.Env...)
 	ready := make(chan string, 1)
 	var scanned sync.WaitGroup
