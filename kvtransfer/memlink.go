@@ -22,6 +22,8 @@ type memLink struct {
 	p      *MemoryPlane
 	conn   *wire.Conn
 	remote *wire.MemHello
+	// pushesSeen is the plane's table-push count when our MEM_HELLO left.
+	pushesSeen uint64
 
 	mu      sync.Mutex
 	regions []wire.MemRegion // the peer's table, sorted by Base
@@ -46,9 +48,13 @@ type memLink struct {
 	dropped string
 }
 
-func (p *MemoryPlane) hello() *wire.MemHello {
+// hello returns our MEM_HELLO and the count of table pushes its table
+// has seen, so addLink can tell whether one went past the new link.
+func (p *MemoryPlane) hello() (*wire.MemHello, uint64) {
+	p.bmu.Lock()
+	defer p.bmu.Unlock()
 	return &wire.MemHello{Name: p.cfg.Name, Transport: p.cfg.Transport.Name(), WorkerAddr: p.workerAddr,
-		ListenAddr: p.PeerAddr(), Regions: p.table()}
+		ListenAddr: p.PeerAddr(), Regions: p.table()}, p.pushes
 }
 
 // handshake exchanges MEM_HELLOs within the write timeout; the dialer
@@ -56,8 +62,11 @@ func (p *MemoryPlane) hello() *wire.MemHello {
 func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
 	_ = nc.SetDeadline(time.Now().Add(p.cfg.WriteTimeout))
 	conn := wire.NewConn(nc)
+	var hello *wire.MemHello
+	var pushes uint64
 	if dialer {
-		if err := conn.Write(p.hello()); err != nil {
+		hello, pushes = p.hello()
+		if err := conn.Write(hello); err != nil {
 			return nil, err
 		}
 	}
@@ -73,13 +82,14 @@ func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
 		return nil, fmt.Errorf("peer transport %q, ours %q", h.Transport, p.cfg.Transport.Name())
 	}
 	if !dialer {
-		if err := conn.Write(p.hello()); err != nil {
+		hello, pushes = p.hello()
+		if err := conn.Write(hello); err != nil {
 			return nil, err
 		}
 	}
 	_ = nc.SetDeadline(time.Time{})
 	conn.SetWriteTimeout(p.cfg.WriteTimeout)
-	l := &memLink{p: p, conn: conn, remote: h, keys: map[uint32]RemoteKey{}, waiting: map[uint64]chan wire.Msg{}, gone: make(chan struct{})}
+	l := &memLink{p: p, conn: conn, remote: h, pushesSeen: pushes, keys: map[uint32]RemoteKey{}, waiting: map[uint64]chan wire.Msg{}, gone: make(chan struct{})}
 	l.setRegions(h.Regions)
 	return l, nil
 }
@@ -144,11 +154,15 @@ func (p *MemoryPlane) dial(addr string) (*memLink, error) {
 }
 
 // addLink starts the link's reader and files it under addr (the dialer's
-// entry wins over one an accepted link announced).
+// entry wins over one an accepted link announced). A table push made
+// since our MEM_HELLO missed this link, so the peer gets the table again:
+// else it would keep writing into a region we dropped meanwhile.
 func (p *MemoryPlane) addLink(l *memLink, addr string, dialed bool) bool {
+	p.bmu.Lock()
+	defer p.bmu.Unlock()
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.closed {
+		p.mu.Unlock()
 		_ = l.conn.Close()
 		return false
 	}
@@ -159,6 +173,12 @@ func (p *MemoryPlane) addLink(l *memLink, addr string, dialed bool) bool {
 	p.m.peers.Inc()
 	p.wg.Add(1)
 	go l.readLoop()
+	p.mu.Unlock()
+	if p.pushes != l.pushesSeen {
+		if err := l.conn.Write(&wire.MemRegions{Regions: p.table()}); err != nil {
+			l.close(fmt.Errorf("push region table: %w", err))
+		}
+	}
 	return true
 }
 

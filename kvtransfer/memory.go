@@ -80,7 +80,8 @@ type MemoryPlane struct {
 	sessions   int // open sessions; the last one's close drops the links
 	closed     bool
 
-	bmu sync.Mutex // orders region-table pushes
+	bmu    sync.Mutex // orders region-table pushes
+	pushes uint64     // region-table pushes so far; under bmu
 
 	gpu gpuPlane // GPU regions (gpu.go)
 }
@@ -561,6 +562,7 @@ func (p *MemoryPlane) table() []wire.MemRegion {
 func (p *MemoryPlane) pushTable() {
 	p.bmu.Lock()
 	defer p.bmu.Unlock()
+	p.pushes++
 	t := p.table()
 	p.mu.Lock()
 	links := make([]*memLink, 0, len(p.links))

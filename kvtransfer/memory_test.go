@@ -436,6 +436,55 @@ func TestSHMForgetsDroppedRegions(t *testing.T) {
 	}
 }
 
+// TestLinkAcceptedAcrossATablePushGetsTheTable: a region dropped after an
+// accepted link's MEM_HELLO left but before the link joined the table
+// pushes must still reach that peer (CI once saw the writer keep its
+// mapping of the dropped region: the push went to no link).
+func TestLinkAcceptedAcrossATablePushGetsTheTable(t *testing.T) {
+	b := newMemSide(t, "tcp", 2*time.Second)
+	dst, dstFd := engineMemory(t, 4*page)
+	b.register(t, dst, dstFd)
+	ours, theirs := net.Pipe()
+	defer ours.Close()
+	_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
+	peer := wire.NewConn(ours)
+	// net.Pipe is unbuffered: the peer reads on its own goroutine.
+	got := make(chan wire.Msg, 2)
+	go func() {
+		defer close(got)
+		if peer.Write(&wire.MemHello{Name: "writer", Transport: b.tr.Name()}) != nil {
+			return
+		}
+		for range 2 {
+			m, err := peer.Read()
+			if err != nil {
+				return
+			}
+			got <- m
+		}
+	}()
+	l, err := b.p.handshake(theirs, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h, ok := (<-got).(*wire.MemHello); !ok || len(h.Regions) != 1 {
+		t.Fatalf("MEM_HELLO %#v, want one listing the region", h)
+	}
+	if err := b.s.Unregister(addrOf(dst)); err != nil {
+		t.Fatal(err)
+	}
+	if !b.p.addLink(l, "", false) {
+		t.Fatal("addLink refused the link")
+	}
+	m, ok := <-got
+	if !ok {
+		t.Fatal("no table after the link joined")
+	}
+	if regions, ok := m.(*wire.MemRegions); !ok || len(regions.Regions) != 0 {
+		t.Fatalf("got %#v, want the table without the dropped region", m)
+	}
+}
+
 func TestWriteDeadlineScalesWithBytes(t *testing.T) {
 	if d := writeDeadline(5*time.Second, []Triple{{Len: 4096}}); d < 5*time.Second || d > 5*time.Second+time.Millisecond {
 		t.Fatalf("small write: %v", d)
