@@ -201,13 +201,13 @@ func TestClientThatStopsReadingReleasesItsStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	body := `{"text":"x","stream":true}`
+	start := time.Now() // before the request, which the timeout counts from
 	if _, err := io.WriteString(c, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "+
 		strconv.Itoa(len(body))+"\r\n\r\n"+body); err != nil {
 		t.Fatal(err)
 	}
 	// The client reads nothing from here on.
 	waitFor(t, func() bool { return active.Load() == 1 })
-	start := time.Now()
 	deadline := start.Add(cfg.RequestTimeout + writeGrace + 5*time.Second)
 	for active.Load() != 0 {
 		if time.Now().After(deadline) {
