@@ -39,10 +39,11 @@ func layout() (Layout, int) {
 }
 
 type side struct {
-	eng *kvtransfer.Engine
-	srv *Server
-	cl  *Client
-	seg *shm.Segment
+	eng  *kvtransfer.Engine
+	srv  *Server
+	cl   *Client
+	seg  *shm.Segment
+	sock string
 }
 
 func startSide(t *testing.T, name string, peerLn net.Listener, resolve func(context.Context, string) (string, error)) *side {
@@ -57,7 +58,7 @@ func startSide(t *testing.T, name string, peerLn net.Listener, resolve func(cont
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &side{eng: eng, srv: &Server{Engine: eng}}
+	s := &side{eng: eng, srv: &Server{Engine: eng}, sock: sock}
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- s.srv.Serve(ctx, ln) }()
@@ -192,6 +193,86 @@ func TestRegisterRejectsBadLayout(t *testing.T) {
 	uneven := Layout{PageSize: 16, Regions: []RegionSpec{{Kind: KindKV, Len: 100, ItemLen: 64}}}
 	if _, _, err := cl.Register(ctx, uneven); err == nil || !strings.Contains(err.Error(), "multiple") {
 		t.Fatalf("register of a region that is not whole items: %v", err)
+	}
+}
+
+// TestEngineComesBackToItsPool: kvproxy keeps the pool when its engine
+// goes away (peers hold its keys); the engine, restarted with the same
+// layout, gets the same segment, and moves KV again.
+func TestEngineComesBackToItsPool(t *testing.T) {
+	p, d := pair(t)
+	ctx := context.Background()
+	d.seg.Mem[0] = 0x5A // what the first engine process left in the pool
+	d.cl.Close()
+	sock := d.sock
+	l, _ := layout()
+	var back *Client
+	deadline := time.Now().Add(5 * time.Second)
+	for { // until kvproxy has seen the old connection go
+		cl, err := Dial(sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, fd, err := cl.Register(ctx, l)
+		if err == nil {
+			seg, err := shm.Map(fd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer seg.Close()
+			if seg.Mem[0] != 0x5A {
+				t.Fatal("the engine came back to a new segment, not its pool")
+			}
+			back = cl
+			break
+		}
+		cl.Close()
+		if !strings.Contains(err.Error(), "connected engine") || time.Now().After(deadline) {
+			t.Fatalf("register after the engine came back: %v", err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	defer back.Close()
+	if _, _, err := d.cl.Register(ctx, l); err == nil {
+		t.Fatal("register on a closed client succeeded")
+	}
+	second, err := Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if _, _, err := second.Register(ctx, l); err == nil || !strings.Contains(err.Error(), "connected engine") {
+		t.Fatalf("a second engine while the first is connected: %v", err)
+	}
+	back.Close()
+	other := l
+	other.PageSize *= 2
+	for {
+		_, _, err := second.Register(ctx, other)
+		if err != nil && strings.Contains(err.Error(), "another layout") {
+			break
+		}
+		if err == nil || !strings.Contains(err.Error(), "connected engine") || time.Now().After(deadline) {
+			t.Fatalf("register of another layout: %v", err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	restarted, err := Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restarted.Close()
+	if _, _, err := restarted.Register(ctx, l); err != nil {
+		t.Fatalf("register after a refused layout: %v", err)
+	}
+	if err := restarted.Expect(ctx, 9, "p:8998", []uint32{2}, -1); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.cl.Send(ctx, 9, []uint32{1}, true, -1); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := restarted.Wait(ctx, 9); err != nil || st.State != kvtransfer.Success {
+		t.Fatalf("transfer into the re-attached pool: %+v %v", st, err)
 	}
 }
 

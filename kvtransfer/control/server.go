@@ -30,9 +30,11 @@ type Server struct {
 	// then announces itself on its bootstrap server).
 	OnRegister func(*kvtransfer.Pool)
 
-	mu  sync.Mutex
-	seg *shm.Segment
-	wg  sync.WaitGroup
+	mu     sync.Mutex
+	seg    *shm.Segment
+	layout Layout // seg's, for an engine that comes back
+	owner  *conn  // the connection that registered or re-attached seg; nil once it closed
+	wg     sync.WaitGroup
 }
 
 // Serve accepts connections until ln is closed, then waits for every
@@ -112,6 +114,11 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		cancel()
 		uc.Close()
 		wg.Wait()
+		s.mu.Lock()
+		if s.owner == c {
+			s.owner = nil // the pool stays, for the engine to re-attach
+		}
+		s.mu.Unlock()
 		for _, fd := range fds {
 			syscall.Close(fd)
 		}
@@ -318,12 +325,21 @@ func (c *conn) track(room uint64) {
 
 // register has the transport allocate the shared segment for layout l and
 // registers the pool it holds; the reply passes the segment's fd to the
-// engine.
+// engine. The pool lives as long as kvproxy (peers hold its keys): an
+// engine that restarts with the same layout gets the same segment back.
 func (c *conn) register(l Layout) (string, error) {
 	c.s.mu.Lock()
 	defer c.s.mu.Unlock()
 	if c.s.seg != nil {
-		return "", errors.New("register: a pool is already registered")
+		switch {
+		case c.s.owner != nil:
+			return "", errors.New("register: a pool is already registered by a connected engine")
+		case !sameLayout(l, c.s.layout):
+			return "", errors.New("register: the pool registered earlier has another layout; restart kvproxy to change it")
+		}
+		c.s.owner = c
+		c.s.Log.Info("pool re-attached", zap.Int("bytes", len(c.s.seg.Mem)))
+		return c.s.Engine.TransportName(), nil
 	}
 	var size uint64
 	for i, rs := range l.Regions {
@@ -344,12 +360,16 @@ func (c *conn) register(l Layout) (string, error) {
 		seg.Close()
 		return "", err
 	}
-	c.s.seg = seg
+	c.s.seg, c.s.layout, c.s.owner = seg, Layout{PageSize: l.PageSize, Dtype: l.Dtype, Regions: slices.Clone(l.Regions)}, c
 	if c.s.OnRegister != nil {
 		c.s.OnRegister(p)
 	}
 	c.s.Log.Info("pool registered", zap.Int("bytes", len(seg.Mem)), zap.Int("regions", len(p.Regions)), zap.Int("pages", p.Pages()))
 	return c.s.Engine.TransportName(), nil
+}
+
+func sameLayout(a, b Layout) bool {
+	return a.PageSize == b.PageSize && a.Dtype == b.Dtype && slices.Equal(a.Regions, b.Regions)
 }
 
 // maxPool bounds a pool's size (1 TiB), so a bad layout cannot overflow.
