@@ -240,11 +240,13 @@ func (l *memLink) handle(m wire.Msg) error {
 	case *wire.MemRegionsReq:
 		return l.conn.Write(&wire.MemRegions{Seq: m.Seq, Regions: l.p.table()})
 	case *wire.MemRegions:
-		if m.Seq == 0 {
-			l.setRegions(m.Regions)
-			return nil
+		// Installed here, in the link's order, for an answer too: a push
+		// read after an answer is the newer table, and a waiter installing
+		// the answer itself could put the older one back over it.
+		l.setRegions(m.Regions)
+		if m.Seq != 0 {
+			l.deliver(m.Seq, m)
 		}
-		l.deliver(m.Seq, m)
 	case *wire.MemFence:
 		ack := &wire.MemFenceAck{Seq: m.Seq, Err: l.dropped}
 		l.dropped = ""
@@ -368,7 +370,8 @@ func (l *memLink) await(ctx context.Context, seq uint64, ch chan wire.Msg) (wire
 	}
 }
 
-// refresh fetches the peer's current table.
+// refresh fetches the peer's current table; the reader installs it
+// before the answer reaches us.
 func (l *memLink) refresh(ctx context.Context) error {
 	seq, ch, err := l.ask()
 	if err != nil {
@@ -382,12 +385,10 @@ func (l *memLink) refresh(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	t, ok := m.(*wire.MemRegions)
-	if !ok {
+	if _, ok := m.(*wire.MemRegions); !ok {
 		return fmt.Errorf("%w: %s answered a table request", wire.ErrMalformed, m.Type())
 	}
-	l.setRegions(t.Regions)
-	return nil
+	return nil // the reader installed the table
 }
 
 // remoteRegion returns the peer region holding [addr, addr+n).

@@ -485,6 +485,58 @@ func TestLinkAcceptedAcrossATablePushGetsTheTable(t *testing.T) {
 	}
 }
 
+// TestTableAnswerDoesNotUndoALaterPush: a table push read after the answer
+// to our table request is the newer table, and must be the one that stays.
+func TestTableAnswerDoesNotUndoALaterPush(t *testing.T) {
+	b := newMemSide(t, "tcp", 2*time.Second)
+	for i := range 20 {
+		ours, theirs := net.Pipe()
+		_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
+		peer := wire.NewConn(ours)
+		greeted := make(chan error, 1) // net.Pipe is unbuffered: the peer greets on its own goroutine
+		go func() {
+			err := peer.Write(&wire.MemHello{Name: "peer", Transport: b.tr.Name()})
+			if err == nil {
+				_, err = peer.Read() // our MEM_HELLO
+			}
+			greeted <- err
+		}()
+		l, err := b.p.handshake(theirs, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := <-greeted; err != nil {
+			t.Fatal(err)
+		}
+		if !b.p.addLink(l, "", false) {
+			t.Fatal("addLink refused the link")
+		}
+		refreshed := make(chan error, 1)
+		go func() { refreshed <- l.refresh(context.Background()) }()
+		m, err := peer.Read()
+		req, ok := m.(*wire.MemRegionsReq)
+		if err != nil || !ok {
+			t.Fatalf("want a table request, got %#v %v", m, err)
+		}
+		old := []wire.MemRegion{{ID: 1, Kind: wire.MemHost, Base: 1 << 20, Len: page, Addr: 1 << 20}}
+		for _, msg := range []wire.Msg{&wire.MemRegions{Seq: req.Seq, Regions: old}, &wire.MemRegions{}, &wire.MemFence{Seq: 99}} {
+			if err := peer.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := <-refreshed; err != nil {
+			t.Fatal(err)
+		}
+		if m, err := peer.Read(); err != nil || m.Type() != (&wire.MemFenceAck{}).Type() { // the reader is past the push
+			t.Fatalf("want the fence's ack, got %#v %v", m, err)
+		}
+		if r, found := l.remoteRegion(1<<20, 1); found {
+			t.Fatalf("round %d: the answer's table (region %d) replaced the newer push", i, r.ID)
+		}
+		ours.Close()
+	}
+}
+
 func TestWriteDeadlineScalesWithBytes(t *testing.T) {
 	if d := writeDeadline(5*time.Second, []Triple{{Len: 4096}}); d < 5*time.Second || d > 5*time.Second+time.Millisecond {
 		t.Fatalf("small write: %v", d)
