@@ -214,6 +214,18 @@ func sseThenClose(w http.ResponseWriter, r *http.Request) {
 	c.Close()
 }
 
+// headThenClose answers a 200 stream head, then closes the connection
+// before the first event.
+func headThenClose(w http.ResponseWriter, r *http.Request) {
+	c, buf, err := w.(http.Hijacker).Hijack()
+	if err != nil {
+		panic(err)
+	}
+	buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+	buf.Flush()
+	c.Close()
+}
+
 // legRequest is how a test request ends: its body, whether the client
 // leaves, the router's request timeout and the status the client gets.
 type legRequest struct {
@@ -263,6 +275,7 @@ func TestLegAccountingRegular(t *testing.T) {
 		{"stream cut by the client", sseThenHang, legRequest{body: stream, cut: true}, legWant{ok: 1}},
 		{"body cut by the worker", cutBody, legRequest{status: 502}, legWant{failed: 1, errorType: "body"}},
 		{"stream cut by the worker", sseThenClose, legRequest{body: stream, status: 200}, legWant{failed: 1, errorType: "body"}},
+		{"stream cut before its first event", headThenClose, legRequest{body: stream, status: 502}, legWant{failed: 1, errorType: "body"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			url := legWorker(t, c.worker)
@@ -368,6 +381,10 @@ func TestLegAccountingPD(t *testing.T) {
 			legWant{failed: 1, errorType: "body"}, legWant{}},
 		{"decode body cut", answer(200), after(100*time.Millisecond, cutBody), legRequest{status: 502},
 			legWant{ok: 1}, legWant{failed: 1, errorType: "body"}},
+		// Decode's failure ends the attempt: prefill is cancelled, not left
+		// to run until the request timeout.
+		{"decode stream cut before its first event", hang, headThenClose,
+			legRequest{body: `{"text":"x","stream":true}`, status: 502}, legWant{}, legWant{failed: 1, errorType: "body"}},
 		{"client gone", hang, hang, legRequest{cut: true}, legWant{}, legWant{}},
 		{"timeout", hang, hang, legRequest{timeout: 300 * time.Millisecond, status: 504},
 			legWant{failed: 1, errorType: "connect"}, legWant{failed: 1, errorType: "connect"}},

@@ -23,11 +23,13 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	}
 	a.scanDecode((*bufp)[:n])
 	if n == 0 && err != nil && err != io.EOF {
+		l.bodyFailed()
 		l.close()
 		chunkPool.Put(bufp)
 		if f := a.failure(); f != nil {
 			return f, false // JSON even for a stream: nothing was sent yet (as OpenAI and SGLang)
 		}
+		a.abandon()
 		if r.clientGone() {
 			return nil, false
 		}
