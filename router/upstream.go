@@ -179,7 +179,11 @@ func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extr
 		return nil, err
 	}
 	for attempt := 0; ; attempt++ {
-		conn, reused := u.get(addr)
+		var conn *upConn
+		reused := false
+		if attempt == 0 { // the other pooled connections may be as dead as the first
+			conn, reused = u.get(addr)
+		}
 		if conn == nil {
 			c, err := u.dial(sc, addr, tlsHost)
 			if err != nil {

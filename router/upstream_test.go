@@ -100,6 +100,41 @@ func TestUpstreamRetriesAConnectionClosedWhileIdle(t *testing.T) {
 	}
 }
 
+// A worker that restarts leaves every pooled connection dead: the retry
+// after the first one fails goes out on a fresh connection, not on the
+// next dead one.
+func TestUpstreamRetryAfterAStaleConnectionDials(t *testing.T) {
+	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
+	defer u.close()
+	var held []*upstreamResponse // in use together: each takes a connection of its own
+	for i := range 2 {
+		resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		held = append(held, resp)
+	}
+	for _, resp := range held {
+		io.Copy(io.Discard, resp)
+		resp.Close()
+	}
+	u.mu.Lock()
+	pooled := len(u.idle[strings.TrimPrefix(srv.URL, "http://")])
+	u.mu.Unlock()
+	if pooled != 2 {
+		t.Fatalf("%d pooled connections, want 2", pooled)
+	}
+	srv.CloseClientConnections()
+	waitFor(t, func() bool { return conns.openCount() == 0 })
+	resp, err := u.post(&scope{}, srv.URL, "/", bodyOf(nil), nil, nil)
+	if err != nil {
+		t.Fatalf("with every pooled connection closed by the worker: %v", err)
+	}
+	io.Copy(io.Discard, resp)
+	resp.Close()
+}
+
 func TestUpstreamCancelEndsAWaitAndDropsTheConnection(t *testing.T) {
 	release := make(chan struct{})
 	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
