@@ -556,7 +556,10 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 	l.mu.Lock()
 	prev, raced := l.keys[r.ID]
 	closed, cause := l.closed, l.err
-	if !raced && !closed {
+	// A table dropping r installed during the unpack found no key of it to
+	// forget: cached now, it would stay mapped as long as the link.
+	listed := slices.ContainsFunc(l.regions, func(x wire.MemRegion) bool { return x.ID == r.ID })
+	if !raced && !closed && listed {
 		l.keys[r.ID] = k
 	}
 	l.mu.Unlock()
@@ -566,6 +569,9 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 	case raced: // a concurrent write unpacked it first
 		ep.Forget(k)
 		return prev, nil
+	case !listed:
+		ep.Forget(k)
+		return nil, fmt.Errorf("peer region %d: %w at the peer", r.ID, ErrNotRegistered)
 	}
 	return k, nil
 }

@@ -537,6 +537,91 @@ func TestTableAnswerDoesNotUndoALaterPush(t *testing.T) {
 	}
 }
 
+// gatedSHM is the shm transport pausing after each key unpack, so a test
+// can move the peer's table on while a write holds a key not yet cached.
+type gatedSHM struct {
+	SHM
+	unpacked, resume chan struct{}
+}
+
+func (g *gatedSHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
+	ep, err := g.SHM.MemoryEndpoint(addr)
+	if err != nil {
+		return nil, err
+	}
+	return &gatedEndpoint{MemoryEndpoint: ep, g: g}, nil
+}
+
+type gatedEndpoint struct {
+	MemoryEndpoint
+	g *gatedSHM
+}
+
+func (e *gatedEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
+	k, err := e.MemoryEndpoint.Unpack(rkey)
+	e.g.unpacked <- struct{}{}
+	<-e.g.resume
+	return k, err
+}
+
+// TestKeyUnpackedAcrossATablePushIsNotKept: a write unpacks the key of a
+// peer region while the peer's push dropping that region is installed;
+// the push found no key to forget, so the write must not cache it (else
+// the writer's mapping of the departed engine's memory lives on).
+func TestKeyUnpackedAcrossATablePushIsNotKept(t *testing.T) {
+	b := newMemSide(t, "shm", 5*time.Second)
+	dst, dstFd := engineMemory(t, 4*page)
+	b.register(t, dst, dstFd)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &gatedSHM{unpacked: make(chan struct{}), resume: make(chan struct{})}
+	a, err := NewMemoryPlane(MemoryConfig{Name: "a", Transport: g, Listener: ln, WriteTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := a.Close(); err != nil {
+			t.Error(err)
+		}
+	}()
+	as := a.NewSession()
+	src, srcFd := engineMemory(t, 4*page)
+	if err := as.Register(wire.MemHost, addrOf(src), uint64(len(src)), srcFd()); err != nil {
+		t.Fatal(err)
+	}
+	base := memfdMappings(t) // the engines' two and each kvproxy's one
+	wrote := make(chan error, 1)
+	go func() {
+		wrote <- as.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 4 * page}})
+	}()
+	<-g.unpacked // the writer mapped the peer's memfd; the key is not cached yet
+	if err := b.s.Unregister(addrOf(dst)); err != nil {
+		t.Fatal(err)
+	}
+	l, err := a.link(context.Background(), b.p.PeerAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.refresh(context.Background()); err != nil { // the push came before this answer
+		t.Fatal(err)
+	}
+	close(g.resume)
+	if err := <-wrote; !errors.Is(err, ErrNotRegistered) {
+		t.Errorf("write into a region dropped before its bytes moved: %v, want %v", err, ErrNotRegistered)
+	}
+	l.mu.Lock()
+	cached := len(l.keys)
+	l.mu.Unlock()
+	if cached != 0 {
+		t.Errorf("%d keys cached for a peer table without regions", cached)
+	}
+	if n := memfdMappings(t); n != base-1 { // b's own went to quarantine, a's view of it must go
+		t.Errorf("%d memfd mappings after the peer dropped its region, want %d", n, base-1)
+	}
+}
+
 func TestWriteDeadlineScalesWithBytes(t *testing.T) {
 	if d := writeDeadline(5*time.Second, []Triple{{Len: 4096}}); d < 5*time.Second || d > 5*time.Second+time.Millisecond {
 		t.Fatalf("small write: %v", d)
