@@ -238,6 +238,10 @@ func (l *memLink) handle(m wire.Msg) error {
 	case *wire.Data:
 		return l.land(m)
 	case *wire.MemRegionsReq:
+		// Taken and sent under bmu, as pushes are: an answer taken before a
+		// drop but sent after its push would list the dropped region again.
+		l.p.bmu.Lock()
+		defer l.p.bmu.Unlock()
 		return l.conn.Write(&wire.MemRegions{Seq: m.Seq, Regions: l.p.table()})
 	case *wire.MemRegions:
 		// Installed here, in the link's order, for an answer too: a push

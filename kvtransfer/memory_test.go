@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"strings"
@@ -534,6 +535,109 @@ func TestTableAnswerDoesNotUndoALaterPush(t *testing.T) {
 			t.Fatalf("round %d: the answer's table (region %d) replaced the newer push", i, r.ID)
 		}
 		ours.Close()
+	}
+}
+
+// TestTableAnswerNeverListsADroppedRegion: an answer to a table request
+// whose table was taken before a region's drop must not reach the peer
+// after the push that dropped it (the peer installs tables in link order,
+// so it would believe in the region again). Regions roll over, one new
+// before each drop, while the peer asks for the table nonstop; a push
+// listing region n means every region below n is gone for good.
+func TestTableAnswerNeverListsADroppedRegion(t *testing.T) {
+	b := newMemSide(t, "tcp", 5*time.Second)
+	ours, theirs := net.Pipe()
+	defer ours.Close()
+	peer := wire.NewConn(ours)
+	greeted := make(chan error, 1) // net.Pipe is unbuffered: the peer greets on its own goroutine
+	go func() {
+		err := peer.Write(&wire.MemHello{Name: "peer", Transport: b.tr.Name()})
+		if err == nil {
+			_, err = peer.Read() // our MEM_HELLO
+		}
+		greeted <- err
+	}()
+	l, err := b.p.handshake(theirs, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-greeted; err != nil {
+		t.Fatal(err)
+	}
+	if !b.p.addLink(l, "", false) {
+		t.Fatal("addLink refused the link")
+	}
+	stop := make(chan struct{})
+	asked := make(chan struct{})
+	go func() { // ask until the test ends (the pipe closes)
+		defer close(asked)
+		for seq := uint64(1); ; seq++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if peer.Write(&wire.MemRegionsReq{Seq: seq}) != nil {
+				return
+			}
+		}
+	}()
+	violation := make(chan string, 1)
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		var goneBelow uint32
+		for {
+			m, err := peer.Read()
+			if err != nil {
+				return
+			}
+			regions, ok := m.(*wire.MemRegions)
+			if !ok {
+				continue
+			}
+			for _, r := range regions.Regions {
+				if r.ID < goneBelow {
+					select {
+					case violation <- fmt.Sprintf("table (seq %d) lists region %d after a push showed every region below %d gone", regions.Seq, r.ID, goneBelow):
+					default:
+					}
+				}
+			}
+			if regions.Seq == 0 && len(regions.Regions) > 0 {
+				low := regions.Regions[0].ID
+				for _, r := range regions.Regions {
+					low = min(low, r.ID)
+				}
+				goneBelow = max(goneBelow, low)
+			}
+		}
+	}()
+	bufs := [2][]byte{}
+	dups := [2]func() int{}
+	for i := range bufs {
+		bufs[i], dups[i] = engineMemory(t, page)
+	}
+	b.register(t, bufs[0], dups[0])
+	for i := 1; i <= 1000; i++ {
+		b.register(t, bufs[i%2], dups[i%2])
+		if err := b.s.Unregister(addrOf(bufs[(i-1)%2])); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case v := <-violation:
+			t.Fatalf("round %d: %s", i, v)
+		default:
+		}
+	}
+	close(stop)
+	ours.Close()
+	<-asked
+	<-read
+	select {
+	case v := <-violation:
+		t.Fatal(v)
+	default:
 	}
 }
 
