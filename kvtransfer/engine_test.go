@@ -481,3 +481,27 @@ func TestCloseFailsRooms(t *testing.T) {
 		t.Fatalf("Send after Close: %v", err)
 	}
 }
+
+// TestRoomMatchedOverAClosedPeerFails: an XFER_REQ read just before the
+// peer's writer or heartbeat closed it is matched after that peer's
+// rooms were failed; the room must fail then too, not wait out the
+// waiting timeout over a connection that is gone.
+func TestRoomMatchedOverAClosedPeerFails(t *testing.T) {
+	pr := newPair(t, "tcp", nil)
+	if err := pr.D.Expect(1, "boot:1", []uint32{0}, -1); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "P accepting D", func() bool { return pr.P.Peers() == 1 })
+	pr.P.mu.Lock()
+	var p *peer
+	for x := range pr.P.peers {
+		p = x
+	}
+	pr.P.mu.Unlock()
+	p.close(errors.New("write: connection reset"))
+	pr.P.onXferReq(p, &wire.XferReq{Room: 2, AuxSlot: -1, DstPages: []uint32{1}})
+	if st, err := pr.P.Poll(2); err != nil || st.State != Failed {
+		t.Fatalf("room matched over a closed peer: %+v %v, want Failed", st, err)
+	}
+	wait(t, pr.D, 1, Failed)
+}

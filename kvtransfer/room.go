@@ -221,6 +221,13 @@ func (e *Engine) matchLocked(r *room, p *peer) bool {
 	}
 	r.peer = p
 	p.rooms[r.id] = r
+	select {
+	case <-p.closed:
+		// p.close closes this before it fails p's rooms under e.mu: a room
+		// matched after that would wait out its timeout over a dead link.
+		e.failLocked(r, "peer lost before the room matched", false)
+	default:
+	}
 	return true
 }
 
