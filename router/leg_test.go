@@ -385,6 +385,10 @@ func TestLegAccountingPD(t *testing.T) {
 		// to run until the request timeout.
 		{"decode stream cut before its first event", hang, headThenClose,
 			legRequest{body: `{"text":"x","stream":true}`, status: 502}, legWant{}, legWant{failed: 1, errorType: "body"}},
+		// Or later: a prefill that never answered (its head is waited for
+		// prefillHeadGrace) is cancelled once decode's stream has broken.
+		{"decode stream cut after its first event", hang, sseThenClose,
+			legRequest{body: `{"text":"x","stream":true}`, status: 200}, legWant{}, legWant{failed: 1, errorType: "body"}},
 		{"client gone", hang, hang, legRequest{cut: true}, legWant{}, legWant{}},
 		{"timeout", hang, hang, legRequest{timeout: 300 * time.Millisecond, status: 504},
 			legWant{failed: 1, errorType: "connect"}, legWant{failed: 1, errorType: "connect"}},

@@ -299,6 +299,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	}
 	e := sr.attempt.failure()
 	if e == nil {
+		sr.attempt.abandon() // a prefill still running has no stream to serve
 		if sr.r.clientGone() {
 			return nil
 		}
