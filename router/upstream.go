@@ -151,7 +151,9 @@ func (r *upstreamResponse) Close() error {
 		return nil
 	}
 	cancelled := !r.scope.unregister(r.conn)
-	reusable := r.eof && !r.failed && !cancelled && !r.Header.ConnectionClose()
+	// Bytes already past the reply's end (a worker's wrong Content-Length)
+	// would be read as the next request's reply.
+	reusable := r.eof && !r.failed && !cancelled && !r.Header.ConnectionClose() && r.conn.br.Buffered() == 0
 	_ = r.resp.CloseBodyStream()
 	fasthttp.ReleaseResponse(r.resp)
 	if reusable && !r.idleUntil.IsZero() {

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bufio"
 	"errors"
 	"io"
 	"net"
@@ -184,6 +185,66 @@ func TestUpstreamHalfReadBodyIsNotReused(t *testing.T) {
 	}
 	if n := conns.acceptedCount(); n != 2 {
 		t.Errorf("a connection with unread body was reused: %d connections", n)
+	}
+}
+
+// A worker that sends bytes past its reply's end (a wrong Content-Length)
+// leaves its connection out of step: pooled, the next request would read
+// those bytes as its reply.
+func TestUpstreamDoesNotPoolAConnectionWithBytesPastItsReply(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var served sync.WaitGroup
+	defer served.Wait()
+	defer ln.Close()
+	served.Add(1)
+	go func() {
+		defer served.Done()
+		for first := true; ; first = false {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			served.Add(1)
+			go func(c net.Conn, reply string) {
+				defer served.Done()
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for {
+					for { // the request head; post sends no body here
+						line, err := br.ReadString('\n')
+						if err != nil {
+							return
+						}
+						if line == "\r\n" {
+							break
+						}
+					}
+					if _, err := io.WriteString(c, reply); err != nil {
+						return
+					}
+					reply = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh"
+				}
+			}(c, map[bool]string{
+				true:  "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstale",
+				false: "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh",
+			}[first])
+		}
+	}()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
+	defer u.close()
+	for i, want := range []string{"ok", "fresh"} {
+		resp, err := u.post(&scope{}, "http://"+ln.Addr().String(), "/", bodyOf(nil), nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(resp)
+		resp.Close()
+		if err != nil || string(got) != want {
+			t.Fatalf("reply %d: %q %v, want %q", i, got, err, want)
+		}
 	}
 }
 
