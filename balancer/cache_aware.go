@@ -63,7 +63,7 @@ func (*CacheAware) NeedsText() bool { return true }
 func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 	var text, model string
 	if req != nil {
-		text, model = req.Text, req.Model
+		text, model = req.Text, servedModel(workers, req.Model)
 	}
 	minL, maxL, ties := loadStats(workers)
 	t := c.tree(model)
@@ -91,6 +91,21 @@ func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 		t.tree.insert(text, cand.ids[pick])
 	}
 	return workers[pick], nil
+}
+
+// servedModel is model if a candidate serves it, else "" (the default
+// tree): the name is client input, and a tree per name sent would grow
+// without bound.
+func servedModel(workers []*Worker, model string) string {
+	if model == "" {
+		return ""
+	}
+	for _, w := range workers {
+		if w.ModelID == model {
+			return model
+		}
+	}
+	return ""
 }
 
 // loadStats returns the min and max balance load and how many have the min.

@@ -156,3 +156,18 @@ func TestRadixTreeByteBound(t *testing.T) {
 		t.Fatalf("most recent prompt evicted: matched %d of %d", m, len(last))
 	}
 }
+
+// The model a request names is client input: names no worker serves share
+// the default tree instead of each growing its own.
+func TestCacheAwareUnservedModelsShareOneTree(t *testing.T) {
+	ws := testWorkers(2)
+	ws[1].ModelID = "served"
+	ca := NewCacheAware(PolicyOptions{})
+	for i := range 100 {
+		ca.Select(ws, &Request{Text: "prompt " + strconv.Itoa(i), Model: "bogus-" + strconv.Itoa(i)})
+	}
+	ca.Select(ws, &Request{Text: "prompt", Model: "served"})
+	if n := len(*ca.trees.Load()); n != 2 {
+		t.Fatalf("%d trees after 100 unserved model names and one served: want 2 (default, served)", n)
+	}
+}
