@@ -80,6 +80,7 @@ func (a *Admission) Acquire(ctx context.Context) (release func(), err error) {
 	}
 	a.mu.Lock()
 	a.refill()
+	a.grant() // waiters first; drops those past their deadline, which must not hold this one back
 	if len(a.waiters) == 0 && a.tokens >= 1 {
 		a.tokens--
 		a.mu.Unlock()

@@ -3,6 +3,7 @@ package balancer
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -175,5 +176,37 @@ func TestAdmissionDisabled(t *testing.T) {
 			t.Fatal(err)
 		}
 		rel()
+	}
+}
+
+// A token refilled while the only waiter is past its deadline (its timer
+// not run yet) serves the next arrival, which used to queue behind it
+// with no time left and get 408 holding a free token.
+func TestAdmissionExpiredWaiterDoesNotBlockFreeToken(t *testing.T) {
+	var nanos atomic.Int64
+	clock := func() time.Time { return time.Unix(0, nanos.Load()) }
+	// 1/64 token/s: a token takes 64 s, far beyond any real timer here.
+	a := NewAdmission(AdmissionConfig{MaxConcurrent: 1, RatePerSecond: 1.0 / 64, QueueSize: 1, QueueTimeout: 2 * time.Minute})
+	a.now, a.last = clock, clock()
+	rel, err := a.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rel()
+	ctx, cancel := context.WithCancel(context.Background())
+	first := make(chan error, 1)
+	go func() { _, err := a.Acquire(ctx); first <- err }()
+	for a.Waiting() != 1 {
+		time.Sleep(time.Millisecond)
+	}
+	nanos.Add(int64(64 * time.Second)) // the token refills on the first waiter's deadline
+	r2, err := a.Acquire(context.Background())
+	if err != nil {
+		t.Fatalf("arrival with a refilled token: %v, want it served", err)
+	}
+	r2()
+	cancel()
+	if err := <-first; err == nil {
+		t.Fatal("waiter past its deadline was served")
 	}
 }
