@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -359,4 +360,68 @@ func FuzzDecodeRequest(f *testing.F) {
 		}
 		_, _ = DecodeReply(b)
 	})
+}
+
+// TestReattachWaitsForTheOldRoomsToEnd: a restarted engine gets its pool
+// back only once the rooms of the engine that left are over, or pages of
+// an old room could still land in pages the new engine handed out afresh.
+func TestReattachWaitsForTheOldRoomsToEnd(t *testing.T) {
+	_, d := pair(t)
+	ctx := context.Background()
+	if err := d.cl.Expect(ctx, 7, "p:8998", []uint32{1}, -1); err != nil {
+		t.Fatal(err)
+	}
+	d.srv.mu.Lock()
+	old := d.srv.owner
+	d.srv.mu.Unlock()
+	// Hold the old connection's cleanup at its rooms: kvproxy must not
+	// let the pool go before it gets past them.
+	old.rmu.Lock()
+	held := true
+	defer func() {
+		if held {
+			old.rmu.Unlock()
+		}
+	}()
+	d.cl.Close()
+	l, _ := layout()
+	attach := func() (*Client, error) {
+		cl, err := Dial(d.sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, fd, err := cl.Register(ctx, l)
+		if err != nil {
+			cl.Close()
+			return nil, err
+		}
+		syscall.Close(fd)
+		return cl, nil
+	}
+	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		cl, err := attach()
+		if err == nil {
+			cl.Close()
+			st, _ := d.eng.Poll(7)
+			t.Fatalf("pool re-attached while a room of the engine that left is %v", st.State)
+		}
+		if !strings.Contains(err.Error(), "connected engine") {
+			t.Fatal(err)
+		}
+	}
+	old.rmu.Unlock()
+	held = false
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		cl, err := attach()
+		if err == nil {
+			defer cl.Close()
+			break
+		}
+		if !strings.Contains(err.Error(), "connected engine") || time.Now().After(deadline) {
+			t.Fatalf("re-attach: %v", err)
+		}
+	}
+	if st, err := d.eng.Poll(7); err != nil || !st.State.Terminal() {
+		t.Fatalf("room of the engine that left, after re-attach: %+v %v", st, err)
+	}
 }

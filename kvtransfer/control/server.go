@@ -114,11 +114,6 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		cancel()
 		uc.Close()
 		wg.Wait()
-		s.mu.Lock()
-		if s.owner == c {
-			s.owner = nil // the pool stays, for the engine to re-attach
-		}
-		s.mu.Unlock()
 		for _, fd := range fds {
 			syscall.Close(fd)
 		}
@@ -135,6 +130,13 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			}
 		}
 		c.rmu.Unlock()
+		// Only now may a restarted engine re-attach: its fresh allocations
+		// must not share pages with rooms still open.
+		s.mu.Lock()
+		if s.owner == c {
+			s.owner = nil // the pool stays, for the engine to re-attach
+		}
+		s.mu.Unlock()
 	}()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
