@@ -193,3 +193,13 @@ func TestKvproxyRegistration(t *testing.T) {
 	r.Client.CloseIdleConnections()
 	bad.Client.CloseIdleConnections()
 }
+
+// TestQueryDPRanksRepeatedRoom: SGLang builds the answer as a dict keyed by
+// str(int(room)), so a room asked for twice (or as 5 and "5") is one key.
+func TestQueryDPRanksRepeatedRoom(t *testing.T) {
+	s := NewServer()
+	expect(t, "register", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 5, "dp_rank": 1}`), answer{200, "OK", textCT})
+	expect(t, "register 6", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 6, "dp_rank": 2}`), answer{200, "OK", textCT})
+	expect(t, "query", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [5, 6, "5", 5.0, 6]}`),
+		answer{200, `{"5": 1, "6": 2}`, jsonCT})
+}

@@ -429,6 +429,7 @@ func (s *Server) queryDPRanks(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var out pyObject
+	seen := map[int64]bool{} // a dict: a room asked for twice is one key
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.expireLocked()
@@ -438,7 +439,8 @@ func (s *Server) queryDPRanks(w http.ResponseWriter, r *http.Request) {
 			writeText(w, http.StatusInternalServerError, internal("int() of room %v", v).text)
 			return
 		}
-		if e, ok := s.dp[room]; ok {
+		if e, ok := s.dp[room]; ok && !seen[room] {
+			seen[room] = true
 			out.set(strconv.FormatInt(room, 10), e.rank)
 		}
 	}
