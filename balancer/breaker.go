@@ -207,6 +207,7 @@ func (b *Breaker) eject(v uint64, reason string) bool {
 				return false
 			}
 			if st != BreakerClosed {
+				b.closedAt = now // the back-off decays from here, not from an earlier close
 				b.transition(st, BreakerClosed)
 			}
 		}

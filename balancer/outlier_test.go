@@ -346,3 +346,39 @@ func TestHealthProbeOfHungWorkerTimesOut(t *testing.T) {
 	}
 	h.client.CloseIdleConnections()
 }
+
+// A half-open failure the cap keeps closed closes the breaker now: the
+// back-off decays from then, not from an earlier close (which would count
+// the ejection itself as time spent closed and reset the multiplier).
+func TestBreakerCapCloseRestartsBackoffDecay(t *testing.T) {
+	ws := poolOf(t, 2, BreakerConfig{FailureThreshold: 1, SuccessThreshold: 1, OpenDuration: 10 * time.Second,
+		MaxOpenDuration: 100 * time.Second, MaxEjectionPercent: 50})
+	clk := &fakeClock{t: time.Unix(1000, 0)}
+	b := ws[0].Breaker
+	b.now = clk.now
+	reopen := func(wait time.Duration) {
+		t.Helper()
+		clk.add(wait)
+		if !b.Allow() || b.State() != BreakerHalfOpen {
+			t.Fatalf("not half-open after %v: %v", wait, b.State())
+		}
+	}
+	b.Record(false) // 1st ejection: 10 s
+	reopen(10 * time.Second)
+	b.Record(true) // closed
+	b.Record(false)
+	if got := time.Duration(b.openFor.Load()); got != 20*time.Second {
+		t.Fatalf("2nd ejection in a row lasts %v, want 20 s", got)
+	}
+	reopen(20 * time.Second)
+	ws[1].SetHealthy(false)
+	b.Record(false) // the cap keeps it closed
+	if b.State() != BreakerClosed {
+		t.Fatalf("ejected past the cap: %v", b.State())
+	}
+	ws[1].SetHealthy(true)
+	b.Record(false) // at once: no time spent closed, so the 3rd in a row
+	if got := time.Duration(b.openFor.Load()); b.State() != BreakerOpen || got != 30*time.Second {
+		t.Fatalf("ejection right after a cap-close: %v for %v, want open for 30 s", b.State(), got)
+	}
+}
