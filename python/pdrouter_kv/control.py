@@ -301,6 +301,9 @@ class Client:
         if not p.done:
             with self._lock:
                 self._pending.pop(rid, None)
+            # A reader hands over to the oldest caller, which may be this one:
+            # pass the wake on, or the others' replies wait in the socket.
+            self._hand_over()
             raise TimeoutError("kvproxy did not answer op %d within %.1fs" % (op, limit))
         if p.error is not None:
             raise p.error

@@ -1,0 +1,147 @@
+"""control.Client against a scripted kvproxy (a unix socket the test answers by hand)."""
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+import unittest
+
+from pdrouter_kv import control
+
+
+class FakeKVProxy:
+    """Accepts one control connection; the test reads requests and writes replies."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="fake-kvproxy-")
+        self.path = os.path.join(self.dir, "ctl.sock")
+        self.ln = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.ln.bind(self.path)
+        self.ln.listen(1)
+        self.conn = None
+
+    def accept(self):
+        self.conn, _ = self.ln.accept()
+
+    def _exactly(self, n):
+        b = b""
+        while len(b) < n:
+            chunk = self.conn.recv(n - len(b))
+            if not chunk:
+                raise EOFError("client closed")
+            b += chunk
+        return b
+
+    def request(self):
+        """(op, id, body) of the next request."""
+        n = struct.unpack("<I", self._exactly(4))[0]
+        body = self._exactly(n)
+        op, rid = struct.unpack_from("<BQ", body)
+        return op, rid, body[9:]
+
+    def reply(self, op, rid, err=b"", body=b""):
+        payload = struct.pack("<BQI", op, rid, len(err)) + err + body
+        self.conn.sendall(struct.pack("<I", len(payload)) + payload)
+
+    def close(self):
+        if self.conn is not None:
+            self.conn.close()
+        self.ln.close()
+        os.unlink(self.path)
+        os.rmdir(self.dir)
+
+
+class _Clock:
+    """A monotonic clock the test moves: control's deadlines without real waits."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+class _CountingLock:
+    """The client's read lock, counting the callers that found it taken."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.refused = 0
+
+    def acquire(self, blocking=True):
+        got = self.lock.acquire(blocking)
+        if not got:
+            self.refused += 1
+        return got
+
+    def release(self):
+        self.lock.release()
+
+    def locked(self):
+        return self.lock.locked()
+
+    def __enter__(self):
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def wait_until(cond, what):
+    end = time.monotonic() + 10
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("never: " + what)
+        time.sleep(0.005)
+
+
+class FakeServerTest(unittest.TestCase):
+    def setUp(self):
+        self.kp = FakeKVProxy()
+        self.cl = control.Client(self.kp.path)
+        self.kp.accept()
+
+    def tearDown(self):
+        self.cl.close()
+        self.kp.close()
+
+    def call_in_thread(self, timeout, out):
+        def run():
+            try:
+                out["reply"] = self.cl._call(control.OP_PROBE, control._string("p"), timeout=timeout)
+            except Exception as e:  # the test looks at what it was
+                out["error"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def test_a_reader_that_times_out_lets_a_waiting_caller_read_its_reply(self):
+        clock = _Clock()
+        orig = control.time
+        control.time = clock
+        self.addCleanup(setattr, control, "time", orig)
+        self.cl._read_lock = lock = _CountingLock()
+        first, second = {}, {}
+        t1 = self.call_in_thread(100, first)
+        _, id1, _ = self.kp.request()
+        wait_until(lock.locked, "the first caller reads the socket")
+        t2 = self.call_in_thread(10000, second)
+        _, id2, _ = self.kp.request()
+        wait_until(lambda: lock.refused >= 1, "the second caller waits for the reader")
+        # The first caller's deadline passes; a stray reply wakes it from poll.
+        clock.now = 200
+        self.kp.reply(control.OP_PROBE, 999)
+        t1.join(10)
+        self.assertIsInstance(first.get("error"), TimeoutError)
+        # Now the second caller's reply comes: someone must read it.
+        self.kp.reply(control.OP_PROBE, id2)
+        t2.join(5)
+        self.assertFalse(t2.is_alive(), "the second caller's reply sat unread in the socket")
+        self.assertNotIn("error", second)
+
+
+if __name__ == "__main__":
+    unittest.main()
