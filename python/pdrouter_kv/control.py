@@ -96,7 +96,8 @@ class _Reader:
         return len(self.b) - self.i
 
     def string(self):
-        return self.take(_U32.unpack(self.take(4))[0]).decode()
+        # Go strings need not be UTF-8 (an error can quote a peer's text).
+        return self.take(_U32.unpack(self.take(4))[0]).decode(errors="replace")
 
 
 class _Pending:

@@ -142,6 +142,20 @@ class FakeServerTest(unittest.TestCase):
         self.assertFalse(t2.is_alive(), "the second caller's reply sat unread in the socket")
         self.assertNotIn("error", second)
 
+    def test_error_text_that_is_not_utf8_is_an_error_reply(self):
+        out = {}
+        t = self.call_in_thread(10, out)
+        _, rid, _ = self.kp.request()
+        self.kp.reply(control.OP_PROBE, rid, err=b"peer dropped data: \xff\xfe")
+        t.join(5)
+        self.assertIsInstance(out.get("error"), control.KVProxyError)
+        # The connection goes on: the next reply is read.
+        t = self.call_in_thread(10, out)
+        _, rid, _ = self.kp.request()
+        self.kp.reply(control.OP_PROBE, rid)
+        t.join(5)
+        self.assertIsNotNone(out.get("reply"))
+
 
 if __name__ == "__main__":
     unittest.main()
