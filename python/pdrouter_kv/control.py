@@ -32,6 +32,7 @@ KIND_HOST = 0
 
 DEFAULT_SOCK = "/tmp/kvproxy.sock"
 MAX_FRAME = 16 << 20  # kvproxy's limit (kvtransfer/control/proto.go)
+MAX_STRING = 4 << 10  # kvproxy's limit on a string in a frame (kvtransfer/wire/codec.go)
 # Triples per write frame: 24 bytes each must fit the frame.
 MAX_TRIPLES = (MAX_FRAME - 4096) // 24
 # Ranges one write_pages may name (buffers x pages), kvproxy's MaxPageWrite.
@@ -58,6 +59,8 @@ class ControlClosed(ConnectionError):
 
 def _string(s):
     b = s.encode()
+    if len(b) > MAX_STRING:  # kvproxy would drop the connection, and all it registered
+        raise ValueError("string of %d bytes, kvproxy takes at most %d" % (len(b), MAX_STRING))
     return _U32.pack(len(b)) + b
 
 

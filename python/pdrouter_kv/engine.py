@@ -370,7 +370,7 @@ class TransferEngine:
             return ERR_NOT_INITIALIZED
         try:
             client.probe(peer)
-        except (OSError, control.KVProxyError) as e:
+        except (OSError, ValueError, control.KVProxyError) as e:
             logger.info("send_probe %s: %s", peer, e)
             self._lost(client, e)
             return ERR_SOCKET

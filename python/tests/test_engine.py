@@ -232,6 +232,18 @@ class EngineTest(EnginePairTest):
         self.assertEqual(self.kp[1].wait_metric("kvproxy_registered_regions", 0), 0)
         self.assertEqual(self.src_eng.transfer_sync_write(self.dst_eng_session_cached, ctypes.addressof(src), ctypes.addressof(dst), 16), -1)
 
+    def test_overlong_session_id_fails_the_call_not_the_connection(self):
+        # kvproxy drops a connection whose frame holds a string over 4 KiB,
+        # and with it every region the engine registered.
+        src, dst = self.pair(4096)
+        client = self.src_eng._client
+        long_id = "127.0.0.1:" + "9" * 5000
+        self.assertLess(self.src_eng.send_probe(long_id), 0)
+        self.assertLess(self.src_eng.transfer_sync_write(long_id, ctypes.addressof(src), ctypes.addressof(dst), 16), 0)
+        self.assertIs(self.src_eng._client, client)
+        self.assertTrue(client.alive(0.2))
+        self.assertEqual(self.src_eng.transfer_sync_write(self.dst_eng_session(), ctypes.addressof(src), ctypes.addressof(dst), 16), 0)
+
     @property
     def dst_eng_session_cached(self):
         return self.kp[1].peer
