@@ -257,16 +257,20 @@ class TransferEngine:
         for start, size in merged:
             if start in self._segments and self._segments[start][0] == size:
                 continue
-            for s in [s for s, (n, _) in self._segments.items() if s < start + size and start < s + n]:
-                client.unregister_memory(s)
-                os.close(self._segments.pop(s)[1])
+            old = [s for s, (n, _) in self._segments.items() if s < start + size and start < s + n]
+            # remap fails before it maps anything: then the old segments stand.
             fd = remap.remap(start, size)
-            try:
-                client.register_memory(start, size, fd)
-            except BaseException:
-                os.close(fd)
-                raise
+            # Now the new memfd backs their pages: it is what a reconnect registers.
+            for s in old:
+                os.close(self._segments.pop(s)[1])
             self._segments[start] = (size, fd)
+            try:
+                for s in old:
+                    client.unregister_memory(s)
+                client.register_memory(start, size, fd)
+            except control.KVProxyError:
+                os.close(self._segments.pop(start)[1])  # refused: a later registration remaps it again
+                raise
 
     def unregister_memory(self, buffer_addr):
         return self.batch_unregister_memory([buffer_addr])

@@ -195,6 +195,26 @@ class EngineTest(EnginePairTest):
         self.assertEqual(self.src_eng.transfer_sync_write(self.dst_eng_session(), ctypes.addressof(bufs[1]), ctypes.addressof(dsts[1]), 200), 0)
         self.assertEqual(dsts[1].raw, bytes([2]) * 200)
 
+    def test_failed_remap_keeps_the_buffers_on_its_pages_registered(self):
+        # b shares a's page and runs into a page that cannot be read, so the
+        # remap of their union fails: a must stay as it was.
+        m = mmap.mmap(-1, 4 * mmap.PAGESIZE)
+        _maps.append(m)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        last = base + 3 * mmap.PAGESIZE
+        self.assertEqual(libc.mprotect(last, mmap.PAGESIZE, 0), 0)  # PROT_NONE
+        self.addCleanup(libc.mprotect, last, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE)
+        ctypes.memset(base, 5, 100)
+        dst = buffer(100)
+        self.assertEqual(self.dst_eng.register_memory(ctypes.addressof(dst), 100), 0)
+        self.assertEqual(self.src_eng.register_memory(base, 100), 0)
+        self.assertLess(self.src_eng.register_memory(base + 200, 3 * mmap.PAGESIZE), 0)
+        self.assertEqual(self.kp[0].metric("kvproxy_registered_regions"), 1)
+        self.assertEqual(self.src_eng.transfer_sync_write(self.dst_eng_session(), base, ctypes.addressof(dst), 100), 0)
+        self.assertEqual(dst.raw, b"\5" * 100)
+
     def test_four_threads_write_at_once(self):
         size = 8 * MiB
         src, dst = self.pair(size, 0)
