@@ -221,7 +221,9 @@ func (s *Sidecar) listen() (*listeners, error) {
 		l.metrics, err = tcp(s.cfg.MetricsPort, maxMetricsConns)
 	}
 	if err == nil {
-		_ = os.Remove(s.cfg.Control) // a stale socket of an earlier run
+		err = removeStaleSocket(s.cfg.Control)
+	}
+	if err == nil {
 		l.control, err = net.ListenUnix("unix", &net.UnixAddr{Name: s.cfg.Control, Net: "unix"})
 	}
 	if err != nil {
@@ -229,6 +231,18 @@ func (s *Sidecar) listen() (*listeners, error) {
 		return nil, err
 	}
 	return l, nil
+}
+
+// removeStaleSocket removes the socket an earlier run left at path, but
+// not one a running kvproxy still accepts on: unlinking that would cut its
+// engine off from it.
+func removeStaleSocket(path string) error {
+	if c, err := net.Dial("unix", path); err == nil {
+		_ = c.Close()
+		return fmt.Errorf("control socket %s is in use by a running process", path)
+	}
+	_ = os.Remove(path)
+	return nil
 }
 
 func (l *listeners) close() {

@@ -276,3 +276,28 @@ func TestCloseEndsOpenRooms(t *testing.T) {
 		}
 	})
 }
+
+// TestControlSocketOfARunningSidecar: a second kvproxy started on the same
+// control path (both roles default to one) fails instead of unlinking the
+// socket of the one running, whose engine could then no longer reach it;
+// a socket file left by a kvproxy that died is still replaced.
+func TestControlSocketOfARunningSidecar(t *testing.T) {
+	first := start(t, "prefill", "tcp")
+	sock := first.Addrs().Control
+	if s, err := Start(Config{Role: "decode", Transport: "tcp", Host: "127.0.0.1", Control: sock}); err == nil {
+		s.Close()
+		t.Fatal("a second sidecar started on the control socket of a running one")
+	} else if !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("second sidecar: %v", err)
+	}
+	connect(t, first) // its engine still reaches it
+
+	stale := filepath.Join(t.TempDir(), "stale.sock")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.SetUnlinkOnClose(false)
+	ln.Close() // as if its kvproxy was killed: the file stays, nobody listens
+	start(t, "decode", "tcp", func(c *Config) { c.Control = stale })
+}
