@@ -80,6 +80,9 @@ func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 		if matched, n := t.tree.match(text); len(text) > 0 && float64(matched)/float64(len(text)) > c.opts.CacheThreshold {
 			pick = cand.bestTenant(workers, n.tenants)
 		}
+		if pick >= 0 && workers[pick].Suspect() && minL < suspectLoad {
+			pick = -1 // only suspects hold the prefix: a worker that answers takes it
+		}
 		if pick >= 0 {
 			c.branches.inc("hit")
 		} else {
@@ -108,18 +111,25 @@ func servedModel(workers []*Worker, model string) string {
 	return ""
 }
 
-// loadStats returns the min and max balance load and how many have the min.
+// loadStats returns the min balance load, how many have it, and the max
+// over the workers that answer (all of them when none does): a suspect's
+// penalty must not make the pool look imbalanced and cost everyone hits.
 func loadStats(workers []*Worker) (lo, hi int64, ties int) {
-	lo = workers[0].balanceLoad()
-	hi, ties = lo, 1
-	for _, w := range workers[1:] {
-		switch l := w.balanceLoad(); {
+	lo, ties = workers[0].balanceLoad(), 0
+	hi, answering := lo, false
+	for _, w := range workers {
+		l := w.balanceLoad()
+		switch {
 		case l < lo:
 			lo, ties = l, 1
 		case l == lo:
 			ties++
-		case l > hi:
-			hi = l
+		}
+		switch suspect := l >= suspectLoad; {
+		case !suspect && !answering:
+			hi, answering = l, true
+		case !suspect || !answering:
+			hi = max(hi, l)
 		}
 	}
 	return lo, hi, ties
