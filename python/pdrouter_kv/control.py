@@ -224,7 +224,7 @@ class Client:
         into page dst_pages[i] of the peer engine's (at dst + index * page_len).
         Returns once remotely complete.
 
-        The same as write() with a triple per buffer and page, in one frame of 24
+        The same as write() with a triple per buffer and page, in frames of 24
         bytes a buffer and 8 a page (kvproxy moves GPU pages so without expanding
         them); against a kvproxy that lacks it, it falls back to write().
         """
@@ -252,8 +252,15 @@ class Client:
             for i in range(0, len(srcs), MAX_TRIPLES):
                 self.write(peer, srcs[i:i + MAX_TRIPLES], dsts[i:i + MAX_TRIPLES], lens[i:i + MAX_TRIPLES], timeout)
             return
-        body = b"".join((_string(peer), _U32.pack(len(buffers)), bufs, _U32.pack(n), pairs))
-        self._call(OP_WRITE_PAGES, body, timeout=timeout)
+        # kvproxy drops a connection whose frame passes MAX_FRAME (one buffer of
+        # MAX_PAGE_WRITE pages does): the pairs go in as many frames as need be.
+        head = _string(peer) + _U32.pack(len(buffers)) + bufs
+        per = (MAX_FRAME - 13 - len(head)) // 8
+        if per < 1:
+            raise ValueError("write_pages: %d buffers do not fit one frame" % len(buffers))
+        for i in range(0, max(n, 1), per):
+            chunk = pairs[8 * i:8 * (i + per)]
+            self._call(OP_WRITE_PAGES, b"".join((head, _U32.pack(len(chunk) // 8), chunk)), timeout=timeout)
 
     def probe(self, peer):
         self._call(OP_PROBE, _string(peer))

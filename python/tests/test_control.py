@@ -100,6 +100,32 @@ class WritePagesTest(unittest.TestCase):
             w(self.peer, self.buffers(), [2 ** 32], [0])
         with self.assertRaisesRegex(ValueError, "at most"):
             w(self.peer, [(0, 0, 1)] * 2, range(control.MAX_PAGE_WRITE // 2 + 1), range(control.MAX_PAGE_WRITE // 2 + 1))
+        with self.assertRaisesRegex(ValueError, "do not fit one frame"):
+            w(self.peer, [(0, 0, 1)] * (control.MAX_FRAME // 24), [0], [0])
+        self.assertTrue(self.src_cl.alive())
+
+    def test_page_write_past_one_frame_goes_in_several(self):
+        # One buffer of MAX_PAGE_WRITE one-byte pages: its frame passes
+        # kvproxy's 16 MiB, which would drop the connection and its memory.
+        n = control.MAX_PAGE_WRITE
+        src_cl, dst_cl = control.Client(self.kp[0].sock), control.Client(self.kp[1].sock)
+        try:
+            bufs = []
+            for cl in (src_cl, dst_cl):
+                m = mmap.mmap(-1, n)
+                self.maps.append(m)
+                buf = (ctypes.c_char * n).from_buffer(m)
+                cl.register_host_memory(ctypes.addressof(buf), n)
+                bufs.append(buf)
+            src, dst = bufs
+            for i in range(0, n, PAGE):
+                src[i] = bytes([i // PAGE % 251 + 1])
+            src_cl.write_pages(self.peer, [(ctypes.addressof(src), ctypes.addressof(dst), 1)], range(n), range(n))
+            self.assertTrue(src_cl.alive())
+            self.assertEqual(dst.raw, src.raw)
+        finally:
+            src_cl.close()
+            dst_cl.close()
 
     def test_write_past_a_mebibyte_frame(self):
         # 60k triples (1.4 MB) go in one frame now that the client takes kvproxy's 16 MiB.
