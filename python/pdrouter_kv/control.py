@@ -33,8 +33,9 @@ KIND_HOST = 0
 DEFAULT_SOCK = "/tmp/kvproxy.sock"
 MAX_FRAME = 16 << 20  # kvproxy's limit (kvtransfer/control/proto.go)
 MAX_STRING = 4 << 10  # kvproxy's limit on a string in a frame (kvtransfer/wire/codec.go)
-# Triples per write frame: 24 bytes each must fit the frame.
-MAX_TRIPLES = (MAX_FRAME - 4096) // 24
+# Triples per write frame: 24 bytes each must fit the frame beside the
+# longest peer name.
+MAX_TRIPLES = (MAX_FRAME - MAX_STRING - 64) // 24
 # Ranges one write_pages may name (buffers x pages), kvproxy's MaxPageWrite.
 MAX_PAGE_WRITE = 1 << 21
 # Bodies this long are sent apart from their head instead of copied behind it.

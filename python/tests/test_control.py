@@ -127,6 +127,18 @@ class WritePagesTest(unittest.TestCase):
             src_cl.close()
             dst_cl.close()
 
+    def test_largest_write_with_the_longest_peer_fits_a_frame(self):
+        # A frame past kvproxy's 16 MiB closes the connection; MAX_TRIPLES
+        # triples to a 4 KiB peer name must fit one.
+        cl = control.Client(self.kp[0].sock)
+        try:
+            n = control.MAX_TRIPLES
+            with self.assertRaises(control.KVProxyError):
+                cl.write("1" * control.MAX_STRING, [1] * n, [1] * n, [1] * n)
+            self.assertTrue(cl.alive())
+        finally:
+            cl.close()
+
     def test_write_past_a_mebibyte_frame(self):
         # 60k triples (1.4 MB) go in one frame now that the client takes kvproxy's 16 MiB.
         n = 60000
