@@ -49,6 +49,12 @@ func main() {
 	flag.DurationVar(&cfg.WriteTimeout, "write-timeout", 5*time.Second, "an engine-memory write (or probe) not complete within this fails")
 	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	flag.Parse()
+	if flag.NArg() > 0 {
+		// flag stops at the first non-flag word: every flag after it would
+		// be ignored without a word.
+		fmt.Fprintf(os.Stderr, "kvproxy: unexpected argument %q (flags after it would be ignored)\n", flag.Arg(0))
+		os.Exit(2)
+	}
 	if err := run(cfg, logLevel); err != nil {
 		fmt.Fprintln(os.Stderr, "kvproxy:", err)
 		os.Exit(1)
