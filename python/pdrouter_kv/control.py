@@ -43,6 +43,9 @@ _SEND_APART = 1 << 16
 # Socket send buffer asked for: a big write frame then crosses in fewer
 # wake-ups of kvproxy's reader (the kernel caps it at net.core.wmem_max).
 _SNDBUF = 4 << 20
+# Longest single wait (s): poll() and Event.wait() refuse ~24 days and up; the
+# loops around them wait on to the caller's deadline.
+_MAX_WAIT = 3600.0
 
 _U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
 
@@ -308,7 +311,7 @@ class Client:
                     self._read_lock.release()
                     self._hand_over()
             else:
-                p.wake.wait(left)
+                p.wake.wait(min(left, _MAX_WAIT))
                 p.wake.clear()
         if not p.done:
             with self._lock:
@@ -333,7 +336,7 @@ class Client:
         try:
             while not p.done:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._poll.poll(max(1, int(left * 1000))):
+                if left <= 0 or not self._poll.poll(max(1, int(min(left, _MAX_WAIT) * 1000))):
                     return
                 chunk = self._sock.recv(1 << 16)
                 if not chunk:

@@ -139,6 +139,15 @@ class WritePagesTest(unittest.TestCase):
         finally:
             cl.close()
 
+    def test_a_timeout_of_years_is_a_long_wait_not_an_error(self):
+        # poll() and Event.wait() take at most ~24 days (and no infinity).
+        for timeout in (1e9, float("inf")):
+            cl = control.Client(self.kp[1].sock, timeout=timeout)
+            try:
+                self.assertEqual(cl.hello()[0], self.peer)
+            finally:
+                cl.close()
+
     def test_write_past_a_mebibyte_frame(self):
         # 60k triples (1.4 MB) go in one frame now that the client takes kvproxy's 16 MiB.
         n = 60000
