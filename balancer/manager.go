@@ -525,8 +525,8 @@ func (m *Manager) Update(idOrURL string, u WorkerUpdate) (WorkerInfo, error) {
 	ws := m.lookupAll(idOrURL)
 	var first *Worker
 	for _, w := range ws {
-		nw := w.withAttrs(u)
-		if m.reg.replace(nw) && first == nil {
+		nw, ok := m.reg.update(w.ID, func(cur *Worker) *Worker { return cur.withAttrs(u) })
+		if ok && first == nil {
 			first = nw
 		}
 	}

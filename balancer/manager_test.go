@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -253,5 +255,41 @@ func TestManagerPollsLoadForPolicyThatReadsIt(t *testing.T) {
 		if _, ok := w.ReportedLoad(); ok {
 			t.Errorf("%s: /get_load polled", c.policy.Name())
 		}
+	}
+}
+
+// Concurrent updates of different fields both land: each applies to the
+// worker as published at the time, not to a copy another update replaced.
+func TestManagerConcurrentUpdatesKeepBoth(t *testing.T) {
+	m := NewManager(ManagerConfig{})
+	defer m.Stop()
+	w := NewWorker("http://10.0.0.1:1", Regular, NoBootstrapPort)
+	m.reg.Add(w)
+	const n = 2000
+	lost := make(chan string, 2)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for i := uint32(1); i <= n; i++ {
+			m.Update(w.ID, WorkerUpdate{Priority: &i})
+			if p := m.Snapshot().ByID(w.ID).Priority; p != i {
+				lost <- fmt.Sprintf("priority %d set, %d published", i, p)
+				return
+			}
+		}
+	})
+	wg.Go(func() {
+		for i := 1; i <= n; i++ {
+			c := float32(i)
+			m.Update(w.ID, WorkerUpdate{Cost: &c})
+			if got := m.Snapshot().ByID(w.ID).Cost; got != c {
+				lost <- fmt.Sprintf("cost %v set, %v published", c, got)
+				return
+			}
+		}
+	})
+	wg.Wait()
+	close(lost)
+	for msg := range lost {
+		t.Error("lost update:", msg)
 	}
 }

@@ -126,19 +126,20 @@ func (r *Registry) Remove(url string) ([]*Worker, bool) {
 	return gone, true
 }
 
-// replace swaps the worker with w's ID for w (an attribute update).
-func (r *Registry) replace(w *Worker) bool {
+// update publishes fn's copy of the registered worker with id, reading it
+// under the write lock so concurrent updates build on each other.
+func (r *Registry) update(id string, fn func(*Worker) *Worker) (*Worker, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	cur := r.snap.Load()
-	i := slices.IndexFunc(cur.All, func(x *Worker) bool { return x.ID == w.ID })
+	i := slices.IndexFunc(cur.All, func(x *Worker) bool { return x.ID == id })
 	if i < 0 {
-		return false
+		return nil, false
 	}
 	all := slices.Clone(cur.All)
-	all[i] = w
+	all[i] = fn(all[i])
 	r.publish(all)
-	return true
+	return all[i], true
 }
 
 func buildSnapshot(all []*Worker) *Snapshot {
