@@ -291,7 +291,8 @@ class TransferEngine:
             except (OSError, control.KVProxyError) as e:
                 logger.error("unregister_memory: %s", e)
                 self._lost(client, e)
-                client = None
+                if isinstance(e, control.ControlClosed):
+                    client = None  # the rest went with the connection; else they are still there
                 ret = -1
 
         with self._lock:

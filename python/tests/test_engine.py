@@ -173,6 +173,17 @@ class EngineTest(EnginePairTest):
         self.assertEqual(self.src_eng.unregister_memory(p), 0)
         self.assertEqual(self.kp[0].wait_metric("kvproxy_registered_regions", 0), 0)
 
+    def test_an_unregister_kvproxy_refuses_does_not_skip_the_rest(self):
+        a, b = buffer(4096), buffer(4096)
+        pa, pb = ctypes.addressof(a), ctypes.addressof(b)
+        self.assertEqual(self.src_eng.batch_register_memory([pa, pb], [4096, 4096]), 0)
+        self.assertEqual(self.kp[0].metric("kvproxy_registered_regions"), 2)
+        # kvproxy loses the first region (by address, the order the engine
+        # unregisters in) behind the engine's back: its unregister fails.
+        self.src_eng._client.unregister_memory(min(pa, pb))
+        self.assertEqual(self.src_eng.batch_unregister_memory([pa, pb]), -1)
+        self.assertEqual(self.kp[0].metric("kvproxy_registered_regions"), 0, "the other region left in kvproxy")
+
     def test_small_buffers_on_shared_pages(self):
         # SGLang's aux buffers are small tensors that share pages: each is
         # registered on its own, kvproxy sees them as one remapped region.
