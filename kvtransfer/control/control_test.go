@@ -425,3 +425,41 @@ func TestReattachWaitsForTheOldRoomsToEnd(t *testing.T) {
 		t.Fatalf("room of the engine that left, after re-attach: %+v %v", st, err)
 	}
 }
+
+// TestLongAbortReason: an engine's abort reason of the longest length the
+// control API takes comes back (prefixed) in the room's status and goes to
+// the peer in an ABORT; neither may break a connection, or the reply kills
+// the engine's control connection and the ABORT every room on the link.
+func TestLongAbortReason(t *testing.T) {
+	p, d := pair(t)
+	ctx := context.Background()
+	for _, room := range []uint64{1, 2} {
+		if err := d.cl.Expect(ctx, room, "p:8998", []uint32{uint32(room)}, -1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		st, err := d.cl.Poll(ctx, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.State != kvtransfer.Bootstrapping {
+			break // matched: aborting it sends the prefill an ABORT
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("room 1 never matched")
+		}
+	}
+	if err := d.cl.Abort(ctx, 1, strings.Repeat("r", 4096)); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := d.cl.Poll(ctx, 1); err != nil || st.State != kvtransfer.Failed || !strings.Contains(st.Reason, "rrrr") {
+		t.Fatalf("aborted room: %+v %v", st.State, err)
+	}
+	if err := p.cl.Send(ctx, 2, []uint32{3}, true, -1); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := d.cl.Wait(ctx, 2); err != nil || st.State != kvtransfer.Success {
+		t.Fatalf("the other room on the link: %v %q %v", st.State, st.Reason, err)
+	}
+}

@@ -170,7 +170,7 @@ func EncodeRequest(r *Request) []byte {
 			e.Bool(r.Wait)
 		case OpAbort:
 			e.U64(r.Room)
-			e.String(r.Reason)
+			e.Text(r.Reason)
 		case OpRegisterMemory:
 			e.U8(uint8(r.Kind))
 			e.U64(r.Addr)
@@ -323,7 +323,7 @@ func EncodeReply(r *Reply) []byte {
 	return frame(func(e *wire.Enc) {
 		e.U8(uint8(r.Op))
 		e.U64(r.ID)
-		e.String(r.Err)
+		e.Text(r.Err)
 		switch r.Op {
 		case OpRegister:
 			e.String(r.Transport)
@@ -333,7 +333,7 @@ func EncodeReply(r *Reply) []byte {
 			e.U32(r.Features)
 		case OpPoll:
 			e.U8(r.State)
-			e.String(r.Reason)
+			e.Text(r.Reason)
 			e.U64(r.Pages)
 			e.U64(r.Bytes)
 			e.U64(r.TransferNs)

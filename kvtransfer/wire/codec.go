@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"math"
+	"unicode/utf8"
 )
 
 // ErrMalformed is wrapped by every decoding error: the peer that sent the
@@ -43,6 +44,20 @@ func (e *Enc) Bytes(v []byte) {
 func (e *Enc) String(v string) {
 	e.U32(uint32(len(v)))
 	e.B = append(e.B, v...)
+}
+
+// Text writes free text (a reason, an error message) cut at a rune to the
+// length String decodes: whole, a long one would get the frame rejected as
+// malformed and the connection carrying it dropped.
+func (e *Enc) Text(v string) {
+	if len(v) > maxString {
+		n := maxString
+		for n > 0 && !utf8.RuneStart(v[n]) {
+			n--
+		}
+		v = v[:n]
+	}
+	e.String(v)
 }
 
 // U32s writes a u32 count then the values.

@@ -131,7 +131,7 @@ func (m *MemFence) encode(e *Enc) { e.U64(m.Seq) }
 
 func (m *MemFenceAck) encode(e *Enc) {
 	e.U64(m.Seq)
-	e.String(m.Err)
+	e.Text(m.Err)
 }
 
 // decodeMem parses the engine-memory payloads (see Decode).

@@ -204,7 +204,7 @@ func (m *Done) encode(e *Enc) {
 
 func (m *Abort) encode(e *Enc) {
 	e.U64(m.Room)
-	e.String(m.Reason)
+	e.Text(m.Reason)
 }
 
 func (m *Heartbeat) encode(e *Enc) { e.U64(m.Seq) }

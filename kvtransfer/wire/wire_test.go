@@ -6,7 +6,9 @@ import (
 	"io"
 	"net"
 	"reflect"
+	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 func sample() []Msg {
@@ -197,4 +199,29 @@ func FuzzReadMsg(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestLongTextStillDecodes: free text (an abort's reason, a fence's error)
+// longer than a decoder accepts is cut when encoded; sent whole it made
+// the peer drop the connection and every room on it.
+func TestLongTextStillDecodes(t *testing.T) {
+	long := strings.Repeat("é", maxString) // 2 bytes a rune: the cut must not split one
+	for _, m := range []Msg{&Abort{Room: 1, Reason: long}, &MemFenceAck{Seq: 2, Err: long}} {
+		var buf []byte
+		var pending uint32
+		got, err := ReadMsg(bytes.NewReader(AppendFrame(nil, m)), &buf, &pending)
+		if err != nil {
+			t.Fatalf("%s with %d bytes of text: %v", m.Type(), len(long), err)
+		}
+		var text string
+		switch g := got.(type) {
+		case *Abort:
+			text = g.Reason
+		case *MemFenceAck:
+			text = g.Err
+		}
+		if len(text) == 0 || len(text) > maxString || !strings.HasPrefix(long, text) || !utf8.ValidString(text) {
+			t.Fatalf("%s: text of %d bytes, want a valid prefix of at most %d", m.Type(), len(text), maxString)
+		}
+	}
 }
