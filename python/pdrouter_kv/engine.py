@@ -258,15 +258,24 @@ class TransferEngine:
             if start in self._segments and self._segments[start][0] == size:
                 continue
             old = [s for s, (n, _) in self._segments.items() if s < start + size and start < s + n]
-            # remap fails before it maps anything: then the old segments stand.
-            fd = remap.remap(start, size)
+            # Unregistered first, so kvproxy cannot write into a memfd the
+            # remap is about to detach (a write there would be lost unseen).
+            gone = []
+            try:
+                for s in old:
+                    client.unregister_memory(s)
+                    gone.append(s)
+                fd = remap.remap(start, size)
+            except BaseException:
+                # remap maps nothing when it fails: the old memfds still back their pages.
+                for s in gone:
+                    client.register_memory(s, *self._segments[s])
+                raise
             # Now the new memfd backs their pages: it is what a reconnect registers.
             for s in old:
                 os.close(self._segments.pop(s)[1])
             self._segments[start] = (size, fd)
             try:
-                for s in old:
-                    client.unregister_memory(s)
                 client.register_memory(start, size, fd)
             except control.KVProxyError:
                 os.close(self._segments.pop(start)[1])  # refused: a later registration remaps it again
