@@ -203,3 +203,19 @@ func TestQueryDPRanksRepeatedRoom(t *testing.T) {
 	expect(t, "query", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [5, 6, "5", 5.0, 6]}`),
 		answer{200, `{"5": 1, "6": 2}`, jsonCT})
 }
+
+// TestTrailingDataIsNotJSON: aiohttp's request.json() is json.loads of the
+// whole body, which rejects anything but whitespace after the object.
+func TestTrailingDataIsNotJSON(t *testing.T) {
+	s := NewServer()
+	if a := do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 5, "dp_rank": 1} {"x": 1}`); a.code != 500 {
+		t.Fatalf("a body with a second value: %+v", a)
+	}
+	if a := do(t, s, "PUT", "/route", sglangPut(1, 0, 7000)+`garbage`); a.code != 500 {
+		t.Fatalf("a registration with trailing bytes: %+v", a)
+	}
+	expect(t, "nothing was recorded", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [5]}`+"\n\t "), answer{200, `{}`, jsonCT})
+	if a := do(t, s, "GET", topoURL, ""); a.code != 503 {
+		t.Fatalf("topology after a rejected registration: %+v", a)
+	}
+}

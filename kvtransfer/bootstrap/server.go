@@ -14,6 +14,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"reflect"
@@ -133,6 +134,9 @@ func decodeObject(b []byte) (body, error) {
 	var v body
 	if err := d.Decode(&v); err != nil {
 		return nil, err
+	}
+	if _, err := d.Token(); err != io.EOF { // json.loads takes one value and whitespace
+		return nil, fmt.Errorf("extra data after the JSON object")
 	}
 	if v == nil {
 		return nil, fmt.Errorf("JSON body is not an object")
