@@ -463,3 +463,27 @@ func TestLongAbortReason(t *testing.T) {
 		t.Fatalf("the other room on the link: %v %q %v", st.State, st.Reason, err)
 	}
 }
+
+// TestAbortedRoomIsNotTracked: a room the engine aborted is over, so the
+// connection stops tracking it; only a terminal Poll untracked rooms, and
+// a long-lived engine that aborts rooms it never waits for (a failed Send)
+// grew its connection's table for as long as it stayed connected.
+func TestAbortedRoomIsNotTracked(t *testing.T) {
+	_, d := pair(t)
+	ctx := context.Background()
+	if err := d.cl.Expect(ctx, 5, "p:8998", []uint32{1}, -1); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.cl.Abort(ctx, 5, "client went away"); err != nil {
+		t.Fatal(err)
+	}
+	d.srv.mu.Lock()
+	c := d.srv.owner
+	d.srv.mu.Unlock()
+	c.rmu.Lock()
+	n := len(c.rooms)
+	c.rmu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d rooms still tracked after the engine aborted its only one", n)
+	}
+}

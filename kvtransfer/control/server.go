@@ -272,12 +272,11 @@ func (c *conn) handle(ctx context.Context, req *Request, fd int) *Reply {
 		r.Pages, r.Bytes = st.Pages, st.Bytes
 		r.TransferNs, r.WallNs = uint64(st.Transfer), uint64(st.Wall)
 		if st.State.Terminal() {
-			c.rmu.Lock()
-			delete(c.rooms, req.Room)
-			c.rmu.Unlock()
+			c.untrack(req.Room)
 		}
 	case OpAbort:
 		err = e.Abort(req.Room, req.Reason)
+		c.untrack(req.Room) // over (or unknown) either way
 	}
 	if err != nil {
 		r.Err = err.Error()
@@ -322,6 +321,12 @@ func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
 func (c *conn) track(room uint64) {
 	c.rmu.Lock()
 	c.rooms[room] = struct{}{}
+	c.rmu.Unlock()
+}
+
+func (c *conn) untrack(room uint64) {
+	c.rmu.Lock()
+	delete(c.rooms, room)
 	c.rmu.Unlock()
 }
 
