@@ -486,32 +486,40 @@ func TestLinkAcceptedAcrossATablePushGetsTheTable(t *testing.T) {
 	}
 }
 
+// pipeLink is a link b accepted from a peer the test plays over net.Pipe:
+// the test's end, the peer's wire conn on it, and b's link, in b's table.
+func pipeLink(t *testing.T, b *memSide) (net.Conn, *wire.Conn, *memLink) {
+	t.Helper()
+	ours, theirs := net.Pipe()
+	peer := wire.NewConn(ours)
+	greeted := make(chan error, 1) // net.Pipe is unbuffered: the peer greets on its own goroutine
+	go func() {
+		err := peer.Write(&wire.MemHello{Name: "peer", Transport: b.tr.Name()})
+		if err == nil {
+			_, err = peer.Read() // our MEM_HELLO
+		}
+		greeted <- err
+	}()
+	l, err := b.p.handshake(theirs, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-greeted; err != nil {
+		t.Fatal(err)
+	}
+	if !b.p.addLink(l, "", false) {
+		t.Fatal("addLink refused the link")
+	}
+	return ours, peer, l
+}
+
 // TestTableAnswerDoesNotUndoALaterPush: a table push read after the answer
 // to our table request is the newer table, and must be the one that stays.
 func TestTableAnswerDoesNotUndoALaterPush(t *testing.T) {
 	b := newMemSide(t, "tcp", 2*time.Second)
 	for i := range 20 {
-		ours, theirs := net.Pipe()
+		ours, peer, l := pipeLink(t, b)
 		_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
-		peer := wire.NewConn(ours)
-		greeted := make(chan error, 1) // net.Pipe is unbuffered: the peer greets on its own goroutine
-		go func() {
-			err := peer.Write(&wire.MemHello{Name: "peer", Transport: b.tr.Name()})
-			if err == nil {
-				_, err = peer.Read() // our MEM_HELLO
-			}
-			greeted <- err
-		}()
-		l, err := b.p.handshake(theirs, false)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := <-greeted; err != nil {
-			t.Fatal(err)
-		}
-		if !b.p.addLink(l, "", false) {
-			t.Fatal("addLink refused the link")
-		}
 		refreshed := make(chan error, 1)
 		go func() { refreshed <- l.refresh(context.Background()) }()
 		m, err := peer.Read()
@@ -546,27 +554,8 @@ func TestTableAnswerDoesNotUndoALaterPush(t *testing.T) {
 // listing region n means every region below n is gone for good.
 func TestTableAnswerNeverListsADroppedRegion(t *testing.T) {
 	b := newMemSide(t, "tcp", 5*time.Second)
-	ours, theirs := net.Pipe()
+	ours, peer, _ := pipeLink(t, b)
 	defer ours.Close()
-	peer := wire.NewConn(ours)
-	greeted := make(chan error, 1) // net.Pipe is unbuffered: the peer greets on its own goroutine
-	go func() {
-		err := peer.Write(&wire.MemHello{Name: "peer", Transport: b.tr.Name()})
-		if err == nil {
-			_, err = peer.Read() // our MEM_HELLO
-		}
-		greeted <- err
-	}()
-	l, err := b.p.handshake(theirs, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := <-greeted; err != nil {
-		t.Fatal(err)
-	}
-	if !b.p.addLink(l, "", false) {
-		t.Fatal("addLink refused the link")
-	}
 	stop := make(chan struct{})
 	asked := make(chan struct{})
 	go func() { // ask until the test ends (the pipe closes)
