@@ -68,3 +68,43 @@ start_wrk_worker() {
 	tail -n 20 "$T/w-$port.log" >&2
 	exit 1
 }
+
+# start_nginx LISTEN_PORT=BACKEND_PORT...: nginx as a keep-alive reverse proxy (unbuffered, so
+# that streams pass as they come), one server per pair, under $T/nginx; sets NGINX_PID. Callers
+# wait for its ports themselves.
+start_nginx() {
+	local pair servers=""
+	mkdir -p "$T/nginx"
+	for pair in "$@"; do
+		servers+="
+	upstream up${pair%%=*} { server 127.0.0.1:${pair#*=}; keepalive 256; }
+	server {
+		listen 127.0.0.1:${pair%%=*};
+		location / {
+			proxy_pass http://up${pair%%=*};
+			proxy_http_version 1.1;
+			proxy_set_header Connection \"\";
+			proxy_buffering off;
+		}
+	}"
+	done
+	cat >"$T/nginx/nginx.conf" <<-CONF
+	user $(id -un);
+	daemon off;
+	worker_processes auto;
+	pid $T/nginx/nginx.pid;
+	error_log $T/nginx/error.log warn;
+	events { worker_connections 8192; }
+	http {
+		access_log off;
+		client_body_temp_path $T/nginx/body;
+		proxy_temp_path $T/nginx/proxy;
+		fastcgi_temp_path $T/nginx/fastcgi;
+		uwsgi_temp_path $T/nginx/uwsgi;
+		scgi_temp_path $T/nginx/scgi;$servers
+	}
+	CONF
+	nginx -p "$T/nginx" -c "$T/nginx/nginx.conf" >"$T/nginx/stdout.log" 2>&1 &
+	NGINX_PID=$!
+	pids+=("$NGINX_PID")
+}

@@ -220,46 +220,7 @@ start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELA
 log "starting nginx and the routers: ${KINDS[*]}"
 NG=$(free_port)
 NGD=$(free_port)
-mkdir -p "$T/nginx"
-cat >"$T/nginx/nginx.conf" <<EOF
-user $(id -un);
-daemon off;
-worker_processes auto;
-pid $T/nginx/nginx.pid;
-error_log $T/nginx/error.log warn;
-events { worker_connections 8192; }
-http {
-	access_log off;
-	client_body_temp_path $T/nginx/body;
-	proxy_temp_path $T/nginx/proxy;
-	fastcgi_temp_path $T/nginx/fastcgi;
-	uwsgi_temp_path $T/nginx/uwsgi;
-	scgi_temp_path $T/nginx/scgi;
-	upstream backend { server 127.0.0.1:$W; keepalive 256; }
-	upstream decode { server 127.0.0.1:$D1; keepalive 256; }
-	server {
-		listen 127.0.0.1:$NG;
-		location / {
-			proxy_pass http://backend;
-			proxy_http_version 1.1;
-			proxy_set_header Connection "";
-			proxy_buffering off;
-		}
-	}
-	server {
-		listen 127.0.0.1:$NGD;
-		location / {
-			proxy_pass http://decode;
-			proxy_http_version 1.1;
-			proxy_set_header Connection "";
-			proxy_buffering off;
-		}
-	}
-}
-EOF
-nginx -p "$T/nginx" -c "$T/nginx/nginx.conf" >"$T/nginx/stdout.log" 2>&1 &
-NGINX_PID=$!
-pids+=("$NGINX_PID")
+start_nginx "$NG=$W" "$NGD=$D1"
 wait_ok "$NG" /health nginx "$T/nginx/error.log"
 NGINX_ALL=("$NGINX_PID" $(pgrep -P "$NGINX_PID"))
 

@@ -29,35 +29,7 @@ URL[direct]=http://127.0.0.1:$W
 targets=(direct nginx fastproxy)
 
 NG=$(free_port)
-mkdir -p "$T/nginx"
-cat >"$T/nginx/nginx.conf" <<EOF
-user $(id -un);
-daemon off;
-worker_processes auto;
-pid $T/nginx/nginx.pid;
-error_log $T/nginx/error.log warn;
-events { worker_connections 8192; }
-http {
-	access_log off;
-	client_body_temp_path $T/nginx/body;
-	proxy_temp_path $T/nginx/proxy;
-	fastcgi_temp_path $T/nginx/fastcgi;
-	uwsgi_temp_path $T/nginx/uwsgi;
-	scgi_temp_path $T/nginx/scgi;
-	upstream backend { server 127.0.0.1:$W; keepalive 256; }
-	server {
-		listen 127.0.0.1:$NG;
-		location / {
-			proxy_pass http://backend;
-			proxy_http_version 1.1;
-			proxy_set_header Connection "";
-			proxy_buffering off;
-		}
-	}
-}
-EOF
-nginx -p "$T/nginx" -c "$T/nginx/nginx.conf" >"$T/nginx/stdout.log" 2>&1 &
-pids+=($!)
+start_nginx "$NG=$W"
 URL[nginx]=http://127.0.0.1:$NG
 
 FP=$(free_port)
