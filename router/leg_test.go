@@ -189,42 +189,30 @@ func sseThenHang(w http.ResponseWriter, r *http.Request) {
 	<-r.Context().Done()
 }
 
-// cutBody answers 200 with a Content-Length it does not keep: the
-// connection closes mid-body.
-func cutBody(w http.ResponseWriter, r *http.Request) {
-	c, buf, err := w.(http.Hijacker).Hijack()
-	if err != nil {
-		panic(err)
+// rawThenClose writes raw on the connection, then closes it: a worker
+// that breaks off mid-reply.
+func rawThenClose(raw string) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		c, buf, err := w.(http.Hijacker).Hijack()
+		if err != nil {
+			panic(err)
+		}
+		buf.WriteString(raw)
+		buf.Flush()
+		c.Close()
 	}
-	buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"text\":")
-	buf.Flush()
-	c.Close()
 }
 
-// sseThenClose sends one event, then closes the connection without ending
-// the chunked body.
-func sseThenClose(w http.ResponseWriter, r *http.Request) {
-	c, buf, err := w.(http.Hijacker).Hijack()
-	if err != nil {
-		panic(err)
-	}
-	buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-	buf.WriteString("13\r\ndata: {\"text\":\"a\"}\n\n\r\n")
-	buf.Flush()
-	c.Close()
-}
+const sseHead = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
-// headThenClose answers a 200 stream head, then closes the connection
-// before the first event.
-func headThenClose(w http.ResponseWriter, r *http.Request) {
-	c, buf, err := w.(http.Hijacker).Hijack()
-	if err != nil {
-		panic(err)
-	}
-	buf.WriteString("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-	buf.Flush()
-	c.Close()
-}
+var (
+	// cutBody answers 200 with a Content-Length it does not keep.
+	cutBody = rawThenClose("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"text\":")
+	// sseThenClose sends one event, then closes without ending the chunked body.
+	sseThenClose = rawThenClose(sseHead + "13\r\ndata: {\"text\":\"a\"}\n\n\r\n")
+	// headThenClose sends a 200 stream head, then closes before the first event.
+	headThenClose = rawThenClose(sseHead)
+)
 
 // legRequest is how a test request ends: its body, whether the client
 // leaves, the router's request timeout and the status the client gets.
