@@ -3,6 +3,7 @@ package balancer
 import (
 	"context"
 	"maps"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -116,7 +117,7 @@ func servedModel(workers []*Worker, model string) string {
 // penalty must not make the pool look imbalanced and cost everyone hits.
 func loadStats(workers []*Worker) (lo, hi int64, ties int) {
 	lo, ties = workers[0].balanceLoad(), 0
-	hi, answering := lo, false
+	hiAll, hiAnswering := lo, int64(math.MinInt64)
 	for _, w := range workers {
 		l := w.balanceLoad()
 		switch {
@@ -125,14 +126,15 @@ func loadStats(workers []*Worker) (lo, hi int64, ties int) {
 		case l == lo:
 			ties++
 		}
-		switch suspect := l >= suspectLoad; {
-		case !suspect && !answering:
-			hi, answering = l, true
-		case !suspect || !answering:
-			hi = max(hi, l)
+		hiAll = max(hiAll, l)
+		if l < suspectLoad {
+			hiAnswering = max(hiAnswering, l)
 		}
 	}
-	return lo, hi, ties
+	if lo >= suspectLoad { // every worker is suspect
+		return lo, hiAll, ties
+	}
+	return lo, hiAnswering, ties
 }
 
 // leastLoaded picks, in rotation, one of the workers at the minimum load.
