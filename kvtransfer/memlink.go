@@ -305,7 +305,7 @@ func (l *memLink) setRegions(t []wire.MemRegion) {
 	l.regions = t
 	var stale []uint32
 	for id := range l.keys {
-		if !slices.ContainsFunc(t, func(r wire.MemRegion) bool { return r.ID == id }) {
+		if !lists(t, id) {
 			stale = append(stale, id)
 		}
 	}
@@ -313,6 +313,11 @@ func (l *memLink) setRegions(t []wire.MemRegion) {
 		l.p.wg.Add(1)
 		go l.forget(l.ep, stale)
 	}
+}
+
+// lists reports whether table t holds the region with id.
+func lists(t []wire.MemRegion, id uint32) bool {
+	return slices.ContainsFunc(t, func(r wire.MemRegion) bool { return r.ID == id })
 }
 
 func (l *memLink) forget(ep MemoryEndpoint, ids []uint32) {
@@ -562,7 +567,7 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 	closed, cause := l.closed, l.err
 	// A table dropping r installed during the unpack found no key of it to
 	// forget: cached now, it would stay mapped as long as the link.
-	listed := slices.ContainsFunc(l.regions, func(x wire.MemRegion) bool { return x.ID == r.ID })
+	listed := lists(l.regions, r.ID)
 	if !raced && !closed && listed {
 		l.keys[r.ID] = k
 	}
