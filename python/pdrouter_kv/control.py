@@ -259,7 +259,9 @@ class Client:
         # kvproxy drops a connection whose frame passes MAX_FRAME (one buffer of
         # MAX_PAGE_WRITE pages does): the pairs go in as many frames as need be.
         head = _string(peer) + _U32.pack(len(buffers)) + bufs
-        per = (MAX_FRAME - 13 - len(head)) // 8
+        # Beside the body the frame's length counts op and request id (9, as
+        # in _call); each frame adds its pair count.
+        per = (MAX_FRAME - 9 - len(head) - _U32.size) // 8
         if per < 1:
             raise ValueError("write_pages: %d buffers do not fit one frame" % len(buffers))
         for i in range(0, max(n, 1), per):
