@@ -47,9 +47,10 @@ type tracking struct {
 }
 
 const (
-	// sweepTick is finer than watchDelay needs, but a 5 ms tick measured
-	// worse: the runtime's idle threads slept and woke twice as often
-	// (nanosleep calls per request 0.45 -> 0.91 at 3,200 req/s).
+	// sweepTick is finer than watchDelay needs, but coarser ticks measured
+	// no better: at 5 ms the runtime's idle threads slept and woke twice as
+	// often (nanosleep calls per request 0.45 -> 0.91 at 3,200 req/s); at
+	// 10 ms CPU and TTFT moved within the noise (bench/RESULTS.md).
 	sweepTick = time.Millisecond
 	// sweepIdleTicks of nothing in flight put the sweeper to sleep; under
 	// steady traffic it then keeps its ticker rather than being woken for
