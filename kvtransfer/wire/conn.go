@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"time"
 )
@@ -153,14 +154,31 @@ func ReadMsg(r io.Reader, buf *[]byte, pending *uint32) (Msg, error) {
 		*pending = d.N
 		return d, nil
 	}
-	if cap(*buf) < int(n) {
-		*buf = make([]byte, n)
-	}
-	p := (*buf)[:n]
-	if _, err := io.ReadFull(r, p); err != nil {
-		return nil, unexpected(err)
+	p, err := readPayload(r, buf, int(n))
+	if err != nil {
+		return nil, err
 	}
 	return Decode(t, p)
+}
+
+// readPayload reads n bytes into *buf, growing it only as they arrive (at
+// most doubling what it holds), so a length declared by a frame that never
+// comes costs about what did.
+func readPayload(r io.Reader, buf *[]byte, n int) ([]byte, error) {
+	p := (*buf)[:0]
+	for len(p) < n {
+		if len(p) == cap(p) {
+			p = slices.Grow(p, min(n-len(p), max(len(p), 64<<10)))
+		}
+		k, err := io.ReadFull(r, p[len(p):min(n, cap(p))])
+		p = p[:len(p)+k]
+		if err != nil {
+			*buf = p
+			return nil, unexpected(err)
+		}
+	}
+	*buf = p
+	return p, nil
 }
 
 func unexpected(err error) error {

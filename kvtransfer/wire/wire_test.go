@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"unicode/utf8"
 )
 
@@ -223,5 +224,30 @@ func TestLongTextStillDecodes(t *testing.T) {
 		if len(text) == 0 || len(text) > maxString || !strings.HasPrefix(long, text) || !utf8.ValidString(text) {
 			t.Fatalf("%s: text of %d bytes, want a valid prefix of at most %d", m.Type(), len(text), maxString)
 		}
+	}
+}
+
+// A frame's declared length is not allocated before its bytes come: a
+// header declaring the largest control payload, followed by a few bytes and
+// the end of the stream, costs about what arrived.
+func TestTruncatedFrameAllocatesWhatArrived(t *testing.T) {
+	f := withLen(AppendFrame(nil, &Heartbeat{Seq: 1}), MaxControlLen)
+	f = append(f, make([]byte, 100)...)
+	var buf []byte
+	var pending uint32
+	if _, err := ReadMsg(bytes.NewReader(f), &buf, &pending); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("truncated frame: %v", err)
+	}
+	if cap(buf) > 256<<10 {
+		t.Fatalf("a frame that sent %d bytes grew the buffer to %d", len(f), cap(buf))
+	}
+	// A whole large frame still reads (in growing pieces).
+	big := &XferReq{Room: 3, AuxSlot: -1, DstPages: make([]uint32, 100_000)}
+	for i := range big.DstPages {
+		big.DstPages[i] = uint32(i * 7)
+	}
+	m, err := ReadMsg(iotest.OneByteReader(bytes.NewReader(AppendFrame(nil, big))), &buf, &pending)
+	if err != nil || !reflect.DeepEqual(m, big) {
+		t.Fatalf("whole frame after a truncated one: %+v %v", m, err)
 	}
 }
