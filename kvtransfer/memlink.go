@@ -1,6 +1,7 @@
 package kvtransfer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -253,7 +254,7 @@ func (l *memLink) handle(m wire.Msg) error {
 			l.deliver(m.Seq, m)
 		}
 	case *wire.MemFence:
-		l.conn.Post(&wire.MemFenceAck{Seq: m.Seq, Err: l.dropped})
+		l.conn.Post(&wire.MemFenceAck{Seq: m.Seq, Err: cmp.Or(l.dropped, l.p.unregistered(m.Regions))})
 		l.dropped = ""
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
@@ -445,6 +446,9 @@ func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error
 		total += r.size
 	}
 	if err := l.put(ctx, runs); err != nil {
+		return err
+	}
+	if err := l.confirm(ctx, runs); err != nil {
 		return err
 	}
 	p.m.written.Add(float64(total))
