@@ -68,14 +68,8 @@ type MemRegions struct {
 	Regions []MemRegion
 }
 
-// MemFence follows a write's DATA frames (tcp transport), or a write the
-// writer made itself (shm), naming the regions it wrote into, which the
-// ack then says are all still registered. Regions is left out of the frame
-// when empty (a tcp fence is what it always was).
-type MemFence struct {
-	Seq     uint64
-	Regions []uint32
-}
+// MemFence follows a write's DATA frames (tcp transport).
+type MemFence struct{ Seq uint64 }
 
 // MemFenceAck answers a fence once every earlier DATA frame is in memory;
 // Err is non-empty if some of them could not be placed (and were dropped).
@@ -133,12 +127,7 @@ func (m *MemRegions) encode(e *Enc) {
 	encodeMemRegions(e, m.Regions)
 }
 
-func (m *MemFence) encode(e *Enc) {
-	e.U64(m.Seq)
-	if len(m.Regions) > 0 {
-		e.U32s(m.Regions)
-	}
-}
+func (m *MemFence) encode(e *Enc) { e.U64(m.Seq) }
 
 func (m *MemFenceAck) encode(e *Enc) {
 	e.U64(m.Seq)
@@ -165,13 +154,7 @@ func decodeMem(t Type, d *Dec) (Msg, error) {
 		}
 		return m, nil
 	case TMemFence:
-		f := &MemFence{Seq: d.U64()}
-		if d.Err == nil && len(d.B) > 0 {
-			if f.Regions = d.U32s(); len(f.Regions) == 0 {
-				f.Regions = nil // as an empty list is sent: left out
-			}
-		}
-		return f, nil
+		return &MemFence{Seq: d.U64()}, nil
 	case TMemFenceAck:
 		return &MemFenceAck{Seq: d.U64(), Err: d.String()}, nil
 	}

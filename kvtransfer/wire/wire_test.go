@@ -29,7 +29,6 @@ func sample() []Msg {
 		&MemRegions{Seq: 0, Regions: []MemRegion{{ID: 1, Base: 4096, Len: 4096}}},
 		&MemRegions{Seq: 6},
 		&MemFence{Seq: 9},
-		&MemFence{Seq: 10, Regions: []uint32{3, 7}},
 		&MemFenceAck{Seq: 9, Err: "region 3 unregistered"},
 	}
 }
