@@ -9,6 +9,7 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/goleak"
@@ -147,18 +148,20 @@ func TestOptionalFields(t *testing.T) {
 }
 
 func TestDPRanksExpire(t *testing.T) {
-	s := NewServer()
-	now := time.Unix(1000, 0)
-	s.now = func() time.Time { return now }
-	expect(t, "register", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 9223372036854775807, "dp_rank": 3}`), answer{200, "OK", textCT})
-	expect(t, "register by string", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": "12", "dp_rank": 0}`), answer{200, "OK", textCT})
-	expect(t, "query", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807, 5, "12"]}`),
-		answer{200, `{"9223372036854775807": 3, "12": 0}`, jsonCT})
-	if a := do(t, s, "POST", "/register_dp_rank", `{"dp_rank": 3}`); a.code != 500 {
-		t.Fatalf("register without a room: %+v", a)
-	}
-	now = now.Add(121 * time.Second)
-	expect(t, "after TTL", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807]}`), answer{200, `{}`, jsonCT})
+	synctest.Test(t, func(t *testing.T) {
+		s := NewServer()
+		expect(t, "register", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 9223372036854775807, "dp_rank": 3}`), answer{200, "OK", textCT})
+		expect(t, "register by string", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": "12", "dp_rank": 0}`), answer{200, "OK", textCT})
+		expect(t, "query", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807, 5, "12"]}`),
+			answer{200, `{"9223372036854775807": 3, "12": 0}`, jsonCT})
+		if a := do(t, s, "POST", "/register_dp_rank", `{"dp_rank": 3}`); a.code != 500 {
+			t.Fatalf("register without a room: %+v", a)
+		}
+		time.Sleep(119 * time.Second)
+		expect(t, "within the TTL", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": ["12"]}`), answer{200, `{"12": 0}`, jsonCT})
+		time.Sleep(2 * time.Second)
+		expect(t, "after TTL", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807]}`), answer{200, `{}`, jsonCT})
+	})
 }
 
 // TestKvproxyRegistration: the kvproxy's own registration (pool mode) gives

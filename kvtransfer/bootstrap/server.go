@@ -79,8 +79,7 @@ type Server struct {
 	// EntryTTL is how long a room's DP rank is kept (SGLang: 120 s).
 	EntryTTL time.Duration
 
-	mu  sync.Mutex
-	now func() time.Time
+	mu sync.Mutex
 	// The topology, fixed field by field by the first registration that
 	// sets it (nil: not yet, Python's None).
 	attnTPSize, attnCPSize, dpSize, ppSize, pageSize, prefillHTTPPort *int64
@@ -95,7 +94,7 @@ type Server struct {
 
 // NewServer returns an empty server.
 func NewServer() *Server {
-	return &Server{EntryTTL: 120 * time.Second, now: time.Now, decodeAllocationPolicy: "early",
+	return &Server{EntryTTL: 120 * time.Second, decodeAllocationPolicy: "early",
 		ranks: map[rankKey]RankAddr{}, dp: map[int64]dpEntry{}}
 }
 
@@ -376,7 +375,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		s.mu.Lock()
 		s.expireLocked()
-		s.dp[room] = dpEntry{rank: rank, at: s.now()}
+		s.dp[room] = dpEntry{rank: rank, at: time.Now()}
 		s.mu.Unlock()
 		writeText(w, http.StatusOK, "OK")
 	case "/query_dp_ranks":
@@ -453,7 +452,7 @@ func (s *Server) queryDPRanks(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) expireLocked() {
-	now := s.now()
+	now := time.Now()
 	for room, e := range s.dp {
 		if now.Sub(e.at) > s.EntryTTL {
 			delete(s.dp, room)
