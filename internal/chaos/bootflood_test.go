@@ -1,20 +1,13 @@
 package chaos
 
 import (
-	"bytes"
 	"context"
-	"fmt"
 	"io"
 	"net"
 	"net/http"
-	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/pdrouter/pdrouter/internal/testenv"
 )
 
 // Row 14 (issue 26 item 4): a reconnecting flood of silent connections
@@ -23,27 +16,8 @@ import (
 // every time, PD requests keep moving their KV, and a caller new to the
 // port is refused at once.
 func TestKVProxyBootstrapFloodAtCap(t *testing.T) {
-	dir := t.TempDir()
-	kv := testenv.BuildBinary(t, "kvproxy", testenv.Build{CGO: true})
-	mock := testenv.Binary(t, "mockworker")
-	workerFlags := []string{"--port", "0", "--tokens", "4", "--kv-layers", "2", "--kv-bytes-per-token", "64",
-		"--kv-pool-tokens", "4096", "--kv-chunk-tokens", "256"}
-	boot := testenv.FreePort(t)
-	prefillKV := testenv.StartWith(t, kv, kvReady, kvproxyArgs("prefill", filepath.Join(dir, "p.sock"), boot)...)
-	testenv.StartWith(t, kv, kvReady, kvproxyArgs("decode", filepath.Join(dir, "d.sock"), -1)...)
-	prefill := testenv.StartWith(t, mock, testenv.Options{Ready: "listening on "},
-		append([]string{"--role", "prefill", "--kvproxy", filepath.Join(dir, "p.sock")}, workerFlags...)...)
-	decode := testenv.StartWith(t, mock, testenv.Options{Ready: "listening on "},
-		append([]string{"--role", "decode", "--kvproxy", filepath.Join(dir, "d.sock")}, workerFlags...)...)
-	port := testenv.FreePort(t)
-	router := "http://127.0.0.1:" + strconv.Itoa(port)
-	testenv.Start(t, testenv.Binary(t, "pdrouter"), "--host", "127.0.0.1", "--port", strconv.Itoa(port),
-		"--prometheus-port", "0", "--log-level", "warn", "--pd-disaggregation",
-		"--prefill", prefill.URL(), strconv.Itoa(boot), "--decode", decode.URL())
-	testenv.WaitStatus(t, router+"/readiness", 200, 30*time.Second)
-	bootAddr := "127.0.0.1:" + strconv.Itoa(boot)
-	route := "http://" + bootAddr + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-	testenv.WaitStatus(t, route, 200, 30*time.Second) // 127.0.0.1 is a known peer from now on
+	d := startPDOverKV(t) // 127.0.0.1 is a known peer from now on: it asked /route
+	route := d.route
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -55,7 +29,7 @@ func TestKVProxyBootstrapFloodAtCap(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for ctx.Err() == nil {
-				c, err := from.DialContext(ctx, "tcp", bootAddr)
+				c, err := from.DialContext(ctx, "tcp", d.bootAddr)
 				if err != nil {
 					time.Sleep(10 * time.Millisecond)
 					continue
@@ -95,23 +69,12 @@ func TestKVProxyBootstrapFloodAtCap(t *testing.T) {
 			t.Fatalf("GET /route %d from a known peer under the flood: %d", i, resp.StatusCode)
 		}
 	}
-	for i := range size(10, 50) {
-		body := fmt.Sprintf(`{"text":"flood %d","sampling_params":{"max_new_tokens":4}}`, i)
-		resp, err := client.Post(router+"/generate", "application/json", strings.NewReader(body))
-		if err != nil {
-			t.Fatalf("room %d during the flood: %v", i, err)
-		}
-		out, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 200 || !bytes.Contains(out, []byte(`"checksum_ok":true`)) {
-			t.Fatalf("room %d during the flood: %d %.300s", i, resp.StatusCode, out)
-		}
-	}
+	d.rooms(t, size(10, 50), "during the flood")
 	// A caller new to the port is refused at once: a 503 when a refusal
 	// slot is free, else a closed connection (the flood's own refusals wait
 	// for request heads that never come), never a hang.
-	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.3")}}
-	stranger := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: d.DialContext, DisableKeepAlives: true}}
+	newcomer := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.3")}}
+	stranger := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: newcomer.DialContext, DisableKeepAlives: true}}
 	outcome := "503"
 	resp, err := stranger.Get(route)
 	switch {
@@ -125,6 +88,6 @@ func TestKVProxyBootstrapFloodAtCap(t *testing.T) {
 			t.Errorf("GET /route from a new caller under the flood: %d, want 503", resp.StatusCode)
 		}
 	}
-	alive(t, prefillKV, "under the flood")
+	alive(t, d.prefillKV, "under the flood")
 	t.Logf("%d flood connections held open: 40 /route calls from a known peer answered 200, a new caller: %s", flooding, outcome)
 }
