@@ -208,24 +208,27 @@ type listeners struct {
 func (s *Sidecar) listen() (*listeners, error) {
 	l := &listeners{}
 	// Every TCP port survives running out of fds and refuses connections
-	// over its limit, so a flood on one leaves fds for the others.
-	tcp := func(port, maxConns int) (net.Listener, error) {
+	// over its limit, so a flood on one leaves fds for the others; the
+	// bootstrap port keeps slots for the peers that use it (connGuard).
+	listen := func(port int) (net.Listener, func(error, time.Duration), error) {
 		ln, err := net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(port)))
+		return ln, func(err error, pause time.Duration) {
+			s.cfg.Logger.Warn("accept failed; retrying", zap.Stringer("addr", ln.Addr()), zap.Error(err), zap.Duration("pause", pause))
+		}, err
+	}
+	tcp := func(port, maxConns int) (net.Listener, error) {
+		ln, onErr, err := listen(port)
 		if err != nil {
 			return nil, err
 		}
-		return netutil.Listen(ln, netutil.Options{MaxConns: maxConns, OnAcceptError: func(err error, pause time.Duration) {
-			s.cfg.Logger.Warn("accept failed; retrying", zap.Stringer("addr", ln.Addr()), zap.Error(err), zap.Duration("pause", pause))
-		}}), nil
+		return netutil.Listen(ln, netutil.Options{MaxConns: maxConns, OnAcceptError: onErr}), nil
 	}
 	var err error
 	l.peer, err = tcp(s.cfg.PeerPort, maxPeerConns)
 	if err == nil && s.cfg.Role == "prefill" && s.cfg.BootstrapPort >= 0 {
-		var ln net.Listener
-		if ln, err = net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(s.cfg.BootstrapPort))); err == nil {
-			l.boot = newConnGuard(ln, cmp.Or(s.cfg.bootstrapMaxConns, maxHTTPConns), func(err error, pause time.Duration) {
-				s.cfg.Logger.Warn("accept failed; retrying", zap.Stringer("addr", ln.Addr()), zap.Error(err), zap.Duration("pause", pause))
-			})
+		ln, onErr, lerr := listen(s.cfg.BootstrapPort)
+		if err = lerr; err == nil {
+			l.boot = newConnGuard(ln, cmp.Or(s.cfg.bootstrapMaxConns, maxHTTPConns), onErr)
 		}
 	}
 	if err == nil {
