@@ -164,8 +164,8 @@ func pyInt(v any) (int64, bool) {
 			return int64(f), true // int() truncates
 		}
 	case string:
-		n, err := strconv.ParseInt(strings.ReplaceAll(strings.TrimSpace(x), "_", ""), 10, 64)
-		return n, err == nil
+		v := parseRank(x)
+		return v.n, v.valid && !v.big
 	case bool:
 		if x {
 			return 1, true
@@ -519,8 +519,8 @@ func (s *Server) getRoute(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, out)
 }
 
-// rankValue is Python's int() of a query value: valid or not, and a valid
-// one too big for int64 (big) matches no rank.
+// rankValue is Python's int() of a string: valid or not, and a valid one
+// too big for int64 (big) matches no rank.
 type rankValue struct {
 	n          int64
 	valid, big bool
