@@ -161,7 +161,7 @@ class TransferEngine:
             for p, n in list(self._cuda.items()):
                 try:
                     client.register_cuda_memory(p, n)
-                except (ValueError, control.KVProxyError, cuda.CudaError) as e:
+                except (ValueError, RuntimeError, control.KVProxyError) as e:  # RuntimeError: CudaError, CudaUnavailable
                     # Its allocation went, or the driver or kvproxy refuse it:
                     # it would fail every reconnect, so the rest goes on without it.
                     logger.error("TransferEngine: device memory [%#x,+%d) not registered again, dropped: %s", p, n, e)
