@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/internal/netutil"
+	"github.com/pdrouter/pdrouter/router/respond"
 )
 
 // Client-side limits: what one client connection may cost the router.
@@ -51,7 +52,7 @@ const writeGrace = 2 * time.Second
 // overLimitRefusal is what a connection over --max-connections reads
 // before it is closed.
 var overLimitRefusal = func() []byte {
-	body := (&apiError{Status: 503, Code: "too_many_connections", Message: "too many open connections; retry later"}).body()
+	body := respond.Error{Status: 503, Code: "too_many_connections", Message: "too many open connections; retry later"}.Body()
 	return fmt.Appendf(nil, "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nX-SMG-Error-Code: too_many_connections\r\n"+
 		"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 }()

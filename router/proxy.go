@@ -8,13 +8,14 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/respond"
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // generation serves the routed endpoints: validation, admission, then
 // attempts (PD or regular) with retries before the first byte is sent.
 func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route routeKind) string {
-	if !s.requireMethod(ctx, method, "POST") || !s.authorized(ctx) {
+	if !respond.RequireMethod(ctx, method, "POST") || !s.authorized(ctx) {
 		return path
 	}
 	if s.cfg.PDDisaggregation && (route == routeEmbeddings || route == routeClassify || route == routeResponses) {
