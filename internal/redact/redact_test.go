@@ -60,4 +60,3 @@ func TestRedactLoggerCoversEveryField(t *testing.T) {
 type stringer string
 
 func (s stringer) String() string { return string(s) }
-
