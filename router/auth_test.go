@@ -26,8 +26,8 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
 	"github.com/pdrouter/pdrouter/router/cpauth"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // jwks is a local identity provider's key set; keys can be added while

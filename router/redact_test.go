@@ -10,8 +10,8 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // jsonLogger is --json-log at debug level, into buf.

@@ -9,7 +9,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 func jsonLogger(buf *testenv.SyncBuffer) *zap.Logger {
