@@ -3,7 +3,6 @@ package router
 import (
 	"io"
 	"sync/atomic"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -54,13 +53,6 @@ func (m *pdMetrics) forModel(model string) *pdSeries {
 		ttft:       m.ttft.WithLabelValues("pd", model, "sglang"),
 		kvTransfer: m.kvTransfer.WithLabelValues("pd", model, "sglang"),
 	})
-}
-
-// observePDTTFT records the PD time to first byte of r's last attempt.
-func (r *request) observePDTTFT() {
-	if r.pd != nil {
-		r.pd.ttft.Observe(time.Since(r.pdStart).Seconds())
-	}
 }
 
 // kvReport is a PD attempt's KV transfer time: the first of its two replies

@@ -1,0 +1,82 @@
+package router
+
+import (
+	"time"
+)
+
+// record is what one request did, filled along the path as plain data and
+// emitted once, when the request ends (emit, from finish), as Pingora's
+// logging phase does: the admission decision, the route's series and
+// outcome, the times to first byte (the route's and PD's), retries run
+// out, and the request's span. What belongs to a PD attempt rather than to
+// the request (prefill's duration, the KV transfer time a reply reports)
+// is observed by the attempt when prefill ends (pdmetrics.go), since
+// prefill may outlive the response; worker errors are the leg's (leg.go).
+type record struct {
+	admission admission
+	badPDBody bool // a PD body that could not take the bootstrap fields
+
+	route     *routeMetrics // the route's series, once routing started
+	model     string        // its model label
+	pd        *pdSeries     // PD stage series; nil in regular mode
+	pdStart   time.Time     // when the last PD attempt sent its prefill leg
+	firstByte time.Time     // when the first byte reached the client; zero: none
+	exhausted bool          // the last of several attempts failed
+	outcome   outcome
+	errorType string // smg_router_request_errors_total's, when failed
+}
+
+type admission uint8
+
+const (
+	notAdmitted admission = iota // refused before admission (bad method, body)
+	admitted
+	rejected // queue full or timed out
+)
+
+type outcome uint8
+
+const (
+	outcomeNone      outcome = iota // refused before routing, or streamed (the duration family counts whole replies)
+	outcomeSucceeded                // a whole reply, written
+	outcomeFailed                   // errorType says why
+)
+
+// fail records why a routed request failed.
+func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcomeFailed, errorType }
+
+// emit observes everything r's record holds, once.
+func (r *request) emit() {
+	s, rec := r.s, &r.rec
+	switch rec.admission {
+	case admitted:
+		s.metrics.admitted.Inc()
+	case rejected:
+		s.metrics.rateLimit.WithLabelValues("rejected").Inc()
+	}
+	if rec.badPDBody {
+		s.pdm.bootstrapFailures.Inc()
+	}
+	if rm := rec.route; rm != nil {
+		rm.requests.Inc()
+		if !rec.firstByte.IsZero() {
+			rm.ttft.Observe(rec.firstByte.Sub(r.start).Seconds())
+			if rec.pd != nil {
+				rec.pd.ttft.Observe(rec.firstByte.Sub(rec.pdStart).Seconds())
+			}
+		}
+		endpoint := r.route.String()
+		if rec.exhausted {
+			for _, t := range s.sides() {
+				s.bm.RetriesExhausted(t, endpoint)
+			}
+		}
+		switch rec.outcome {
+		case outcomeSucceeded:
+			rm.duration.Observe(since(r.start))
+		case outcomeFailed:
+			s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", rec.model, endpoint, rec.errorType).Inc()
+		}
+	}
+	r.trace.end(r)
+}
