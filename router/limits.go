@@ -38,12 +38,6 @@ func refuseMethod(ctx *fasthttp.RequestCtx) {
 	ctx.Response.Header.Set("Allow", "GET, POST, PUT, DELETE, HEAD, OPTIONS, PATCH")
 }
 
-// bodyDeadline gives the body its own read timeout once the head is in
-// (fasthttp's ReadTimeout, the header read timeout, covers the head).
-func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
-	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
-}
-
 // writeGrace is how long past --request-timeout-secs a response may still
 // be written: the request timeout's own end (a stream's error event) goes
 // out first, and a client that stopped reading is cut just after.

@@ -103,7 +103,7 @@ type attempt struct {
 	rid     engineRID     // both legs'
 	pd      *pdSeries     // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
-	kv      kvReport      // the KV transfer time a reply reports (pdmetrics.go)
+	kv      kvReport      // the KV transfer time a reply reports (record.go)
 
 	// body is what both legs send. Its segments are the client's buffer,
 	// which fasthttp reuses once the response is complete: prefill writes

@@ -15,7 +15,11 @@ import (
 // generation serves the routed endpoints: validation, admission, then
 // attempts (PD or regular) with retries before the first byte is sent.
 func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route routeKind) string {
-	if !respond.RequireMethod(ctx, method, "POST") || !s.authorized(ctx) {
+	if method != "POST" {
+		respond.RequireMethod(ctx, method, "POST") // the 405
+		return path
+	}
+	if !s.authorized(ctx) {
 		return path
 	}
 	if s.cfg.PDDisaggregation && (route == routeEmbeddings || route == routeClassify || route == routeResponses) {

@@ -1,7 +1,11 @@
 package router
 
 import (
+	"io"
+	"sync/atomic"
 	"time"
+
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // record is what one request did, filled along the path as plain data and
@@ -9,9 +13,9 @@ import (
 // logging phase does: the admission decision, the route's series and
 // outcome, the times to first byte (the route's and PD's), retries run
 // out, and the request's span. What belongs to a PD attempt rather than to
-// the request (prefill's duration, the KV transfer time a reply reports)
-// is observed by the attempt when prefill ends (pdmetrics.go), since
-// prefill may outlive the response; worker errors are the leg's (leg.go).
+// the request (prefill's duration, the KV transfer time a reply reports,
+// below) is observed by the attempt when it has it, since prefill may
+// outlive the response; worker errors are the leg's (leg.go).
 type record struct {
 	admission admission
 	badPDBody bool // a PD body that could not take the bootstrap fields
@@ -79,4 +83,64 @@ func (r *request) emit() {
 		}
 	}
 	r.trace.end(r)
+}
+
+// kvReport is a PD attempt's KV transfer time: the first of its two replies
+// to report one gives it (both may, for the same transfer: pdrouter's KV
+// sidecar engines report it on decode, SGLang's own computes it on prefill,
+// req_time_stats.py), and decode's reply is scanned as it streams.
+type kvReport struct {
+	seen   atomic.Bool
+	decode splice.KVScan
+}
+
+// reported observes ms unless the attempt's other reply did.
+func (a *attempt) reported(ms float64) {
+	if a.kv.seen.CompareAndSwap(false, true) {
+		a.pd.kvTransfer.Observe(ms / 1000)
+	}
+}
+
+// scanDecode looks for the transfer time in the next piece of decode's
+// reply; nil is regular mode.
+func (a *attempt) scanDecode(p []byte) {
+	if a == nil || a.kv.seen.Load() {
+		return
+	}
+	if ms, ok := a.kv.decode.Feed(p); ok {
+		a.reported(ms)
+	}
+}
+
+// scanWhole looks for the transfer time in a whole reply; nil is regular
+// mode.
+func (a *attempt) scanWhole(body []byte) {
+	if a == nil || a.kv.seen.Load() {
+		return
+	}
+	if ms, ok := splice.KVTransferMS(body); ok {
+		a.reported(ms)
+	}
+}
+
+// drainPrefill reads prefill's reply to its end, looking for the transfer
+// time in it.
+func (a *attempt) drainPrefill(body io.Reader) error {
+	bufp := chunkPool.Get().(*[]byte)
+	defer chunkPool.Put(bufp)
+	var scan splice.KVScan
+	for {
+		n, err := body.Read(*bufp)
+		if n > 0 && !a.kv.seen.Load() {
+			if ms, ok := scan.Feed((*bufp)[:n]); ok {
+				a.reported(ms)
+			}
+		}
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
 }

@@ -169,6 +169,12 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	return s, nil
 }
 
+// bodyDeadline gives the body its own read timeout once the head is in
+// (fasthttp's ReadTimeout, the header read timeout, covers the head).
+func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
+}
+
 // followWorkers closes the connections of workers that left the registry.
 func (s *Server) followWorkers(snap *balancer.Snapshot) {
 	if s.upstream.follow(snap) {
