@@ -25,14 +25,14 @@ test: deps
 # chaos: issue 13's attacks (fd exhaustion, slowloris, invented methods, HELLO
 # flood) against the real binaries at full size; `make test` runs a short pass.
 chaos: deps
-	CHAOS_FULL=1 $(GO) test -count=1 -v -timeout 10m ./internal/chaos
+	CHAOS_FULL=1 $(GO) test -count=1 -v -timeout 10m ./testkit/chaos
 
 # soak: MINUTES of mixed streaming/non-streaming PD load through the real
 # binaries; fails if router or kvproxy RSS, goroutines or fds grow after the
-# warm-up (bounds in internal/soak). `make test` runs a 20 s pass.
+# warm-up (bounds in testkit/soak). `make test` runs a 20 s pass.
 MINUTES ?= 10
 soak: deps
-	SOAK_MINUTES=$(MINUTES) $(GO) test -count=1 -v -run TestSoak -timeout $$(( $(MINUTES) + 5 ))m ./internal/soak
+	SOAK_MINUTES=$(MINUTES) $(GO) test -count=1 -v -run TestSoak -timeout $$(( $(MINUTES) + 5 ))m ./testkit/soak
 
 # SGLang 0.5.23's own PD code moving KV through kvproxy (and through Mooncake's
 # engine); the first run installs a cached venv (~6 GB, a few minutes).

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 func startMock(t *testing.T, cfg mockworker.Config) *mockworker.Server {

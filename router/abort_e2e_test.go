@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 func (w worker) aborts(t *testing.T) []mockworker.RecordedAbort {

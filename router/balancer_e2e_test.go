@@ -23,8 +23,8 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/balancer"
-	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // balPick sends one request that must succeed and returns the X-Worker-Id

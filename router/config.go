@@ -8,6 +8,7 @@ import (
 
 	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/internal/tlsconfig"
+	"github.com/pdrouter/pdrouter/router/cpauth"
 )
 
 // PrefillSpec is one `--prefill URL [PORT|none]`.
@@ -77,7 +78,7 @@ type Config struct {
 	// WorkerTLS is --ca-cert-paths and --client-cert-path/--client-key-path,
 	// used on every connection to an https worker.
 	WorkerTLS    tlsconfig.ClientOptions
-	ControlPlane ControlPlaneAuth
+	ControlPlane cpauth.Config
 
 	Trace TraceConfig // OpenTelemetry traces (trace.go)
 }

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // bootstrapStub answers SGLang's bootstrap API (GET /health, GET /route)

@@ -20,7 +20,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 // dpListed is a worker as GET /workers lists it.

@@ -11,8 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // worker is a running mockworker binary.

@@ -2,13 +2,12 @@ package router
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
-	"strconv"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/router/respond"
 )
 
 // Why a request's or an attempt's scope ended, besides context.Canceled
@@ -45,48 +44,18 @@ type apiError struct {
 
 func (e *apiError) Error() string { return e.Message }
 
-// body renders {"error":{"message","type","code"}}.
-func (e *apiError) body() []byte {
-	b, _ := json.Marshal(struct {
-		Error struct {
-			Message string `json:"message"`
-			Type    string `json:"type"`
-			Code    string `json:"code"`
-		} `json:"error"`
-	}{Error: struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-		Code    string `json:"code"`
-	}{e.Message, errorType(e.Status), e.Code}})
-	return b
+func (e *apiError) fields() respond.Error {
+	return respond.Error{Status: e.Status, Code: e.Code, Message: e.Message}
 }
 
 // sseFrame renders the error as one valid SSE event.
 func (e *apiError) sseFrame() []byte {
-	b := append([]byte("data: "), e.body()...)
+	b := append([]byte("data: "), e.fields().Body()...)
 	return append(b, "\n\n"...)
 }
 
-// errorType is the OpenAI "type": invalid_request_error for client faults,
-// the canonical reason phrase otherwise (as sglang-router does).
-func errorType(status int) string {
-	if status == http.StatusBadRequest || status == http.StatusUnprocessableEntity {
-		return "invalid_request_error"
-	}
-	if t := http.StatusText(status); t != "" {
-		return t
-	}
-	return "Error"
-}
-
 // writeError sends e as JSON with X-SMG-Error-Code.
-func writeError(ctx *fasthttp.RequestCtx, e *apiError) {
-	ctx.Response.ResetBody()
-	ctx.SetStatusCode(e.Status)
-	ctx.SetContentType("application/json")
-	ctx.Response.Header.Set("X-SMG-Error-Code", e.Code)
-	ctx.SetBody(e.body())
-}
+func writeError(ctx *fasthttp.RequestCtx, e *apiError) { e.fields().Write(ctx) }
 
 // write sends a failure to the client: a router-made JSON error, an SSE
 // error frame for streams, or an upstream reply passed through.
@@ -112,68 +81,16 @@ func badRequest(msg string) *apiError {
 	return &apiError{Status: 400, Code: "json_parse_error", Message: msg}
 }
 
-// upstreamError maps a worker's non-2xx reply the way sglang-router does
-// (spec §2.6): a few statuses keep their own code, the rest become 500.
+// upstreamError maps a worker's non-2xx reply (respond.Upstream).
 func upstreamError(side string, status int, body []byte) *apiError {
-	e := &apiError{Status: status}
-	switch status {
-	case 400:
-		e.Code = side + "_bad_request"
-	case 404:
-		e.Code = side + "_not_found"
-	case 500:
-		e.Code = side + "_internal_error"
-	case 502:
-		e.Code = side + "_bad_gateway"
-	case 503:
-		e.Code = side + "_unavailable"
-	default:
-		e.Status, e.Code = 500, side+"_error"
-	}
-	msg := upstreamMessage(body)
-	if side == "prefill" {
-		msg = "Prefill server error (" + strconv.Itoa(status) + "): " + msg
-	}
-	e.Message = msg
-	return e
-}
-
-// upstreamMessage pulls error.message, else message, else the raw body.
-func upstreamMessage(body []byte) string {
-	var v struct {
-		Error   json.RawMessage `json:"error"`
-		Message string          `json:"message"`
-	}
-	if json.Unmarshal(body, &v) == nil {
-		var inner struct {
-			Message string `json:"message"`
-		}
-		if len(v.Error) > 0 && json.Unmarshal(v.Error, &inner) == nil && inner.Message != "" {
-			return inner.Message
-		}
-		var s string
-		if len(v.Error) > 0 && json.Unmarshal(v.Error, &s) == nil && s != "" {
-			return s
-		}
-		if v.Message != "" {
-			return v.Message
-		}
-	}
-	return string(body)
+	e := respond.Upstream(side, status, body)
+	return &apiError{Status: e.Status, Code: e.Code, Message: e.Message}
 }
 
 // selectionError is the 503 for an empty or unavailable pool.
 func selectionError(side string, total int) *apiError {
-	msg := "No available " + side + " workers (all circuits open or unhealthy)"
-	if total == 0 {
-		msg = "No " + side + " workers available. Please check if " + side + " servers are configured and healthy."
-	}
-	return &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + msg}
-}
-
-// adminError is the worker API's error shape: {"error","code"}.
-func adminError(ctx *fasthttp.RequestCtx, status int, code, msg string) {
-	writeJSON(ctx, status, map[string]string{"error": msg, "code": code})
+	e := respond.NoWorkers(side, total)
+	return &apiError{Status: e.Status, Code: e.Code, Message: e.Message}
 }
 
 // transportError answers what fasthttp could not read as a request.

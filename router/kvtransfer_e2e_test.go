@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 // smg_pd_kv_transfer_duration_seconds takes the KV transfer time a reply

@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/internal/netutil"
+	"github.com/pdrouter/pdrouter/router/respond"
 )
 
 // Client-side limits: what one client connection may cost the router.
@@ -37,12 +38,6 @@ func refuseMethod(ctx *fasthttp.RequestCtx) {
 	ctx.Response.Header.Set("Allow", "GET, POST, PUT, DELETE, HEAD, OPTIONS, PATCH")
 }
 
-// bodyDeadline gives the body its own read timeout once the head is in
-// (fasthttp's ReadTimeout, the header read timeout, covers the head).
-func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
-	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
-}
-
 // writeGrace is how long past --request-timeout-secs a response may still
 // be written: the request timeout's own end (a stream's error event) goes
 // out first, and a client that stopped reading is cut just after.
@@ -51,7 +46,7 @@ const writeGrace = 2 * time.Second
 // overLimitRefusal is what a connection over --max-connections reads
 // before it is closed.
 var overLimitRefusal = func() []byte {
-	body := (&apiError{Status: 503, Code: "too_many_connections", Message: "too many open connections; retry later"}).body()
+	body := respond.Error{Status: 503, Code: "too_many_connections", Message: "too many open connections; retry later"}.Body()
 	return fmt.Appendf(nil, "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nX-SMG-Error-Code: too_many_connections\r\n"+
 		"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 }()

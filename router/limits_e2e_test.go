@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // rawRequest writes raw bytes on a fresh connection and reads the reply.

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 // power_of_two and /get_loads read SGLang's /v1/loads, and /get_load only

@@ -32,7 +32,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	r.pd, r.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
+	r.rec.pd, r.rec.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
 	a := s.startPrefill(r, pw, dw)
 	fail, ok := s.openDecode(r, a, dw)
 	streaming := false
@@ -103,7 +103,7 @@ type attempt struct {
 	rid     engineRID     // both legs'
 	pd      *pdSeries     // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
-	kv      kvReport      // the KV transfer time a reply reports (pdmetrics.go)
+	kv      kvReport      // the KV transfer time a reply reports (record.go)
 
 	// body is what both legs send. Its segments are the client's buffer,
 	// which fasthttp reuses once the response is complete: prefill writes
@@ -121,7 +121,7 @@ type attempt struct {
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
 func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
-	a := &attempt{done: make(chan struct{}), pd: r.pd, start: r.pdStart}
+	a := &attempt{done: make(chan struct{}), pd: r.rec.pd, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(s, pw, &r.failed)

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 func TestPDBootstrapInjection(t *testing.T) {

@@ -8,13 +8,18 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/respond"
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // generation serves the routed endpoints: validation, admission, then
 // attempts (PD or regular) with retries before the first byte is sent.
 func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route routeKind) string {
-	if !s.requireMethod(ctx, method, "POST") || !s.authorized(ctx) {
+	if method != "POST" {
+		respond.RequireMethod(ctx, method, "POST") // the 405
+		return path
+	}
+	if !s.authorized(ctx) {
 		return path
 	}
 	if s.cfg.PDDisaggregation && (route == routeEmbeddings || route == routeClassify || route == routeResponses) {
@@ -25,9 +30,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	requestID := ctx.Response.Header.Peek("x-request-id")
 	r := s.newRequest(ctx, path, route, requestID)
 	if err := splice.Inspect(r.body, &r.info); err != nil {
-		if s.cfg.PDDisaggregation {
-			s.pdm.bootstrapFailures.Inc()
-		}
+		r.rec.badPDBody = s.cfg.PDDisaggregation
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
 		r.finish() // after the reply is set: the trace records its status
 		return path
@@ -35,7 +38,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	admit, err := s.admission.Acquire(&r.scope)
 	if err != nil {
 		gone := r.clientGone()
-		s.metrics.rateLimit.WithLabelValues("rejected").Inc()
+		r.rec.admission = rejected
 		switch {
 		case errors.Is(err, balancer.ErrQueueTimeout):
 			writeError(ctx, &apiError{Status: 408, Code: "queue_timeout", Message: "request timed out waiting in the admission queue"})
@@ -49,7 +52,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 		r.finish()
 		return path
 	}
-	s.metrics.admitted.Inc()
+	r.rec.admission = admitted
 	r.admit = admit
 	s.serve(ctx, r)
 	return path
@@ -65,9 +68,8 @@ func (s *Server) backendType() string {
 // serve runs attempts until one answers or the retry budget is spent.
 func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	endpoint := r.route.String()
-	model := s.modelLabel(r)
-	r.metrics = s.metrics.forRoute(routeKey{s.backendType(), r.route, model, r.info.Stream})
-	r.metrics.requests.Inc()
+	r.rec.model = s.modelLabel(r)
+	r.rec.route = s.metrics.forRoute(routeKey{s.backendType(), r.route, r.rec.model, r.info.Stream})
 
 	var fail *apiError
 	attempts := s.cfg.Retry.Attempts()
@@ -99,27 +101,23 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		if fail == nil || !balancer.Retryable(fail.Status) {
 			break
 		}
-		if attempt == attempts-1 && attempts > 1 {
-			for _, t := range s.sides() {
-				s.bm.RetriesExhausted(t, endpoint)
-			}
-		}
+		r.rec.exhausted = attempt == attempts-1 && attempts > 1
 	}
 	defer r.finish()
 	if r.clientGone() {
 		s.log.Debug("client went away", zap.ByteString("request_id", r.requestID))
-		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, "client_disconnected").Inc()
+		r.rec.fail("client_disconnected")
 		return
 	}
 	if r.scope.Cause() == errRequestTimeout {
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
 	}
 	if fail != nil {
-		s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", model, endpoint, fail.Code).Inc()
+		r.rec.fail(fail.Code)
 		fail.write(ctx)
 		return
 	}
-	r.metrics.duration.Observe(since(r.start))
+	r.rec.outcome = outcomeSucceeded
 }
 
 // modelLabel is the request's model when a worker serves it: the label is

@@ -29,19 +29,16 @@ type request struct {
 	// scope ends when the client goes away, at the request timeout or at
 	// hard shutdown. It lives until the handler and every leg it started
 	// are done (refs), because a prefill leg may outlive its handler.
-	scope   scope // embedded: no allocation of its own
-	refs    atomic.Int32
-	admit   func() // returns the admission token
-	leg     leg    // the worker leg whose reply is the client's (decode in PD mode)
-	policy  balancer.Request
-	metrics *routeMetrics // this route's series, set when routing starts
-	conn    net.Conn
+	scope  scope // embedded: no allocation of its own
+	refs   atomic.Int32
+	admit  func() // returns the admission token
+	leg    leg    // the worker leg whose reply is the client's (decode in PD mode)
+	policy balancer.Request
+	conn   net.Conn
 
 	track tracking // the inflight tracker's, guarded by its lock
 
-	pd      *pdSeries // PD stage metrics (pdmetrics.go); nil in regular mode
-	pdStart time.Time // when the last PD attempt sent its prefill leg
-
+	rec    record        // what it did, emitted once when it ends (record.go)
 	failed failedWorkers // workers this request's legs failed on (leg.go)
 	trace  *reqTrace     // nil unless traced (trace.go)
 
@@ -79,7 +76,7 @@ func (r *request) release() {
 
 // finish is called once when the response to the client is complete.
 func (r *request) finish() {
-	r.trace.end(r)
+	r.emit()
 	r.s.inflight.finished(r).stop()
 	if r.admit != nil {
 		r.admit()
@@ -97,7 +94,6 @@ func (r *request) clientGone() bool { return r.scope.Cause() == errClientGone }
 
 // observeFirstByte records the router-side time to first byte.
 func (r *request) observeFirstByte() {
-	r.metrics.ttft.Observe(since(r.start))
-	r.observePDTTFT()
+	r.rec.firstByte = time.Now()
 	r.leg.trace.firstByte(r.info.Stream)
 }

@@ -17,8 +17,8 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 
-	"github.com/pdrouter/pdrouter/internal/testcerts"
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testcerts"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 var certSeq atomic.Int64

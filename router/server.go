@@ -1,5 +1,9 @@
-// Package router is pdrouter's HTTP front end: sglang-router's endpoints,
-// the PD request path (pd.go) and regular load balancing (regular.go).
+// Package router is pdrouter's HTTP front end and request path: the PD
+// request path (pd.go) and regular load balancing (regular.go). What is
+// not the request path lives beside it: the control plane in admin
+// (worker API) and cpauth (who may call it), deployment checks in doctor,
+// the info endpoints and their fan-out in info, byte-level JSON/SSE work
+// in splice, and the replies the router makes itself in respond.
 package router
 
 import (
@@ -18,6 +22,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/internal/redact"
+	"github.com/pdrouter/pdrouter/router/admin"
+	"github.com/pdrouter/pdrouter/router/cpauth"
+	"github.com/pdrouter/pdrouter/router/doctor"
+	"github.com/pdrouter/pdrouter/router/info"
+	"github.com/pdrouter/pdrouter/router/respond"
 )
 
 // routeKind names the generation endpoints; it is also the metrics label.
@@ -50,15 +60,15 @@ type Server struct {
 	needsText bool         // some policy reads the request's routing text
 	upstream  *upstream    // generation requests to workers
 	inflight  *inflight    // generation requests in progress
-	infoCalls *http.Client // info endpoints and their fan-out to every worker
+	infoCalls *http.Client // info endpoints, their fan-out, the doctor and engine aborts
+	info      *info.Endpoints
+	admin     *admin.API // the control plane: worker API, /flush_cache, /get_loads, /doctor
 	metrics   *metrics
 	bm        *balancer.Metrics
 	srv       *fasthttp.Server
 
-	frontTLS    *tls.Config   // nil = plain HTTP (tls.go)
-	workerTLS   *tls.Config   // https workers; nil = system roots
-	cpKeyHashes [][32]byte    // SHA-256 of ControlPlane.APIKeys, same order (auth.go)
-	jwt         *jwtValidator // nil = no JWT control-plane auth
+	frontTLS  *tls.Config // nil = plain HTTP (tls.go)
+	workerTLS *tls.Config // https workers; nil = system roots
 
 	// base is cancelled on hard shutdown; admin and info calls derive from
 	// it (generation requests are cancelled by the inflight tracker).
@@ -76,7 +86,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	log = redactLogger(log) // no credential reaches a log line (redact.go)
+	log = redact.Logger(log) // no credential reaches a log line
 	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg), pdm: newPDMetrics(promReg)}
 	var err error
 	if s.bm, err = balancer.NewMetrics(promReg); err != nil {
@@ -92,6 +102,11 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	s.admission = balancer.NewAdmission(cfg.Admission)
 	s.base, s.cancelBase = context.WithCancel(context.Background())
 	if err := s.secure(); err != nil {
+		s.cancelBase()
+		return nil, err
+	}
+	auth, err := cpauth.New(s.base, cfg.ControlPlane, cfg.APIKey, log) // a JWKS refresher ends with s.base
+	if err != nil {
 		s.cancelBase()
 		return nil, err
 	}
@@ -117,6 +132,10 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	for _, t := range s.sides() {
 		s.manager.AttachPolicy(s.policies[t])
 	}
+	s.info = &info.Endpoints{Workers: s.reg, Ready: s.manager.Ready, PD: cfg.PDDisaggregation,
+		Client: s.infoCalls, APIKey: cfg.APIKey, Base: s.base}
+	s.admin = &admin.API{Auth: auth, Workers: s.manager, URLs: s.workerURLs, PD: cfg.PDDisaggregation,
+		Base: s.base, AddTimeout: cfg.Manager.StartupTimeout, Doctor: s.Doctor}
 	s.srv = &fasthttp.Server{
 		Handler:                       s.handle,
 		Name:                          "pdrouter",
@@ -148,6 +167,12 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		},
 	}
 	return s, nil
+}
+
+// bodyDeadline gives the body its own read timeout once the head is in
+// (fasthttp's ReadTimeout, the header read timeout, covers the head).
+func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
 }
 
 // followWorkers closes the connections of workers that left the registry.
@@ -216,6 +241,36 @@ func (s *Server) Shutdown(ctx context.Context) error {
 // Registry exposes the worker registry (tests, admin).
 func (s *Server) Registry() *balancer.Registry { return s.reg }
 
+// workerURLs lists the registered workers' URLs (/list_workers).
+func (s *Server) workerURLs() []string {
+	urls := []string{}
+	for _, w := range s.reg.Snapshot().All {
+		urls = append(urls, w.URL)
+	}
+	return urls
+}
+
+// Doctor checks the deployment (router/doctor): the workers the
+// configuration names and any registered since.
+func (s *Server) Doctor(ctx context.Context) []doctor.Finding {
+	workers := doctor.Engines(s.configuredWorkers(), s.reg.Snapshot().All)
+	return doctor.Run(ctx, workers, s.cfg.PDDisaggregation, doctor.HTTPGetter(s.infoCalls))
+}
+
+func (s *Server) configuredWorkers() []*balancer.Worker {
+	var ws []*balancer.Worker
+	for _, u := range s.cfg.WorkerURLs {
+		ws = append(ws, balancer.NewWorker(u, balancer.Regular, balancer.NoBootstrapPort))
+	}
+	for _, p := range s.cfg.Prefill {
+		ws = append(ws, balancer.NewWorker(p.URL, balancer.Prefill, p.BootstrapPort))
+	}
+	for _, u := range s.cfg.Decode {
+		ws = append(ws, balancer.NewWorker(u, balancer.Decode, balancer.NoBootstrapPort))
+	}
+	return ws
+}
+
 // handle is the outermost layer: CORS, request id, metrics, auth, routing.
 func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	start := time.Now()
@@ -264,41 +319,33 @@ func (s *Server) route(ctx *fasthttp.RequestCtx, path, method string) string {
 		ctx.SetContentType("text/plain; charset=utf-8")
 		ctx.SetBodyString("OK")
 	case "/readiness":
-		s.readiness(ctx)
+		s.info.Readiness(ctx)
 	case "/health_generate":
-		s.healthGenerate(ctx)
+		s.info.HealthGenerate(ctx)
 	case "/v1/models":
-		s.models(ctx)
+		s.info.Models(ctx)
 	case "/get_model_info":
-		s.modelInfo(ctx)
+		s.info.ModelInfo(ctx)
 	case "/get_server_info", "/server_info":
-		s.serverInfo(ctx)
+		s.info.ServerInfo(ctx)
 	case "/flush_cache":
-		if s.requireMethod(ctx, method, "POST") {
-			s.controlPlane(ctx, func() { s.flushCache(ctx) })
+		if respond.RequireMethod(ctx, method, "POST") {
+			s.admin.Gate(ctx, s.info.FlushCache)
 		}
 	case "/get_loads":
-		s.controlPlane(ctx, func() { s.getLoads(ctx) })
+		s.admin.Gate(ctx, s.info.Loads)
 	case "/doctor":
-		s.controlPlane(ctx, func() { s.doctor(ctx) })
+		s.admin.Gate(ctx, s.admin.ServeDoctor)
 	case "/engine_metrics":
-		s.engineMetrics(ctx)
+		s.info.EngineMetrics(ctx)
 	default:
-		if s.admin(ctx, path, method) {
+		if s.admin.ServeWorkers(ctx, path, method) {
 			return "/workers"
 		}
 		ctx.SetStatusCode(fasthttp.StatusNotFound)
 		return "other"
 	}
 	return path
-}
-
-func (s *Server) requireMethod(ctx *fasthttp.RequestCtx, method, want string) bool {
-	if method == want {
-		return true
-	}
-	writeError(ctx, &apiError{Status: 405, Code: "method_not_allowed", Message: "method " + method + " not allowed; use " + want})
-	return false
 }
 
 // authorized enforces --api-key on protected and admin routes.

@@ -1,7 +1,6 @@
 package router
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -15,11 +14,11 @@ import (
 // response body (streamRelay), which now owns the leg. a is nil in regular
 // mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
-	awaitBody(l.resp)
+	l.resp.awaitBody()
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
 	if err == nil {
-		n, err = readBuffered(l.resp, *bufp, n)
+		n, err = l.resp.readBuffered(*bufp, n)
 	}
 	a.scanDecode((*bufp)[:n])
 	if n == 0 && err != nil && err != io.EOF {
@@ -60,17 +59,6 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	return nil, true
 }
 
-// awaitBody waits until resp's connection has received some of its body,
-// in the connection's own reader: a stream waiting long for its first event
-// (decode's comes after prefill and the KV transfer) holds no relay buffer
-// meanwhile. A body of known length 0 has nothing to wait for, and an error
-// is left to the read that follows, which meets it again.
-func awaitBody(resp *upstreamResponse) {
-	if cl := resp.Header.ContentLength(); resp.conn != nil && (cl == -1 || cl > 0) {
-		_, _ = resp.conn.br.Peek(1)
-	}
-}
-
 // readSome reads until it gets at least one byte or an error.
 func readSome(r io.Reader, buf []byte) (int, error) {
 	for {
@@ -79,67 +67,6 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 			return n, err
 		}
 	}
-}
-
-// readBuffered adds to buf[:n], which the last read of resp filled short of
-// its end, the chunks that resp's connection has already received, as long
-// as reading them cannot wait for the network: the events that arrived
-// together reach the client in one write (and wake it once) instead of one
-// flushed HTTP chunk each. It returns the new length and the error of the
-// read that ended the body, if one did.
-func readBuffered(resp *upstreamResponse, buf []byte, n int) (int, error) {
-	// fasthttp reads a chunked body through the connection's reader, and a
-	// read that ends short of its buffer with bytes still buffered has
-	// ended at a chunk's end (it would otherwise have taken them): what is
-	// buffered starts with the next chunk's size line.
-	if resp.Header.ContentLength() != -1 || resp.conn == nil {
-		return n, nil
-	}
-	br := resp.conn.br
-	for n < len(buf) {
-		next, _ := br.Peek(br.Buffered())
-		if !wholeChunk(next) {
-			return n, nil
-		}
-		m, err := resp.Read(buf[n:])
-		n += m
-		if err != nil || m == 0 {
-			return n, err
-		}
-	}
-	return n, nil
-}
-
-// wholeChunk reports whether b starts with a whole HTTP chunk with data: its
-// size line, its bytes and the CRLF after them, so that reading it takes
-// nothing from the network. The last chunk (size 0) is left to the next
-// read, since its trailer section can be of any length; a malformed size
-// line is too, and fails there.
-func wholeChunk(b []byte) bool {
-	size, i := 0, 0
-	for ; i < len(b) && unhex(b[i]) >= 0; i++ {
-		size = size<<4 | unhex(b[i])
-	}
-	if size == 0 || i > 8 { // a chunk under 4 GiB
-		return false
-	}
-	end := bytes.IndexByte(b[i:], '\n')
-	if end < 1 || b[i+end-1] != '\r' {
-		return false
-	}
-	return len(b)-(i+end+1) >= size+2
-}
-
-func unhex(c byte) int {
-	switch {
-	case '0' <= c && c <= '9':
-		return int(c - '0')
-	case 'a' <= c && c <= 'f':
-		return int(c - 'a' + 10)
-	case 'A' <= c && c <= 'F':
-		return int(c - 'A' + 10)
-	}
-	return -1
 }
 
 // streamRelay is the client's response body: fasthttp's connection
@@ -215,12 +142,12 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 	buf[0] = sr.first[0]
 	// The rest of the event is read only if it has arrived: a read of the
 	// one byte ends mid-chunk, where a read of what is buffered cannot wait.
-	if err == nil && resp.conn.br.Buffered() > 0 {
+	if err == nil && resp.buffered() {
 		var m int
 		m, err = resp.Read(buf[n:])
 		n += m
 		if err == nil {
-			n, err = readBuffered(resp, buf, n)
+			n, err = resp.readBuffered(buf, n)
 		}
 	}
 	sr.readErr = err
@@ -269,7 +196,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		var n int
 		n, sr.readErr = sr.leg.resp.Read(buf)
 		if n > 0 && sr.readErr == nil {
-			n, sr.readErr = readBuffered(sr.leg.resp, buf, n)
+			n, sr.readErr = sr.leg.resp.readBuffered(buf, n)
 		}
 		sr.attempt.scanDecode(buf[:n])
 		if n > 0 {

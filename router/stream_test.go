@@ -16,33 +16,6 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-func TestWholeChunk(t *testing.T) {
-	for _, c := range []struct {
-		in   string
-		want bool
-	}{
-		{"5\r\nhello\r\n", true},
-		{"5\r\nhello\r\n7\r\npartial", true}, // the first is whole; the rest waits
-		{"A;ext=1\r\n0123456789\r\n", true},
-		{"5\r\nhello\r", false}, // its CRLF is still to come
-		{"5\r\nhel", false},
-		{"5\r", false},
-		{"1", false},
-		{"", false},
-		{"0\r\n\r\n", false},          // the last chunk: its trailer is the next read's
-		{"5\nhello\r\n", false},       // no CR: fasthttp's error to report
-		{"\r\n5\r\nhello\r\n", false}, // not at a size line
-		{"zz\r\nhello\r\n", false},    // not a size
-		{"123456789\r\nx\r\n", false}, // too long a size to be real
-		{"5 \r\nhello\r\n", true},     // whitespace before the CRLF is fasthttp's to judge
-		{"10\r\n0123456789abcde\r\n", false},
-	} {
-		if got := wholeChunk([]byte(c.in)); got != c.want {
-			t.Errorf("wholeChunk(%q) = %v, want %v", c.in, got, c.want)
-		}
-	}
-}
-
 // rawChunk frames payload as one HTTP chunk.
 func rawChunk(payload string) string {
 	return strconv.FormatInt(int64(len(payload)), 16) + "\r\n" + payload + "\r\n"

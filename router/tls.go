@@ -1,7 +1,6 @@
 package router
 
 import (
-	"crypto/sha256"
 	"crypto/tls"
 	"errors"
 	"net"
@@ -24,12 +23,14 @@ func (c Config) validSecurity() error {
 	if (c.WorkerTLS.ClientCertPath == "") != (c.WorkerTLS.ClientKeyPath == "") {
 		return invalid("--client-cert-path and --client-key-path must be given together")
 	}
-	return c.ControlPlane.validate()
+	if err := c.ControlPlane.Validate(); err != nil {
+		return invalid("%s", err)
+	}
+	return nil
 }
 
-// secure loads what the security settings name: the front end's key pair,
-// the worker TLS config, control-plane key digests and the JWT validator
-// (whose key refresher ends with s.base). Any failure stops New.
+// secure loads what the TLS settings name: the front end's key pair and
+// the worker TLS config. Any failure stops New.
 func (s *Server) secure() error {
 	cfg := &s.cfg
 	if cfg.TLSCertPath != "" {
@@ -44,15 +45,6 @@ func (s *Server) secure() error {
 	if cfg.WorkerTLS.Enabled() {
 		var err error
 		if s.workerTLS, err = tlsconfig.Client(cfg.WorkerTLS); err != nil {
-			return err
-		}
-	}
-	for _, k := range cfg.ControlPlane.APIKeys {
-		s.cpKeyHashes = append(s.cpKeyHashes, sha256.Sum256([]byte(k.Key)))
-	}
-	if j := cfg.ControlPlane.JWT; j != nil {
-		var err error
-		if s.jwt, err = newJWTValidator(s.base, *j, s.log); err != nil {
 			return err
 		}
 	}

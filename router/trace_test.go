@@ -18,7 +18,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/pdrouter/pdrouter/balancer"
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 // otlpReceiver is an OTLP/gRPC trace collector inside the test.
@@ -73,9 +73,8 @@ func (o *otlpReceiver) trace(tid string) []*tracepb.Span {
 	return out
 }
 
-func spanID(s *tracepb.Span) string    { return hex.EncodeToString(s.GetSpanId()) }
-func parentID(s *tracepb.Span) string  { return hex.EncodeToString(s.GetParentSpanId()) }
-func traceIDOf(s *tracepb.Span) string { return hex.EncodeToString(s.GetTraceId()) }
+func spanID(s *tracepb.Span) string   { return hex.EncodeToString(s.GetSpanId()) }
+func parentID(s *tracepb.Span) string { return hex.EncodeToString(s.GetParentSpanId()) }
 func named(spans []*tracepb.Span, name string) []*tracepb.Span {
 	var out []*tracepb.Span
 	for _, s := range spans {

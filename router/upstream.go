@@ -2,6 +2,7 @@ package router
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -141,6 +142,85 @@ func (r *upstreamResponse) armIdle() {
 	if r.scope.Cause() != nil {
 		r.conn.cancelled(nil)
 	}
+}
+
+// The stream relay reads a reply's chunk framing through the three methods
+// below; only they look into the connection's reader.
+
+// awaitBody waits until r's connection has received some of its body,
+// in the connection's own reader: a stream waiting long for its first event
+// (decode's comes after prefill and the KV transfer) holds no relay buffer
+// meanwhile. A body of known length 0 has nothing to wait for, and an error
+// is left to the read that follows, which meets it again.
+func (r *upstreamResponse) awaitBody() {
+	if cl := r.Header.ContentLength(); r.conn != nil && (cl == -1 || cl > 0) {
+		_, _ = r.conn.br.Peek(1)
+	}
+}
+
+// buffered reports whether r's connection holds bytes already received:
+// a read of them cannot wait for the network.
+func (r *upstreamResponse) buffered() bool { return r.conn != nil && r.conn.br.Buffered() > 0 }
+
+// readBuffered adds to buf[:n], which the last read of r filled short of
+// its end, the chunks that r's connection has already received, as long
+// as reading them cannot wait for the network: the events that arrived
+// together reach the client in one write (and wake it once) instead of one
+// flushed HTTP chunk each. It returns the new length and the error of the
+// read that ended the body, if one did.
+func (r *upstreamResponse) readBuffered(buf []byte, n int) (int, error) {
+	// fasthttp reads a chunked body through the connection's reader, and a
+	// read that ends short of its buffer with bytes still buffered has
+	// ended at a chunk's end (it would otherwise have taken them): what is
+	// buffered starts with the next chunk's size line.
+	if r.Header.ContentLength() != -1 || r.conn == nil {
+		return n, nil
+	}
+	br := r.conn.br
+	for n < len(buf) {
+		next, _ := br.Peek(br.Buffered())
+		if !wholeChunk(next) {
+			return n, nil
+		}
+		m, err := r.Read(buf[n:])
+		n += m
+		if err != nil || m == 0 {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// wholeChunk reports whether b starts with a whole HTTP chunk with data: its
+// size line, its bytes and the CRLF after them, so that reading it takes
+// nothing from the network. The last chunk (size 0) is left to the next
+// read, since its trailer section can be of any length; a malformed size
+// line is too, and fails there.
+func wholeChunk(b []byte) bool {
+	size, i := 0, 0
+	for ; i < len(b) && unhex(b[i]) >= 0; i++ {
+		size = size<<4 | unhex(b[i])
+	}
+	if size == 0 || i > 8 { // a chunk under 4 GiB
+		return false
+	}
+	end := bytes.IndexByte(b[i:], '\n')
+	if end < 1 || b[i+end-1] != '\r' {
+		return false
+	}
+	return len(b)-(i+end+1) >= size+2
+}
+
+func unhex(c byte) int {
+	switch {
+	case '0' <= c && c <= '9':
+		return int(c - '0')
+	case 'a' <= c && c <= 'f':
+		return int(c - 'a' + 10)
+	case 'A' <= c && c <= 'F':
+		return int(c - 'A' + 10)
+	}
+	return -1
 }
 
 // ContentType is the reply's Content-Type.

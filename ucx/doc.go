@@ -2,6 +2,9 @@
 // workers, listeners, endpoints, memory registration, remote keys, RMA
 // put/get (one call or a batch per cgo call), flush and active messages.
 //
+// It and internal/cuda (the CUDA driver, loaded at run time) are the
+// project's only cgo; pdrouter itself builds with CGO_ENABLED=0.
+//
 // Threading rules:
 //   - A Worker and everything created from it (Endpoint, Listener, Rkey,
 //     Request) belong to one owner goroutine locked to its OS thread

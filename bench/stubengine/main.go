@@ -1,7 +1,7 @@
 // Command stubengine is a lean SGLang engine stand-in for make bench's
 // throughput and fixed-rate latency rows: every answer is a body built once
 // at start-up, so a request costs little more than fasthttp's own parsing and
-// writing. internal/mockworker speaks far more of SGLang and has delay and
+// writing. mock/mockworker speaks far more of SGLang and has delay and
 // failure knobs, but its net/http + encoding/json path costs several times a
 // bare answer per request; on a box whose few cores the load generator,
 // workers and router share, that cost, not the router's, sets the pace.

@@ -24,7 +24,6 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -34,20 +33,7 @@ import (
 )
 
 func main() {
-	var cfg sidecar.Config
-	var logLevel string
-	flag.StringVar(&cfg.Role, "role", "prefill", "prefill or decode")
-	flag.StringVar(&cfg.Transport, "transport", "ucx", "ucx, tcp or shm (UCX_TLS passes through to ucx; shm: engine memory between kvproxies of one host)")
-	flag.StringVar(&cfg.Control, "control", "/tmp/kvproxy.sock", "Unix socket the engine connects to")
-	flag.StringVar(&cfg.Host, "host", "127.0.0.1", "address to listen on and advertise to peers")
-	flag.IntVar(&cfg.BootstrapPort, "bootstrap-port", 8998, "prefill: bootstrap HTTP API port (0: any; negative: none, when SGLang serves its own)")
-	flag.IntVar(&cfg.PeerPort, "peer-port", 0, "peer protocol port: rooms (prefill) and engine memory (both roles) (0: any)")
-	flag.IntVar(&cfg.MetricsPort, "metrics-port", 0, "/health and /metrics port (0: any)")
-	flag.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", 300*time.Second, "a room not matched by its peer within this fails")
-	flag.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", 300*time.Second, "a matched room not finished within this fails")
-	flag.DurationVar(&cfg.Heartbeat, "heartbeat-interval", 5*time.Second, "peer heartbeat; two missed intervals fail the peer's rooms")
-	flag.DurationVar(&cfg.WriteTimeout, "write-timeout", 5*time.Second, "an engine-memory write (or probe) not complete within this fails")
-	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
+	cfg, logLevel := flags(flag.CommandLine)
 	flag.Parse()
 	if flag.NArg() > 0 {
 		// flag stops at the first non-flag word: every flag after it would
@@ -55,10 +41,29 @@ func main() {
 		fmt.Fprintf(os.Stderr, "kvproxy: unexpected argument %q (flags after it would be ignored)\n", flag.Arg(0))
 		os.Exit(2)
 	}
-	if err := run(cfg, logLevel); err != nil {
+	if err := run(*cfg, *logLevel); err != nil {
 		fmt.Fprintln(os.Stderr, "kvproxy:", err)
 		os.Exit(1)
 	}
+}
+
+// flags defines kvproxy's flags on fs, each defaulting to
+// sidecar.DefaultConfig's value.
+func flags(fs *flag.FlagSet) (*sidecar.Config, *string) {
+	cfg := sidecar.DefaultConfig()
+	fs.StringVar(&cfg.Role, "role", cfg.Role, "prefill or decode")
+	fs.StringVar(&cfg.Transport, "transport", cfg.Transport, "ucx, tcp or shm (UCX_TLS passes through to ucx; shm: engine memory between kvproxies of one host)")
+	fs.StringVar(&cfg.Control, "control", cfg.Control, "Unix socket the engine connects to")
+	fs.StringVar(&cfg.Host, "host", cfg.Host, "address to listen on and advertise to peers")
+	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "prefill: bootstrap HTTP API port (0: any; negative: none, when SGLang serves its own)")
+	fs.IntVar(&cfg.PeerPort, "peer-port", cfg.PeerPort, "peer protocol port: rooms (prefill) and engine memory (both roles) (0: any)")
+	fs.IntVar(&cfg.MetricsPort, "metrics-port", cfg.MetricsPort, "/health and /metrics port (0: any)")
+	fs.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", cfg.BootstrapTimeout, "a room not matched by its peer within this fails")
+	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "a matched room not finished within this fails")
+	fs.DurationVar(&cfg.Heartbeat, "heartbeat-interval", cfg.Heartbeat, "peer heartbeat; two missed intervals fail the peer's rooms")
+	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", cfg.WriteTimeout, "an engine-memory write (or probe) not complete within this fails")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	return &cfg, logLevel
 }
 
 func run(cfg sidecar.Config, logLevel string) error {

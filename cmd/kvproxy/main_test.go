@@ -4,12 +4,16 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
 )
 
 // The test binary runs kvproxy's main when this is set, so the tests see
@@ -51,5 +55,20 @@ func TestStrayArgumentFails(t *testing.T) {
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.ExitCode() != 2 || !strings.Contains(stderr.String(), `unexpected argument "stray"`) {
 		t.Fatalf("exit %v, stderr %q", err, stderr.String())
+	}
+}
+
+// TestFlagDefaultsAreDefaultConfig: no flag writes its own default.
+func TestFlagDefaultsAreDefaultConfig(t *testing.T) {
+	fs := flag.NewFlagSet("kvproxy", flag.ContinueOnError)
+	cfg, level := flags(fs)
+	if err := fs.Parse(nil); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(*cfg, sidecar.DefaultConfig()) || *level != "info" {
+		t.Errorf("flag defaults %+v, want %+v", *cfg, sidecar.DefaultConfig())
+	}
+	if err := fs.Parse([]string{"--role", "decode", "--write-timeout", "2s"}); err != nil || cfg.Role != "decode" || cfg.WriteTimeout != 2*time.Second {
+		t.Errorf("flags not applied: %+v %v", *cfg, err)
 	}
 }

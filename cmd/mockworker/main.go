@@ -1,5 +1,5 @@
 // Command mockworker is a mock SGLang engine for tests and benchmarks; see
-// package internal/mockworker for its flags and endpoints. The first stdout
+// package mock/mockworker for its flags and endpoints. The first stdout
 // line is "listening on HOST:PORT".
 package main
 
@@ -12,8 +12,8 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/pdrouter/pdrouter/internal/enginesim"
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/enginesim"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 func main() {

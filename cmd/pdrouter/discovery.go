@@ -11,7 +11,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/pdrouter/pdrouter/internal/cli"
-	"github.com/pdrouter/pdrouter/internal/k8sdiscovery"
+	"github.com/pdrouter/pdrouter/k8sdiscovery"
 	"github.com/pdrouter/pdrouter/router"
 )
 

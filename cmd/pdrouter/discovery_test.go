@@ -19,8 +19,8 @@ import (
 	"go.uber.org/zap"
 	"sigs.k8s.io/yaml"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 func TestDiscoveryFlags(t *testing.T) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdrouter/pdrouter/internal/cli"
 	"github.com/pdrouter/pdrouter/router"
+	"github.com/pdrouter/pdrouter/router/doctor"
 )
 
 // runDoctor is `pdrouter doctor <router flags>`: it checks the deployment
@@ -40,7 +41,7 @@ func runDoctor(args []string, stdout, stderr io.Writer) int {
 	for _, f := range findings {
 		fmt.Fprintln(stdout, f)
 	}
-	if !router.Healthy(findings) {
+	if !doctor.Healthy(findings) {
 		fmt.Fprintln(stdout, "doctor: problems found")
 		return 1
 	}

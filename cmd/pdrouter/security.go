@@ -6,6 +6,7 @@ import (
 
 	"github.com/pdrouter/pdrouter/internal/cli"
 	"github.com/pdrouter/pdrouter/router"
+	"github.com/pdrouter/pdrouter/router/cpauth"
 )
 
 // securityOptions are launch_router's "TLS/mTLS Security" and "Control
@@ -49,7 +50,7 @@ func (o *securityOptions) apply(cfg *router.Config) error {
 	cp := &cfg.ControlPlane
 	cp.Audit = o.audit
 	for _, s := range o.cpKeys {
-		k, err := router.ParseControlPlaneKey(s)
+		k, err := cpauth.ParseKey(s)
 		if err != nil {
 			return &router.ConfigError{Rule: err.Error()}
 		}
@@ -62,11 +63,11 @@ func (o *securityOptions) apply(cfg *router.Config) error {
 		return nil
 	}
 	// Unlike 0.3.x, half a JWT configuration fails instead of turning JWT off.
-	roles, err := router.ParseRoleMapping(o.jwtRoles)
+	roles, err := cpauth.ParseRoleMapping(o.jwtRoles)
 	if err != nil {
 		return &router.ConfigError{Rule: err.Error()}
 	}
-	cp.JWT = &router.JWTConfig{Issuer: deref(o.jwtIssuer), Audience: deref(o.jwtAudience), JWKSURI: deref(o.jwtJWKS), RoleMapping: roles}
+	cp.JWT = &cpauth.JWTConfig{Issuer: deref(o.jwtIssuer), Audience: deref(o.jwtAudience), JWKSURI: deref(o.jwtJWKS), RoleMapping: roles}
 	return nil
 }
 

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/pdrouter/pdrouter/router"
+	"github.com/pdrouter/pdrouter/router/cpauth"
 )
 
 func parseSecurity(t *testing.T, args string) (router.Config, error) {
@@ -30,9 +31,9 @@ func TestSecurityFlagsReachTheConfig(t *testing.T) {
 		t.Errorf("front TLS %q %q", cfg.TLSCertPath, cfg.TLSKeyPath)
 	case len(cfg.WorkerTLS.CACertPaths) != 2 || cfg.WorkerTLS.ClientCertPath != "cc.pem" || cfg.WorkerTLS.ClientKeyPath != "ck.pem":
 		t.Errorf("worker TLS %+v", cfg.WorkerTLS)
-	case len(cp.APIKeys) != 2 || cp.APIKeys[0].Key != "s:e:c" || cp.APIKeys[1].Role != router.RoleUser || !cp.Audit:
+	case len(cp.APIKeys) != 2 || cp.APIKeys[0].Key != "s:e:c" || cp.APIKeys[1].Role != cpauth.RoleUser || !cp.Audit:
 		t.Errorf("control plane %+v", cp)
-	case cp.JWT == nil || cp.JWT.Issuer != "https://idp" || cp.JWT.Audience != "gw" || cp.JWT.RoleMapping["G.Admin"] != router.RoleAdmin:
+	case cp.JWT == nil || cp.JWT.Issuer != "https://idp" || cp.JWT.Audience != "gw" || cp.JWT.RoleMapping["G.Admin"] != cpauth.RoleAdmin:
 		t.Errorf("JWT %+v", cp.JWT)
 	}
 }

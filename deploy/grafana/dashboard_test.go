@@ -25,12 +25,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/pdrouter/pdrouter/internal/enginesim"
-	"github.com/pdrouter/pdrouter/internal/k8sdiscovery"
-	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/internal/routertest"
+	"github.com/pdrouter/pdrouter/k8sdiscovery"
 	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
+	"github.com/pdrouter/pdrouter/mock/enginesim"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 	"github.com/pdrouter/pdrouter/router"
+	"github.com/pdrouter/pdrouter/testkit/routertest"
 )
 
 // metricName finds the series names in a PromQL expression.

@@ -263,12 +263,6 @@ func (p *Parser) Parse(args []string) error {
 	return nil
 }
 
-// Seen reports whether a flag was given.
-func (p *Parser) Seen(name string) bool {
-	f := p.byName[name]
-	return f != nil && f.seen
-}
-
 // Ignored lists the given flags that pdrouter accepts but does not act on.
 func (p *Parser) Ignored() []string {
 	var out []string

@@ -20,10 +20,3 @@ func RaiseFileLimit() (soft, hard uint64, err error) {
 	}
 	return r.Cur, r.Max, nil
 }
-
-// DefaultMaxConns is the connection limit a server with this fd limit
-// gets by default: half of it, leaving the rest for the connections each
-// request opens to workers or peers, files and the listeners themselves.
-func DefaultMaxConns(fdLimit uint64) int {
-	return int(min(max(fdLimit/2, 16), 1<<20))
-}

@@ -11,7 +11,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/pdrouter/pdrouter/internal/testcerts"
+	"github.com/pdrouter/pdrouter/testkit/testcerts"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // TestBenchKV is `make bench-kv` (scripts/bench-kv.sh sets KV_BENCH_OUT):

@@ -25,7 +25,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 var kvFlags = []string{"--kv-layers", "2", "--kv-bytes-per-token", "64", "--kv-pool-tokens", "262144", "--kv-chunk-tokens", "4096"}

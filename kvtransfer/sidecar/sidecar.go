@@ -55,6 +55,22 @@ type Config struct {
 	bootstrapMaxConns int // 0: maxHTTPConns (tests set fewer)
 }
 
+// DefaultConfig is kvproxy's defaults, which its flags read: the one
+// place they are written down.
+func DefaultConfig() Config {
+	return Config{
+		Role:             "prefill",
+		Transport:        "ucx",
+		Control:          "/tmp/kvproxy.sock",
+		Host:             "127.0.0.1",
+		BootstrapPort:    8998,
+		WriteTimeout:     5 * time.Second,
+		BootstrapTimeout: 300 * time.Second,
+		WaitingTimeout:   300 * time.Second,
+		Heartbeat:        5 * time.Second,
+	}
+}
+
 // Addrs is where a started sidecar listens; Bootstrap is empty on a decode
 // sidecar, whose peer port serves engine-owned memory only.
 type Addrs struct {

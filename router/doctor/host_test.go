@@ -1,4 +1,4 @@
-package router
+package doctor
 
 import (
 	"context"

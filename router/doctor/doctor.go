@@ -1,4 +1,14 @@
-package router
+// Package doctor is the deployment doctor. It verifies what a PD
+// deployment needs and nothing assumes: every worker answers /health;
+// prefill and decode serve one model; each prefill's bootstrap server answers SGLang's bootstrap API
+// (GET /health, GET /route) at the host and port the router injects; and
+// every prefill/decode pair agrees, per /server_info, on what KV transfer
+// needs to match (sgl-project/sglang#23342: "hangs although workers are
+// healthy and the bootstrap port is reachable"); and the bootstrap_host
+// injected is one the decode engines can connect to. It works over a
+// worker list and a Getter, so it runs inside the router (GET /doctor) and
+// from the command line (pdrouter doctor) alike.
+package doctor
 
 import (
 	"context"
@@ -11,19 +21,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/valyala/fasthttp"
-
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/info"
 )
-
-// The deployment doctor verifies what a PD deployment needs and nothing
-// assumes: every worker answers /health; prefill and decode serve one
-// model; each prefill's bootstrap server answers SGLang's bootstrap API
-// (GET /health, GET /route) at the host and port the router injects; and
-// every prefill/decode pair agrees, per /server_info, on what KV transfer
-// needs to match (sgl-project/sglang#23342: "hangs although workers are
-// healthy and the bootstrap port is reachable"); and the bootstrap_host
-// injected is one the decode engines can connect to.
 
 // Verdicts of a Finding.
 const (
@@ -53,83 +53,100 @@ func Healthy(findings []Finding) bool {
 	return true
 }
 
-// doctorTimeout bounds each call the doctor makes.
-const doctorTimeout = 5 * time.Second
+// timeout bounds each call the doctor makes.
+const timeout = 5 * time.Second
 
 // pairFields must be equal on a prefill and a decode for KV to move
 // between them, as /server_info names them (SGLang's ServerArgs).
 var pairFields = []string{"page_size", "kv_cache_dtype", "tp_size", "dp_size", "disaggregation_transfer_backend"}
 
-// Doctor checks the workers the configuration names (a worker that never
-// registered is the likeliest culprit) and any others registered since.
-func (s *Server) Doctor(ctx context.Context) []Finding {
-	workers := s.doctorWorkers()
+// Getter fetches url with the worker's apiKey ("" = none) and returns the
+// status and body; HTTPGetter is the usual one.
+type Getter func(ctx context.Context, url, apiKey string) (status int, body []byte, err error)
+
+// HTTPGetter is a Getter over c, each call bounded by the doctor's timeout
+// and its body by 1 MiB.
+func HTTPGetter(c *http.Client) Getter {
+	return func(ctx context.Context, url, apiKey string) (int, []byte, error) {
+		ctx, cancel := context.WithTimeout(ctx, timeout)
+		defer cancel()
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return 0, nil, err
+		}
+		if apiKey != "" {
+			req.Header.Set("Authorization", "Bearer "+apiKey)
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			return 0, nil, err
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		return resp.StatusCode, body, err
+	}
+}
+
+// Run checks workers (Engines' list); pd adds the prefill/decode pair
+// and bootstrap_host checks.
+func Run(ctx context.Context, workers []*balancer.Worker, pd bool, get Getter) []Finding {
 	if len(workers) == 0 {
 		return []Finding{{VerdictFail, "workers", "router", "no workers configured or registered"}}
 	}
+	d := doctor{get: get}
 	infos := make([]map[string]any, len(workers))
 	perWorker := make([][]Finding, len(workers))
-	fanOut(workers, func(i int, w *balancer.Worker) { infos[i], perWorker[i] = s.checkWorker(ctx, w) })
+	info.FanOut(workers, func(i int, w *balancer.Worker) { infos[i], perWorker[i] = d.checkWorker(ctx, w) })
 	var out []Finding
 	for _, fs := range perWorker {
 		out = append(out, fs...)
 	}
 	out = append(out, sameModel(workers, infos))
-	if s.cfg.PDDisaggregation {
+	if pd {
 		out = append(out, pairChecks(workers, infos)...)
 		out = append(out, bootstrapHostChecks(ctx, workers, systemHosts)...)
 	}
 	return out
 }
 
-// doctorWorkers is one worker per engine, keyed by BaseURL: --dp-aware
+// Engines is one worker per engine, keyed by BaseURL, from the workers
+// the configuration names (a worker that never registered is the
+// likeliest culprit) and any others registered since: --dp-aware
 // registers an engine as one worker per rank (BASE@RANK), and the checks
 // are the engine's.
-func (s *Server) doctorWorkers() []*balancer.Worker {
-	registered := map[string]*balancer.Worker{} // by BaseURL: the first rank
+func Engines(configured, registered []*balancer.Worker) []*balancer.Worker {
+	byBase := map[string]*balancer.Worker{} // by BaseURL: the first rank
 	var order []string
-	for _, w := range s.reg.Snapshot().All {
-		if _, ok := registered[w.BaseURL]; !ok {
-			registered[w.BaseURL] = w
+	for _, w := range registered {
+		if _, ok := byBase[w.BaseURL]; !ok {
+			byBase[w.BaseURL] = w
 			order = append(order, w.BaseURL)
 		}
 	}
 	var ws []*balancer.Worker
-	for _, w := range s.configuredWorkers() {
-		if r, ok := registered[w.BaseURL]; ok {
+	for _, w := range configured {
+		if r, ok := byBase[w.BaseURL]; ok {
 			w = r
 		}
-		delete(registered, w.BaseURL)
+		delete(byBase, w.BaseURL)
 		ws = append(ws, w)
 	}
 	for _, u := range order {
-		if w := registered[u]; w != nil {
+		if w := byBase[u]; w != nil {
 			ws = append(ws, w)
 		}
 	}
 	return ws
 }
 
-func (s *Server) configuredWorkers() []*balancer.Worker {
-	var ws []*balancer.Worker
-	for _, u := range s.cfg.WorkerURLs {
-		ws = append(ws, balancer.NewWorker(u, balancer.Regular, balancer.NoBootstrapPort))
-	}
-	for _, p := range s.cfg.Prefill {
-		ws = append(ws, balancer.NewWorker(p.URL, balancer.Prefill, p.BootstrapPort))
-	}
-	for _, u := range s.cfg.Decode {
-		ws = append(ws, balancer.NewWorker(u, balancer.Decode, balancer.NoBootstrapPort))
-	}
-	return ws
-}
+type doctor struct{ get Getter }
 
 // checkWorker checks one worker's health, server info, mode and (prefill)
 // bootstrap server; it returns the server info (nil if unreadable).
-func (s *Server) checkWorker(ctx context.Context, w *balancer.Worker) (map[string]any, []Finding) {
+func (d doctor) checkWorker(ctx context.Context, w *balancer.Worker) (map[string]any, []Finding) {
 	target := w.Type.String() + " " + w.URL
 	var out []Finding
-	status, _, err := s.doctorGet(ctx, w.BaseURL+"/health", w.APIKey)
+	status, _, err := d.get(ctx, w.BaseURL+"/health", w.APIKey)
 	switch {
 	case err != nil:
 		return nil, append(out, Finding{VerdictFail, "health", target, "unreachable: " + err.Error()})
@@ -138,7 +155,7 @@ func (s *Server) checkWorker(ctx context.Context, w *balancer.Worker) (map[strin
 	default:
 		out = append(out, Finding{VerdictOK, "health", target, "reachable and healthy"})
 	}
-	info, err := s.serverInfoOf(ctx, w)
+	info, err := d.serverInfoOf(ctx, w)
 	if err != nil {
 		return nil, append(out, Finding{VerdictFail, "info", target, err.Error()})
 	}
@@ -149,16 +166,16 @@ func (s *Server) checkWorker(ctx context.Context, w *balancer.Worker) (map[strin
 		out = append(out, Finding{VerdictFail, "mode", target, "disaggregation_mode is " + mode + ", registered as " + w.Type.String()})
 	}
 	if w.Type == balancer.Prefill {
-		out = append(out, s.checkBootstrap(ctx, w, info, target))
+		out = append(out, d.checkBootstrap(ctx, w, info, target))
 	}
 	return info, out
 }
 
 // serverInfoOf reads /server_info, or /get_server_info on older engines.
-func (s *Server) serverInfoOf(ctx context.Context, w *balancer.Worker) (map[string]any, error) {
+func (d doctor) serverInfoOf(ctx context.Context, w *balancer.Worker) (map[string]any, error) {
 	var last string
 	for _, path := range []string{"/server_info", "/get_server_info"} {
-		status, body, err := s.doctorGet(ctx, w.BaseURL+path, w.APIKey)
+		status, body, err := d.get(ctx, w.BaseURL+path, w.APIKey)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %v", path, err)
 		}
@@ -178,14 +195,14 @@ func (s *Server) serverInfoOf(ctx context.Context, w *balancer.Worker) (map[stri
 // checkBootstrap calls the prefill's bootstrap server where decode will:
 // the injected bootstrap_host and port (the engine's own
 // disaggregation_bootstrap_port when the router injects none).
-func (s *Server) checkBootstrap(ctx context.Context, w *balancer.Worker, info map[string]any, target string) Finding {
+func (d doctor) checkBootstrap(ctx context.Context, w *balancer.Worker, info map[string]any, target string) Finding {
 	port := strconv.Itoa(w.BootstrapPort)
 	if w.BootstrapPort == balancer.NoBootstrapPort {
 		port = field(info, "disaggregation_bootstrap_port")
 	}
 	base := "http://" + net.JoinHostPort(strings.Trim(w.BootstrapHost, "[]"), port)
 	for _, path := range []string{"/health", "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1"} {
-		status, _, err := s.doctorGet(ctx, base+path, "")
+		status, _, err := d.get(ctx, base+path, "")
 		if err != nil {
 			return Finding{VerdictFail, "bootstrap", target, "bootstrap server at " + base + " unreachable: " + err.Error()}
 		}
@@ -194,25 +211,6 @@ func (s *Server) checkBootstrap(ctx context.Context, w *balancer.Worker, info ma
 		}
 	}
 	return Finding{VerdictOK, "bootstrap", target, "bootstrap server answers /health and /route at " + base}
-}
-
-func (s *Server) doctorGet(ctx context.Context, url, apiKey string) (int, []byte, error) {
-	ctx, cancel := context.WithTimeout(ctx, doctorTimeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return 0, nil, err
-	}
-	if apiKey != "" {
-		req.Header.Set("Authorization", "Bearer "+apiKey)
-	}
-	resp, err := s.infoCalls.Do(req)
-	if err != nil {
-		return 0, nil, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	return resp.StatusCode, body, err
 }
 
 // field is a server-info value as text ("<absent>" when missing).
@@ -291,17 +289,6 @@ func pairChecks(workers []*balancer.Worker, infos []map[string]any) []Finding {
 	return out
 }
 
-// doctor serves GET /doctor: the findings as JSON, 200 when all are ok and
-// 503 otherwise.
-func (s *Server) doctor(ctx *fasthttp.RequestCtx) {
-	findings := s.Doctor(s.base)
-	status := 200
-	if !Healthy(findings) {
-		status = 503
-	}
-	writeJSON(ctx, status, map[string]any{"healthy": status == 200, "findings": findings})
-}
-
 // hostLookup is how the doctor sees hosts: what a name resolves to, and
 // whether an address is this machine's own.
 type hostLookup struct {
@@ -316,7 +303,7 @@ var systemHosts = hostLookup{
 		if ip := net.ParseIP(host); ip != nil {
 			return []net.IP{ip}, nil
 		}
-		ctx, cancel := context.WithTimeout(ctx, doctorTimeout)
+		ctx, cancel := context.WithTimeout(ctx, timeout)
 		defer cancel()
 		addrs, err := net.DefaultResolver.LookupIPAddr(ctx, host)
 		ips := make([]net.IP, len(addrs))

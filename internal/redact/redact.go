@@ -1,4 +1,6 @@
-package router
+// Package redact keeps credentials out of logs: every entry a wrapped
+// logger writes has credential header values and bearer tokens replaced.
+package redact
 
 import (
 	"regexp"
@@ -9,14 +11,14 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-// Every log line the router writes goes through redactCore: values of
+// Every log line of a wrapped logger goes through core: values of
 // credential headers (and bearer tokens anywhere) are replaced before any
 // encoder, console or --json-log, sees them. The router logs no request
 // heads on purpose (fasthttp's errors run with SecureErrorLogMessage), so
 // this is the net for what a library, an error string or a future log line
 // carries by accident.
 
-const redacted = "[REDACTED]"
+const mark = "[REDACTED]"
 
 // secretHeader matches "Name: value" or "Name=value" for the credential
 // headers, up to the end of the line or of a quoted or listed value.
@@ -25,34 +27,34 @@ var secretHeader = regexp.MustCompile(`(?i)\b(authorization|proxy-authorization|
 // bearer matches a bearer or basic credential on its own.
 var bearer = regexp.MustCompile(`(?i)\b(bearer\s+[A-Za-z0-9._~+/=-]+|basic\s+[A-Za-z0-9+/]{8,}={0,2})`)
 
-// redactSecrets returns s with credential values replaced.
-func redactSecrets(s string) string {
-	s = secretHeader.ReplaceAllString(s, "${1}${2}"+redacted)
+// Secrets returns s with credential values replaced.
+func Secrets(s string) string {
+	s = secretHeader.ReplaceAllString(s, "${1}${2}"+mark)
 	return bearer.ReplaceAllStringFunc(s, func(m string) string {
-		return m[:strings.IndexFunc(m, unicode.IsSpace)] + " " + redacted
+		return m[:strings.IndexFunc(m, unicode.IsSpace)] + " " + mark
 	})
 }
 
-// redactLogger makes every entry log writes redacted.
-func redactLogger(log *zap.Logger) *zap.Logger {
-	return log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core { return redactCore{c} }))
+// Logger makes every entry log writes redacted.
+func Logger(log *zap.Logger) *zap.Logger {
+	return log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core { return core{c} }))
 }
 
-type redactCore struct{ zapcore.Core }
+type core struct{ zapcore.Core }
 
-func (c redactCore) With(fields []zapcore.Field) zapcore.Core {
-	return redactCore{c.Core.With(redactFields(fields))}
+func (c core) With(fields []zapcore.Field) zapcore.Core {
+	return core{c.Core.With(redactFields(fields))}
 }
 
-func (c redactCore) Check(e zapcore.Entry, ce *zapcore.CheckedEntry) *zapcore.CheckedEntry {
+func (c core) Check(e zapcore.Entry, ce *zapcore.CheckedEntry) *zapcore.CheckedEntry {
 	if c.Enabled(e.Level) {
 		return ce.AddCore(e, c)
 	}
 	return ce
 }
 
-func (c redactCore) Write(e zapcore.Entry, fields []zapcore.Field) error {
-	e.Message = redactSecrets(e.Message)
+func (c core) Write(e zapcore.Entry, fields []zapcore.Field) error {
+	e.Message = Secrets(e.Message)
 	return c.Core.Write(e, redactFields(fields))
 }
 
@@ -78,7 +80,7 @@ func redactFields(fields []zapcore.Field) []zapcore.Field {
 		default:
 			continue
 		}
-		clean := redactSecrets(text)
+		clean := Secrets(text)
 		if clean == text && f.Type == zapcore.StringType {
 			continue
 		}

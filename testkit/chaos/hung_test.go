@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // Row 9: one of two decode workers is SIGSTOPped under steady load. Once

@@ -1,4 +1,4 @@
-package router
+package cpauth
 
 import (
 	"context"
@@ -31,16 +31,16 @@ type JWTConfig struct {
 
 func (c *JWTConfig) validate() error {
 	if c.Issuer == "" || c.Audience == "" {
-		return invalid("JWT authentication needs both --jwt-issuer and --jwt-audience")
+		return errors.New("JWT authentication needs both --jwt-issuer and --jwt-audience")
 	}
 	if err := jwksURLAllowed(c.JWKSURI); c.JWKSURI != "" && err != nil {
-		return invalid("--jwt-jwks-uri: %v", err)
+		return fmt.Errorf("--jwt-jwks-uri: %v", err)
 	}
 	if err := jwksURLAllowed(c.Issuer); c.JWKSURI == "" && err != nil {
-		return invalid("--jwt-issuer (used for OIDC discovery without --jwt-jwks-uri): %v", err)
+		return fmt.Errorf("--jwt-issuer (used for OIDC discovery without --jwt-jwks-uri): %v", err)
 	}
 	if c.Leeway < 0 {
-		return invalid("JWT leeway must be >= 0")
+		return errors.New("JWT leeway must be >= 0")
 	}
 	return nil
 }

@@ -24,9 +24,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 // auxItem is one aux slot: room, pages, and a digest of the prompt.

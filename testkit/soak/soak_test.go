@@ -31,7 +31,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 func TestMain(m *testing.M) { testenv.Main(m) }

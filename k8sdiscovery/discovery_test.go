@@ -28,10 +28,10 @@ import (
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/pdrouter/pdrouter/balancer"
-	"github.com/pdrouter/pdrouter/internal/k8sdiscovery"
-	"github.com/pdrouter/pdrouter/internal/mockworker"
-	"github.com/pdrouter/pdrouter/internal/routertest"
+	"github.com/pdrouter/pdrouter/k8sdiscovery"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 	"github.com/pdrouter/pdrouter/router"
+	"github.com/pdrouter/pdrouter/testkit/routertest"
 )
 
 func TestMain(m *testing.M) {

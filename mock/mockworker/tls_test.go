@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdrouter/pdrouter/internal/testcerts"
+	"github.com/pdrouter/pdrouter/testkit/testcerts"
 )
 
 func TestTLSRequiresClientCertificateWhenAsked(t *testing.T) {

@@ -15,8 +15,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // kvproxy's bootstrap port closes a connection that sends no head within

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
 )
 

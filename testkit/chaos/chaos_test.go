@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/testenv"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 func TestMain(m *testing.M) { testenv.Main(m) }

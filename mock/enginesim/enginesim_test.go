@@ -13,9 +13,9 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
