@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/testkit/testenv"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/testkit/testenv"
 )
 
 // Row 13 (issue 26 item 3): connections to the control socket that send a
