@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -38,10 +37,10 @@ var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": 
 // first use.
 type gpuPlane struct {
 	init sync.Once
-	dev  *cuda.Device
-	cp   *cuda.Copier
+	devs devices
+	dev  Device // where engines' allocations are opened (device 0)
 	err  error
-	host string // boot id: peers' handles open only on the same host
+	host string // the plane's host id: peers' handles open only on the same host
 	// Where a write's time goes: resolving triples into runs (CPU) and the
 	// GPU copy including its launch and wait.
 	resolveSec, copySec prometheus.Counter
@@ -89,7 +88,13 @@ type gpuRegion struct {
 
 func (r *gpuRegion) end() uint64 { return r.base + r.n }
 
-func (g *gpuPlane) open(reg prometheus.Registerer) error {
+// place is where r's memory lives.
+func (g *gpuPlane) place(r *gpuRegion) Place {
+	return Place{Kind: wire.MemCUDA, Device: g.dev.Ordinal(), Host: g.host}
+}
+
+func (g *gpuPlane) open(p *MemoryPlane) error {
+	reg := p.cfg.Registry
 	g.init.Do(func() {
 		g.resolveSec = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_resolve_seconds_total",
 			Help: "Time GPU writes spent turning triples into merged runs."})
@@ -100,19 +105,11 @@ func (g *gpuPlane) open(reg prometheus.Registerer) error {
 				return
 			}
 		}
-		if g.dev, g.err = cuda.Open(0); g.err != nil {
+		g.devs.gpus = p.cfg.GPUs
+		if g.dev, g.err = g.devs.get(0); g.err != nil {
 			return
 		}
-		if g.cp, g.err = g.dev.NewCopier(); g.err != nil {
-			g.dev.Close()
-			return
-		}
-		b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
-		if err != nil {
-			g.err = fmt.Errorf("read boot id: %w", err)
-			return
-		}
-		g.host = strings.TrimSpace(string(b))
+		g.host = p.host
 		g.imports, g.peers, g.seen = map[cuda.Handle]*gpuImport{}, map[gpuPeerKey]gpuPeer{}, map[*memLink]*wire.MemRegion{}
 	})
 	return g.err
@@ -159,7 +156,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	case length > maxMemoryRegion:
 		return fmt.Errorf("register cuda memory: %d bytes is too large", length)
 	}
-	if err := g.open(p.cfg.Registry); err != nil {
+	if err := g.open(p); err != nil {
 		return fmt.Errorf("register cuda memory: %w", err)
 	}
 	var h cuda.Handle
@@ -274,7 +271,7 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	}
 	g.mu.Unlock()
 	g.pmu.Unlock()
-	return errors.Join(err, g.cp.Close(), g.dev.Close())
+	return errors.Join(err, g.devs.close())
 }
 
 // key finds imp's handle (peer imports are few; only close needs it).
@@ -475,10 +472,10 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, parts b
 	defer gpuRuns.Put(all)
 	*all = (*all)[:0]
 	emit := func(rs []cuda.Run) error { *all = append(*all, rs...); return nil }
-	var b *cuda.Batch
+	var b CopyBatch
 	if parts = parts && gpuCopyMode != cuda.CopyMemcpy; parts {
 		var err error
-		if b, err = g.cp.Begin(pieces); err != nil {
+		if b, err = g.dev.Begin(pieces); err != nil {
 			return fmt.Errorf("GPU copy: %w", err)
 		}
 		emit = b.Add
@@ -496,7 +493,7 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, parts b
 	if parts {
 		cerr = b.Wait() // also after an error: nothing may be in flight on return
 	} else if err == nil {
-		_, cerr = g.cp.Copy(*all, gpuCopyMode)
+		cerr = g.dev.Copy(*all, gpuCopyMode)
 	}
 	g.copySec.Add(time.Since(listed).Seconds())
 	if err != nil {

@@ -51,6 +51,11 @@ type MemoryConfig struct {
 	WriteTimeout time.Duration // default 5 s
 	Logger       *zap.Logger
 	Registry     prometheus.Registerer // nil: metrics not exported
+	// HostID names this machine to peers (default: the boot id); two
+	// planes with different ids treat each other as remote (place.go).
+	HostID string
+	// GPUs opens devices for GPU regions (nil: the CUDA driver).
+	GPUs GPUs
 }
 
 // MemoryPlane serves engine-owned memory: the region table, the links to
@@ -58,6 +63,7 @@ type MemoryConfig struct {
 type MemoryPlane struct {
 	cfg        MemoryConfig
 	mt         MemoryTransport
+	host       string // cfg.HostID or the boot id
 	log        *zap.Logger
 	m          memMetrics
 	workerAddr []byte
@@ -103,6 +109,9 @@ type memRegion struct {
 
 func (r *memRegion) end() uint64 { return r.base + uint64(len(r.mem)) }
 
+// place is where r's memory lives.
+func (p *MemoryPlane) place(*memRegion) Place { return HostPlace(p.host) }
+
 type quarantined struct {
 	mem   []byte
 	until time.Time
@@ -145,13 +154,24 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
+	if cfg.GPUs == nil {
+		cfg.GPUs = cudaGPUs{}
+	}
+	host := cfg.HostID
+	if host == "" {
+		id, err := bootID()
+		if err != nil {
+			return nil, fmt.Errorf("kvtransfer: host id: %w", err)
+		}
+		host = string(id)
+	}
 	wa, err := mt.WorkerAddress()
 	if err != nil {
 		return nil, fmt.Errorf("kvtransfer: worker address: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &MemoryPlane{
-		cfg: cfg, mt: mt, log: cfg.Logger, m: newMemMetrics(cfg.Registry), workerAddr: wa, remoteWriters: wa != nil,
+		cfg: cfg, mt: mt, host: host, log: cfg.Logger, m: newMemMetrics(cfg.Registry), workerAddr: wa, remoteWriters: wa != nil,
 		ctx: ctx, cancel: cancel, byID: map[uint32]*memRegion{}, links: map[*memLink]struct{}{},
 		byAddr: map[string]*memLink{}, dialing: dialOnce[*memLink]{},
 	}

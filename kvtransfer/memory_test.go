@@ -58,7 +58,7 @@ type memSide struct {
 	reg *prometheus.Registry
 }
 
-func newMemSide(t testing.TB, transport string, timeout time.Duration) *memSide {
+func newMemSide(t testing.TB, transport string, timeout time.Duration, opts ...func(*MemoryConfig)) *memSide {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -66,7 +66,11 @@ func newMemSide(t testing.TB, transport string, timeout time.Duration) *memSide 
 	}
 	tr := newTransport(t, transport)
 	reg := prometheus.NewRegistry()
-	p, err := NewMemoryPlane(MemoryConfig{Name: "m", Transport: tr, Listener: ln, WriteTimeout: timeout, Registry: reg})
+	cfg := MemoryConfig{Name: "m", Transport: tr, Listener: ln, WriteTimeout: timeout, Registry: reg}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	p, err := NewMemoryPlane(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

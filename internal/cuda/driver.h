@@ -49,7 +49,12 @@ int cudag_copier_create(void *ctx, const char *ptx, void **streams, unsigned ns,
 void cudag_copier_destroy(void *ctx, void *const *streams, unsigned ns, void *module);
 int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
 		    unsigned n, unsigned grid, unsigned block, int nowait);
-int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n);
+int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n, int any);
 int cudag_stream_wait(void *ctx, void *stream);
+
+// Peer access between devices a and b (ordinals), and enabling it from
+// ctx to peer's memory.
+int cudag_can_access_peer(int a, int b, int *ok);
+int cudag_enable_peer(void *ctx, void *peer);
 
 #endif
