@@ -46,6 +46,9 @@ type Device interface {
 	// OpenIPC maps an engine's allocation and returns its base here.
 	OpenIPC(cuda.Handle) (uint64, error)
 	CloseIPC(ptr uint64) error
+	// Locate is the ordinal of the device holding the memory at ptr (a
+	// mapping opened here may live on another device).
+	Locate(ptr uint64) (int, error)
 	// AddressRange is the base and size of the allocation holding ptr.
 	AddressRange(ptr uint64) (base uint64, size int, err error)
 	// Copy moves device-to-device runs and returns once they are in place.
@@ -94,6 +97,11 @@ var _ Device = (*cudaDevice)(nil)
 func (d *cudaDevice) Copy(runs []cuda.Run, mode cuda.CopyMode) error {
 	_, err := d.cp.Copy(runs, mode)
 	return err
+}
+
+func (d *cudaDevice) Locate(ptr uint64) (int, error) {
+	_, ord, err := cuda.Kind(ptr)
+	return ord, err
 }
 
 func (d *cudaDevice) Begin(pieces int) (CopyBatch, error) { return d.cp.Begin(pieces) }

@@ -22,8 +22,11 @@ type hostGPUs struct {
 	devices int  // open now
 	stages  int  // staging buffers not yet freed
 	ipc     int  // IPC mappings not yet closed
-	// failScatter, if set, fails a scatter into the allocation holding it.
-	failScatter uint64
+	// onGather and onScatter, if set, run before each gather or scatter
+	// (outside mu) and may fail it.
+	onGather, onScatter func(spans []Span) error
+	gathers             int    // gathers so far
+	maxGather           uint64 // the most bytes one gather moved
 }
 
 type hostAlloc struct {
@@ -116,6 +119,17 @@ func (d *hostDevice) CloseIPC(uint64) error {
 	return nil
 }
 
+func (d *hostDevice) Locate(ptr uint64) (int, error) {
+	d.h.mu.Lock()
+	defer d.h.mu.Unlock()
+	for _, a := range d.h.allocs {
+		if ptr >= a.base && ptr < a.base+uint64(len(a.mem)) {
+			return a.dev, nil
+		}
+	}
+	return -1, errors.New("not an allocation")
+}
+
 func (d *hostDevice) AddressRange(ptr uint64) (uint64, int, error) {
 	d.h.mu.Lock()
 	defer d.h.mu.Unlock()
@@ -159,6 +173,15 @@ func (b *hostBatch) Wait() error { return b.err }
 func (d *hostDevice) Begin(int) (CopyBatch, error) { return &hostBatch{d: d}, nil }
 
 func (d *hostDevice) Gather(stage []byte, spans []Span) error {
+	if d.h.onGather != nil {
+		if err := d.h.onGather(spans); err != nil {
+			return err
+		}
+	}
+	d.h.mu.Lock()
+	d.h.gathers++
+	d.h.maxGather = max(d.h.maxGather, spansLen(spans))
+	d.h.mu.Unlock()
 	var off uint64
 	for _, s := range spans {
 		src, err := d.h.slice(s.Addr, s.Len)
@@ -173,15 +196,25 @@ func (d *hostDevice) Gather(stage []byte, spans []Span) error {
 	return nil
 }
 
+func spansLen(spans []Span) uint64 {
+	var n uint64
+	for _, s := range spans {
+		n += s.Len
+	}
+	return n
+}
+
 func (d *hostDevice) Scatter(spans []Span, stage []byte) error {
+	if d.h.onScatter != nil {
+		if err := d.h.onScatter(spans); err != nil {
+			return err
+		}
+	}
 	var off uint64
 	for _, s := range spans {
 		dst, err := d.h.slice(s.Addr, s.Len)
 		if err != nil {
 			return err
-		}
-		if f := d.h.failScatter; f != 0 && s.Addr <= f && f < s.Addr+s.Len {
-			return errors.New("scatter failed (injected)")
 		}
 		if s.Len > uint64(len(stage))-off {
 			return errors.New("spans overrun the staging buffer")

@@ -1,6 +1,7 @@
 package kvtransfer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -44,8 +45,9 @@ type memLink struct {
 	// fence answers for exactly the frames of its own write.
 	sendMu sync.Mutex
 	// dropped is why DATA frames since the last fence were discarded;
-	// touched only by the reader.
+	// touched only by the reader, as is stage.
 	dropped string
+	stage   stageIn
 }
 
 // hello returns our MEM_HELLO and the count of table pushes its table
@@ -221,6 +223,7 @@ func (l *memLink) close(cause error) {
 
 func (l *memLink) readLoop() {
 	defer l.p.wg.Done()
+	defer l.releaseStage()
 	for {
 		m, err := l.conn.Read()
 		if err == nil {
@@ -252,8 +255,9 @@ func (l *memLink) handle(m wire.Msg) error {
 			l.deliver(m.Seq, m)
 		}
 	case *wire.MemFence:
-		ack := &wire.MemFenceAck{Seq: m.Seq, Err: l.dropped}
-		l.dropped = ""
+		l.scatter() // the write completes once its bytes are in GPU memory
+		ack := &wire.MemFenceAck{Seq: m.Seq, Err: cmp.Or(l.dropped, l.stage.err)}
+		l.dropped, l.stage.err = "", ""
 		return l.conn.Write(ack)
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
@@ -272,6 +276,11 @@ func (l *memLink) land(d *wire.Data) error {
 	p.mu.Lock()
 	r := p.byID[d.Region]
 	p.mu.Unlock()
+	if r == nil {
+		if gr := p.gpu.byID(d.Region); gr != nil {
+			return l.landGPU(gr, d)
+		}
+	}
 	if r != nil {
 		r.use.RLock()
 		defer r.use.RUnlock()
@@ -505,7 +514,9 @@ func (l *memLink) put(ctx context.Context, runs []memRun) error {
 	if err != nil {
 		return err
 	}
-	if ep == nil {
+	if ep == nil || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
+		// GPU destinations take DATA frames on the link (the staged path):
+		// the peer scatters them into device memory.
 		return l.putTCP(ctx, runs)
 	}
 	l.keyUse.RLock()

@@ -56,6 +56,9 @@ type MemoryConfig struct {
 	HostID string
 	// GPUs opens devices for GPU regions (nil: the CUDA driver).
 	GPUs GPUs
+	// StageChunk is how many bytes of GPU memory the staged path gathers
+	// per chunk (default and at most 8 MiB).
+	StageChunk int
 }
 
 // MemoryPlane serves engine-owned memory: the region table, the links to
@@ -153,6 +156,9 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
+	}
+	if cfg.StageChunk <= 0 || cfg.StageChunk > stageBytes {
+		cfg.StageChunk = stageBytes
 	}
 	if cfg.GPUs == nil {
 		cfg.GPUs = cudaGPUs{}

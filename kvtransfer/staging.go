@@ -1,0 +1,399 @@
+package kvtransfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// The staged path (place.go's PathStagedTCP): GPU memory that the writing
+// kvproxy cannot reach by a device copy travels as host bytes. The writer
+// gathers the source pages into pinned staging buffers of its own, one
+// chunk at a time, and sends each as DATA frames on the peer link while
+// the next is gathered. The receiver reads frames bound for a GPU region
+// back to back into a staging buffer of its own and scatters it into the
+// device when it is full and at the write's fence, so the fence's answer
+// (the write's completion) comes only after the last scatter.
+
+// stageBytes is one staging buffer: a whole DATA frame fits, so a
+// receiver never splits one.
+const stageBytes = wire.MaxDataLen
+
+// stageKeep is how many free buffers a pool keeps; more are made when
+// more are in use at once (a pool never blocks: a reader waiting for a
+// buffer another link holds could stall both ends) and freed on return.
+const stageKeep = 8
+
+// stagePool hands out one device's staging buffers.
+type stagePool struct {
+	dev  Device
+	mu   sync.Mutex
+	free [][]byte
+	out  int // handed out and not returned
+}
+
+func (sp *stagePool) get() ([]byte, error) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	if n := len(sp.free); n > 0 {
+		b := sp.free[n-1]
+		sp.free = sp.free[:n-1]
+		sp.out++
+		return b, nil
+	}
+	b, err := sp.dev.AllocStage(stageBytes)
+	if err != nil {
+		return nil, fmt.Errorf("allocate a staging buffer: %w", err)
+	}
+	sp.out++
+	return b, nil
+}
+
+func (sp *stagePool) put(b []byte) error {
+	b = b[:cap(b)]
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	sp.out--
+	if len(sp.free) < stageKeep {
+		sp.free = append(sp.free, b)
+		return nil
+	}
+	return sp.dev.FreeStage(b)
+}
+
+// outstanding counts buffers handed out and not yet returned.
+func (sp *stagePool) outstanding() int {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	return sp.out
+}
+
+// close frees the pool's buffers; every one must have come back.
+func (sp *stagePool) close() error {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	var err error
+	if sp.out != 0 {
+		err = fmt.Errorf("%d staging buffers of GPU %d never came back", sp.out, sp.dev.Ordinal())
+	}
+	for _, b := range sp.free {
+		err = errors.Join(err, sp.dev.FreeStage(b))
+	}
+	sp.free = nil
+	return err
+}
+
+// pool returns dev's staging pool, made on first use.
+func (g *gpuPlane) pool(dev Device) *stagePool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.pools == nil {
+		g.pools = map[int]*stagePool{}
+	}
+	sp := g.pools[dev.Ordinal()]
+	if sp == nil {
+		sp = &stagePool{dev: dev}
+		g.pools[dev.Ordinal()] = sp
+	}
+	return sp
+}
+
+// stagedOut is the number of staging buffers handed out on every device.
+func (g *gpuPlane) stagedOut() int {
+	g.mu.Lock()
+	pools := make([]*stagePool, 0, len(g.pools))
+	for _, sp := range g.pools {
+		pools = append(pools, sp)
+	}
+	g.mu.Unlock()
+	n := 0
+	for _, sp := range pools {
+		n += sp.outstanding()
+	}
+	return n
+}
+
+func (g *gpuPlane) closePools() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var err error
+	for o, sp := range g.pools {
+		err = errors.Join(err, sp.close())
+		delete(g.pools, o)
+	}
+	return err
+}
+
+// stagedRun is one merged range of a staged write: n bytes from device
+// address src into the peer's region dst at dstOff.
+type stagedRun struct {
+	src    uint64
+	dst    uint32
+	dstOff uint64
+	n      uint64
+}
+
+// resolveStaged maps ts (sources on dev) onto stagedRuns, merging runs
+// contiguous on both sides. Source regions are read-locked and added to
+// srcs, as resolve does.
+func (g *gpuPlane) resolveStaged(ctx context.Context, l *memLink, dev Device, ts []Triple, srcs []*gpuRegion) ([]stagedRun, []*gpuRegion, uint64, error) {
+	var runs []stagedRun
+	var total uint64
+	refreshed := false
+	var src *gpuRegion
+	var dst wire.MemRegion
+	for i, t := range ts {
+		if t.Len == 0 {
+			continue
+		}
+		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
+			return nil, srcs, 0, fmt.Errorf("triple %d: range wraps", i)
+		}
+		var err error
+		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
+			if src, srcs, err = g.source(t.Src, t.Len, dev, srcs); err != nil {
+				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
+			}
+		}
+		if dst.Len == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
+			if dst, err = l.lookup(ctx, t.Dst, t.Len, &refreshed); err != nil {
+				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
+			}
+		}
+		r := stagedRun{src: src.ptr + (t.Src - src.base), dst: dst.ID, dstOff: t.Dst - dst.Base, n: t.Len}
+		total += t.Len
+		if k := len(runs); k > 0 {
+			last := &runs[k-1]
+			if last.dst == r.dst && last.src+last.n == r.src && last.dstOff+last.n == r.dstOff {
+				last.n += r.n
+				continue
+			}
+		}
+		runs = append(runs, r)
+	}
+	return runs, srcs, total, nil
+}
+
+// writeStaged moves ts (GPU sources on dev) by the staged path.
+func (g *gpuPlane) writeStaged(ctx context.Context, p *MemoryPlane, l *memLink, dev Device, ts []Triple) error {
+	var srcs []*gpuRegion
+	defer func() {
+		for _, r := range srcs {
+			r.use.RUnlock()
+		}
+	}()
+	runs, srcs, total, err := g.resolveStaged(ctx, l, dev, ts, srcs)
+	if err != nil || len(runs) == 0 {
+		return err
+	}
+	if err := l.sendStaged(ctx, g.pool(dev), p.cfg.StageChunk, runs); err != nil {
+		return err
+	}
+	p.m.written.Add(float64(total))
+	return nil
+}
+
+// stagedChunk is what one gather fills and one send empties.
+type stagedChunk struct {
+	buf    []byte
+	pieces []wire.DataPiece
+}
+
+// sendStaged gathers runs chunk by chunk (at most chunk bytes each) into
+// pool's buffers on one goroutine while this one sends the previous chunk
+// as DATA frames, then fences and waits for the peer to confirm every byte
+// is in place. Every buffer is back in the pool when it returns.
+func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
+	seq, ch, err := l.ask()
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
+	defer stop()
+	gctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	filled := make(chan stagedChunk, 1)
+	var gerr error
+	go func() {
+		defer close(filled)
+		gerr = gatherChunks(gctx, pool, chunk, runs, filled)
+	}()
+	l.sendMu.Lock()
+	var serr error
+	for c := range filled {
+		if serr == nil {
+			serr = l.conn.WriteDataBatch(c.pieces)
+			if serr != nil {
+				cancel() // the gatherer stops; the rest is drained
+			}
+		}
+		serr = errors.Join(serr, pool.put(c.buf))
+	}
+	// A gather that failed part way: the frames sent so far still get
+	// their fence, so the link stays in step.
+	if serr == nil {
+		serr = l.conn.Write(&wire.MemFence{Seq: seq})
+	}
+	l.sendMu.Unlock()
+	if serr != nil {
+		l.close(serr)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return serr
+	}
+	m, err := l.await(ctx, seq, ch)
+	if err != nil {
+		return err
+	}
+	ack, ok := m.(*wire.MemFenceAck)
+	if !ok {
+		return fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
+	}
+	if gerr != nil {
+		return fmt.Errorf("gather: %w", gerr)
+	}
+	if ack.Err != "" {
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
+}
+
+// gatherChunks fills buffers from pool with runs, chunk bytes at most
+// each, and hands them to out in order. A buffer it cannot hand over goes
+// back to the pool.
+func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun, out chan<- stagedChunk) error {
+	var c stagedChunk
+	var spans []Span
+	used := 0
+	flush := func() error {
+		err := pool.dev.Gather(c.buf[:used], spans)
+		if err == nil {
+			select {
+			case out <- c:
+				c, spans, used = stagedChunk{}, spans[:0], 0
+				return nil
+			case <-ctx.Done():
+				err = ctx.Err()
+			}
+		}
+		err = errors.Join(err, pool.put(c.buf))
+		c.buf = nil
+		return err
+	}
+	for _, r := range runs {
+		for done := uint64(0); done < r.n; {
+			if ctx.Err() != nil {
+				return errors.Join(ctx.Err(), putIf(pool, c.buf))
+			}
+			if c.buf == nil {
+				b, err := pool.get()
+				if err != nil {
+					return err
+				}
+				c.buf = b[:chunk]
+			}
+			n := min(r.n-done, uint64(chunk-used))
+			spans = append(spans, Span{Addr: r.src + done, Len: n})
+			c.pieces = append(c.pieces, wire.DataPiece{Region: r.dst, Offset: r.dstOff + done, Data: c.buf[used : used+int(n)]})
+			used += int(n)
+			done += n
+			if used == chunk {
+				if err := flush(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if used > 0 {
+		return flush()
+	}
+	return putIf(pool, c.buf)
+}
+
+func putIf(pool *stagePool, b []byte) error {
+	if b == nil {
+		return nil
+	}
+	return pool.put(b[:cap(b)])
+}
+
+// stageIn is a link reader's staging of DATA frames bound for GPU regions;
+// only the reader touches it.
+type stageIn struct {
+	pool  *stagePool
+	buf   []byte
+	used  int
+	spans []Span
+	held  []*gpuRegion // read-locked until their bytes are scattered
+	err   string       // the first scatter failure since the last fence
+}
+
+// landGPU reads a DATA frame for GPU region r into the staging buffer.
+func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
+	st := &l.stage
+	if !slices.Contains(st.held, r) {
+		r.use.RLock()
+		st.held = append(st.held, r)
+	}
+	if r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
+		if l.dropped == "" {
+			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
+		}
+		return l.conn.DiscardData()
+	}
+	pool := l.p.gpu.pool(r.dev)
+	if st.buf != nil && (st.pool != pool || len(st.buf)-st.used < int(d.N)) {
+		l.scatter()
+	}
+	if st.buf == nil {
+		b, err := pool.get()
+		if err != nil {
+			return err
+		}
+		st.buf, st.pool = b, pool
+	}
+	if err := l.conn.SetReadTimeout(l.p.cfg.WriteTimeout); err != nil {
+		return err
+	}
+	if err := l.conn.ReadData(st.buf[st.used : st.used+int(d.N)]); err != nil {
+		return err
+	}
+	st.spans = append(st.spans, Span{Addr: r.ptr + d.Offset, Len: uint64(d.N)})
+	st.used += int(d.N)
+	if st.used == len(st.buf) {
+		l.scatter()
+	}
+	return l.conn.SetReadTimeout(0)
+}
+
+// scatter moves the staged bytes into device memory and releases the
+// buffer and the regions they were bound for.
+func (l *memLink) scatter() {
+	st := &l.stage
+	if st.buf != nil && st.used > 0 {
+		if err := st.pool.dev.Scatter(st.spans, st.buf[:st.used]); err != nil && st.err == "" {
+			st.err = "scatter into GPU memory: " + err.Error()
+		}
+	}
+	l.releaseStage()
+}
+
+// releaseStage returns the buffer and unlocks the regions, scattering
+// nothing (the link is going).
+func (l *memLink) releaseStage() {
+	st := &l.stage
+	if st.buf != nil {
+		if err := st.pool.put(st.buf); err != nil {
+			l.p.log.Warn("free a staging buffer: " + err.Error())
+		}
+	}
+	for _, r := range st.held {
+		r.use.RUnlock()
+	}
+	st.buf, st.used, st.spans, st.held = nil, 0, st.spans[:0], st.held[:0]
+}
