@@ -181,6 +181,7 @@ func (p *MemoryPlane) addLink(l *memLink, addr string, dialed bool) bool {
 			l.close(fmt.Errorf("push region table: %w", err))
 		}
 	}
+	l.logPaths()
 	return true
 }
 
@@ -448,6 +449,12 @@ func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error
 	}
 	if err != nil || len(runs) == 0 {
 		return err
+	}
+	// Host to host: only shm can lack a path (peers on two hosts).
+	if slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemHost }) {
+		if _, err := l.pathTo(HostPlace(p.host), Place{Kind: wire.MemHost, Device: -1, Host: l.peerHost()}); err != nil {
+			return err
+		}
 	}
 	var total uint64
 	for _, r := range runs {

@@ -181,6 +181,12 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 		ctx: ctx, cancel: cancel, byID: map[uint32]*memRegion{}, links: map[*memLink]struct{}{},
 		byAddr: map[string]*memLink{}, dialing: dialOnce[*memLink]{},
 	}
+	if cfg.Registry != nil {
+		if err := cfg.Registry.Register(newLinkPathCollector(p)); err != nil {
+			cancel()
+			return nil, fmt.Errorf("kvtransfer: register kvproxy_link_path: %w", err)
+		}
+	}
 	p.wg.Add(1)
 	go p.acceptLoop()
 	return p, nil

@@ -48,16 +48,11 @@ const (
 	PathSameGPU Path = "same-gpu"
 	// PathP2P: two devices of one host with peer access, device to device.
 	PathP2P Path = "p2p"
-	// PathStagedHost: two devices of one host without peer access: through
-	// pinned host memory of this kvproxy.
-	PathStagedHost Path = "staged-host"
-	// PathStagedTCP: device memory on at least one end, across hosts (or
-	// beside host memory): gathered into pinned host staging buffers, sent
-	// as DATA frames on the peer link, scattered at the far end.
+	// PathStagedTCP: device memory on at least one end, across hosts,
+	// beside host memory or between devices without peer access: gathered
+	// into pinned host staging buffers, sent as DATA frames on the peer
+	// link (whatever the transport), scattered at the far end.
 	PathStagedTCP Path = "staged-tcp"
-	// PathStagedUCX: as PathStagedTCP with the staging buffers registered
-	// with UCX and the bytes moved by RMA.
-	PathStagedUCX Path = "staged-ucx"
 	PathSHM       Path = "shm"
 	PathTCP       Path = "tcp"
 	PathUCX       Path = "ucx"
@@ -106,7 +101,6 @@ func choosePath(transport string, src, dst Place, access PeerAccess) (Path, erro
 		case access != nil && access(src.Device, dst.Device):
 			return PathP2P, nil
 		}
-		return PathStagedHost, nil
 	}
 	// Device memory across hosts, or beside host memory: bytes travel as
 	// host bytes on the peer link with a device copy on the ends that need

@@ -27,7 +27,7 @@ func TestChoosePath(t *testing.T) {
 		{"rdma", HostPlace("a"), HostPlace("a"), "", "unknown transport"},
 		{"tcp", gpu(0, "a"), gpu(0, "a"), PathSameGPU, ""},
 		{"shm", gpu(1, "a"), gpu(2, "a"), PathP2P, ""},
-		{"tcp", gpu(1, "a"), gpu(5, "a"), PathStagedHost, ""},
+		{"tcp", gpu(1, "a"), gpu(5, "a"), PathStagedTCP, ""},
 		{"tcp", gpu(0, "a"), gpu(0, "b"), PathStagedTCP, ""},
 		{"ucx", gpu(0, "a"), HostPlace("b"), PathStagedTCP, ""},
 		{"shm", HostPlace("a"), gpu(3, "a"), PathStagedTCP, ""},
@@ -44,7 +44,7 @@ func TestChoosePath(t *testing.T) {
 		}
 	}
 	// Without peer access information two devices never go direct.
-	if got, _ := choosePath("tcp", gpu(0, "a"), gpu(1, "a"), nil); got != PathStagedHost {
+	if got, _ := choosePath("tcp", gpu(0, "a"), gpu(1, "a"), nil); got != PathStagedTCP {
 		t.Errorf("nil access: %q", got)
 	}
 }
@@ -81,5 +81,61 @@ func TestGPUWriteSameHostOnStandIn(t *testing.T) {
 	}
 	if d, _, _ := gpus.open(); d != 2 {
 		t.Fatalf("%d devices open, want one per plane", d)
+	}
+}
+
+// Each link names its path per pair of places, in Paths (kvproxy's
+// /status) and in kvproxy_link_path.
+func TestLinkPathsNameEachPair(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		hostB        string
+		noPeer       bool
+		devB         int
+		want, wantHH Path
+	}{
+		{"other host", "h2", false, 0, PathStagedTCP, PathTCP},
+		{"same gpu", "h1", false, 0, PathSameGPU, PathTCP},
+		{"peer access", "h1", false, 1, PathP2P, PathTCP},
+		{"no peer access", "h1", true, 1, PathStagedTCP, PathTCP},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			gpus := newHostGPUs(t)
+			gpus.noPeer = tc.noPeer
+			a := gpuSide(t, gpus, "tcp", "h1", 2*time.Second)
+			b := gpuSide(t, gpus, "tcp", tc.hostB, 2*time.Second)
+			src, dst := gpus.alloc(0, 1<<20), gpus.alloc(tc.devB, 1<<20)
+			fill(src.mem, 1)
+			a.registerGPU(t, 0x10000000, src)
+			b.registerGPU(t, 0x20000000, dst)
+			if err := a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: 0x10000000, Dst: 0x20000000, Len: 8192}}); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(dst.mem[:8192], src.mem[:8192]) {
+				t.Fatal("bytes did not land")
+			}
+			st := a.p.Paths()
+			if len(st.Links) != 1 || st.Links[0].PeerHost != tc.hostB {
+				t.Fatalf("links %+v", st.Links)
+			}
+			got := map[string]Path{}
+			for _, pp := range st.Links[0].Paths {
+				got[pp.Src+" "+pp.Dst] = pp.Path
+			}
+			gpuPair := "cuda:0@h1 cuda:" + string(rune('0'+tc.devB)) + "@" + tc.hostB
+			if got[gpuPair] != tc.want || got["host@h1 "+gpuPair[10:]] != PathStagedTCP {
+				t.Fatalf("paths %v, want %s for %s", got, tc.want, gpuPair)
+			}
+			mfs, err := a.reg.Gather()
+			n := 0
+			for _, mf := range mfs {
+				if mf.GetName() == "kvproxy_link_path" {
+					n = len(mf.GetMetric())
+				}
+			}
+			if err != nil || n != len(st.Links[0].Paths) {
+				t.Fatalf("kvproxy_link_path series %d (%v), want %d", n, err, len(st.Links[0].Paths))
+			}
+		})
 	}
 }

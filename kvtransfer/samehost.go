@@ -24,6 +24,9 @@ import (
 // move as with TCP.
 type SHM struct {
 	TCP
+	// HostID is this machine's id (default: the boot id); peers whose id
+	// differs are on another host (kvproxy --host-id).
+	HostID string
 }
 
 var _ MemoryTransport = (*SHM)(nil)
@@ -75,11 +78,16 @@ func (*SHM) RegisterMemory(b []byte, fd int) (MemoryRegistration, error) {
 	return &shmRegistration{mem: b, key: k}, nil
 }
 
-// WorkerAddress is the boot id: peers on another host fail at once.
-func (*SHM) WorkerAddress() ([]byte, error) { return bootID() }
+// WorkerAddress is the host id: peers on another host fail at once.
+func (s *SHM) WorkerAddress() ([]byte, error) {
+	if s.HostID != "" {
+		return []byte(s.HostID), nil
+	}
+	return bootID()
+}
 
-func (*SHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
-	id, err := bootID()
+func (s *SHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
+	id, err := s.WorkerAddress()
 	if err != nil {
 		return nil, err
 	}

@@ -6,8 +6,9 @@
 // mode (SGLang through the Mooncake-compatible TransferEngine in python/):
 // the engine registers memory it owns by memfd and writes into peer
 // engines by address; peers name this kvproxy by its peer address (the
-// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health
-// and /metrics are on the metrics port. The sidecar itself is package
+// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health,
+// /metrics and /status (each peer link's path per pair of memory places,
+// JSON) are on the metrics port. The sidecar itself is package
 // kvtransfer/sidecar; this command parses flags and runs it until SIGINT or
 // SIGTERM.
 //
@@ -47,6 +48,7 @@ func main() {
 	flag.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", 300*time.Second, "a matched room not finished within this fails")
 	flag.DurationVar(&cfg.Heartbeat, "heartbeat-interval", 5*time.Second, "peer heartbeat; two missed intervals fail the peer's rooms")
 	flag.DurationVar(&cfg.WriteTimeout, "write-timeout", 5*time.Second, "an engine-memory write (or probe) not complete within this fails")
+	flag.StringVar(&cfg.HostID, "host-id", "", "this machine's identity to peer kvproxies (default: the boot id); give two kvproxies of one host different ids to make them treat each other as remote")
 	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	if flag.NArg() > 0 {
