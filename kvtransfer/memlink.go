@@ -224,7 +224,7 @@ func (l *memLink) close(cause error) {
 
 func (l *memLink) readLoop() {
 	defer l.p.wg.Done()
-	defer l.releaseStage()
+	defer l.endStage()
 	for {
 		m, err := l.conn.Read()
 		if err == nil {
@@ -256,9 +256,9 @@ func (l *memLink) handle(m wire.Msg) error {
 			l.deliver(m.Seq, m)
 		}
 	case *wire.MemFence:
-		l.scatter() // the write completes once its bytes are in GPU memory
-		ack := &wire.MemFenceAck{Seq: m.Seq, Err: cmp.Or(l.dropped, l.stage.err)}
-		l.dropped, l.stage.err = "", ""
+		// The write completes once its bytes are in GPU memory.
+		ack := &wire.MemFenceAck{Seq: m.Seq, Err: cmp.Or(l.dropped, l.drain())}
+		l.dropped = ""
 		return l.conn.Write(ack)
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)

@@ -322,78 +322,130 @@ func putIf(pool *stagePool, b []byte) error {
 	return pool.put(b[:cap(b)])
 }
 
-// stageIn is a link reader's staging of DATA frames bound for GPU regions;
-// only the reader touches it.
+// stageIn is a link reader's staging of DATA frames bound for GPU
+// regions: the reader fills one batch while a scatterer goroutine (the
+// reader's, started on first use and ended when it ends) moves the
+// previous one into device memory.
 type stageIn struct {
-	pool  *stagePool
-	buf   []byte
-	used  int
-	spans []Span
-	held  []*gpuRegion // read-locked until their bytes are scattered
-	err   string       // the first scatter failure since the last fence
+	cur  *stagedBatch
+	work chan *stagedBatch
+	done chan struct{}
+	err  string // the first scatter failure since the last fence; the scatterer's until a barrier returns
 }
 
-// landGPU reads a DATA frame for GPU region r into the staging buffer.
+// stagedBatch is one staging buffer's frames, or (barrier set) a marker
+// the scatterer closes once everything before it is done.
+type stagedBatch struct {
+	pool    *stagePool
+	buf     []byte
+	used    int
+	spans   []Span
+	held    []*gpuRegion // read-locked until their bytes are scattered
+	barrier chan struct{}
+}
+
+// landGPU reads a DATA frame for GPU region r into the current batch.
 func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 	st := &l.stage
-	if !slices.Contains(st.held, r) {
-		r.use.RLock()
-		st.held = append(st.held, r)
-	}
+	r.use.RLock()
 	if r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
+		r.use.RUnlock()
 		if l.dropped == "" {
 			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
 		}
 		return l.conn.DiscardData()
 	}
 	pool := l.p.gpu.pool(r.dev)
-	if st.buf != nil && (st.pool != pool || len(st.buf)-st.used < int(d.N)) {
-		l.scatter()
+	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
+		l.submit()
 	}
-	if st.buf == nil {
-		b, err := pool.get()
+	if st.cur == nil {
+		buf, err := pool.get()
 		if err != nil {
+			r.use.RUnlock()
 			return err
 		}
-		st.buf, st.pool = b, pool
+		st.cur = &stagedBatch{pool: pool, buf: buf}
+	}
+	b := st.cur
+	if slices.Contains(b.held, r) {
+		r.use.RUnlock() // the batch holds it already
+	} else {
+		b.held = append(b.held, r)
 	}
 	if err := l.conn.SetReadTimeout(l.p.cfg.WriteTimeout); err != nil {
 		return err
 	}
-	if err := l.conn.ReadData(st.buf[st.used : st.used+int(d.N)]); err != nil {
+	if err := l.conn.ReadData(b.buf[b.used : b.used+int(d.N)]); err != nil {
 		return err
 	}
-	st.spans = append(st.spans, Span{Addr: r.ptr + d.Offset, Len: uint64(d.N)})
-	st.used += int(d.N)
-	if st.used == len(st.buf) {
-		l.scatter()
+	b.spans = append(b.spans, Span{Addr: r.ptr + d.Offset, Len: uint64(d.N)})
+	b.used += int(d.N)
+	if b.used == len(b.buf) {
+		l.submit()
 	}
 	return l.conn.SetReadTimeout(0)
 }
 
-// scatter moves the staged bytes into device memory and releases the
-// buffer and the regions they were bound for.
-func (l *memLink) scatter() {
+// submit hands the current batch to the scatterer.
+func (l *memLink) submit() {
 	st := &l.stage
-	if st.buf != nil && st.used > 0 {
-		if err := st.pool.dev.Scatter(st.spans, st.buf[:st.used]); err != nil && st.err == "" {
-			st.err = "scatter into GPU memory: " + err.Error()
-		}
+	if st.cur == nil {
+		return
 	}
-	l.releaseStage()
+	if st.work == nil {
+		st.work, st.done = make(chan *stagedBatch, 1), make(chan struct{})
+		go l.scatterer(st.work, st.done)
+	}
+	st.work <- st.cur
+	st.cur = nil
 }
 
-// releaseStage returns the buffer and unlocks the regions, scattering
-// nothing (the link is going).
-func (l *memLink) releaseStage() {
+// drain submits the current batch and waits until every batch is in
+// device memory; it returns the first scatter failure since the last
+// drain.
+func (l *memLink) drain() string {
 	st := &l.stage
-	if st.buf != nil {
-		if err := st.pool.put(st.buf); err != nil {
+	l.submit()
+	if st.work == nil {
+		return ""
+	}
+	b := &stagedBatch{barrier: make(chan struct{})}
+	st.work <- b
+	<-b.barrier
+	err := st.err
+	st.err = ""
+	return err
+}
+
+// endStage scatters what is left and stops the scatterer (the reader is
+// ending).
+func (l *memLink) endStage() {
+	st := &l.stage
+	l.submit()
+	if st.work != nil {
+		close(st.work)
+		<-st.done
+	}
+}
+
+// scatterer moves batches into device memory in order, then returns each
+// buffer and unlocks its regions.
+func (l *memLink) scatterer(work <-chan *stagedBatch, done chan<- struct{}) {
+	defer close(done)
+	for b := range work {
+		if b.barrier != nil {
+			close(b.barrier)
+			continue
+		}
+		if err := b.pool.dev.Scatter(b.spans, b.buf[:b.used]); err != nil && l.stage.err == "" {
+			l.stage.err = "scatter into GPU memory: " + err.Error()
+		}
+		if err := b.pool.put(b.buf); err != nil {
 			l.p.log.Warn("free a staging buffer: " + err.Error())
 		}
+		for _, r := range b.held {
+			r.use.RUnlock()
+		}
 	}
-	for _, r := range st.held {
-		r.use.RUnlock()
-	}
-	st.buf, st.used, st.spans, st.held = nil, 0, st.spans[:0], st.held[:0]
 }
