@@ -51,6 +51,7 @@ type Config struct {
 	// two kvproxies of one host with different ids treat each other as
 	// remote (GPU KV then takes the staged path).
 	HostID           string
+	StageChunk       int // the staged path's gather size (0: 8 MiB)
 	BootstrapTimeout time.Duration
 	WaitingTimeout   time.Duration
 	Heartbeat        time.Duration
@@ -126,7 +127,8 @@ func Start(cfg Config) (*Sidecar, error) {
 		ecfg.Resolve = s.resolver.Resolve
 	}
 	s.mem, err = kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: ecfg.Name, Transport: tr, Listener: memLn,
-		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg, HostID: cfg.HostID})
+		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg, HostID: cfg.HostID,
+		StageChunk: cfg.StageChunk})
 	if err == nil {
 		if s.eng, err = kvtransfer.New(ecfg); err != nil {
 			_ = s.mem.Close()
