@@ -23,6 +23,9 @@ import (
 // receiver never splits one.
 const stageBytes = wire.MaxDataLen
 
+// defaultStageChunk is what a writer gathers and sends at a time.
+const defaultStageChunk = 1 << 20
+
 // stageKeep is how many free buffers a pool keeps; more are made when
 // more are in use at once (a pool never blocks: a reader waiting for a
 // buffer another link holds could stall both ends) and freed on return.

@@ -48,7 +48,7 @@ func main() {
 	flag.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", 300*time.Second, "a matched room not finished within this fails")
 	flag.DurationVar(&cfg.Heartbeat, "heartbeat-interval", 5*time.Second, "peer heartbeat; two missed intervals fail the peer's rooms")
 	flag.DurationVar(&cfg.WriteTimeout, "write-timeout", 5*time.Second, "an engine-memory write (or probe) not complete within this fails")
-	flag.IntVar(&cfg.StageChunk, "stage-chunk", 8<<20, "bytes of GPU memory the staged cross-host path gathers and sends per chunk (at most 8 MiB)")
+	flag.IntVar(&cfg.StageChunk, "stage-chunk", 1<<20, "bytes of GPU memory the staged cross-host path gathers and sends per chunk (at most 8 MiB)")
 	flag.StringVar(&cfg.HostID, "host-id", "", "this machine's identity to peer kvproxies (default: the boot id); give two kvproxies of one host different ids to make them treat each other as remote")
 	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
 	flag.Parse()

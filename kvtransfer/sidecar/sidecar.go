@@ -51,7 +51,7 @@ type Config struct {
 	// two kvproxies of one host with different ids treat each other as
 	// remote (GPU KV then takes the staged path).
 	HostID           string
-	StageChunk       int // the staged path's gather size (0: 8 MiB)
+	StageChunk       int // the staged path's gather size (0: 1 MiB)
 	BootstrapTimeout time.Duration
 	WaitingTimeout   time.Duration
 	Heartbeat        time.Duration
