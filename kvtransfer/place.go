@@ -14,6 +14,7 @@ import (
 // memory kinds before any byte moves, and a pair no path carries fails at
 // once. What moves the bytes of a GPU region is a Device (device.go); the
 // CUDA binding is one, and host memory stands in for it on CPU.
+// GPUDIRECT.md is the design for a path that skips the staging.
 
 // Place is where a region's bytes live.
 type Place struct {
