@@ -112,7 +112,7 @@ func (l *memLink) remotePlaces(host string) []Place {
 
 // pathTo is the path from local place src into the peer's place dst.
 func (l *memLink) pathTo(src, dst Place) (Path, error) {
-	return choosePath(l.p.cfg.Transport.Name(), src, dst, l.p.cfg.GPUs.PeerAccess)
+	return choosePath(string(l.p.hostPath), src, dst, l.p.cfg.GPUs.PeerAccess)
 }
 
 func (l *memLink) status() LinkStatus {

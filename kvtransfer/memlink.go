@@ -517,13 +517,17 @@ func (p *MemoryPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]m
 }
 
 func (l *memLink) put(ctx context.Context, runs []memRun) error {
+	// GPU destinations take DATA frames on the link (the staged path: the
+	// peer scatters them into device memory), as does all host memory
+	// where the transport's puts are not zero-copy.
+	if l.p.hostPath == PathTCP || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
+		return l.putTCP(ctx, runs)
+	}
 	ep, err := l.endpoint()
 	if err != nil {
 		return err
 	}
-	if ep == nil || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
-		// GPU destinations take DATA frames on the link (the staged path):
-		// the peer scatters them into device memory.
+	if ep == nil {
 		return l.putTCP(ctx, runs)
 	}
 	l.keyUse.RLock()

@@ -56,6 +56,10 @@ type MemoryConfig struct {
 	HostID string
 	// GPUs opens devices for GPU regions (nil: the CUDA driver).
 	GPUs GPUs
+	// TransportPuts moves host memory by the transport's puts even where
+	// they are not zero-copy (ucx without rc or dc): for tests and
+	// measurements of those puts.
+	TransportPuts bool
 	// StageChunk is how many bytes of GPU memory the staged path gathers
 	// and sends per chunk (default 1 MiB, at most 8 MiB). On the H200 over
 	// loopback tcp, 1 MiB chunks moved 4.3 GB/s at 4k tokens where 8 MiB
@@ -66,9 +70,13 @@ type MemoryConfig struct {
 // MemoryPlane serves engine-owned memory: the region table, the links to
 // peer kvproxies and the writes between them. Safe for concurrent use.
 type MemoryPlane struct {
-	cfg        MemoryConfig
-	mt         MemoryTransport
-	host       string // cfg.HostID or the boot id
+	cfg  MemoryConfig
+	mt   MemoryTransport
+	host string // cfg.HostID or the boot id
+	// hostPath is how host memory moves to peers: the transport's own
+	// puts, or "tcp" (DATA frames on the link) where its puts are not
+	// zero-copy (see UCX.ZeroCopyRMA).
+	hostPath   Path
 	log        *zap.Logger
 	m          memMetrics
 	workerAddr []byte
@@ -174,13 +182,17 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 		}
 		host = string(id)
 	}
+	hostPath := Path(cfg.Transport.Name())
+	if z, ok := mt.(interface{ ZeroCopyRMA() bool }); ok && !cfg.TransportPuts && !z.ZeroCopyRMA() {
+		hostPath = PathTCP
+	}
 	wa, err := mt.WorkerAddress()
 	if err != nil {
 		return nil, fmt.Errorf("kvtransfer: worker address: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &MemoryPlane{
-		cfg: cfg, mt: mt, host: host, log: cfg.Logger, m: newMemMetrics(cfg.Registry), workerAddr: wa, remoteWriters: wa != nil,
+		cfg: cfg, mt: mt, host: host, hostPath: hostPath, log: cfg.Logger, m: newMemMetrics(cfg.Registry), workerAddr: wa, remoteWriters: wa != nil,
 		ctx: ctx, cancel: cancel, byID: map[uint32]*memRegion{}, links: map[*memLink]struct{}{},
 		byAddr: map[string]*memLink{}, dialing: dialOnce[*memLink]{},
 	}

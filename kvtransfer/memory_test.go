@@ -121,17 +121,30 @@ func init() {
 	transports["shm"] = func() (Transport, error) { return &SHM{}, nil }
 }
 
-func memoryTransports() []struct{ name, tls string } {
-	return []struct{ name, tls string }{{"tcp", ""}, {"shm", ""}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}}
+// memoryTransports: ucx without an rc or dc lane moves host memory by DATA
+// frames; puts: by its own puts anyway (MemoryConfig.TransportPuts).
+func memoryTransports() []struct {
+	name, tls string
+	puts      bool
+} {
+	return []struct {
+		name, tls string
+		puts      bool
+	}{{"tcp", "", false}, {"shm", "", false}, {"ucx", "tcp", false}, {"ucx", "tcp", true}, {"ucx", "posix,cma,tcp", false}, {"ucx", "posix,cma,tcp", true}}
 }
+
+func withPuts(puts bool) func(*MemoryConfig) { return func(c *MemoryConfig) { c.TransportPuts = puts } }
 
 func TestMemoryWrite(t *testing.T) {
 	for _, tc := range memoryTransports() {
-		t.Run(tc.name+"/"+tc.tls, func(t *testing.T) {
+		t.Run(fmt.Sprintf("%s/%s/puts=%t", tc.name, tc.tls, tc.puts), func(t *testing.T) {
 			if tc.tls != "" {
 				t.Setenv("UCX_TLS", tc.tls)
 			}
-			a, b := newMemSide(t, tc.name, 5*time.Second), newMemSide(t, tc.name, 5*time.Second)
+			a, b := newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts)), newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts))
+			if want := map[bool]Path{false: PathTCP, true: PathUCX}[tc.puts]; tc.name == "ucx" && a.p.hostPath != want {
+				t.Fatalf("host path %q, want %q", a.p.hostPath, want)
+			}
 			src, srcFd := engineMemory(t, 64*page)
 			fill(src, 1)
 			a.register(t, src, srcFd)
