@@ -3,6 +3,7 @@ package kvtransfer
 import (
 	"cmp"
 	"slices"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -49,18 +50,8 @@ func (p *MemoryPlane) Paths() PlaneStatus {
 	for _, l := range links {
 		st.Links = append(st.Links, l.status())
 	}
-	slices.SortFunc(st.Links, func(a, b LinkStatus) int { return cmpStr(a.Addr, b.Addr) })
+	slices.SortFunc(st.Links, func(a, b LinkStatus) int { return strings.Compare(a.Addr, b.Addr) })
 	return st
-}
-
-func cmpStr(a, b string) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // localPlaces are the places of this plane's regions (host memory always:

@@ -610,18 +610,33 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 // putTCP sends the runs as DATA frames then a fence, and waits for the
 // peer to acknowledge that everything before the fence is in memory.
 func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
-	seq, ch, err := l.ask()
-	if err != nil {
-		return err
-	}
-	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
-	defer stop()
 	var pieces []wire.DataPiece
 	for _, r := range runs {
 		pieces = appendPieces(pieces, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
+	ack, err := l.fenced(ctx, func() error { return l.conn.WriteDataBatch(pieces) })
+	if err != nil {
+		return err
+	}
+	if ack.Err != "" {
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
+}
+
+// fenced runs send (a write's DATA frames) and a fence under sendMu, so the
+// fence answers for exactly those frames, and waits for the answer. A
+// failed send closes the link; a write abandoned (ctx) closes it too, since
+// frames already sent could land after the caller gave up.
+func (l *memLink) fenced(ctx context.Context, send func() error) (*wire.MemFenceAck, error) {
+	seq, ch, err := l.ask()
+	if err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
+	defer stop()
 	l.sendMu.Lock()
-	err = l.conn.WriteDataBatch(pieces)
+	err = send()
 	if err == nil {
 		err = l.conn.Write(&wire.MemFence{Seq: seq})
 	}
@@ -629,20 +644,17 @@ func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
 	if err != nil {
 		l.close(err)
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return nil, ctx.Err()
 		}
-		return err
+		return nil, err
 	}
 	m, err := l.await(ctx, seq, ch)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	ack, ok := m.(*wire.MemFenceAck)
 	if !ok {
-		return fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
+		return nil, fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
 	}
-	if ack.Err != "" {
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
-	}
-	return nil
+	return ack, nil
 }

@@ -211,56 +211,34 @@ type stagedChunk struct {
 // as DATA frames, then fences and waits for the peer to confirm every byte
 // is in place. Every buffer is back in the pool when it returns.
 func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
-	seq, ch, err := l.ask()
-	if err != nil {
-		return err
-	}
-	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
-	defer stop()
-	gctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	filled := make(chan stagedChunk, 1)
 	var gerr error
-	go func() {
-		defer close(filled)
-		gerr = gatherChunks(gctx, pool, chunk, runs, filled)
-	}()
-	l.sendMu.Lock()
-	var serr error
-	for c := range filled {
-		if serr == nil {
-			serr = l.conn.WriteDataBatch(c.pieces)
-			if serr != nil {
-				cancel() // the gatherer stops; the rest is drained
+	ack, err := l.fenced(ctx, func() error {
+		gctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		filled := make(chan stagedChunk, 1)
+		go func() {
+			defer close(filled)
+			gerr = gatherChunks(gctx, pool, chunk, runs, filled)
+		}()
+		var serr error
+		for c := range filled {
+			if serr == nil {
+				if serr = l.conn.WriteDataBatch(c.pieces); serr != nil {
+					cancel() // the gatherer stops; the rest is drained
+				}
 			}
+			serr = errors.Join(serr, pool.put(c.buf))
 		}
-		serr = errors.Join(serr, pool.put(c.buf))
-	}
-	// A gather that failed part way: the frames sent so far still get
-	// their fence, so the link stays in step.
-	if serr == nil {
-		serr = l.conn.Write(&wire.MemFence{Seq: seq})
-	}
-	l.sendMu.Unlock()
-	if serr != nil {
-		l.close(serr)
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
+		// A gather that failed part way: the frames sent so far still get
+		// their fence, so the link stays in step.
 		return serr
-	}
-	m, err := l.await(ctx, seq, ch)
-	if err != nil {
+	})
+	switch {
+	case err != nil:
 		return err
-	}
-	ack, ok := m.(*wire.MemFenceAck)
-	if !ok {
-		return fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
-	}
-	if gerr != nil {
+	case gerr != nil:
 		return fmt.Errorf("gather: %w", gerr)
-	}
-	if ack.Err != "" {
+	case ack.Err != "":
 		return fmt.Errorf("peer dropped data: %s", ack.Err)
 	}
 	return nil

@@ -26,33 +26,9 @@ func TestEngineOwnedMemory(t *testing.T) {
 		p, d := start(t, "prefill", transport), start(t, "decode", transport)
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		engine := func(s *Sidecar, size int) (*control.Client, []byte) {
-			cl, err := control.Dial(s.Addrs().Control)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { cl.Close() })
-			fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer unix.Close(fd)
-			if err := unix.Ftruncate(fd, int64(size)); err != nil {
-				t.Fatal(err)
-			}
-			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = unix.Munmap(mem) })
-			if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
-				t.Fatal(err)
-			}
-			return cl, mem
-		}
 		const size = 1 << 20
-		pcl, src := engine(p, size)
-		dcl, dst := engine(d, size)
+		pcl, src := engineMemory(t, ctx, p, size)
+		dcl, dst := engineMemory(t, ctx, d, size)
 		for i := range src {
 			src[i] = byte(i*31 + 7)
 		}
@@ -117,36 +93,39 @@ func TestHostIDMakesPeersRemote(t *testing.T) {
 	d := start(t, "decode", "shm", func(c *Config) { c.HostID = "node-b" })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	engine := func(s *Sidecar) (*control.Client, uint64) {
-		cl, err := control.Dial(s.Addrs().Control)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cl.Close() })
-		fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer unix.Close(fd)
-		if err := unix.Ftruncate(fd, 4096); err != nil {
-			t.Fatal(err)
-		}
-		mem, err := unix.Mmap(fd, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = unix.Munmap(mem) })
-		if err := cl.RegisterMemory(ctx, addr(mem), 4096, fd); err != nil {
-			t.Fatal(err)
-		}
-		return cl, addr(mem)
-	}
-	pcl, src := engine(p)
-	_, dst := engine(d)
-	err := pcl.Write(ctx, d.Addrs().Peer, []control.Triple{{Src: src, Dst: dst, Len: 8}})
+	pcl, src := engineMemory(t, ctx, p, 4096)
+	_, dst := engineMemory(t, ctx, d, 4096)
+	err := pcl.Write(ctx, d.Addrs().Peer, []control.Triple{{Src: addr(src), Dst: addr(dst), Len: 8}})
 	if err == nil || !strings.Contains(err.Error(), "no path from host@node-a to host@node-b over shm") {
 		t.Fatalf("shm write to another host id: %v", err)
 	}
+}
+
+// engineMemory is an engine of s: a control connection that registered
+// size bytes of a memfd it mapped.
+func engineMemory(t *testing.T, ctx context.Context, s *Sidecar, size int) (*control.Client, []byte) {
+	cl, err := control.Dial(s.Addrs().Control)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
+		t.Fatal(err)
+	}
+	return cl, mem
 }
 
 func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
