@@ -631,14 +631,9 @@ func (g *gpuPlane) resolve(ctx context.Context, l *memLink, dev Device, ts []Tri
 		if t.Len == 0 {
 			continue
 		}
-		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
-			return nil, srcs, 0, fmt.Errorf("triple %d: range wraps", i)
-		}
 		var err error
-		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
-			if src, srcs, err = g.source(t.Src, t.Len, dev, srcs); err != nil {
-				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
-			}
+		if src, srcs, err = g.sourceOf(t, src, dev, srcs); err != nil {
+			return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
 		}
 		if dptr == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
 			if dst, dptr, err = g.destination(ctx, l, src.dev, t.Dst, t.Len, &refreshed); err != nil {
@@ -654,6 +649,19 @@ func (g *gpuPlane) resolve(ctx context.Context, l *memLink, dev Device, ts []Tri
 		runs = append(runs, cuda.Run{Src: s, Dst: d, Len: t.Len})
 	}
 	return runs, srcs, total, nil
+}
+
+// sourceOf returns the source region of triple t: last, the previous
+// triple's, when it holds t too (SGLang's triples walk one buffer's pages
+// at a time), else one found by source.
+func (g *gpuPlane) sourceOf(t Triple, last *gpuRegion, dev Device, srcs []*gpuRegion) (*gpuRegion, []*gpuRegion, error) {
+	if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
+		return nil, srcs, errors.New("range wraps")
+	}
+	if last != nil && t.Src >= last.base && t.Src+t.Len <= last.end() {
+		return last, srcs, nil
+	}
+	return g.source(t.Src, t.Len, dev, srcs)
 }
 
 // source returns the registered region holding [addr, addr+n),

@@ -153,14 +153,9 @@ func (g *gpuPlane) resolveStaged(ctx context.Context, l *memLink, dev Device, ts
 		if t.Len == 0 {
 			continue
 		}
-		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
-			return nil, srcs, 0, fmt.Errorf("triple %d: range wraps", i)
-		}
 		var err error
-		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
-			if src, srcs, err = g.source(t.Src, t.Len, dev, srcs); err != nil {
-				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
-			}
+		if src, srcs, err = g.sourceOf(t, src, dev, srcs); err != nil {
+			return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
 		}
 		if dst.Len == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
 			if dst, err = l.lookup(ctx, t.Dst, t.Len, &refreshed); err != nil {
