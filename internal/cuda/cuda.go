@@ -212,15 +212,6 @@ func CanAccessPeer(a, b int) (bool, error) {
 	return ok != 0, err
 }
 
-// EnablePeerAccess lets d's context reach peer's memory (done once; again
-// is no error).
-func (d *Device) EnablePeerAccess(peer *Device) error {
-	if d.ordinal == peer.ordinal {
-		return nil
-	}
-	return result("cuCtxEnablePeerAccess", C.cudag_enable_peer(d.ctx, peer.ctx))
-}
-
 // Kind reports what memory ptr points to, and the device ordinal of
 // device memory (-1 otherwise).
 func Kind(ptr uint64) (PointerKind, int, error) {

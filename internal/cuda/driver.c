@@ -48,7 +48,6 @@ typedef struct {
 	CUresult (*mem_free_host)(void *);
 	CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, void *);
 	CUresult (*can_access_peer)(int *, int, int);
-	CUresult (*ctx_enable_peer)(CUcontext, unsigned);
 } table_t;
 
 static table_t cu;
@@ -92,7 +91,6 @@ static const struct {
 	{AT(mem_free_host), {"cuMemFreeHost", NULL}},
 	{AT(memcpy_async), {"cuMemcpyAsync", NULL}},
 	{AT(can_access_peer), {"cuDeviceCanAccessPeer", NULL}},
-	{AT(ctx_enable_peer), {"cuCtxEnablePeerAccess", NULL}},
 };
 
 // cudag_load fills a table and installs it only when every entry point
@@ -381,21 +379,5 @@ int cudag_can_access_peer(int a, int b, int *ok)
 	if (r == CUDA_SUCCESS) {
 		r = cu.can_access_peer(ok, da, db);
 	}
-	return r;
-}
-
-// CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED (704) is success here.
-int cudag_enable_peer(void *ctx, void *peer)
-{
-	CUresult r = cu.ctx_push(ctx);
-	if (r != CUDA_SUCCESS) {
-		return r;
-	}
-	r = cu.ctx_enable_peer(peer, 0);
-	if (r == 704) {
-		r = CUDA_SUCCESS;
-	}
-	CUcontext popped;
-	cu.ctx_pop(&popped);
 	return r;
 }

@@ -52,9 +52,8 @@ int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint
 int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n, int any);
 int cudag_stream_wait(void *ctx, void *stream);
 
-// Peer access between devices a and b (ordinals), and enabling it from
-// ctx to peer's memory.
+// Whether device a can map device b's memory (ordinals). Peer access
+// itself comes with cuIpcOpenMemHandle's lazy flag.
 int cudag_can_access_peer(int a, int b, int *ok);
-int cudag_enable_peer(void *ctx, void *peer);
 
 #endif

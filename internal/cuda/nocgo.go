@@ -64,9 +64,6 @@ func (*Device) FreeHost([]byte) error { return errNoCgo }
 // CanAccessPeer returns ErrNoDriver.
 func CanAccessPeer(int, int) (bool, error) { return false, errNoCgo }
 
-// EnablePeerAccess returns ErrNoDriver.
-func (*Device) EnablePeerAccess(*Device) error { return errNoCgo }
-
 // Kind returns ErrNoDriver.
 func Kind(uint64) (PointerKind, int, error) { return 0, -1, errNoCgo }
 
