@@ -139,3 +139,45 @@ func TestLinkPathsNameEachPair(t *testing.T) {
 		})
 	}
 }
+
+// One kvproxy per node: two engines on two GPUs register with the same
+// plane, and one writes into the other through the plane's own peer
+// address, directly with peer access and staged without.
+func TestOneKVProxyPerNode(t *testing.T) {
+	for _, noPeer := range []bool{false, true} {
+		t.Run(map[bool]string{false: "p2p", true: "staged"}[noPeer], func(t *testing.T) {
+			gpus := newHostGPUs(t)
+			gpus.noPeer = noPeer
+			node := gpuSide(t, gpus, "tcp", "h1", 2*time.Second)
+			prefill, decode := node.s, node.p.NewSession()
+			t.Cleanup(func() { _ = decode.Close() })
+			src, dst := gpus.alloc(0, 1<<20), gpus.alloc(1, 1<<20)
+			fill(src.mem, 7)
+			if err := prefill.RegisterCUDA(0x10000000, 1<<20, src.handle[:], 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := decode.RegisterCUDA(0x20000000, 1<<20, dst.handle[:], 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := prefill.Write(context.Background(), node.p.PeerAddr(), []Triple{{Src: 0x10000000, Dst: 0x20000000, Len: 256 << 10}}); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(dst.mem[:256<<10], src.mem[:256<<10]) {
+				t.Fatal("bytes did not land")
+			}
+			if staged := gpus.gathers > 0; staged != noPeer {
+				t.Fatalf("staged %t (%d gathers), want %t", staged, gpus.gathers, noPeer)
+			}
+			want := map[bool]Path{false: PathP2P, true: PathStagedTCP}[noPeer]
+			found := false
+			for _, l := range node.p.Paths().Links {
+				for _, pp := range l.Paths {
+					found = found || pp.Src == "cuda:0@h1" && pp.Dst == "cuda:1@h1" && pp.Path == want
+				}
+			}
+			if !found {
+				t.Fatalf("no link names %s for cuda:0 -> cuda:1: %+v", want, node.p.Paths())
+			}
+		})
+	}
+}
