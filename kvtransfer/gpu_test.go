@@ -197,3 +197,25 @@ func BenchmarkGPUResolveScattered(b *testing.B) {
 		}
 	}
 }
+
+// A peer's table carries GPU keys: any bytes parse or fail cleanly, and
+// what parses packs back to the same key.
+func FuzzParseGPUKey(f *testing.F) {
+	var h cuda.Handle
+	h[0], h[63] = 1, 2
+	f.Add(gpuKey(h, 4096, 3, "boot-id"))
+	f.Add(gpuKey(h, 0, -1, ""))
+	f.Add([]byte{1, 2, 3})
+	f.Fuzz(func(t *testing.T, k []byte) {
+		h, off, dev, host, err := parseGPUKey(k)
+		if err != nil {
+			return
+		}
+		if got := gpuKey(h, off, dev, host); !bytes.Equal(got, k) {
+			t.Fatalf("key %x parsed and packed back as %x", k, got)
+		}
+		if pl := peerPlace(wire.MemRegion{Kind: wire.MemCUDA, RKey: k}); pl.Device != dev || pl.Host != host {
+			t.Fatalf("place %+v, want device %d host %q", pl, dev, host)
+		}
+	})
+}
