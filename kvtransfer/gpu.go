@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -38,10 +37,10 @@ var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": 
 // first use.
 type gpuPlane struct {
 	init sync.Once
-	dev  *cuda.Device
-	cp   *cuda.Copier
+	devs devices
+	dev  Device // where engines' allocations are opened (device 0)
 	err  error
-	host string // boot id: peers' handles open only on the same host
+	host string // the plane's host id: peers' handles open only on the same host
 	// Where a write's time goes: resolving triples into runs (CPU) and the
 	// GPU copy including its launch and wait.
 	resolveSec, copySec prometheus.Counter
@@ -49,17 +48,19 @@ type gpuPlane struct {
 	mu      sync.Mutex
 	closed  bool         // set by close: no device opens, no region joins
 	regions []*gpuRegion // sorted by base
-	imports map[cuda.Handle]*gpuImport
+	imports map[gpuImportKey]*gpuImport
 	// peers maps a peer region (by link and ID) to where it is mapped here;
 	// pmu is write-held to drop imports no peer table names any more.
 	peers map[gpuPeerKey]gpuPeer
 	seen  map[*memLink]*wire.MemRegion // the peer table each link was last pruned at
 	pmu   sync.RWMutex
+	pools map[int]*stagePool // staging buffers by device (staging.go)
 }
 
 type gpuPeerKey struct {
-	l  *memLink
-	id uint32
+	l   *memLink
+	id  uint32
+	dev int // the writing device, whose context opened it
 }
 
 // gpuPeer is a peer region opened here: its import and its base address.
@@ -70,9 +71,17 @@ type gpuPeer struct {
 
 // gpuImport is one opened IPC handle, shared by the regions inside it.
 type gpuImport struct {
+	h    cuda.Handle
+	dev  Device // the context it was opened in
 	ptr  uint64 // the mapping's base in this process
 	size uint64 // 0: unknown
 	refs int
+}
+
+// gpuImportKey: a handle is opened once per device context.
+type gpuImportKey struct {
+	h   cuda.Handle
+	dev int
 }
 
 // gpuRegion is one registered GPU region.
@@ -86,11 +95,18 @@ type gpuRegion struct {
 	use       sync.RWMutex
 	gone      bool
 	ptr       uint64 // base's address in this process
+	dev       Device // the device the memory is on
 }
 
 func (r *gpuRegion) end() uint64 { return r.base + r.n }
 
-func (g *gpuPlane) open(reg prometheus.Registerer) error {
+// place is where r's memory lives.
+func (g *gpuPlane) place(r *gpuRegion) Place {
+	return Place{Kind: wire.MemCUDA, Device: r.dev.Ordinal(), Host: g.host}
+}
+
+func (g *gpuPlane) open(p *MemoryPlane) error {
+	reg := p.cfg.Registry
 	g.init.Do(func() {
 		g.resolveSec = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_resolve_seconds_total",
 			Help: "Time GPU writes spent turning triples into merged runs."})
@@ -101,50 +117,66 @@ func (g *gpuPlane) open(reg prometheus.Registerer) error {
 				return
 			}
 		}
-		if g.dev, g.err = cuda.Open(0); g.err != nil {
+		g.devs.gpus = p.cfg.GPUs
+		if g.dev, g.err = g.devs.get(0); g.err != nil {
 			return
 		}
-		if g.cp, g.err = g.dev.NewCopier(); g.err != nil {
-			g.dev.Close()
-			return
-		}
-		b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
-		if err != nil {
-			g.err = fmt.Errorf("read boot id: %w", err)
-			return
-		}
-		g.host = strings.TrimSpace(string(b))
-		g.imports, g.peers, g.seen = map[cuda.Handle]*gpuImport{}, map[gpuPeerKey]gpuPeer{}, map[*memLink]*wire.MemRegion{}
+		g.host = p.host
+		g.imports, g.peers, g.seen = map[gpuImportKey]*gpuImport{}, map[gpuPeerKey]gpuPeer{}, map[*memLink]*wire.MemRegion{}
 	})
 	return g.err
 }
 
-// importLocked opens h (once per process) and takes a reference.
-func (g *gpuPlane) importLocked(h cuda.Handle) (*gpuImport, error) {
-	if imp := g.imports[h]; imp != nil {
+// importLocked opens h in dev's context (once per process and device) and
+// takes a reference.
+func (g *gpuPlane) importLocked(dev Device, h cuda.Handle) (*gpuImport, error) {
+	k := gpuImportKey{h, dev.Ordinal()}
+	if imp := g.imports[k]; imp != nil {
 		imp.refs++
 		return imp, nil
 	}
-	ptr, err := g.dev.OpenIPC(h)
+	ptr, err := dev.OpenIPC(h)
 	if err != nil {
 		return nil, err
 	}
 	// The allocation's size bounds registrations; 0 if the driver won't
 	// say for an imported mapping (then the engine's ranges are trusted).
-	imp := &gpuImport{ptr: ptr, refs: 1}
-	if base, size, err := g.dev.AddressRange(ptr); err == nil && base == ptr {
+	imp := &gpuImport{h: h, dev: dev, ptr: ptr, refs: 1}
+	if base, size, err := dev.AddressRange(ptr); err == nil && base == ptr {
 		imp.size = uint64(size)
 	}
-	g.imports[h] = imp
+	g.imports[k] = imp
 	return imp, nil
 }
 
-func (g *gpuPlane) releaseLocked(h cuda.Handle, imp *gpuImport) error {
+// importOwnLocked opens h in the context of the device its memory is on:
+// opened from device 0 first (peer access comes lazily), then again from
+// its own device if that is another.
+func (g *gpuPlane) importOwnLocked(h cuda.Handle) (*gpuImport, error) {
+	imp, err := g.importLocked(g.dev, h)
+	if err != nil {
+		return nil, err
+	}
+	ord, err := g.dev.Locate(imp.ptr)
+	if err != nil || ord == g.dev.Ordinal() {
+		return imp, err
+	}
+	dev, err := g.devs.get(ord)
+	if err != nil {
+		return nil, errors.Join(err, g.releaseLocked(imp))
+	}
+	if err := g.releaseLocked(imp); err != nil {
+		return nil, err
+	}
+	return g.importLocked(dev, h)
+}
+
+func (g *gpuPlane) releaseLocked(imp *gpuImport) error {
 	if imp.refs--; imp.refs > 0 {
 		return nil
 	}
-	delete(g.imports, h)
-	return g.dev.CloseIPC(imp.ptr)
+	delete(g.imports, gpuImportKey{imp.h, imp.dev.Ordinal()})
+	return imp.dev.CloseIPC(imp.ptr)
 }
 
 // RegisterCUDA registers device memory [addr, addr+length) of the engine,
@@ -165,7 +197,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	g.mu.Lock()
 	err := ErrClosed
 	if !g.closed {
-		err = g.open(p.cfg.Registry)
+		err = g.open(p)
 	}
 	g.mu.Unlock()
 	if err != nil {
@@ -197,17 +229,17 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 			replaced = r
 		}
 	}
-	imp, err := g.importLocked(h)
+	imp, err := g.importOwnLocked(h)
 	if err != nil {
 		g.mu.Unlock()
 		return fmt.Errorf("register cuda memory: open IPC handle: %w", err)
 	}
 	if imp.size != 0 && handleOffset+length > imp.size {
-		err := g.releaseLocked(h, imp)
+		err := g.releaseLocked(imp)
 		g.mu.Unlock()
 		return errors.Join(fmt.Errorf("register cuda memory: [%d,+%d) runs past the %d-byte allocation", handleOffset, length, imp.size), err)
 	}
-	r := &gpuRegion{id: id, base: addr, n: length, handle: h, handleOff: handleOffset, imp: imp, owner: s, ptr: imp.ptr + handleOffset}
+	r := &gpuRegion{id: id, base: addr, n: length, handle: h, handleOff: handleOffset, imp: imp, owner: s, ptr: imp.ptr + handleOffset, dev: imp.dev}
 	if replaced != nil {
 		g.regions = slices.DeleteFunc(g.regions, func(x *gpuRegion) bool { return x == replaced })
 	}
@@ -228,7 +260,7 @@ func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion, push bool) error {
 	r.gone = true
 	r.use.Unlock()
 	g.mu.Lock()
-	err := g.releaseLocked(r.handle, r.imp)
+	err := g.releaseLocked(r.imp)
 	g.mu.Unlock()
 	p.m.regions.Dec()
 	p.m.bytes.Sub(float64(r.n))
@@ -287,21 +319,11 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	g.mu.Lock()
 	for k, pr := range g.peers {
 		delete(g.peers, k)
-		err = errors.Join(err, g.releaseLocked(pr.imp.key(g), pr.imp))
+		err = errors.Join(err, g.releaseLocked(pr.imp))
 	}
 	g.mu.Unlock()
 	g.pmu.Unlock()
-	return errors.Join(err, g.cp.Close(), g.dev.Close())
-}
-
-// key finds imp's handle (peer imports are few; only close needs it).
-func (imp *gpuImport) key(g *gpuPlane) cuda.Handle {
-	for h, x := range g.imports {
-		if x == imp {
-			return h
-		}
-	}
-	return cuda.Handle{}
+	return errors.Join(err, g.closePools(), g.devs.close())
 }
 
 func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
@@ -316,6 +338,44 @@ func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
 	return r
 }
 
+// route picks how a write whose first triple is t goes: the device its
+// sources are on, and whether its destination needs the staged path.
+func (g *gpuPlane) route(ctx context.Context, l *memLink, t Triple) (Device, bool, error) {
+	g.mu.Lock()
+	src := g.findLocked(t.Src, max(t.Len, 1))
+	g.mu.Unlock()
+	if src == nil {
+		return nil, false, fmt.Errorf("source [%#x,+%d): %w here", t.Src, t.Len, ErrNotRegistered)
+	}
+	refreshed := false
+	dst, err := l.lookup(ctx, t.Dst, max(t.Len, 1), &refreshed)
+	if err != nil {
+		return nil, false, err
+	}
+	if err := g.prune(l); err != nil {
+		l.p.log.Warn("close peer GPU mappings: " + err.Error())
+	}
+	g.pmu.RLock()
+	_, err = g.peerPtr(l, dst, src.dev)
+	g.pmu.RUnlock()
+	if errors.Is(err, errStaged) {
+		return src.dev, true, nil
+	}
+	return src.dev, false, err
+}
+
+// byID returns the registered region with id, or nil.
+func (g *gpuPlane) byID(id uint32) *gpuRegion {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, r := range g.regions {
+		if r.id == id {
+			return r
+		}
+	}
+	return nil
+}
+
 // holds reports whether the write's first source is GPU memory.
 func (g *gpuPlane) holds(ts []Triple) bool {
 	if len(ts) == 0 {
@@ -327,30 +387,44 @@ func (g *gpuPlane) holds(ts []Triple) bool {
 }
 
 // table lists the GPU regions for peers: the key is the engine's handle,
-// the offset and this host's boot id.
+// the offset, the device (as this kvproxy numbers it) and the host id.
 func (g *gpuPlane) table() []wire.MemRegion {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	t := make([]wire.MemRegion, len(g.regions))
 	for i, r := range g.regions {
-		t[i] = wire.MemRegion{ID: r.id, Kind: wire.MemCUDA, Base: r.base, Len: r.n, Addr: r.ptr, RKey: gpuKey(r.handle, r.handleOff, g.host)}
+		t[i] = wire.MemRegion{ID: r.id, Kind: wire.MemCUDA, Base: r.base, Len: r.n, Addr: r.ptr,
+			RKey: gpuKey(r.handle, r.handleOff, r.dev.Ordinal(), g.host)}
 	}
 	return t
 }
 
-func gpuKey(h cuda.Handle, off uint64, host string) []byte {
-	k := append(h[:], make([]byte, 8)...)
+func gpuKey(h cuda.Handle, off uint64, dev int, host string) []byte {
+	k := append(h[:], make([]byte, 12)...)
 	binary.LittleEndian.PutUint64(k[cuda.HandleSize:], off)
+	binary.LittleEndian.PutUint32(k[cuda.HandleSize+8:], uint32(dev))
 	return append(k, host...)
 }
 
-func parseGPUKey(k []byte) (cuda.Handle, uint64, string, error) {
-	var h cuda.Handle
-	if len(k) < cuda.HandleSize+8 {
-		return h, 0, "", fmt.Errorf("cuda region key of %d bytes", len(k))
+func parseGPUKey(k []byte) (h cuda.Handle, off uint64, dev int, host string, err error) {
+	if len(k) < cuda.HandleSize+12 {
+		return h, 0, 0, "", fmt.Errorf("cuda region key of %d bytes", len(k))
 	}
 	copy(h[:], k)
-	return h, binary.LittleEndian.Uint64(k[cuda.HandleSize:]), string(k[cuda.HandleSize+8:]), nil
+	return h, binary.LittleEndian.Uint64(k[cuda.HandleSize:]), int(int32(binary.LittleEndian.Uint32(k[cuda.HandleSize+8:]))),
+		string(k[cuda.HandleSize+12:]), nil
+}
+
+// peerPlace is where a peer region lives, as its table says.
+func peerPlace(r wire.MemRegion) Place {
+	if r.Kind != wire.MemCUDA {
+		return Place{Kind: r.Kind, Device: -1}
+	}
+	_, _, dev, host, err := parseGPUKey(r.RKey)
+	if err != nil {
+		return Place{Kind: r.Kind, Device: -1}
+	}
+	return Place{Kind: r.Kind, Device: dev, Host: host}
 }
 
 // prune drops peer imports whose region left l's table (or whose link
@@ -377,7 +451,7 @@ func (g *gpuPlane) prune(l *memLink) error {
 	for k, pr := range g.peers {
 		if k.l == l && !ids[k.id] || k.l != l && k.l.isClosed() {
 			delete(g.peers, k)
-			err = errors.Join(err, g.releaseLocked(pr.imp.key(g), pr.imp))
+			err = errors.Join(err, g.releaseLocked(pr.imp))
 		}
 	}
 	for x := range g.seen {
@@ -395,28 +469,40 @@ func (l *memLink) isClosed() bool {
 	return l.closed
 }
 
-// peerPtr returns where peer region r (behind l) is mapped here, opening
-// its engine's allocation on first use. Call with pmu read-held.
-func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion) (uint64, error) {
-	k := gpuPeerKey{l, r.ID}
+// errStaged: the destination is not reachable from the source's device
+// (another host, host memory, or a device without peer access), so the
+// write goes by the staged path.
+var errStaged = errors.New("destination needs the staged path")
+
+// peerPtr returns where peer region r (behind l) is mapped in dev's
+// context, opening its engine's allocation on first use; errStaged if dev
+// cannot reach it. Call with pmu read-held.
+func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion, dev Device) (uint64, error) {
+	if r.Kind != wire.MemCUDA {
+		return 0, errStaged
+	}
+	k := gpuPeerKey{l, r.ID, dev.Ordinal()}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if pr, ok := g.peers[k]; ok {
 		return pr.ptr, nil
 	}
-	h, off, host, err := parseGPUKey(r.RKey)
+	h, off, _, host, err := parseGPUKey(r.RKey)
 	if err != nil {
 		return 0, err
 	}
 	if host != g.host {
-		return 0, fmt.Errorf("peer region %d is GPU memory on another host: GPU-to-GPU writes need both engines on one host", r.ID)
+		return 0, errStaged
 	}
-	imp, err := g.importLocked(h)
+	imp, err := g.importLocked(dev, h)
 	if err != nil {
 		return 0, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
 	}
 	if imp.size != 0 && off+r.Len > imp.size {
-		return 0, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(h, imp))
+		return 0, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
+	}
+	if ord, err := dev.Locate(imp.ptr); err != nil || ord != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), ord) {
+		return 0, errors.Join(errStaged, err, g.releaseLocked(imp))
 	}
 	g.peers[k] = gpuPeer{imp, imp.ptr + off}
 	return imp.ptr + off, nil
@@ -429,18 +515,25 @@ const gpuChunk = 4096
 
 // write moves GPU triples into the peer engine's GPU memory behind l.
 func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple) error {
+	dev, staged, err := g.route(ctx, l, ts[0])
+	if err != nil {
+		return err
+	}
+	if staged {
+		return g.writeStaged(ctx, p, l, dev, ts)
+	}
 	pieces := 0
 	for _, t := range ts {
 		pieces += cuda.Pieces(t.Len)
 	}
-	return g.move(ctx, p, l, len(ts) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+	return g.move(ctx, p, l, dev, len(ts) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
 		runs := gpuRuns.Get().(*[]cuda.Run)
 		defer gpuRuns.Put(runs)
 		var total uint64
 		for i := 0; i < len(ts); i += gpuChunk {
 			var n uint64
 			var err error
-			*runs, srcs, n, err = g.resolve(ctx, l, ts[i:min(i+gpuChunk, len(ts))], (*runs)[:0], srcs)
+			*runs, srcs, n, err = g.resolve(ctx, l, dev, ts[i:min(i+gpuChunk, len(ts))], (*runs)[:0], srcs)
 			if err == nil {
 				err = emit(*runs)
 			}
@@ -455,6 +548,15 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 
 // writePages moves a page write of GPU memory into the peer engine behind l.
 func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite) error {
+	first := w.Bufs[0]
+	dev, staged, err := g.route(ctx, l, Triple{Src: first.Src + uint64(w.Pairs[0].Src)*first.PageLen,
+		Dst: first.Dst + uint64(w.Pairs[0].Dst)*first.PageLen, Len: first.PageLen})
+	if err != nil {
+		return err
+	}
+	if staged {
+		return g.writeStaged(ctx, p, l, dev, w.Triples())
+	}
 	prs := w.runs()
 	pieces := 0
 	for _, b := range w.Bufs {
@@ -462,8 +564,8 @@ func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w
 			pieces += cuda.Pieces(r.count * b.PageLen)
 		}
 	}
-	return g.move(ctx, p, l, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
-		srcs, err := g.pageRuns(ctx, l, w, prs, srcs, emit)
+	return g.move(ctx, p, l, dev, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+		srcs, err := g.pageRuns(ctx, l, dev, w, prs, srcs, emit)
 		return srcs, w.Bytes(), err
 	})
 }
@@ -475,7 +577,7 @@ func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w
 // part (pieces: the descriptors they need), each queued as soon as it is
 // listed, so listing the next overlaps copying this one. Resolve time
 // counts listing (and queueing); copy time what the GPU still needed after.
-func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, parts bool, pieces int,
+func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Device, parts bool, pieces int,
 	list func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error)) error {
 	if err := g.prune(l); err != nil {
 		p.log.Warn("close peer GPU mappings: " + err.Error())
@@ -492,10 +594,10 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, parts b
 	defer gpuRuns.Put(all)
 	*all = (*all)[:0]
 	emit := func(rs []cuda.Run) error { *all = append(*all, rs...); return nil }
-	var b *cuda.Batch
+	var b CopyBatch
 	if parts = parts && gpuCopyMode != cuda.CopyMemcpy; parts {
 		var err error
-		if b, err = g.cp.Begin(pieces); err != nil {
+		if b, err = dev.Begin(pieces); err != nil {
 			return fmt.Errorf("GPU copy: %w", err)
 		}
 		emit = b.Add
@@ -513,7 +615,7 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, parts b
 	if parts {
 		cerr = b.Wait() // also after an error: nothing may be in flight on return
 	} else if err == nil {
-		_, cerr = g.cp.Copy(*all, gpuCopyMode)
+		cerr = dev.Copy(*all, gpuCopyMode)
 	}
 	g.copySec.Add(time.Since(listed).Seconds())
 	if err != nil {
@@ -534,7 +636,7 @@ var gpuRuns = sync.Pool{New: func() any { return new([]cuda.Run) }}
 // contiguous on both sides. Source regions not yet in srcs are read-locked
 // and appended (also on error); the caller unlocks them. Call with pmu
 // read-held.
-func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple, runs []cuda.Run, srcs []*gpuRegion) ([]cuda.Run, []*gpuRegion, uint64, error) {
+func (g *gpuPlane) resolve(ctx context.Context, l *memLink, dev Device, ts []Triple, runs []cuda.Run, srcs []*gpuRegion) ([]cuda.Run, []*gpuRegion, uint64, error) {
 	var total uint64
 	refreshed := false
 	// SGLang's triples walk one buffer's pages at a time: the last source
@@ -546,17 +648,12 @@ func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple, runs []
 		if t.Len == 0 {
 			continue
 		}
-		if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
-			return nil, srcs, 0, fmt.Errorf("triple %d: range wraps", i)
-		}
 		var err error
-		if src == nil || t.Src < src.base || t.Src+t.Len > src.end() {
-			if src, srcs, err = g.source(t.Src, t.Len, srcs); err != nil {
-				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
-			}
+		if src, srcs, err = g.sourceOf(t, src, dev, srcs); err != nil {
+			return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
 		}
 		if dptr == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
-			if dst, dptr, err = g.destination(ctx, l, t.Dst, t.Len, &refreshed); err != nil {
+			if dst, dptr, err = g.destination(ctx, l, src.dev, t.Dst, t.Len, &refreshed); err != nil {
 				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
 			}
 		}
@@ -571,14 +668,30 @@ func (g *gpuPlane) resolve(ctx context.Context, l *memLink, ts []Triple, runs []
 	return runs, srcs, total, nil
 }
 
+// sourceOf returns the source region of triple t: last, the previous
+// triple's, when it holds t too (SGLang's triples walk one buffer's pages
+// at a time), else one found by source.
+func (g *gpuPlane) sourceOf(t Triple, last *gpuRegion, dev Device, srcs []*gpuRegion) (*gpuRegion, []*gpuRegion, error) {
+	if t.Src+t.Len < t.Src || t.Dst+t.Len < t.Dst {
+		return nil, srcs, errors.New("range wraps")
+	}
+	if last != nil && t.Src >= last.base && t.Src+t.Len <= last.end() {
+		return last, srcs, nil
+	}
+	return g.source(t.Src, t.Len, dev, srcs)
+}
+
 // source returns the registered region holding [addr, addr+n),
 // read-locking it and adding it to srcs if it is not there yet.
-func (g *gpuPlane) source(addr, n uint64, srcs []*gpuRegion) (*gpuRegion, []*gpuRegion, error) {
+func (g *gpuPlane) source(addr, n uint64, dev Device, srcs []*gpuRegion) (*gpuRegion, []*gpuRegion, error) {
 	g.mu.Lock()
 	src := g.findLocked(addr, n)
 	g.mu.Unlock()
 	if src == nil {
 		return nil, srcs, fmt.Errorf("source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", addr, n, ErrNotRegistered)
+	}
+	if src.dev != dev {
+		return nil, srcs, fmt.Errorf("source [%#x,+%d) is on GPU %d, the write's first source on GPU %d: one write reads one device", addr, n, src.dev.Ordinal(), dev.Ordinal())
 	}
 	if !slices.Contains(srcs, src) {
 		src.use.RLock()
@@ -591,32 +704,38 @@ func (g *gpuPlane) source(addr, n uint64, srcs []*gpuRegion) (*gpuRegion, []*gpu
 }
 
 // destination returns the peer GPU region holding [addr, addr+n) and where
-// it is mapped here, refreshing the peer's table once per write
-// (*refreshed) if it names no such region.
-func (g *gpuPlane) destination(ctx context.Context, l *memLink, addr, n uint64, refreshed *bool) (wire.MemRegion, uint64, error) {
+// it is mapped in dev's context (errStaged if dev cannot reach it).
+func (g *gpuPlane) destination(ctx context.Context, l *memLink, dev Device, addr, n uint64, refreshed *bool) (wire.MemRegion, uint64, error) {
+	dst, err := l.lookup(ctx, addr, n, refreshed)
+	if err != nil {
+		return dst, 0, err
+	}
+	ptr, err := g.peerPtr(l, dst, dev)
+	return dst, ptr, err
+}
+
+// lookup returns the peer region holding [addr, addr+n), refreshing the
+// peer's table once per write (*refreshed) if it names no such region.
+func (l *memLink) lookup(ctx context.Context, addr, n uint64, refreshed *bool) (wire.MemRegion, error) {
 	dst, ok := l.remoteRegion(addr, n)
 	if !ok && !*refreshed {
 		*refreshed = true
 		if err := l.refresh(ctx); err != nil {
-			return dst, 0, fmt.Errorf("refresh peer regions: %w", err)
+			return dst, fmt.Errorf("refresh peer regions: %w", err)
 		}
 		dst, ok = l.remoteRegion(addr, n)
 	}
 	if !ok {
-		return dst, 0, fmt.Errorf("destination [%#x,+%d): %w at the peer", addr, n, ErrNotRegistered)
+		return dst, fmt.Errorf("destination [%#x,+%d): %w at the peer", addr, n, ErrNotRegistered)
 	}
-	if dst.Kind != wire.MemCUDA {
-		return dst, 0, fmt.Errorf("destination [%#x,+%d) is host memory: GPU sources write into GPU memory only", addr, n)
-	}
-	ptr, err := g.peerPtr(l, dst)
-	return dst, ptr, err
+	return dst, nil
 }
 
 // pageRuns resolves each buffer of w once and lists its device-address
 // runs (prs: w.runs()), buffer by buffer; emit takes them in parts of at most gpuChunk (it
 // may keep the slice until it returns). Source regions are read-locked and
 // added to srcs as in resolve. Call with pmu read-held.
-func (g *gpuPlane) pageRuns(ctx context.Context, l *memLink, w *PageWrite, prs []pageRun, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, error) {
+func (g *gpuPlane) pageRuns(ctx context.Context, l *memLink, dev Device, w *PageWrite, prs []pageRun, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, error) {
 	srcLo, srcHi, dstLo, dstHi := w.span()
 	refreshed := false
 	runs := gpuRuns.Get().(*[]cuda.Run)
@@ -625,11 +744,11 @@ func (g *gpuPlane) pageRuns(ctx context.Context, l *memLink, w *PageWrite, prs [
 	for i, b := range w.Bufs {
 		// The buffer's lowest to highest page on each side lies in one region.
 		sa, da := b.Src+srcLo*b.PageLen, b.Dst+dstLo*b.PageLen
-		src, s, err := g.source(sa, (srcHi-srcLo)*b.PageLen, srcs)
+		src, s, err := g.source(sa, (srcHi-srcLo)*b.PageLen, dev, srcs)
 		if srcs = s; err != nil {
 			return srcs, fmt.Errorf("buffer %d: %w", i, err)
 		}
-		dst, dptr, err := g.destination(ctx, l, da, (dstHi-dstLo)*b.PageLen, &refreshed)
+		dst, dptr, err := g.destination(ctx, l, src.dev, da, (dstHi-dstLo)*b.PageLen, &refreshed)
 		if err != nil {
 			return srcs, fmt.Errorf("buffer %d: %w", i, err)
 		}

@@ -63,12 +63,12 @@ func TestGPUKeyRoundTrip(t *testing.T) {
 	for i := range h {
 		h[i] = byte(i + 1)
 	}
-	k := gpuKey(h, 12345, "boot-id")
-	h2, off, host, err := parseGPUKey(k)
-	if err != nil || !bytes.Equal(h2[:], h[:]) || off != 12345 || host != "boot-id" {
-		t.Fatalf("round trip: %x %d %q %v", h2, off, host, err)
+	k := gpuKey(h, 12345, 3, "boot-id")
+	h2, off, dev, host, err := parseGPUKey(k)
+	if err != nil || !bytes.Equal(h2[:], h[:]) || off != 12345 || dev != 3 || host != "boot-id" {
+		t.Fatalf("round trip: %x %d %d %q %v", h2, off, dev, host, err)
 	}
-	if _, _, _, err := parseGPUKey(k[:70]); err == nil {
+	if _, _, _, _, err := parseGPUKey(k[:75]); err == nil {
 		t.Fatal("short key parsed")
 	}
 }
@@ -79,9 +79,10 @@ func TestGPUKeyRoundTrip(t *testing.T) {
 func fakeGPU() (*gpuPlane, *memLink) {
 	const mib = 1 << 20
 	g := &gpuPlane{peers: map[gpuPeerKey]gpuPeer{}}
+	dev := &hostDevice{h: &hostGPUs{}}
 	g.regions = []*gpuRegion{
-		{id: 1, base: 0x10000000, n: 64 * mib, ptr: 0x7000000000},
-		{id: 2, base: 0x20000000, n: 64 * mib, ptr: 0x7100000000 + 4096}, // 4 KiB into its allocation
+		{id: 1, base: 0x10000000, n: 64 * mib, ptr: 0x7000000000, dev: dev},
+		{id: 2, base: 0x20000000, n: 64 * mib, ptr: 0x7100000000 + 4096, dev: dev}, // 4 KiB into its allocation
 	}
 	l := &memLink{regions: []wire.MemRegion{
 		{ID: 7, Kind: wire.MemCUDA, Base: 0x30000000, Len: 64 * mib},
@@ -91,8 +92,8 @@ func fakeGPU() (*gpuPlane, *memLink) {
 	// Region 8 shares region 7's allocation, 64 MiB in: the cache must keep
 	// each region's own address.
 	imp := &gpuImport{ptr: 0x9000000000, refs: 2}
-	g.peers[gpuPeerKey{l, 7}] = gpuPeer{imp, imp.ptr}
-	g.peers[gpuPeerKey{l, 8}] = gpuPeer{imp, imp.ptr + 64*mib}
+	g.peers[gpuPeerKey{l, 7, 0}] = gpuPeer{imp, imp.ptr}
+	g.peers[gpuPeerKey{l, 8, 0}] = gpuPeer{imp, imp.ptr + 64*mib}
 	return g, l
 }
 
@@ -107,7 +108,7 @@ func TestGPUResolveMergesAndTranslates(t *testing.T) {
 		ts = append(ts, Triple{Src: 0x20000000 + 2*i*pg, Dst: 0x40000000 + 2*i*pg, Len: pg})
 	}
 	ts = append(ts, Triple{Src: 0x10000000, Dst: 0x40000000, Len: 0}) // empty: skipped
-	runs, srcs, total, err := g.resolve(context.Background(), l, ts, nil, nil)
+	runs, srcs, total, err := g.resolve(context.Background(), l, g.regions[0].dev, ts, nil, nil)
 	for _, r := range srcs {
 		r.use.RUnlock()
 	}
@@ -130,9 +131,9 @@ func TestGPUResolveMergesAndTranslates(t *testing.T) {
 func TestGPUResolvePartsLockOnce(t *testing.T) {
 	g, l := fakeGPU()
 	part := []Triple{{Src: 0x10000000, Dst: 0x30000000, Len: 4096}}
-	_, srcs, _, err := g.resolve(context.Background(), l, part, nil, nil)
+	_, srcs, _, err := g.resolve(context.Background(), l, g.regions[0].dev, part, nil, nil)
 	if err == nil {
-		_, srcs, _, err = g.resolve(context.Background(), l, part, nil, srcs)
+		_, srcs, _, err = g.resolve(context.Background(), l, g.regions[0].dev, part, nil, srcs)
 	}
 	if err != nil || len(srcs) != 1 {
 		t.Fatalf("srcs %d, %v", len(srcs), err)
@@ -152,11 +153,11 @@ func TestGPUResolveRejects(t *testing.T) {
 	}{
 		{"unregistered source", Triple{Src: 0x60000000, Dst: 0x30000000, Len: 8}, "not registered"},
 		{"source past its region", Triple{Src: 0x10000000 + 64<<20 - 4, Dst: 0x30000000, Len: 8}, "not registered"},
-		{"host destination", Triple{Src: 0x10000000, Dst: 0x50000000, Len: 8}, "host memory"},
+		{"host destination", Triple{Src: 0x10000000, Dst: 0x50000000, Len: 8}, "staged path"},
 		{"wrapping range", Triple{Src: 1<<64 - 4, Dst: 0x30000000, Len: 8}, "wraps"},
 	} {
 		g, l := fakeGPU()
-		_, srcs, _, err := g.resolve(ctx, l, []Triple{tc.t}, nil, nil)
+		_, srcs, _, err := g.resolve(ctx, l, g.regions[0].dev, []Triple{tc.t}, nil, nil)
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
@@ -167,7 +168,7 @@ func TestGPUResolveRejects(t *testing.T) {
 	// An unknown destination asks the peer once; a closed link fails that.
 	g, l := fakeGPU()
 	l.closed, l.err = true, errors.New("link gone")
-	if _, _, _, err := g.resolve(ctx, l, []Triple{{Src: 0x10000000, Dst: 0x70000000, Len: 8}}, nil, nil); err == nil || !strings.Contains(err.Error(), "link gone") {
+	if _, _, _, err := g.resolve(ctx, l, g.regions[0].dev, []Triple{{Src: 0x10000000, Dst: 0x70000000, Len: 8}}, nil, nil); err == nil || !strings.Contains(err.Error(), "link gone") {
 		t.Fatalf("unknown destination on a closed link: %v", err)
 	}
 }
@@ -187,7 +188,7 @@ func BenchmarkGPUResolveScattered(b *testing.B) {
 	for range b.N {
 		var err error
 		var srcs []*gpuRegion
-		runs, srcs, _, err = g.resolve(context.Background(), l, ts, runs[:0], nil)
+		runs, srcs, _, err = g.resolve(context.Background(), l, g.regions[0].dev, ts, runs[:0], nil)
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
@@ -195,4 +196,26 @@ func BenchmarkGPUResolveScattered(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// A peer's table carries GPU keys: any bytes parse or fail cleanly, and
+// what parses packs back to the same key.
+func FuzzParseGPUKey(f *testing.F) {
+	var h cuda.Handle
+	h[0], h[63] = 1, 2
+	f.Add(gpuKey(h, 4096, 3, "boot-id"))
+	f.Add(gpuKey(h, 0, -1, ""))
+	f.Add([]byte{1, 2, 3})
+	f.Fuzz(func(t *testing.T, k []byte) {
+		h, off, dev, host, err := parseGPUKey(k)
+		if err != nil {
+			return
+		}
+		if got := gpuKey(h, off, dev, host); !bytes.Equal(got, k) {
+			t.Fatalf("key %x parsed and packed back as %x", k, got)
+		}
+		if pl := peerPlace(wire.MemRegion{Kind: wire.MemCUDA, RKey: k}); pl.Device != dev || pl.Host != host {
+			t.Fatalf("place %+v, want device %d host %q", pl, dev, host)
+		}
+	})
 }

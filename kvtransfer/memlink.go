@@ -1,6 +1,7 @@
 package kvtransfer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -44,8 +45,9 @@ type memLink struct {
 	// fence answers for exactly the frames of its own write.
 	sendMu sync.Mutex
 	// dropped is why DATA frames since the last fence were discarded;
-	// touched only by the reader.
+	// touched only by the reader, as is stage.
 	dropped string
+	stage   stageIn
 }
 
 // hello returns our MEM_HELLO and the count of table pushes its table
@@ -179,6 +181,7 @@ func (p *MemoryPlane) addLink(l *memLink, addr string, dialed bool) bool {
 			l.close(fmt.Errorf("push region table: %w", err))
 		}
 	}
+	l.logPaths()
 	return true
 }
 
@@ -221,6 +224,7 @@ func (l *memLink) close(cause error) {
 
 func (l *memLink) readLoop() {
 	defer l.p.wg.Done()
+	defer l.endStage()
 	for {
 		m, err := l.conn.Read()
 		if err == nil {
@@ -253,7 +257,8 @@ func (l *memLink) handle(m wire.Msg) error {
 			l.deliver(m.Seq, m)
 		}
 	case *wire.MemFence:
-		l.conn.Post(&wire.MemFenceAck{Seq: m.Seq, Err: l.dropped})
+		// The write completes once its bytes are in GPU memory.
+		l.conn.Post(&wire.MemFenceAck{Seq: m.Seq, Err: cmp.Or(l.dropped, l.drain())})
 		l.dropped = ""
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
@@ -272,6 +277,11 @@ func (l *memLink) land(d *wire.Data) error {
 	p.mu.Lock()
 	r := p.byID[d.Region]
 	p.mu.Unlock()
+	if r == nil {
+		if gr := p.gpu.byID(d.Region); gr != nil {
+			return l.landGPU(gr, d)
+		}
+	}
 	if r != nil {
 		r.use.RLock()
 		defer r.use.RUnlock()
@@ -440,6 +450,12 @@ func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error
 	if err != nil || len(runs) == 0 {
 		return err
 	}
+	// Host to host: only shm can lack a path (peers on two hosts).
+	if slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemHost }) {
+		if _, err := l.pathTo(HostPlace(p.host), Place{Kind: wire.MemHost, Device: -1, Host: l.peerHost()}); err != nil {
+			return err
+		}
+	}
 	var total uint64
 	for _, r := range runs {
 		total += r.size
@@ -501,6 +517,12 @@ func (p *MemoryPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]m
 }
 
 func (l *memLink) put(ctx context.Context, runs []memRun) error {
+	// GPU destinations take DATA frames on the link (the staged path: the
+	// peer scatters them into device memory), as does all host memory
+	// where the transport's puts are not zero-copy.
+	if l.p.hostPath == PathTCP || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
+		return l.putTCP(ctx, runs)
+	}
 	ep, err := l.endpoint()
 	if err != nil {
 		return err
@@ -588,18 +610,33 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 // putTCP sends the runs as DATA frames then a fence, and waits for the
 // peer to acknowledge that everything before the fence is in memory.
 func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
-	seq, ch, err := l.ask()
-	if err != nil {
-		return err
-	}
-	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
-	defer stop()
 	var pieces []wire.DataPiece
 	for _, r := range runs {
 		pieces = appendPieces(pieces, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
+	ack, err := l.fenced(ctx, func() error { return l.conn.WriteDataBatch(pieces) })
+	if err != nil {
+		return err
+	}
+	if ack.Err != "" {
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
+}
+
+// fenced runs send (a write's DATA frames) and a fence under sendMu, so the
+// fence answers for exactly those frames, and waits for the answer. A
+// failed send closes the link; a write abandoned (ctx) closes it too, since
+// frames already sent could land after the caller gave up.
+func (l *memLink) fenced(ctx context.Context, send func() error) (*wire.MemFenceAck, error) {
+	seq, ch, err := l.ask()
+	if err != nil {
+		return nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
+	defer stop()
 	l.sendMu.Lock()
-	err = l.conn.WriteDataBatch(pieces)
+	err = send()
 	if err == nil {
 		err = l.conn.Write(&wire.MemFence{Seq: seq})
 	}
@@ -607,20 +644,17 @@ func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
 	if err != nil {
 		l.close(err)
 		if ctx.Err() != nil {
-			return ctx.Err()
+			return nil, ctx.Err()
 		}
-		return err
+		return nil, err
 	}
 	m, err := l.await(ctx, seq, ch)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	ack, ok := m.(*wire.MemFenceAck)
 	if !ok {
-		return fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
+		return nil, fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
 	}
-	if ack.Err != "" {
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
-	}
-	return nil
+	return ack, nil
 }

@@ -24,9 +24,7 @@ func BenchmarkMemoryWrite(b *testing.B) {
 			copy(dst, src)
 		}
 	})
-	for _, tc := range []struct{ name, transport, tls string }{
-		{"tcp", "tcp", ""}, {"shm", "shm", ""}, {"ucx-tcp", "ucx", "tcp"}, {"ucx-shm", "ucx", "posix,cma,tcp"},
-	} {
+	for _, tc := range benchTransports {
 		for _, scattered := range []bool{false, true} {
 			name := tc.name + "/merged"
 			if scattered {
@@ -39,7 +37,7 @@ func BenchmarkMemoryWrite(b *testing.B) {
 				src, srcFd := engineMemory(b, size)
 				dst, dstFd := engineMemory(b, 2*size)
 				fill(src, 1)
-				a, d := newMemSide(b, tc.transport, 30*time.Second), newMemSide(b, tc.transport, 30*time.Second)
+				a, d := newMemSide(b, tc.transport, 30*time.Second, withPuts(tc.puts)), newMemSide(b, tc.transport, 30*time.Second, withPuts(tc.puts))
 				a.register(b, src, srcFd)
 				d.register(b, dst, dstFd)
 				var ts []Triple
@@ -68,16 +66,14 @@ func BenchmarkMemoryWrite(b *testing.B) {
 
 // BenchmarkMemoryWriteSmall is the per-call cost: one 4 KiB triple, link up.
 func BenchmarkMemoryWriteSmall(b *testing.B) {
-	for _, tc := range []struct{ name, transport, tls string }{
-		{"tcp", "tcp", ""}, {"shm", "shm", ""}, {"ucx-tcp", "ucx", "tcp"}, {"ucx-shm", "ucx", "posix,cma,tcp"},
-	} {
+	for _, tc := range benchTransports {
 		b.Run(tc.name, func(b *testing.B) {
 			if tc.tls != "" {
 				b.Setenv("UCX_TLS", tc.tls)
 			}
 			src, srcFd := engineMemory(b, page)
 			dst, dstFd := engineMemory(b, page)
-			a, d := newMemSide(b, tc.transport, 30*time.Second), newMemSide(b, tc.transport, 30*time.Second)
+			a, d := newMemSide(b, tc.transport, 30*time.Second, withPuts(tc.puts)), newMemSide(b, tc.transport, 30*time.Second, withPuts(tc.puts))
 			a.register(b, src, srcFd)
 			d.register(b, dst, dstFd)
 			ts := []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: page}}
@@ -93,4 +89,14 @@ func BenchmarkMemoryWriteSmall(b *testing.B) {
 			}
 		})
 	}
+}
+
+// benchTransports: ucx moves host memory by DATA frames unless it has an rc
+// or dc lane; -puts by its own puts anyway.
+var benchTransports = []struct {
+	name, transport, tls string
+	puts                 bool
+}{
+	{"tcp", "tcp", "", false}, {"shm", "shm", "", false}, {"ucx-tcp", "ucx", "tcp", false}, {"ucx-tcp-puts", "ucx", "tcp", true},
+	{"ucx-shm", "ucx", "posix,cma,tcp", false}, {"ucx-shm-puts", "ucx", "posix,cma,tcp", true},
 }

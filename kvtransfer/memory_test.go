@@ -58,7 +58,7 @@ type memSide struct {
 	reg *prometheus.Registry
 }
 
-func newMemSide(t testing.TB, transport string, timeout time.Duration) *memSide {
+func newMemSide(t testing.TB, transport string, timeout time.Duration, opts ...func(*MemoryConfig)) *memSide {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -66,7 +66,11 @@ func newMemSide(t testing.TB, transport string, timeout time.Duration) *memSide 
 	}
 	tr := newTransport(t, transport)
 	reg := prometheus.NewRegistry()
-	p, err := NewMemoryPlane(MemoryConfig{Name: "m", Transport: tr, Listener: ln, WriteTimeout: timeout, Registry: reg})
+	cfg := MemoryConfig{Name: "m", Transport: tr, Listener: ln, WriteTimeout: timeout, Registry: reg}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	p, err := NewMemoryPlane(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,17 +121,30 @@ func init() {
 	transports["shm"] = func() (Transport, error) { return &SHM{}, nil }
 }
 
-func memoryTransports() []struct{ name, tls string } {
-	return []struct{ name, tls string }{{"tcp", ""}, {"shm", ""}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}}
+// memoryTransports: ucx without an rc or dc lane moves host memory by DATA
+// frames; puts: by its own puts anyway (MemoryConfig.TransportPuts).
+func memoryTransports() []struct {
+	name, tls string
+	puts      bool
+} {
+	return []struct {
+		name, tls string
+		puts      bool
+	}{{"tcp", "", false}, {"shm", "", false}, {"ucx", "tcp", false}, {"ucx", "tcp", true}, {"ucx", "posix,cma,tcp", false}, {"ucx", "posix,cma,tcp", true}}
 }
+
+func withPuts(puts bool) func(*MemoryConfig) { return func(c *MemoryConfig) { c.TransportPuts = puts } }
 
 func TestMemoryWrite(t *testing.T) {
 	for _, tc := range memoryTransports() {
-		t.Run(tc.name+"/"+tc.tls, func(t *testing.T) {
+		t.Run(fmt.Sprintf("%s/%s/puts=%t", tc.name, tc.tls, tc.puts), func(t *testing.T) {
 			if tc.tls != "" {
 				t.Setenv("UCX_TLS", tc.tls)
 			}
-			a, b := newMemSide(t, tc.name, 5*time.Second), newMemSide(t, tc.name, 5*time.Second)
+			a, b := newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts)), newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts))
+			if want := map[bool]Path{false: PathTCP, true: PathUCX}[tc.puts]; tc.name == "ucx" && a.p.hostPath != want {
+				t.Fatalf("host path %q, want %q", a.p.hostPath, want)
+			}
 			src, srcFd := engineMemory(t, 64*page)
 			fill(src, 1)
 			a.register(t, src, srcFd)

@@ -19,11 +19,11 @@ func TestMemoryUCXPeerLoss(t *testing.T) {
 		t.Run(tls, func(t *testing.T) {
 			t.Setenv("UCX_TLS", tls)
 			const timeout = time.Second
-			a := newMemSide(t, "ucx", timeout)
+			a := newMemSide(t, "ucx", timeout, withPuts(true))
 			src, srcFd := engineMemory(t, 16*page)
 			fill(src, 5)
 			a.register(t, src, srcFd)
-			b := newMemSide(t, "ucx", timeout)
+			b := newMemSide(t, "ucx", timeout, withPuts(true))
 			dst, dstFd := engineMemory(t, 16*page)
 			b.register(t, dst, dstFd)
 			ts := []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 16 * page}}
@@ -54,7 +54,7 @@ func TestMemoryUCXPeerLoss(t *testing.T) {
 			if err := a.s.Write(ctx, peer, ts); err == nil || time.Since(t0) > 3*timeout {
 				t.Fatalf("write to a closed peer: %v after %s", err, time.Since(t0))
 			}
-			c := newMemSide(t, "ucx", timeout)
+			c := newMemSide(t, "ucx", timeout, withPuts(true))
 			dst2, dst2Fd := engineMemory(t, 16*page)
 			c.register(t, dst2, dst2Fd)
 			if err := a.s.Write(ctx, c.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst2), Len: 16 * page}}); err != nil {

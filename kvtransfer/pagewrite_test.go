@@ -57,14 +57,14 @@ func TestGPUPageRunsMatchTriples(t *testing.T) {
 	}
 	g, l := fakeGPU()
 	var got []cuda.Run
-	srcs, err := g.pageRuns(context.Background(), l, w, w.runs(), nil, func(rs []cuda.Run) error { got = append(got, rs...); return nil })
+	srcs, err := g.pageRuns(context.Background(), l, g.regions[0].dev, w, w.runs(), nil, func(rs []cuda.Run) error { got = append(got, rs...); return nil })
 	for _, r := range srcs {
 		r.use.RUnlock()
 	}
 	if err != nil || len(srcs) != 2 {
 		t.Fatalf("srcs %d, %v", len(srcs), err)
 	}
-	want, _, _, err := g.resolve(context.Background(), l, w.Triples(), nil, nil)
+	want, _, _, err := g.resolve(context.Background(), l, g.regions[0].dev, w.Triples(), nil, nil)
 	g.regions[0].use.RUnlock()
 	g.regions[1].use.RUnlock()
 	if err != nil || !slices.Equal(got, want) || len(got) != 6 {
@@ -81,7 +81,7 @@ func TestGPUPageRunsInParts(t *testing.T) {
 	}
 	g, l := fakeGPU()
 	var parts []int
-	srcs, err := g.pageRuns(context.Background(), l, w, w.runs(), nil, func(rs []cuda.Run) error { parts = append(parts, len(rs)); return nil })
+	srcs, err := g.pageRuns(context.Background(), l, g.regions[0].dev, w, w.runs(), nil, func(rs []cuda.Run) error { parts = append(parts, len(rs)); return nil })
 	for _, r := range srcs {
 		r.use.RUnlock()
 	}
@@ -99,12 +99,12 @@ func TestGPUPageRunsReject(t *testing.T) {
 	}{
 		{"source page past its region", PageBuf{Src: 0x10000000, Dst: 0x30000000, PageLen: 1 << 20}, PagePair{Src: 64}, "buffer 0: source"},
 		{"destination page past its region", PageBuf{Src: 0x10000000, Dst: 0x30000000, PageLen: 1 << 20}, PagePair{Dst: 64}, "buffer 0: refresh peer regions: link gone"},
-		{"host destination", PageBuf{Src: 0x10000000, Dst: 0x50000000, PageLen: 4096}, PagePair{}, "host memory"},
+		{"host destination", PageBuf{Src: 0x10000000, Dst: 0x50000000, PageLen: 4096}, PagePair{}, "staged path"},
 	} {
 		g, l := fakeGPU()
 		l.closed, l.err = true, errors.New("link gone") // an unknown destination's refresh fails
 		w := &PageWrite{Bufs: []PageBuf{tc.b}, Pairs: []PagePair{tc.p}}
-		srcs, err := g.pageRuns(context.Background(), l, w, w.runs(), nil, func([]cuda.Run) error { return nil })
+		srcs, err := g.pageRuns(context.Background(), l, g.regions[0].dev, w, w.runs(), nil, func([]cuda.Run) error { return nil })
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}
@@ -127,7 +127,7 @@ func BenchmarkGPUPageRuns(b *testing.B) {
 	}
 	b.ResetTimer()
 	for range b.N {
-		srcs, err := g.pageRuns(context.Background(), l, w, w.runs(), nil, func([]cuda.Run) error { return nil })
+		srcs, err := g.pageRuns(context.Background(), l, g.regions[0].dev, w, w.runs(), nil, func([]cuda.Run) error { return nil })
 		for _, r := range srcs {
 			r.use.RUnlock()
 		}

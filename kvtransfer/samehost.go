@@ -26,6 +26,9 @@ import (
 type SHM struct {
 	TCP
 	live shmLiveness
+	// HostID is this machine's id (default: the boot id); peers whose id
+	// differs are on another host (kvproxy --host-id).
+	HostID string
 }
 
 var _ MemoryTransport = (*SHM)(nil)
@@ -94,11 +97,16 @@ func (t *SHM) RegisterMemory(b []byte, fd int) (MemoryRegistration, error) {
 	return &shmRegistration{mem: b, key: k, live: &t.live, slot: slot}, nil
 }
 
-// WorkerAddress is the boot id: peers on another host fail at once.
-func (*SHM) WorkerAddress() ([]byte, error) { return bootID() }
+// WorkerAddress is the host id: peers on another host fail at once.
+func (s *SHM) WorkerAddress() ([]byte, error) {
+	if s.HostID != "" {
+		return []byte(s.HostID), nil
+	}
+	return bootID()
+}
 
-func (*SHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
-	id, err := bootID()
+func (s *SHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
+	id, err := s.WorkerAddress()
 	if err != nil {
 		return nil, err
 	}

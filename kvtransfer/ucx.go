@@ -386,6 +386,26 @@ func (u *UCX) RegisterMemory(b []byte, _ int) (MemoryRegistration, error) {
 	return &ucxRegistration{m: m, rkey: rk}, nil
 }
 
+// ZeroCopyRMA reports whether UCX reaches peers over a transport that puts
+// straight from registered memory (InfiniBand or RoCE: rc, dc). Over tcp and
+// shared memory UCX emulates puts with active messages (and UCX 1.13 cannot
+// register memory kvproxy mapped from another process): 0.15–0.48 GB/s
+// where DATA frames on the peer link moved 0.8–1.0 (bench/RESULTS.md,
+// kv-sglang), so host memory then takes those.
+func (u *UCX) ZeroCopyRMA() bool {
+	tls, err := u.ctx.Transports()
+	if err != nil {
+		return false
+	}
+	for _, tl := range tls {
+		name, _, _ := strings.Cut(tl, "/")
+		if strings.HasPrefix(name, "rc") || strings.HasPrefix(name, "dc") {
+			return true
+		}
+	}
+	return false
+}
+
 func (u *UCX) WorkerAddress() ([]byte, error) {
 	var a []byte
 	err := u.loop.Do(func(w *ucx.Worker) error {

@@ -139,10 +139,14 @@ def reply(obj):
 # Prefill engine and driver.
 
 class Proxy:
-    def __init__(self, binary, role, transport, env, logdir):
+    def __init__(self, binary, role, transport, env, logdir, host_id="", stage_chunk=0):
         self.sock = os.path.join(logdir, role + ".sock")
         argv = [binary, "--role", role, "--transport", transport, "--control", self.sock, "--host", "127.0.0.1",
                 "--metrics-port", "0", "--log-level", "warn"]
+        if host_id:  # a host id of its own: the peer is remote (staged path)
+            argv += ["--host-id", host_id]
+        if stage_chunk:
+            argv += ["--stage-chunk", str(stage_chunk)]
         if role == "prefill":
             argv += ["--bootstrap-port", "0"]
         self.log = open(os.path.join(logdir, role + ".log"), "a")
@@ -157,6 +161,10 @@ class Proxy:
         import urllib.request
         text = urllib.request.urlopen("http://%s/metrics" % self.fields["metrics"], timeout=5).read().decode()
         return sum(float(l.split()[-1]) for l in text.splitlines() if l.split(" ")[0].split("{")[0] == name)
+
+    def status(self):
+        import urllib.request
+        return json.loads(urllib.request.urlopen("http://%s/status" % self.fields["metrics"], timeout=5).read())
 
     def regions(self):
         return self.metric("kvproxy_registered_regions")
@@ -174,8 +182,9 @@ def run_mode(args, mode, tmp):
     env = dict(os.environ)
     if mode != "auto":
         env["PDROUTER_CUDA_COPY"] = mode
-    pp = Proxy(args.kvproxy, "prefill", args.transport, env, tmp)
-    dp = Proxy(args.kvproxy, "decode", args.transport, env, tmp)
+    ids = args.host_ids.split(",") if args.host_ids else ["", ""]
+    pp = Proxy(args.kvproxy, "prefill", args.transport, env, tmp, ids[0], args.stage_chunk)
+    dp = Proxy(args.kvproxy, "decode", args.transport, env, tmp, ids[1], args.stage_chunk)
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", dp.sock], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
 
@@ -210,8 +219,8 @@ def run_mode(args, mode, tmp):
         if i >= 10:
             floor.append(time.perf_counter() - t)
     rows = []
-    for pattern in PATTERNS:
-        for tokens in TOKENS:
+    for pattern in args.patterns.split(","):
+        for tokens in [int(t) for t in args.tokens.split(",")]:
             sp, dpages = page_sets(tokens, pattern)
             pages = pattern == "scattered"
             sglang = pattern == "scattered-sglang"
@@ -317,6 +326,7 @@ def run_mode(args, mode, tmp):
                   "frame %d B) verified=%s" % (mode, pattern, tokens, len(s), med * 1e6, row["gbps"], row["kvproxy_resolve_us"],
                                                row["kvproxy_copy_us"], row["control_path_us"] or 0, row["client_write_median_us"],
                                                row["frame_bytes"], row["verified"]), plan or "", file=sys.stderr, flush=True)
+    paths = pp.status()
     child.stdin.write(json.dumps({"op": "quit"}) + "\n")
     child.stdin.close()
     child.wait(30)
@@ -325,7 +335,8 @@ def run_mode(args, mode, tmp):
     left = {"prefill": pp.regions(), "decode": dp.regions()}
     pp.stop()
     dp.stop()
-    return {"mode": mode, "transport": hello["transport"], "register_us_per_buffer": reg_us, "rows": rows,
+    return {"mode": mode, "transport": hello["transport"], "host_ids": ids, "stage_chunk": args.stage_chunk, "link_paths": paths,
+            "register_us_per_buffer": reg_us, "rows": rows,
             "control_floor_us": statistics.median(floor) * 1e6,
             "regions_after_close": left}
 
@@ -337,6 +348,10 @@ def main():
     ap.add_argument("--transport", default="ucx")
     ap.add_argument("--modes", default="auto,kernel,memcpy")
     ap.add_argument("--out", default="bench/out/kv-gpu.json")
+    ap.add_argument("--stage-chunk", type=int, default=0, help="kvproxy --stage-chunk (0: its default)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--patterns", default=",".join(PATTERNS))
+    ap.add_argument("--host-ids", default="", help="A,B: the two kvproxies' --host-id (different: the staged cross-host path)")
     args = ap.parse_args()
     if args.engine:
         return decode_engine(args.engine)

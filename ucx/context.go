@@ -10,6 +10,7 @@ package ucx
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -199,6 +200,35 @@ func (c *Context) Supports(t MemoryType) bool {
 		return false
 	}
 	return C.ucxg_context_mem_types(c.p)&(1<<uint(ucsMemType(t))) != 0
+}
+
+// Transports lists the transport/device pairs the context uses, as
+// ucp_context_print_info names them ("tcp/lo", "rc_mlx5/mlx5_0:1").
+func (c *Context) Transports() ([]string, error) {
+	var out *C.char
+	var n C.size_t
+	if C.ucxg_context_info(c.p, &out, &n) != 0 {
+		return nil, errors.New("ucx: context info: open_memstream failed")
+	}
+	defer C.free(unsafe.Pointer(out))
+	return parseResources(C.GoStringN(out, C.int(n))), nil
+}
+
+// parseResources takes the "tl/dev" of each "resource" line of
+// ucp_context_print_info's report.
+func parseResources(info string) []string {
+	var tls []string
+	for _, line := range strings.Split(info, "\n") {
+		if !strings.Contains(line, "resource") {
+			continue
+		}
+		if _, after, ok := strings.Cut(line, "--"); ok {
+			if tl := strings.TrimSpace(after); tl != "" {
+				tls = append(tls, tl)
+			}
+		}
+	}
+	return tls
 }
 
 // APIVersion is the UCP API version the package was compiled against.

@@ -440,3 +440,15 @@ char *ucxg_ep_info(ucxg_ep_t *e)
 	fclose(f);
 	return buf;
 }
+
+// ucxg_context_info writes ucp_context_print_info's report into a buffer
+// it allocates (*out, freed by the caller with free).
+int ucxg_context_info(ucp_context_h ctx, char **out, size_t *len)
+{
+	FILE *f = open_memstream(out, len);
+	if (f == NULL) {
+		return -1;
+	}
+	ucp_context_print_info(ctx, f);
+	return fclose(f);
+}

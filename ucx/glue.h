@@ -55,6 +55,7 @@ void ucxg_ep_free(ucxg_ep_t *e);
 ucs_status_t ucxg_mem_map(ucp_context_h ctx, uintptr_t addr, size_t len, int allocate,
 			  int mem_type, ucp_mem_h *memh, void **base);
 uint64_t ucxg_context_mem_types(ucp_context_h ctx);
+int ucxg_context_info(ucp_context_h ctx, char **out, size_t *len);
 
 void *ucxg_rma_batch(ucxg_ep_t *e, int get, char *lbase, ucp_mem_h memh, uint64_t rbase,
 		     ucp_rkey_h rkey, const ucxg_op_t *ops, size_t n, ucs_status_t *st);

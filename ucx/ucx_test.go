@@ -542,3 +542,24 @@ func TestSharedMemoryByAddress(t *testing.T) {
 	}
 	must(t, cli.Do(func(w *Worker) error { return ep.Close() }))
 }
+
+// The context names the transports it runs on: what kvtransfer reads to
+// tell a zero-copy RMA lane from tcp's emulated puts.
+func TestContextTransports(t *testing.T) {
+	c, err := NewContext(Config{Options: map[string]string{"TLS": "tcp"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	tls, err := c.Transports()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tls) == 0 || !strings.HasPrefix(tls[0], "tcp/") {
+		t.Fatalf("transports %q, want tcp/<dev> first", tls)
+	}
+	got := parseResources("#\n#      resource 0  :  md 0  dev 0  flags -- tcp/lo\n#      resource 1  :  md 1  dev 1  flags -- rc_mlx5/mlx5_0:1\n# other line -- x\n")
+	if len(got) != 2 || got[0] != "tcp/lo" || got[1] != "rc_mlx5/mlx5_0:1" {
+		t.Fatalf("parseResources: %q", got)
+	}
+}

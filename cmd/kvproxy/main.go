@@ -6,8 +6,9 @@
 // mode (SGLang through the Mooncake-compatible TransferEngine in python/):
 // the engine registers memory it owns by memfd and writes into peer
 // engines by address; peers name this kvproxy by its peer address (the
-// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health
-// and /metrics are on the metrics port. The sidecar itself is package
+// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health,
+// /metrics and /status (each peer link's path per pair of memory places,
+// JSON) are on the metrics port. The sidecar itself is package
 // kvtransfer/sidecar; this command parses flags and runs it until SIGINT or
 // SIGTERM.
 //
@@ -62,6 +63,8 @@ func flags(fs *flag.FlagSet) (*sidecar.Config, *string) {
 	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "a matched room not finished within this fails")
 	fs.DurationVar(&cfg.Heartbeat, "heartbeat-interval", cfg.Heartbeat, "peer heartbeat; two missed intervals fail the peer's rooms")
 	fs.DurationVar(&cfg.WriteTimeout, "write-timeout", cfg.WriteTimeout, "an engine-memory write (or probe) not complete within this fails")
+	fs.IntVar(&cfg.StageChunk, "stage-chunk", cfg.StageChunk, "bytes of GPU memory the staged cross-host path gathers and sends per chunk (0: 1 MiB; at most 8 MiB)")
+	fs.StringVar(&cfg.HostID, "host-id", cfg.HostID, "this machine's identity to peer kvproxies (default: the boot id); give two kvproxies of one host different ids to make them treat each other as remote")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	return &cfg, logLevel
 }

@@ -54,6 +54,17 @@ func (d *Device) NewCopier() (*Copier, error) {
 // kernel or per-run copies; CopyAuto uses copies for a handful of runs or
 // long ones (the driver's copies move those fastest) and the kernel otherwise.
 func (c *Copier) Copy(runs []Run, mode CopyMode) (CopyMode, error) {
+	return c.copy(runs, mode, false)
+}
+
+// CopyHost is Copy for runs whose source or destination may be pinned host
+// memory (AllocHost's): the kernel reaches it through unified addressing,
+// per-run copies go by cuMemcpyAsync.
+func (c *Copier) CopyHost(runs []Run, mode CopyMode) (CopyMode, error) {
+	return c.copy(runs, mode, true)
+}
+
+func (c *Copier) copy(runs []Run, mode CopyMode, host bool) (CopyMode, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -94,7 +105,7 @@ func (c *Copier) Copy(runs []Run, mode CopyMode) (CopyMode, error) {
 	n := len(buf) / 3
 	runsPtr := (*C.uint64_t)(unsafe.Pointer(&buf[0]))
 	if mode == CopyMemcpy {
-		return mode, result("copy runs", C.cudag_memcpy_runs(c.d.ctx, &c.streams[0], copyStreams, runsPtr, C.uint(n)))
+		return mode, result("copy runs", C.cudag_memcpy_runs(c.d.ctx, &c.streams[0], copyStreams, runsPtr, C.uint(n), C.int(btoi(host))))
 	}
 	return mode, result("copy runs", C.cudag_copy_runs(c.d.ctx, c.streams[0], c.fn, C.uint64_t(c.desc), runsPtr, C.uint(n), C.uint(min(n, maxGrid)), 256, 0))
 }
@@ -208,4 +219,11 @@ func (c *Copier) Close() error {
 	err := c.freeDesc()
 	C.cudag_copier_destroy(c.d.ctx, &c.streams[0], copyStreams, c.module)
 	return err
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

@@ -177,6 +177,41 @@ func (d *Device) AddressRange(ptr uint64) (base uint64, size int, err error) {
 	return uint64(b), int(n), err
 }
 
+// AllocHost allocates n bytes of page-locked host memory the device copies
+// to and from at full speed (cuMemAllocHost); free it with FreeHost.
+func (d *Device) AllocHost(n int) ([]byte, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("cuda: alloc host: bad length %d", n)
+	}
+	var p unsafe.Pointer
+	if err := result("cuMemAllocHost", C.cudag_mem_alloc_host(d.ctx, C.size_t(n), &p)); err != nil {
+		return nil, err
+	}
+	return unsafe.Slice((*byte)(p), n), nil
+}
+
+// FreeHost frees what AllocHost returned.
+func (d *Device) FreeHost(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	return result("cuMemFreeHost", C.cudag_mem_free_host(d.ctx, unsafe.Pointer(unsafe.SliceData(b))))
+}
+
+// CanAccessPeer reports whether device a can map device b's memory
+// (cuDeviceCanAccessPeer); a device reaches its own.
+func CanAccessPeer(a, b int) (bool, error) {
+	if a == b {
+		return true, nil
+	}
+	if err := Load(); err != nil {
+		return false, err
+	}
+	var ok C.int
+	err := result("cuDeviceCanAccessPeer", C.cudag_can_access_peer(C.int(a), C.int(b), &ok))
+	return ok != 0, err
+}
+
 // Kind reports what memory ptr points to, and the device ordinal of
 // device memory (-1 otherwise).
 func Kind(ptr uint64) (PointerKind, int, error) {

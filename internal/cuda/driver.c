@@ -46,6 +46,8 @@ typedef struct {
 	CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, void *);
 	CUresult (*mem_alloc_host)(void **, size_t);
 	CUresult (*mem_free_host)(void *);
+	CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, void *);
+	CUresult (*can_access_peer)(int *, int, int);
 } table_t;
 
 static table_t cu;
@@ -87,6 +89,8 @@ static const struct {
 	{AT(memcpy_htod_async), {"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"}},
 	{AT(mem_alloc_host), {"cuMemAllocHost_v2", "cuMemAllocHost"}},
 	{AT(mem_free_host), {"cuMemFreeHost", NULL}},
+	{AT(memcpy_async), {"cuMemcpyAsync", NULL}},
+	{AT(can_access_peer), {"cuDeviceCanAccessPeer", NULL}},
 };
 
 // cudag_load fills a table and installs it only when every entry point
@@ -322,17 +326,22 @@ int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint
 	return r;
 }
 
-// cudag_memcpy_runs moves n runs with one cuMemcpyDtoDAsync each, round
-// robin over ns streams (one copy's tail overlaps the next one's start),
-// and waits for all of them.
-int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n)
+// cudag_memcpy_runs moves n runs with one cuMemcpyDtoDAsync each (any:
+// cuMemcpyAsync, which also takes pinned host addresses), round robin over
+// ns streams (one copy's tail overlaps the next one's start), and waits
+// for all of them.
+int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n, int any)
 {
 	CUresult r = cu.ctx_push(ctx);
 	if (r != CUDA_SUCCESS) {
 		return r;
 	}
 	for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
-		r = cu.memcpy_dtod_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], streams[i % ns]);
+		if (any) {
+			r = cu.memcpy_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], streams[i % ns]);
+		} else {
+			r = cu.memcpy_dtod_async(runs[3 * i + 1], runs[3 * i], runs[3 * i + 2], streams[i % ns]);
+		}
 	}
 	for (unsigned i = 0; i < ns; i++) {
 		CUresult s = cu.stream_sync(streams[i]);
@@ -358,4 +367,17 @@ int cudag_mem_alloc_host(void *ctx, size_t n, void **p)
 int cudag_mem_free_host(void *ctx, void *p)
 {
 	IN_CTX(ctx, cu.mem_free_host(p));
+}
+
+int cudag_can_access_peer(int a, int b, int *ok)
+{
+	int da, db;
+	CUresult r = cu.device_get(&da, a);
+	if (r == CUDA_SUCCESS) {
+		r = cu.device_get(&db, b);
+	}
+	if (r == CUDA_SUCCESS) {
+		r = cu.can_access_peer(ok, da, db);
+	}
+	return r;
 }

@@ -49,7 +49,11 @@ int cudag_copier_create(void *ctx, const char *ptx, void **streams, unsigned ns,
 void cudag_copier_destroy(void *ctx, void *const *streams, unsigned ns, void *module);
 int cudag_copy_runs(void *ctx, void *stream, void *fn, uint64_t desc, const uint64_t *runs,
 		    unsigned n, unsigned grid, unsigned block, int nowait);
-int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n);
+int cudag_memcpy_runs(void *ctx, void *const *streams, unsigned ns, const uint64_t *runs, unsigned n, int any);
 int cudag_stream_wait(void *ctx, void *stream);
+
+// Whether device a can map device b's memory (ordinals). Peer access
+// itself comes with cuIpcOpenMemHandle's lazy flag.
+int cudag_can_access_peer(int a, int b, int *ok);
 
 #endif

@@ -55,6 +55,15 @@ func (*Device) Memset(uint64, byte, int) error { return errNoCgo }
 // AddressRange returns ErrNoDriver.
 func (*Device) AddressRange(uint64) (uint64, int, error) { return 0, 0, errNoCgo }
 
+// AllocHost returns ErrNoDriver.
+func (*Device) AllocHost(int) ([]byte, error) { return nil, errNoCgo }
+
+// FreeHost returns ErrNoDriver.
+func (*Device) FreeHost([]byte) error { return errNoCgo }
+
+// CanAccessPeer returns ErrNoDriver.
+func CanAccessPeer(int, int) (bool, error) { return false, errNoCgo }
+
 // Kind returns ErrNoDriver.
 func Kind(uint64) (PointerKind, int, error) { return 0, -1, errNoCgo }
 
@@ -69,6 +78,9 @@ func (*Device) NewCopier() (*Copier, error) { return nil, errNoCgo }
 
 // Copy returns ErrNoDriver.
 func (*Copier) Copy([]Run, CopyMode) (CopyMode, error) { return 0, errNoCgo }
+
+// CopyHost returns ErrNoDriver.
+func (*Copier) CopyHost([]Run, CopyMode) (CopyMode, error) { return 0, errNoCgo }
 
 // Close returns nil.
 func (*Copier) Close() error { return nil }

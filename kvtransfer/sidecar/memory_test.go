@@ -3,6 +3,7 @@ package sidecar
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"net"
 	"path/filepath"
 	"strings"
@@ -12,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
 )
 
@@ -24,33 +26,9 @@ func TestEngineOwnedMemory(t *testing.T) {
 		p, d := start(t, "prefill", transport), start(t, "decode", transport)
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
-		engine := func(s *Sidecar, size int) (*control.Client, []byte) {
-			cl, err := control.Dial(s.Addrs().Control)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { cl.Close() })
-			fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer unix.Close(fd)
-			if err := unix.Ftruncate(fd, int64(size)); err != nil {
-				t.Fatal(err)
-			}
-			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = unix.Munmap(mem) })
-			if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
-				t.Fatal(err)
-			}
-			return cl, mem
-		}
 		const size = 1 << 20
-		pcl, src := engine(p, size)
-		dcl, dst := engine(d, size)
+		pcl, src := engineMemory(t, ctx, p, size)
+		dcl, dst := engineMemory(t, ctx, d, size)
 		for i := range src {
 			src[i] = byte(i*31 + 7)
 		}
@@ -77,6 +55,21 @@ func TestEngineOwnedMemory(t *testing.T) {
 		if m := get(t, "http://"+d.Addrs().Metrics+"/metrics"); !strings.Contains(m, "kvproxy_registered_regions 1") {
 			t.Fatalf("decode metrics lack the registration:\n%s", m)
 		}
+		// Each end names the link's path: host memory goes by the transport.
+		var st kvtransfer.PlaneStatus
+		if err := json.Unmarshal([]byte(get(t, "http://"+p.Addrs().Metrics+"/status")), &st); err != nil {
+			t.Fatal(err)
+		}
+		want := kvtransfer.Path(transport)
+		if transport == "ucx" { // UCX_TLS has no rc or dc lane: its puts would be emulated
+			want = kvtransfer.PathTCP
+		}
+		if len(st.Links) == 0 || len(st.Links[0].Paths) == 0 || st.Links[0].Paths[0].Path != want {
+			t.Fatalf("/status: %+v", st)
+		}
+		if m := get(t, "http://"+p.Addrs().Metrics+"/metrics"); !strings.Contains(m, `path="`+string(want)+`"`) {
+			t.Fatalf("prefill metrics lack kvproxy_link_path:\n%s", m)
+		}
 		// The engines leave: their registrations go (what tests read).
 		pcl.Close()
 		dcl.Close()
@@ -90,6 +83,49 @@ func TestEngineOwnedMemory(t *testing.T) {
 			}
 		}
 	})
+}
+
+// Two kvproxies of one host with different host ids are remote to each
+// other: shm, which maps the peer's memory, has no path between them, and
+// a write says so at once.
+func TestHostIDMakesPeersRemote(t *testing.T) {
+	p := start(t, "prefill", "shm", func(c *Config) { c.HostID = "node-a" })
+	d := start(t, "decode", "shm", func(c *Config) { c.HostID = "node-b" })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	pcl, src := engineMemory(t, ctx, p, 4096)
+	_, dst := engineMemory(t, ctx, d, 4096)
+	err := pcl.Write(ctx, d.Addrs().Peer, []control.Triple{{Src: addr(src), Dst: addr(dst), Len: 8}})
+	if err == nil || !strings.Contains(err.Error(), "no path from host@node-a to host@node-b over shm") {
+		t.Fatalf("shm write to another host id: %v", err)
+	}
+}
+
+// engineMemory is an engine of s: a control connection that registered
+// size bytes of a memfd it mapped.
+func engineMemory(t *testing.T, ctx context.Context, s *Sidecar, size int) (*control.Client, []byte) {
+	cl, err := control.Dial(s.Addrs().Control)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
+		t.Fatal(err)
+	}
+	return cl, mem
 }
 
 func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }

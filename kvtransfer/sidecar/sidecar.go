@@ -12,6 +12,7 @@ package sidecar
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -44,9 +45,14 @@ type Config struct {
 	BootstrapPort int
 	// The peer protocol: rooms (prefill) and engine-owned memory (both
 	// roles; an engine reports this address as its rpc address).
-	PeerPort         int
-	MetricsPort      int           // /health and /metrics
-	WriteTimeout     time.Duration // bounds an engine-memory write; 0: 5 s
+	PeerPort     int
+	MetricsPort  int           // /health and /metrics
+	WriteTimeout time.Duration // bounds an engine-memory write; 0: 5 s
+	// HostID names this machine to peer kvproxies (default: the boot id);
+	// two kvproxies of one host with different ids treat each other as
+	// remote (GPU KV then takes the staged path).
+	HostID           string
+	StageChunk       int // the staged path's gather size (0: 1 MiB)
 	BootstrapTimeout time.Duration
 	WaitingTimeout   time.Duration
 	Heartbeat        time.Duration
@@ -109,7 +115,7 @@ func Start(cfg Config) (*Sidecar, error) {
 		cfg.Logger = zap.NewNop()
 	}
 	log := cfg.Logger.With(zap.String("role", cfg.Role))
-	tr, err := newTransport(cfg.Transport)
+	tr, err := newTransport(cfg.Transport, cfg.HostID)
 	if err != nil {
 		return nil, err
 	}
@@ -140,7 +146,8 @@ func Start(cfg Config) (*Sidecar, error) {
 		ecfg.Resolve = s.resolver.Resolve
 	}
 	s.mem, err = kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: ecfg.Name, Transport: tr, Listener: memLn,
-		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg})
+		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg, HostID: cfg.HostID,
+		StageChunk: cfg.StageChunk})
 	if err == nil {
 		if s.eng, err = kvtransfer.New(ecfg); err != nil {
 			_ = s.mem.Close()
@@ -166,6 +173,10 @@ func Start(cfg Config) (*Sidecar, error) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/status", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(s.mem.Paths())
+	})
 	mux.HandleFunc("/health", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintf(w, "OK rooms_active=%d peers=%d pool_registered=%t\n", s.eng.ActiveRooms(), s.eng.Peers(), s.eng.Pool() != nil)
 	})

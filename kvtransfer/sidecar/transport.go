@@ -16,12 +16,12 @@ func Transports() []string {
 	return []string{"tcp", "shm"}
 }
 
-func newTransport(name string) (kvtransfer.Transport, error) {
+func newTransport(name, hostID string) (kvtransfer.Transport, error) {
 	switch {
 	case name == "tcp":
 		return &kvtransfer.TCP{}, nil
 	case name == "shm":
-		return &kvtransfer.SHM{}, nil
+		return &kvtransfer.SHM{HostID: hostID}, nil
 	case name == "ucx" && ucxBuilt:
 		tr, err := newUCX()
 		if err != nil {

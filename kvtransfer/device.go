@@ -1,0 +1,183 @@
+package kvtransfer
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/pdrouter/pdrouter/internal/cuda"
+)
+
+// Span is a range of memory in a Device's address space: a device address
+// for a GPU.
+type Span struct{ Addr, Len uint64 }
+
+// Copier moves bytes between a device's memory and host staging buffers,
+// the two ends of every staged path: the writer gathers source pages into
+// a staging buffer, the bytes cross the link, the receiver scatters them.
+type Copier interface {
+	// Gather copies the spans, in order and back to back, into stage and
+	// returns once they are all there. len(stage) >= their total.
+	Gather(stage []byte, spans []Span) error
+	// Scatter copies stage, back to back, into the spans in order and
+	// returns once the bytes are in the device's memory.
+	Scatter(spans []Span, stage []byte) error
+	// AllocStage returns n bytes of host memory the device copies to and
+	// from fastest (pinned for a GPU); FreeStage frees it.
+	AllocStage(n int) ([]byte, error)
+	FreeStage([]byte) error
+}
+
+// CopyBatch is a device-to-device copy in parts: each Add is queued at
+// once, Wait returns when all of them are done (also after an error, so
+// nothing is in flight on return).
+type CopyBatch interface {
+	Add([]cuda.Run) error
+	Wait() error
+}
+
+// Device is one GPU as the memory plane uses it, in its own context: it
+// opens engines' allocations by IPC handle and copies between, into and
+// out of them.
+type Device interface {
+	Copier
+	Ordinal() int
+	// OpenIPC maps an engine's allocation and returns its base here.
+	OpenIPC(cuda.Handle) (uint64, error)
+	CloseIPC(ptr uint64) error
+	// Locate is the ordinal of the device holding the memory at ptr (a
+	// mapping opened here may live on another device).
+	Locate(ptr uint64) (int, error)
+	// AddressRange is the base and size of the allocation holding ptr.
+	AddressRange(ptr uint64) (base uint64, size int, err error)
+	// Copy moves device-to-device runs and returns once they are in place.
+	Copy(runs []cuda.Run, mode cuda.CopyMode) error
+	// Begin starts a batch of at most pieces kernel descriptors (cuda.Pieces).
+	Begin(pieces int) (CopyBatch, error)
+	Close() error
+}
+
+// GPUs opens the devices of this host: the CUDA driver's by default, host
+// memory standing in for them in tests.
+type GPUs interface {
+	Open(ordinal int) (Device, error)
+	// PeerAccess reports whether device a can reach device b's memory.
+	PeerAccess(a, b int) bool
+}
+
+// cudaGPUs is the CUDA driver.
+type cudaGPUs struct{}
+
+func (cudaGPUs) Open(ordinal int) (Device, error) {
+	d, err := cuda.Open(ordinal)
+	if err != nil {
+		return nil, err
+	}
+	cp, err := d.NewCopier()
+	if err != nil {
+		return nil, errors.Join(err, d.Close())
+	}
+	return &cudaDevice{Device: d, cp: cp}, nil
+}
+
+func (cudaGPUs) PeerAccess(a, b int) bool {
+	ok, err := cuda.CanAccessPeer(a, b)
+	return err == nil && ok
+}
+
+// cudaDevice is a device's primary context and its copier.
+type cudaDevice struct {
+	*cuda.Device
+	cp *cuda.Copier
+}
+
+var _ Device = (*cudaDevice)(nil)
+
+func (d *cudaDevice) Copy(runs []cuda.Run, mode cuda.CopyMode) error {
+	_, err := d.cp.Copy(runs, mode)
+	return err
+}
+
+func (d *cudaDevice) Locate(ptr uint64) (int, error) {
+	_, ord, err := cuda.Kind(ptr)
+	return ord, err
+}
+
+func (d *cudaDevice) Begin(pieces int) (CopyBatch, error) { return d.cp.Begin(pieces) }
+
+// stageRuns pairs the spans with consecutive ranges of stage, in the
+// direction toStage says.
+func stageRuns(stage []byte, spans []Span, toStage bool) ([]cuda.Run, error) {
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(stage))))
+	runs := make([]cuda.Run, 0, len(spans))
+	var off uint64
+	for _, s := range spans {
+		if s.Len > uint64(len(stage))-off {
+			return nil, fmt.Errorf("spans of more than the %d-byte staging buffer", len(stage))
+		}
+		if toStage {
+			runs = append(runs, cuda.Run{Src: s.Addr, Dst: base + off, Len: s.Len})
+		} else {
+			runs = append(runs, cuda.Run{Src: base + off, Dst: s.Addr, Len: s.Len})
+		}
+		off += s.Len
+	}
+	return runs, nil
+}
+
+func (d *cudaDevice) Gather(stage []byte, spans []Span) error {
+	runs, err := stageRuns(stage, spans, true)
+	if err == nil {
+		_, err = d.cp.CopyHost(runs, cuda.CopyAuto)
+	}
+	return err
+}
+
+func (d *cudaDevice) Scatter(spans []Span, stage []byte) error {
+	runs, err := stageRuns(stage, spans, false)
+	if err == nil {
+		_, err = d.cp.CopyHost(runs, cuda.CopyAuto)
+	}
+	return err
+}
+
+func (d *cudaDevice) AllocStage(n int) ([]byte, error) { return d.AllocHost(n) }
+func (d *cudaDevice) FreeStage(b []byte) error         { return d.FreeHost(b) }
+
+func (d *cudaDevice) Close() error { return errors.Join(d.cp.Close(), d.Device.Close()) }
+
+// devices opens each device once, on first use, and closes them together.
+type devices struct {
+	gpus GPUs
+	mu   sync.Mutex
+	open map[int]Device
+}
+
+func (ds *devices) get(ordinal int) (Device, error) {
+	ds.mu.Lock()
+	defer ds.mu.Unlock()
+	if d := ds.open[ordinal]; d != nil {
+		return d, nil
+	}
+	d, err := ds.gpus.Open(ordinal)
+	if err != nil {
+		return nil, fmt.Errorf("open GPU %d: %w", ordinal, err)
+	}
+	if ds.open == nil {
+		ds.open = map[int]Device{}
+	}
+	ds.open[ordinal] = d
+	return d, nil
+}
+
+func (ds *devices) close() error {
+	ds.mu.Lock()
+	defer ds.mu.Unlock()
+	var err error
+	for o, d := range ds.open {
+		err = errors.Join(err, d.Close())
+		delete(ds.open, o)
+	}
+	return err
+}

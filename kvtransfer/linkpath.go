@@ -1,0 +1,160 @@
+package kvtransfer
+
+import (
+	"cmp"
+	"slices"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// No silent slow path: each link names the path it takes for each pair of
+// places its two region tables hold (a log line when it forms, the
+// kvproxy_link_path metric, LinkStatus for kvproxy's /status).
+
+// PairPath is the path one pair of places takes, or why none does.
+type PairPath struct {
+	Src   string `json:"src"`
+	Dst   string `json:"dst"`
+	Path  Path   `json:"path,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// LinkStatus is one link to a peer kvproxy.
+type LinkStatus struct {
+	Peer      string     `json:"peer"`
+	Addr      string     `json:"addr"`
+	PeerHost  string     `json:"peer_host,omitempty"` // empty: the peer's tables do not say
+	Transport string     `json:"transport"`
+	Paths     []PairPath `json:"paths"`
+}
+
+// PlaneStatus is the plane's host id and its links' paths.
+type PlaneStatus struct {
+	Host  string       `json:"host"`
+	Links []LinkStatus `json:"links"`
+}
+
+// Paths reports every link's paths, computed from the current tables.
+func (p *MemoryPlane) Paths() PlaneStatus {
+	p.mu.Lock()
+	links := make([]*memLink, 0, len(p.links))
+	for l := range p.links {
+		links = append(links, l)
+	}
+	p.mu.Unlock()
+	st := PlaneStatus{Host: p.host, Links: make([]LinkStatus, 0, len(links))}
+	for _, l := range links {
+		st.Links = append(st.Links, l.status())
+	}
+	slices.SortFunc(st.Links, func(a, b LinkStatus) int { return strings.Compare(a.Addr, b.Addr) })
+	return st
+}
+
+// localPlaces are the places of this plane's regions (host memory always:
+// an engine's aux buffers are host memory even beside GPU KV).
+func (p *MemoryPlane) localPlaces() []Place {
+	places := []Place{HostPlace(p.host)}
+	p.gpu.mu.Lock()
+	for _, r := range p.gpu.regions {
+		if pl := p.gpu.place(r); !slices.Contains(places, pl) {
+			places = append(places, pl)
+		}
+	}
+	p.gpu.mu.Unlock()
+	return places
+}
+
+// peerHost is the peer's host id as far as its link tells: a GPU region's
+// key carries it, shm's worker address is it.
+func (l *memLink) peerHost() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range l.regions {
+		if pl := peerPlace(r); pl.Host != "" {
+			return pl.Host
+		}
+	}
+	if l.p.cfg.Transport.Name() == "shm" {
+		return string(l.remote.WorkerAddr)
+	}
+	return ""
+}
+
+// remotePlaces are the places of the peer's regions.
+func (l *memLink) remotePlaces(host string) []Place {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	places := []Place{}
+	for _, r := range l.regions {
+		pl := peerPlace(r)
+		if pl.Kind == wire.MemHost {
+			pl.Host = host
+		}
+		if !slices.Contains(places, pl) {
+			places = append(places, pl)
+		}
+	}
+	return places
+}
+
+// pathTo is the path from local place src into the peer's place dst.
+func (l *memLink) pathTo(src, dst Place) (Path, error) {
+	return choosePath(string(l.p.hostPath), src, dst, l.p.cfg.GPUs.PeerAccess)
+}
+
+func (l *memLink) status() LinkStatus {
+	host := l.peerHost()
+	st := LinkStatus{Peer: l.remote.Name, Addr: l.remote.ListenAddr, PeerHost: host, Transport: l.p.cfg.Transport.Name(), Paths: []PairPath{}}
+	for _, src := range l.p.localPlaces() {
+		for _, dst := range l.remotePlaces(host) {
+			pp := PairPath{Src: src.String(), Dst: dst.String()}
+			path, err := l.pathTo(src, dst)
+			if err != nil {
+				pp.Error = err.Error()
+			}
+			pp.Path = path
+			st.Paths = append(st.Paths, pp)
+		}
+	}
+	return st
+}
+
+// logPaths says which path each pair of the new link takes.
+func (l *memLink) logPaths() {
+	st := l.status()
+	fields := []zap.Field{zap.String("peer", st.Peer), zap.String("addr", st.Addr), zap.String("peer_host", st.PeerHost)}
+	for _, pp := range st.Paths {
+		fields = append(fields, zap.String(pp.Src+"->"+pp.Dst, string(pp.Path)+pp.Error))
+	}
+	l.p.log.Info("memory link formed", fields...)
+}
+
+// linkPathCollector exports kvproxy_link_path{peer,src,dst,path} = 1 for
+// each pair of each link at scrape time (path "none" with no path).
+type linkPathCollector struct {
+	p    *MemoryPlane
+	desc *prometheus.Desc
+}
+
+func newLinkPathCollector(p *MemoryPlane) *linkPathCollector {
+	return &linkPathCollector{p: p, desc: prometheus.NewDesc("kvproxy_link_path",
+		"The path each link takes for each pair of memory places (1 per pair).", []string{"peer", "src", "dst", "path"}, nil)}
+}
+
+func (c *linkPathCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *linkPathCollector) Collect(ch chan<- prometheus.Metric) {
+	seen := map[[3]string]bool{} // both ends may have dialed: two links, one peer
+	for _, l := range c.p.Paths().Links {
+		for _, pp := range l.Paths {
+			if k := [3]string{l.Addr, pp.Src, pp.Dst}; !seen[k] {
+				seen[k] = true
+				ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, 1, l.Addr, pp.Src, pp.Dst, cmp.Or(string(pp.Path), "none"))
+			}
+		}
+	}
+}

@@ -1,0 +1,427 @@
+package kvtransfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// The staged path (place.go's PathStagedTCP): GPU memory that the writing
+// kvproxy cannot reach by a device copy travels as host bytes. The writer
+// gathers the source pages into pinned staging buffers of its own, one
+// chunk at a time, and sends each as DATA frames on the peer link while
+// the next is gathered. The receiver reads frames bound for a GPU region
+// back to back into a staging buffer of its own and scatters it into the
+// device when it is full and at the write's fence, so the fence's answer
+// (the write's completion) comes only after the last scatter.
+
+// stageBytes is one staging buffer: a whole DATA frame fits, so a
+// receiver never splits one.
+const stageBytes = wire.MaxDataLen
+
+// defaultStageChunk is what a writer gathers and sends at a time.
+const defaultStageChunk = 1 << 20
+
+// stageKeep is how many free buffers a pool keeps; more are made when
+// more are in use at once (a pool never blocks: a reader waiting for a
+// buffer another link holds could stall both ends) and freed on return.
+const stageKeep = 8
+
+// stagePool hands out one device's staging buffers.
+type stagePool struct {
+	dev  Device
+	mu   sync.Mutex
+	free [][]byte
+	out  int // handed out and not returned
+}
+
+func (sp *stagePool) get() ([]byte, error) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	if n := len(sp.free); n > 0 {
+		b := sp.free[n-1]
+		sp.free = sp.free[:n-1]
+		sp.out++
+		return b, nil
+	}
+	b, err := sp.dev.AllocStage(stageBytes)
+	if err != nil {
+		return nil, fmt.Errorf("allocate a staging buffer: %w", err)
+	}
+	sp.out++
+	return b, nil
+}
+
+func (sp *stagePool) put(b []byte) error {
+	b = b[:cap(b)]
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	sp.out--
+	if len(sp.free) < stageKeep {
+		sp.free = append(sp.free, b)
+		return nil
+	}
+	return sp.dev.FreeStage(b)
+}
+
+// outstanding counts buffers handed out and not yet returned.
+func (sp *stagePool) outstanding() int {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	return sp.out
+}
+
+// close frees the pool's buffers; every one must have come back.
+func (sp *stagePool) close() error {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	var err error
+	if sp.out != 0 {
+		err = fmt.Errorf("%d staging buffers of GPU %d never came back", sp.out, sp.dev.Ordinal())
+	}
+	for _, b := range sp.free {
+		err = errors.Join(err, sp.dev.FreeStage(b))
+	}
+	sp.free = nil
+	return err
+}
+
+// pool returns dev's staging pool, made on first use.
+func (g *gpuPlane) pool(dev Device) *stagePool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.pools == nil {
+		g.pools = map[int]*stagePool{}
+	}
+	sp := g.pools[dev.Ordinal()]
+	if sp == nil {
+		sp = &stagePool{dev: dev}
+		g.pools[dev.Ordinal()] = sp
+	}
+	return sp
+}
+
+// stagedOut is the number of staging buffers handed out on every device.
+func (g *gpuPlane) stagedOut() int {
+	g.mu.Lock()
+	pools := make([]*stagePool, 0, len(g.pools))
+	for _, sp := range g.pools {
+		pools = append(pools, sp)
+	}
+	g.mu.Unlock()
+	n := 0
+	for _, sp := range pools {
+		n += sp.outstanding()
+	}
+	return n
+}
+
+func (g *gpuPlane) closePools() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var err error
+	for o, sp := range g.pools {
+		err = errors.Join(err, sp.close())
+		delete(g.pools, o)
+	}
+	return err
+}
+
+// stagedRun is one merged range of a staged write: n bytes from device
+// address src into the peer's region dst at dstOff.
+type stagedRun struct {
+	src    uint64
+	dst    uint32
+	dstOff uint64
+	n      uint64
+}
+
+// resolveStaged maps ts (sources on dev) onto stagedRuns, merging runs
+// contiguous on both sides. Source regions are read-locked and added to
+// srcs, as resolve does.
+func (g *gpuPlane) resolveStaged(ctx context.Context, l *memLink, dev Device, ts []Triple, srcs []*gpuRegion) ([]stagedRun, []*gpuRegion, uint64, error) {
+	var runs []stagedRun
+	var total uint64
+	refreshed := false
+	var src *gpuRegion
+	var dst wire.MemRegion
+	for i, t := range ts {
+		if t.Len == 0 {
+			continue
+		}
+		var err error
+		if src, srcs, err = g.sourceOf(t, src, dev, srcs); err != nil {
+			return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
+		}
+		if dst.Len == 0 || t.Dst < dst.Base || t.Dst+t.Len > dst.Base+dst.Len {
+			if dst, err = l.lookup(ctx, t.Dst, t.Len, &refreshed); err != nil {
+				return nil, srcs, 0, fmt.Errorf("triple %d: %w", i, err)
+			}
+		}
+		r := stagedRun{src: src.ptr + (t.Src - src.base), dst: dst.ID, dstOff: t.Dst - dst.Base, n: t.Len}
+		total += t.Len
+		if k := len(runs); k > 0 {
+			last := &runs[k-1]
+			if last.dst == r.dst && last.src+last.n == r.src && last.dstOff+last.n == r.dstOff {
+				last.n += r.n
+				continue
+			}
+		}
+		runs = append(runs, r)
+	}
+	return runs, srcs, total, nil
+}
+
+// writeStaged moves ts (GPU sources on dev) by the staged path.
+func (g *gpuPlane) writeStaged(ctx context.Context, p *MemoryPlane, l *memLink, dev Device, ts []Triple) error {
+	var srcs []*gpuRegion
+	defer func() {
+		for _, r := range srcs {
+			r.use.RUnlock()
+		}
+	}()
+	runs, srcs, total, err := g.resolveStaged(ctx, l, dev, ts, srcs)
+	if err != nil || len(runs) == 0 {
+		return err
+	}
+	if err := l.sendStaged(ctx, g.pool(dev), p.cfg.StageChunk, runs); err != nil {
+		return err
+	}
+	p.m.written.Add(float64(total))
+	return nil
+}
+
+// stagedChunk is what one gather fills and one send empties.
+type stagedChunk struct {
+	buf    []byte
+	pieces []wire.DataPiece
+}
+
+// sendStaged gathers runs chunk by chunk (at most chunk bytes each) into
+// pool's buffers on one goroutine while this one sends the previous chunk
+// as DATA frames, then fences and waits for the peer to confirm every byte
+// is in place. Every buffer is back in the pool when it returns.
+func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
+	var gerr error
+	ack, err := l.fenced(ctx, func() error {
+		gctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		filled := make(chan stagedChunk, 1)
+		go func() {
+			defer close(filled)
+			gerr = gatherChunks(gctx, pool, chunk, runs, filled)
+		}()
+		var serr error
+		for c := range filled {
+			if serr == nil {
+				if serr = l.conn.WriteDataBatch(c.pieces); serr != nil {
+					cancel() // the gatherer stops; the rest is drained
+				}
+			}
+			serr = errors.Join(serr, pool.put(c.buf))
+		}
+		// A gather that failed part way: the frames sent so far still get
+		// their fence, so the link stays in step.
+		return serr
+	})
+	switch {
+	case err != nil:
+		return err
+	case gerr != nil:
+		return fmt.Errorf("gather: %w", gerr)
+	case ack.Err != "":
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
+}
+
+// gatherChunks fills buffers from pool with runs, chunk bytes at most
+// each, and hands them to out in order. A buffer it cannot hand over goes
+// back to the pool.
+func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun, out chan<- stagedChunk) error {
+	var c stagedChunk
+	var spans []Span
+	used := 0
+	flush := func() error {
+		err := pool.dev.Gather(c.buf[:used], spans)
+		if err == nil {
+			select {
+			case out <- c:
+				c, spans, used = stagedChunk{}, spans[:0], 0
+				return nil
+			case <-ctx.Done():
+				err = ctx.Err()
+			}
+		}
+		err = errors.Join(err, pool.put(c.buf))
+		c.buf = nil
+		return err
+	}
+	for _, r := range runs {
+		for done := uint64(0); done < r.n; {
+			if ctx.Err() != nil {
+				return errors.Join(ctx.Err(), putIf(pool, c.buf))
+			}
+			if c.buf == nil {
+				b, err := pool.get()
+				if err != nil {
+					return err
+				}
+				c.buf = b[:chunk]
+			}
+			n := min(r.n-done, uint64(chunk-used))
+			spans = append(spans, Span{Addr: r.src + done, Len: n})
+			c.pieces = append(c.pieces, wire.DataPiece{Region: r.dst, Offset: r.dstOff + done, Data: c.buf[used : used+int(n)]})
+			used += int(n)
+			done += n
+			if used == chunk {
+				if err := flush(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	if used > 0 {
+		return flush()
+	}
+	return putIf(pool, c.buf)
+}
+
+func putIf(pool *stagePool, b []byte) error {
+	if b == nil {
+		return nil
+	}
+	return pool.put(b[:cap(b)])
+}
+
+// stageIn is a link reader's staging of DATA frames bound for GPU
+// regions: the reader fills one batch while a scatterer goroutine (the
+// reader's, started on first use and ended when it ends) moves the
+// previous one into device memory.
+type stageIn struct {
+	cur  *stagedBatch
+	work chan *stagedBatch
+	done chan struct{}
+	err  string // the first scatter failure since the last fence; the scatterer's until a barrier returns
+}
+
+// stagedBatch is one staging buffer's frames, or (barrier set) a marker
+// the scatterer closes once everything before it is done.
+type stagedBatch struct {
+	pool    *stagePool
+	buf     []byte
+	used    int
+	spans   []Span
+	held    []*gpuRegion // read-locked until their bytes are scattered
+	barrier chan struct{}
+}
+
+// landGPU reads a DATA frame for GPU region r into the current batch.
+func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
+	st := &l.stage
+	r.use.RLock()
+	if r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
+		r.use.RUnlock()
+		if l.dropped == "" {
+			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
+		}
+		return l.conn.DiscardData()
+	}
+	pool := l.p.gpu.pool(r.dev)
+	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
+		l.submit()
+	}
+	if st.cur == nil {
+		buf, err := pool.get()
+		if err != nil {
+			r.use.RUnlock()
+			return err
+		}
+		st.cur = &stagedBatch{pool: pool, buf: buf}
+	}
+	b := st.cur
+	if slices.Contains(b.held, r) {
+		r.use.RUnlock() // the batch holds it already
+	} else {
+		b.held = append(b.held, r)
+	}
+	if err := l.conn.SetReadTimeout(l.p.cfg.WriteTimeout); err != nil {
+		return err
+	}
+	if err := l.conn.ReadData(b.buf[b.used : b.used+int(d.N)]); err != nil {
+		return err
+	}
+	b.spans = append(b.spans, Span{Addr: r.ptr + d.Offset, Len: uint64(d.N)})
+	b.used += int(d.N)
+	if b.used == len(b.buf) {
+		l.submit()
+	}
+	return l.conn.SetReadTimeout(0)
+}
+
+// submit hands the current batch to the scatterer.
+func (l *memLink) submit() {
+	st := &l.stage
+	if st.cur == nil {
+		return
+	}
+	if st.work == nil {
+		st.work, st.done = make(chan *stagedBatch, 1), make(chan struct{})
+		go l.scatterer(st.work, st.done)
+	}
+	st.work <- st.cur
+	st.cur = nil
+}
+
+// drain submits the current batch and waits until every batch is in
+// device memory; it returns the first scatter failure since the last
+// drain.
+func (l *memLink) drain() string {
+	st := &l.stage
+	l.submit()
+	if st.work == nil {
+		return ""
+	}
+	b := &stagedBatch{barrier: make(chan struct{})}
+	st.work <- b
+	<-b.barrier
+	err := st.err
+	st.err = ""
+	return err
+}
+
+// endStage scatters what is left and stops the scatterer (the reader is
+// ending).
+func (l *memLink) endStage() {
+	st := &l.stage
+	l.submit()
+	if st.work != nil {
+		close(st.work)
+		<-st.done
+	}
+}
+
+// scatterer moves batches into device memory in order, then returns each
+// buffer and unlocks its regions.
+func (l *memLink) scatterer(work <-chan *stagedBatch, done chan<- struct{}) {
+	defer close(done)
+	for b := range work {
+		if b.barrier != nil {
+			close(b.barrier)
+			continue
+		}
+		if err := b.pool.dev.Scatter(b.spans, b.buf[:b.used]); err != nil && l.stage.err == "" {
+			l.stage.err = "scatter into GPU memory: " + err.Error()
+		}
+		if err := b.pool.put(b.buf); err != nil {
+			l.p.log.Warn("free a staging buffer: " + err.Error())
+		}
+		for _, r := range b.held {
+			r.use.RUnlock()
+		}
+	}
+}
