@@ -64,6 +64,7 @@ func newParser() (*cli.Parser, *options) {
 	p.Bool(pd, "mini-lb", &o.ignoredBool, "Use the Python MiniLB").Ignored = true
 	p.Bool(pd, "test-external-dp-routing", &o.ignoredBool, "MiniLB DP routing test").Ignored = true
 	p.Bool(pd, "pd-disaggregation", &c.PDDisaggregation, "Enable PD (prefill-decode) disaggregated mode")
+	p.Bool(pd, "vllm-pd-disaggregation", &c.VLLMPDDisaggregation, "Enable vLLM's PD mode (as vllm-router): prefill first with max_tokens 1, then decode with its kv_transfer_params")
 	p.Append(pd, "prefill", &o.prefill, false, "Prefill server: URL [BOOTSTRAP_PORT|none]; repeatable").Metavar = "URL"
 	p.Append(pd, "decode", &o.decode, true, "Decode server URL; repeatable").Metavar = "URL"
 	p.Duration(pd, "worker-startup-timeout-secs", &m.StartupTimeout, time.Second, "Seconds to wait for each worker to become healthy")
@@ -172,6 +173,7 @@ func (o *options) config() (router.Config, error) {
 // only what does not parse, and the checks of flags no Config field holds.
 func (o *options) build() (router.Config, error) {
 	cfg := o.cfg
+	cfg.PDDisaggregation = cfg.PDDisaggregation || cfg.VLLMPDDisaggregation
 	if cfg.PDDisaggregation {
 		cfg.WorkerURLs = nil
 	}
