@@ -23,12 +23,13 @@ type Config struct {
 	Port int
 
 	PDDisaggregation bool
+	WorkerURLs       []string
+	Prefill          []PrefillSpec
+	Decode           []string
+
 	// VLLMPDDisaggregation serves vLLM's PD protocol (vllm.go) instead of
 	// SGLang's; it needs PDDisaggregation too, which --vllm-pd-disaggregation sets.
 	VLLMPDDisaggregation bool
-	WorkerURLs           []string
-	Prefill              []PrefillSpec
-	Decode               []string
 
 	Policy        string
 	PrefillPolicy string // PD only; "" = Policy
