@@ -375,3 +375,34 @@ func mustAtof(s string) float64 {
 	f, _ := strconv.ParseFloat(s, 64)
 	return f
 }
+
+// A prefill that dies is health gated: with no retries to hide it, no
+// request fails once the checks noticed. Admission bounds requests before
+// either leg.
+func TestVLLMHealthGatingAndAdmission(t *testing.T) {
+	t.Parallel()
+	dead, well := startWorker(t, "vllm-prefill"), startWorker(t, "vllm-prefill", "--prefill-delay", "300ms")
+	d := startWorker(t, "vllm-decode", "--tokens", "1")
+	r := vllmPD(t, []worker{dead, well}, []worker{d}, "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+		"--health-check-timeout-secs", "1", "--disable-retries",
+		"--max-concurrent-requests", "1", "--queue-size", "0", "--rate-limit-tokens-per-second", "0.001")
+	dead.Stop()
+	balWaitHealth(t, r, dead.URL(), false, 15*time.Second)
+	for i := range 4 { // round robin would have sent two to the dead prefill
+		if resp, out := post(t, r.url+"/v1/completions", `{"prompt":"a"}`); resp.StatusCode != 200 {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, out)
+		}
+	}
+	first := balAsync(r.url+"/v1/completions", `{"prompt":"a"}`)
+	well.waitStats(t, 5*time.Second, "a request in flight", func(s mockworker.Stats) bool { return s.InFlight == 1 })
+	resp, out := post(t, r.url+"/v1/completions", `{"prompt":"b"}`)
+	if resp.StatusCode != 429 {
+		t.Errorf("second request at once: %d %s, want 429", resp.StatusCode, out)
+	}
+	if res := <-first; res.code != 200 {
+		t.Errorf("first request: %d %s", res.code, res.body)
+	}
+	if n, m := len(well.requests(t)), len(d.requests(t)); n != 5 || m != 5 {
+		t.Errorf("legs sent: %d prefill, %d decode; want 5 and 5", n, m)
+	}
+}
