@@ -144,7 +144,7 @@ func TestVLLMDispatchOrderAndFields(t *testing.T) {
 	if n := len(p.aborts(t)) + len(d.aborts(t)); n != 0 {
 		t.Errorf("%d SGLang aborts sent to vLLM engines", n)
 	}
-	labels := []string{`backend_type="pd"`, `runtime="vllm"`}
+	labels := []string{`backend_type="pd"`, `model="mock"`, `runtime="vllm"`} // the model from /v1/models
 	if n := sample(t, r.metrics, "smg_pd_prefill_duration_seconds_count", labels...); n != 4 {
 		t.Errorf("smg_pd_prefill_duration_seconds_count = %v, want 4", n)
 	}
