@@ -6,8 +6,9 @@
 #
 #   req/s, CPU:   non-streamed completions (8 tokens) in a closed loop of CONC, N_REQ each round,
 #                 ROUNDS rounds alternating the routers; CPU µs per request from the router's own
-#                 utime+stime over the round (/proc/PID/stat). The mocks take most of the 2 cores,
-#                 so the req/s ratio is compressed; CPU per request is the router's alone.
+#                 utime+stime over the round (/proc/PID/stat). Twice: on bench/stubengine's vLLM
+#                 roles (fixed replies, so the routers set the pace) and on the mocks (which take
+#                 most of the 2 cores: compressed req/s; CPU per request is the router's alone).
 #   slow prefill: TTFT of streamed requests at LAT_RATE req/s when prefill answers after
 #                 SLOW_PREFILL (decode's first token comes at once): the routers' added TTFT is
 #                 TTFT - SLOW_PREFILL.
@@ -30,7 +31,7 @@ LAT_RATE=${LAT_RATE:-20}
 LAT_N=${LAT_N:-200}
 STREAMS=${STREAMS:-1000}
 OUT=bench/out
-for b in pdrouter mockworker pdbench; do
+for b in pdrouter mockworker stubengine pdbench; do
 	[ -x "$BIN/$b" ] || { echo "bench-vllm: $BIN/$b missing; run make build" >&2; exit 1; }
 done
 bench_setup bench-vllm
@@ -60,6 +61,14 @@ start_engine() { # VAR ROLE ARGS...
 	shift 2
 	port=$(free_port)
 	"$BIN/mockworker" --role "$role" --port "$port" --record-requests -1 "$@" >"$T/e-$port.log" 2>&1 &
+	pids+=($!)
+	wait_health "$port"
+	printf -v "$var" %s "$port"
+}
+start_stub() { # VAR ROLE
+	local var=$1 port
+	port=$(free_port)
+	"$BIN/stubengine" --role "$2" --port "$port" --tokens 8 >"$T/e-$port.log" 2>&1 &
 	pids+=($!)
 	wait_health "$port"
 	printf -v "$var" %s "$port"
@@ -95,32 +104,37 @@ bench() { # PORT OUTFILE ARGS...
 # field FILE KEY: a number of pdbench's last result line, rounded to one decimal
 field() { python3 -c "import json,sys; v=json.loads(open(sys.argv[1]).readlines()[-1])[sys.argv[2]]; print(round(v, 1) if isinstance(v, float) else v)" "$1" "$2"; }
 
+start_stub BP vllm-prefill
+start_stub BD vllm-decode
 start_engine FP vllm-prefill
 start_engine FD vllm-decode --tokens 8
 start_engine SP vllm-prefill --prefill-delay "$SLOW_PREFILL"
 start_engine SD vllm-decode --tokens 16 --token-delay 10ms
 declare -A PORT PID SPORT
 for k in pdrouter vllm-router; do
-	start_router "PORT[$k]" "PID[$k]" "$k" "$FP" "$FD"
+	start_router "PORT[stub-$k]" "PID[stub-$k]" "$k" "$BP" "$BD"
+	start_router "PORT[mock-$k]" "PID[mock-$k]" "$k" "$FP" "$FD"
 	start_router "SPORT[$k]" SPID "$k" "$SP" "$SD"
 done
 : >"$OUT/vllm.json"
 declare -A RPS CPU
-for round in $(seq "$ROUNDS"); do
-	order=(pdrouter vllm-router)
-	((round % 2)) || order=(vllm-router pdrouter)
-	for k in "${order[@]}"; do
-		c0=$(cpu_ticks "${PID[$k]}")
-		bench "${PORT[$k]}" "$T/rps.json" --num-prompts "$N_REQ" --max-concurrency "$CONC" --random-input-len 64 \
-			--random-output-len 8 --disable-stream
-		c1=$(cpu_ticks "${PID[$k]}")
-		[ "$(field "$T/rps.json" failed)" = 0 ] || { log "$k: failed requests"; exit 1; }
-		rps=$(field "$T/rps.json" request_throughput)
-		cpu=$(python3 -c "print(round(($c1-$c0)*1e6/$TCK/$N_REQ, 1))")
-		RPS[$k]+="$rps "
-		CPU[$k]+="$cpu "
-		echo "{\"row\":\"rps\",\"router\":\"$k\",\"round\":$round,\"req_s\":$rps,\"cpu_us_per_req\":$cpu}" >>"$OUT/vllm.json"
-		log "round $round $k: $rps req/s, $cpu µs CPU/request"
+for engines in stub mock; do
+	for round in $(seq "$ROUNDS"); do
+		order=(pdrouter vllm-router)
+		((round % 2)) || order=(vllm-router pdrouter)
+		for k in "${order[@]}"; do
+			c0=$(cpu_ticks "${PID[$engines-$k]}")
+			bench "${PORT[$engines-$k]}" "$T/rps.json" --num-prompts "$N_REQ" --max-concurrency "$CONC" --random-input-len 64 \
+				--random-output-len 8 --disable-stream
+			c1=$(cpu_ticks "${PID[$engines-$k]}")
+			[ "$(field "$T/rps.json" failed)" = 0 ] || { log "$engines $k: failed requests"; exit 1; }
+			rps=$(field "$T/rps.json" request_throughput)
+			cpu=$(python3 -c "print(round(($c1-$c0)*1e6/$TCK/$N_REQ, 1))")
+			RPS[$engines-$k]+="$rps "
+			CPU[$engines-$k]+="$cpu "
+			echo "{\"row\":\"rps\",\"engines\":\"$engines\",\"router\":\"$k\",\"round\":$round,\"req_s\":$rps,\"cpu_us_per_req\":$cpu}" >>"$OUT/vllm.json"
+			log "$engines round $round $k: $rps req/s, $cpu µs CPU/request"
+		done
 	done
 done
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
@@ -135,13 +149,15 @@ for k in pdrouter vllm-router; do
 	echo "{\"row\":\"slow_prefill\",\"router\":\"$k\",\"median_ttft_ms\":${TTFT50[$k]},\"p99_ttft_ms\":${TTFT99[$k]},\"streams\":$STREAMS,\"streams_failed\":${SFAIL[$k]},\"streams_s\":${SDUR[$k]}}" >>"$OUT/vllm.json"
 done
 r() { python3 -c "print(f'{$1:.2f}')"; }
-P_RPS=$(echo "${RPS[pdrouter]}" | median) V_RPS=$(echo "${RPS[vllm-router]}" | median)
-P_CPU=$(echo "${CPU[pdrouter]}" | median) V_CPU=$(echo "${CPU[vllm-router]}" | median)
+echo "| vLLM PD, 1 prefill + 1 decode ($(date -u +%H:%M) UTC, load $(cut -d' ' -f1-3 /proc/loadavg)) | pdrouter | vllm-router 0.1.17 | ratio |"
+echo "| --- | ---: | ---: | ---: |"
+for engines in stub mock; do
+	P_RPS=$(echo "${RPS[$engines-pdrouter]}" | median) V_RPS=$(echo "${RPS[$engines-vllm-router]}" | median)
+	P_CPU=$(echo "${CPU[$engines-pdrouter]}" | median) V_CPU=$(echo "${CPU[$engines-vllm-router]}" | median)
+	echo "| $engines engines: req/s, non-streamed, $CONC in flight (median of $ROUNDS) | $P_RPS | $V_RPS | ×$(r "$P_RPS/$V_RPS") |"
+	echo "| $engines engines: router CPU µs per request (median of $ROUNDS) | $P_CPU | $V_CPU | ×$(r "$P_CPU/$V_CPU") |"
+done
 cat <<EOF
-| vLLM PD, 1 prefill + 1 decode mock ($(date -u +%H:%M) UTC) | pdrouter | vllm-router 0.1.17 | ratio |
-| --- | ---: | ---: | ---: |
-| req/s, non-streamed, $CONC in flight (median of $ROUNDS) | $P_RPS | $V_RPS | ×$(r "$P_RPS/$V_RPS") |
-| router CPU µs per request (median of $ROUNDS) | $P_CPU | $V_CPU | ×$(r "$P_CPU/$V_CPU") |
 | TTFT p50 / p99, prefill $SLOW_PREFILL, $LAT_RATE req/s (ms) | ${TTFT50[pdrouter]} / ${TTFT99[pdrouter]} | ${TTFT50[vllm-router]} / ${TTFT99[vllm-router]} | |
 | $STREAMS streams at once: failed, seconds | ${SFAIL[pdrouter]}, ${SDUR[pdrouter]} | ${SFAIL[vllm-router]}, ${SDUR[vllm-router]} | |
 EOF
