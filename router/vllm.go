@@ -80,7 +80,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
 	header := vllmHeader(r.header, vllmRequestID(pw, dw))
-	params, fail, ok := s.vllmPrefill(r, pw, &at, withDPRank(header, pw))
+	params, fail, ok := s.vllmPrefill(r, pw, &at, header)
 	if !ok {
 		return fail, false
 	}
@@ -90,7 +90,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	l := &r.leg
 	l.open(s, dw, &r.failed)
 	l.trace = r.trace.leg()
-	if err := l.send(&r.scope, r.path, &r.out, withDPRank(header, dw)); err != nil {
+	if err := l.send(&r.scope, r.path, &r.out, header); err != nil {
 		l.close()
 		if r.scope.Err() != nil {
 			return nil, false // the client left or the request timed out: serve says which
@@ -215,14 +215,4 @@ func vllmHeader(header []byte, id string) []byte {
 	out := make([]byte, 0, len(header)+len(id)+48)
 	out = append(out, header...)
 	return appendHeader(out, []byte("X-Request-Id"), []byte(id))
-}
-
-// withDPRank adds the X-data-parallel-rank header vLLM routes a request to
-// a DP rank by, for a worker that is one rank of an engine (--dp-aware).
-func withDPRank(header []byte, w *balancer.Worker) []byte {
-	if w.DPSize == 0 {
-		return header
-	}
-	out := append(make([]byte, 0, len(header)+32), header...)
-	return appendHeader(out, []byte("X-data-parallel-rank"), strconv.AppendInt(nil, int64(w.DPRank), 10))
 }

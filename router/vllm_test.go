@@ -35,17 +35,6 @@ func TestVLLMRequestIDNamesThePair(t *testing.T) {
 	}
 }
 
-func TestWithDPRank(t *testing.T) {
-	w := balancer.NewWorker("http://e:1", balancer.Decode, balancer.NoBootstrapPort)
-	if got := string(withDPRank([]byte("A: b\r\n"), w)); got != "A: b\r\n" {
-		t.Errorf("no DP: %q", got)
-	}
-	w.DPRank, w.DPSize = 3, 4
-	if got := string(withDPRank([]byte("A: b\r\n"), w)); got != "A: b\r\nX-data-parallel-rank: 3\r\n" {
-		t.Errorf("rank 3: %q", got)
-	}
-}
-
 // checkPrefillBody asserts what a prefill is sent: the client's members,
 // those a prefill must not run with rewritten, valid JSON throughout.
 func checkPrefillBody(t *testing.T, client []byte) {
