@@ -344,8 +344,9 @@ func TestVLLMPolicies(t *testing.T) {
 	if n1, n2 := len(d1.requests(t)), len(d2.requests(t)); n1 != 3 || n2 != 3 {
 		t.Errorf("round robin decodes got %d and %d, want 3 and 3", n1, n2)
 	}
-	for _, policy := range []string{"random", "power_of_two", "prefix_hash", "consistent_hashing", "manual"} {
-		r := vllmPD(t, []worker{p1, p2}, []worker{d1, d2}, "--policy", policy)
+	for _, policy := range [][]string{{"--policy", "random"}, {"--policy", "power_of_two"}, {"--policy", "prefix_hash"},
+		{"--policy", "consistent_hashing"}, {"--policy", "manual"}, {"--prefill-policy", "bucket"}} {
+		r := vllmPD(t, []worker{p1, p2}, []worker{d1, d2}, policy...)
 		if resp, out := post(t, r.url+"/v1/chat/completions", `{"messages":[{"role":"user","content":"hi"}]}`); resp.StatusCode != 200 {
 			t.Errorf("%s: %d %s", policy, resp.StatusCode, out)
 		}
