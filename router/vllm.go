@@ -22,7 +22,7 @@ import (
 // legs run one after the other (vllmAttempt):
 //
 //  1. pick a prefill and a decode worker with each side's policy, both up
-//     front: the request id names both (vllmRequestID);
+//     front: the request id names both (appendVLLMRequestID);
 //  2. send prefill the client's body with max_tokens 1 (and
 //     max_completion_tokens if sent), min_tokens and min_completion_tokens
 //     0, stream false, stream_options null, and kv_transfer_params asking
@@ -79,7 +79,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	r.pd, r.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
-	header := vllmHeader(r.header, vllmRequestID(pw, dw))
+	header := vllmHeader(r.header, pw, dw)
 	params, fail, ok := s.vllmPrefill(r, pw, &at, header)
 	if !ok {
 		return fail, false
@@ -183,14 +183,16 @@ func vllmPrefillBody(b *splice.Body, src []byte, at *vllmSpans) {
 	b.Set("kv_transfer_params", at[vfKVParams], vllmPrefillParams)
 }
 
-// vllmRequestID is vllm-router's request id for a pair:
+// appendVLLMRequestID appends vllm-router's request id for a pair:
 // ___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_UUID, fresh per
 // attempt. vLLM's P2P NCCL connector reads the peer's address from it;
 // the others only need both legs to carry the same id.
-func vllmRequestID(pw, dw *balancer.Worker) string {
+func appendVLLMRequestID(b []byte, pw, dw *balancer.Worker) []byte {
 	var u [16]byte
 	_, _ = rand.Read(u[:])
-	return "___prefill_addr_" + hostPortOf(pw.BaseURL) + "___decode_addr_" + hostPortOf(dw.BaseURL) + "_" + hex.EncodeToString(u[:])
+	b = append(append(b, "___prefill_addr_"...), hostPortOf(pw.BaseURL)...)
+	b = append(append(b, "___decode_addr_"...), hostPortOf(dw.BaseURL)...)
+	return hex.AppendEncode(append(b, '_'), u[:])
 }
 
 func hostPortOf(baseURL string) string {
@@ -201,9 +203,10 @@ func hostPortOf(baseURL string) string {
 	return hp
 }
 
-// vllmHeader is the request's forwarded header lines with id as
-// X-Request-Id in place of the client's (forwardHeaders writes it last).
-func vllmHeader(header []byte, id string) []byte {
+// vllmHeader is the request's forwarded header lines with the pair's
+// request id as X-Request-Id in place of the client's (forwardHeaders
+// writes it last), in one allocation.
+func vllmHeader(header []byte, pw, dw *balancer.Worker) []byte {
 	body := bytes.TrimSuffix(header, []byte("\r\n"))
 	last := bytes.LastIndex(body, []byte("\r\n")) + 2
 	if last == 1 {
@@ -212,7 +215,7 @@ func vllmHeader(header []byte, id string) []byte {
 	if bytes.HasPrefix(body[last:], []byte("X-Request-Id: ")) {
 		header = header[:last]
 	}
-	out := make([]byte, 0, len(header)+len(id)+48)
-	out = append(out, header...)
-	return appendHeader(out, []byte("X-Request-Id"), []byte(id))
+	out := make([]byte, 0, len(header)+len(pw.BaseURL)+len(dw.BaseURL)+96)
+	out = append(append(out, header...), "X-Request-Id: "...)
+	return append(appendVLLMRequestID(out, pw, dw), "\r\n"...)
 }

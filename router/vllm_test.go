@@ -11,27 +11,22 @@ import (
 )
 
 func TestVLLMHeaderReplacesOnlyTheRequestID(t *testing.T) {
-	for _, c := range []struct{ in, want string }{
-		{"X-Request-Id: client\r\n", "X-Request-Id: new\r\n"},
-		{"Authorization: Bearer k\r\nX-Request-Id-Tag: X-Request-Id: x\r\nX-Request-Id: client\r\n",
-			"Authorization: Bearer k\r\nX-Request-Id-Tag: X-Request-Id: x\r\nX-Request-Id: new\r\n"},
-		{"", "X-Request-Id: new\r\n"},
-		{"Traceparent: 00-1\r\n", "Traceparent: 00-1\r\nX-Request-Id: new\r\n"},
-	} {
-		if got := string(vllmHeader([]byte(c.in), "new")); got != c.want {
-			t.Errorf("%q: got %q, want %q", c.in, got, c.want)
-		}
-	}
-}
-
-func TestVLLMRequestIDNamesThePair(t *testing.T) {
 	p, d := balancer.NewWorker("http://10.0.0.1:8100", balancer.Prefill, balancer.NoBootstrapPort), balancer.NewWorker("https://[::1]:8200/", balancer.Decode, balancer.NoBootstrapPort)
-	id := vllmRequestID(p, d)
-	if !regexp.MustCompile(`^___prefill_addr_10\.0\.0\.1:8100___decode_addr_\[::1\]:8200_[0-9a-f]{32}$`).MatchString(id) {
-		t.Errorf("id %q", id)
-	}
-	if vllmRequestID(p, d) == id {
-		t.Error("two attempts share a request id")
+	const id = `X-Request-Id: ___prefill_addr_10\.0\.0\.1:8100___decode_addr_\[::1\]:8200_[0-9a-f]{32}\r\n$`
+	for _, c := range []struct{ in, keep string }{
+		{"X-Request-Id: client\r\n", ""},
+		{"Authorization: Bearer k\r\nX-Request-Id-Tag: X-Request-Id: x\r\nX-Request-Id: client\r\n",
+			"Authorization: Bearer k\r\nX-Request-Id-Tag: X-Request-Id: x\r\n"},
+		{"", ""},
+		{"Traceparent: 00-1\r\n", "Traceparent: 00-1\r\n"},
+	} {
+		got := string(vllmHeader([]byte(c.in), p, d))
+		if !regexp.MustCompile("^" + regexp.QuoteMeta(c.keep) + id).MatchString(got) {
+			t.Errorf("%q: got %q, want %q and the pair's id", c.in, got, c.keep)
+		}
+		if again := string(vllmHeader([]byte(c.in), p, d)); again == got {
+			t.Error("two attempts share a request id")
+		}
 	}
 }
 
