@@ -80,13 +80,9 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
 	header := vllmHeader(r.header, pw, dw)
-	params, fail, ok := s.vllmPrefill(r, pw, &at, header)
-	if !ok {
+	if fail, ok := s.vllmPrefill(r, pw, &at, header); !ok {
 		return fail, false
 	}
-	// Attempts run one after the other: each may reuse the request's body.
-	r.out.Reset(r.body)
-	r.out.Set("kv_transfer_params", at[vfKVParams], params)
 	l := &r.leg
 	l.open(s, dw, &r.failed)
 	l.trace = r.trace.leg()
@@ -108,11 +104,12 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	return s.reply(ctx, r, l, nil)
 }
 
-// vllmPrefill runs the prefill leg on pw and returns the kv_transfer_params
-// of its reply (JSON null when it has none: decode then computes the
-// prompt itself, as with vllm-router and vLLM's proxy). ok is false when
-// the attempt is over: fail says why, nil when the request's scope ended.
-func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, header []byte) (params []byte, fail *apiError, ok bool) {
+// vllmPrefill runs the prefill leg on pw and makes r.out the decode's
+// body: the client's with the kv_transfer_params of prefill's reply (JSON
+// null when it has none: decode then computes the prompt itself, as with
+// vllm-router and vLLM's proxy). ok is false when the attempt is over:
+// fail says why, nil when the request's scope ended.
+func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, header []byte) (fail *apiError, ok bool) {
 	var body splice.Body
 	vllmPrefillBody(&body, r.body, at)
 	var l leg
@@ -121,35 +118,58 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 	defer l.close()
 	if err := l.send(&r.scope, r.path, &body, header); err != nil {
 		if r.scope.Err() != nil {
-			return nil, nil, false
+			return nil, false
 		}
-		return nil, &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, false
+		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: " + err.Error()}, false
 	}
 	if status := l.resp.StatusCode; status/100 != 2 {
-		return nil, upstreamError("prefill", status, readError(l.resp)), false
+		return upstreamError("prefill", status, readError(l.resp)), false
 	}
-	reply, err := io.ReadAll(io.LimitReader(l.resp, maxPrefillReply+1))
-	if err == nil && len(reply) > maxPrefillReply {
-		err = errPrefillReplyTooLarge
-	}
+	bufp := chunkPool.Get().(*[]byte)
+	defer chunkPool.Put(bufp)
+	reply, err := readUpTo((*bufp)[:0], l.resp, maxPrefillReply)
 	var info splice.Info
 	if err == nil {
 		err = splice.Inspect(reply, &info)
 	}
 	if err != nil {
 		if r.scope.Err() != nil {
-			return nil, nil, false
+			return nil, false
 		}
 		l.bodyFailed()
-		return nil, &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: reading its reply: " + err.Error()}, false
+		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: reading its reply: " + err.Error()}, false
 	}
 	r.pd.prefill.Observe(time.Since(r.pdStart).Seconds())
 	var found [1]splice.Span
 	splice.FindFields(reply, []string{"kv_transfer_params"}, found[:])
-	if !found[0].OK() {
-		return jsonNull, nil, true
+	params := jsonNull
+	if found[0].OK() {
+		params = reply[found[0].Start:found[0].End]
 	}
-	return reply[found[0].Start:found[0].End], nil, true
+	// Attempts run one after the other: each may reuse the request's body.
+	r.out.Reset(r.body)
+	r.out.Set("kv_transfer_params", at[vfKVParams], params) // a copy: the reply's buffer goes back to its pool
+	return nil, true
+}
+
+// readUpTo reads rd to its end into b, growing b only for a reply longer
+// than its capacity, and fails past limit bytes.
+func readUpTo(b []byte, rd io.Reader, limit int) ([]byte, error) {
+	for {
+		if len(b) == cap(b) {
+			b = append(b, 0)[:len(b)]
+		}
+		n, err := rd.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		switch {
+		case len(b) > limit:
+			return b, errPrefillReplyTooLarge
+		case err == io.EOF:
+			return b, nil
+		case err != nil:
+			return b, err
+		}
+	}
 }
 
 var (

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"regexp"
+	"strings"
 	"testing"
+	"testing/iotest"
 
 	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/router/splice"
@@ -87,4 +89,17 @@ func FuzzVLLMPrefillBody(f *testing.F) {
 		f.Add([]byte(s))
 	}
 	f.Fuzz(checkPrefillBody)
+}
+
+func TestReadUpTo(t *testing.T) {
+	long := strings.Repeat("x", 100)
+	for _, c := range []struct {
+		capacity, limit int
+		err             bool
+	}{{8, 100, false}, {200, 100, false}, {8, 99, true}, {200, 99, true}} {
+		got, err := readUpTo(make([]byte, 0, c.capacity), iotest.OneByteReader(strings.NewReader(long)), c.limit)
+		if (err != nil) != c.err || !c.err && string(got) != long {
+			t.Errorf("cap %d limit %d: %d bytes, %v", c.capacity, c.limit, len(got), err)
+		}
+	}
 }
