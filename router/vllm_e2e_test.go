@@ -219,21 +219,26 @@ func TestVLLMFailingPrefill(t *testing.T) {
 func TestVLLMFailingDecodeAfterGoodPrefill(t *testing.T) {
 	t.Parallel()
 	p := startWorker(t, "vllm-prefill")
-	bad, good := startWorker(t, "vllm-decode", "--status-code", "500"), startWorker(t, "vllm-decode", "--tokens", "2")
-	r := vllmPD(t, []worker{p}, []worker{bad, good}, "--retry-initial-backoff-ms", "1", "--cb-failure-threshold", "100")
+	d := startWorker(t, "vllm-decode", "--fail-first-n", "1", "--tokens", "2")
+	r := vllmPD(t, []worker{p}, []worker{d}, "--retry-initial-backoff-ms", "1", "--cb-failure-threshold", "100")
 	resp, out := post(t, r.url+"/v1/chat/completions", `{"messages":[{"role":"user","content":"a b"}]}`)
 	if resp.StatusCode != 200 {
 		t.Fatalf("%d %s", resp.StatusCode, out)
 	}
-	pre := p.requests(t)
-	if len(pre) != 2 || len(bad.requests(t)) != 1 || len(good.requests(t)) != 1 {
-		t.Fatalf("requests: prefill %d, failing decode %d, good decode %d; want 2, 1, 1", len(pre), len(bad.requests(t)), len(good.requests(t)))
+	pre, dec := p.requests(t), d.requests(t)
+	if len(pre) != 2 || len(dec) != 2 || dec[0].Status != 500 || dec[1].Status != 200 {
+		t.Fatalf("requests: prefill %d, decode %d (%+v); want 2 each, the first decode failing", len(pre), len(dec), dec)
 	}
 	if pre[0].Headers["x-request-id"] == pre[1].Headers["x-request-id"] {
 		t.Error("the retry reused the failed attempt's request id")
 	}
-	if good.requests(t)[0].Headers["x-request-id"] != pre[1].Headers["x-request-id"] {
-		t.Error("the good decode does not carry its own prefill's request id")
+	for i := range 2 {
+		if dec[i].Headers["x-request-id"] != pre[i].Headers["x-request-id"] {
+			t.Errorf("attempt %d: decode carries %q, its prefill %q", i, dec[i].Headers["x-request-id"], pre[i].Headers["x-request-id"])
+		}
+	}
+	if fields(t, dec[0].Body)["kv_transfer_params"] == nil || string(fields(t, dec[0].Body)["kv_transfer_params"]) == string(fields(t, dec[1].Body)["kv_transfer_params"]) {
+		t.Error("the retried decode was sent the failed attempt's kv_transfer_params")
 	}
 	if held := p.vllmHeld(t); len(held) != 1 || held[0].XRequestID != pre[0].Headers["x-request-id"] {
 		t.Errorf("held %+v, want the failed attempt's KV only", held)
