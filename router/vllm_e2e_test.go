@@ -2,6 +2,7 @@ package router_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"regexp"
 	"strconv"
 	"strings"
@@ -85,8 +86,12 @@ func TestVLLMDispatchOrderAndFields(t *testing.T) {
 		}
 		pre, dec := p.requests(t), d.requests(t)
 		pr, dr := pre[len(pre)-1], dec[len(dec)-1]
-		if pr.FinishedUnixNano == 0 || pr.FinishedUnixNano > dr.StartedUnixNano {
-			t.Errorf("decode started before prefill had answered")
+		// Decode after prefill's answer: it starts later and carries what
+		// only that answer holds (remote_request_id, checked below). The
+		// mock records a request's end after its reply is out, so the
+		// decode may start before that record.
+		if pr.StartedUnixNano+int64(50*time.Millisecond) > dr.StartedUnixNano {
+			t.Errorf("decode started before prefill's 50 ms had passed")
 		}
 		id := pr.Headers["x-request-id"]
 		if m := vllmRequestID.FindStringSubmatch(id); m == nil || m[1] != portOf(p) || m[2] != portOf(d) {
@@ -126,7 +131,8 @@ func TestVLLMDispatchOrderAndFields(t *testing.T) {
 		}
 		var params map[string]any
 		if err := json.Unmarshal(df["kv_transfer_params"], &params); err != nil || params["do_remote_prefill"] != true ||
-			params["remote_port"] != mustAtof(portOf(p)) || params["remote_engine_id"] == nil || params["tp_size"] != 1.0 {
+			params["remote_port"] != mustAtof(portOf(p)) || params["remote_engine_id"] == nil || params["tp_size"] != 1.0 ||
+			!strings.HasPrefix(fmt.Sprint(params["remote_request_id"]), "cmpl-"+id) {
 			t.Errorf("decode kv_transfer_params %s, want the prefill's", df["kv_transfer_params"])
 		}
 		if _, own := client["kv_transfer_params"]; !own && !strings.HasPrefix(dr.Body, c.body[:len(c.body)-1]) {
