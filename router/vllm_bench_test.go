@@ -39,24 +39,5 @@ func BenchmarkVLLM(b *testing.B) {
 		BootstrapPort: balancer.NoBootstrapPort}}
 	cfg.Decode = []string{cannedVLLM(b, `{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" tok1 tok2 tok3 tok4","finish_reason":"length"}]}`)}
 	base, srv := serveInProcess(b, cfg)
-	url := base + "/v1/completions"
-	body := []byte(`{"model":"mock","prompt":"The quick brown fox jumps over the lazy dog","max_tokens":4}`)
-	c := &fasthttp.Client{}
-	b.ReportAllocs()
-	b.ResetTimer()
-	b.RunParallel(func(pb *testing.PB) {
-		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-		defer fasthttp.ReleaseRequest(req)
-		defer fasthttp.ReleaseResponse(resp)
-		for pb.Next() {
-			req.SetRequestURI(url)
-			req.Header.SetMethod("POST")
-			req.SetBody(body)
-			if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
-				b.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
-			}
-		}
-	})
-	b.StopTimer()
-	_ = srv.Shutdown(b.Context())
+	benchPosts(b, srv, base+"/v1/completions", []byte(`{"model":"mock","prompt":"The quick brown fox jumps over the lazy dog","max_tokens":4}`))
 }
