@@ -13,6 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/internal/mockworker"
 )
 
 // fakeVLLM is an engine whose generation replies a test scripts; it keeps
@@ -98,4 +99,34 @@ func TestVLLMPrefillReplies(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A vLLM stream whose decode goes silent ends at the stream idle timeout
+// with one SSE error event, and its decode leg's connection is closed, which
+// is how vLLM hears to abort (no /abort_request is sent).
+func TestVLLMStreamIdleTimeout(t *testing.T) {
+	defer leakCheck(t)
+	p := startMock(t, mockworker.Config{Role: mockworker.RoleVLLMPrefill})
+	d := startMock(t, mockworker.Config{Role: mockworker.RoleVLLMDecode, Tokens: 3, TokenDelay: 10 * time.Second})
+	cfg := DefaultConfig()
+	cfg.PDDisaggregation, cfg.VLLMPDDisaggregation = true, true
+	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: balancer.NoBootstrapPort}}
+	cfg.Decode = []string{d.URL()}
+	cfg.StreamIdleTimeout = 300 * time.Millisecond
+	base, srv := serveInProcess(t, cfg)
+	defer shutdown(t, srv)
+	start := time.Now()
+	status, body := postStream(t, base+"/v1/completions", `{"prompt":"a b","stream":true}`)
+	events := sseEvents(body)
+	if status != 200 || len(events) != 2 || !strings.Contains(events[1], `"code":"stream_idle_timeout"`) {
+		t.Fatalf("status %d, events %q: want a token, then one stream_idle_timeout event", status, events)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Fatalf("stream ended after %v, want about the 300 ms idle timeout", took)
+	}
+	waitFor(t, func() bool { return d.Stats().ClientGone == 1 })
+	if n := len(d.Aborts()) + len(p.Aborts()); n != 0 {
+		t.Errorf("%d SGLang aborts sent to vLLM engines", n)
+	}
+	http.DefaultClient.CloseIdleConnections()
 }
