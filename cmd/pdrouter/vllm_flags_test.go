@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/pdrouter/pdrouter/balancer"
@@ -37,5 +38,23 @@ func TestVLLMPDNeedsPD(t *testing.T) {
 	cfg.PDDisaggregation = true
 	if err := cfg.Validate(); err != nil {
 		t.Error(err)
+	}
+}
+
+// vllm-router's --kv-connector: nixl, its default, is what pdrouter does;
+// the connectors whose ids the router would mint are refused, exit 2.
+func TestKVConnectorFlag(t *testing.T) {
+	if _, err := parse(t, "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", "http://p:1", "--decode", "http://d:1").config(); err != nil {
+		t.Error(err)
+	}
+	for _, c := range []string{"mooncake", "moriio"} {
+		args := []string{"--vllm-pd-disaggregation", "--kv-connector", c, "--prefill", "http://p:1", "--decode", "http://d:1"}
+		var ce *router.ConfigError
+		if _, err := parse(t, args...).config(); !errors.As(err, &ce) || !strings.Contains(err.Error(), "kv_connector "+c) {
+			t.Errorf("%s: %v", c, err)
+		}
+		if code := run(args); code != 2 {
+			t.Errorf("%s: exit status %d, want 2", c, code)
+		}
 	}
 }
