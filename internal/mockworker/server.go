@@ -133,6 +133,7 @@ func (s *Server) Stats() Stats {
 func (s *Server) Reset() {
 	s.rec.reset()
 	s.aborts.reset()
+	s.vkv.reset()
 }
 
 func (s *Server) routes() http.Handler {

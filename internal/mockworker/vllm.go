@@ -109,7 +109,8 @@ func (s *Server) VLLMHeldKV() []VLLMHeld {
 	return out
 }
 
-// VLLMPulls returns the KV pulls the decode made, oldest first.
+// VLLMPulls returns the KV pulls the decode made, oldest first: the last
+// Config.RecordLimit, cleared by Reset.
 func (s *Server) VLLMPulls() []VLLMPull {
 	s.vkv.mu.Lock()
 	defer s.vkv.mu.Unlock()
@@ -281,9 +282,20 @@ func (s *Server) vllmFetch(ctx context.Context, r *http.Request, raw json.RawMes
 		rec.Error = e.message
 	}
 	s.vkv.mu.Lock()
-	s.vkv.pulls = append(s.vkv.pulls, rec)
+	if limit := s.cfg.RecordLimit; limit > 0 { // as many as the requests kept (negative: none)
+		if len(s.vkv.pulls) == limit {
+			s.vkv.pulls = append(s.vkv.pulls[:0], s.vkv.pulls[1:]...)
+		}
+		s.vkv.pulls = append(s.vkv.pulls, rec)
+	}
 	s.vkv.mu.Unlock()
 	return e
+}
+
+func (k *vllmKV) reset() {
+	k.mu.Lock()
+	k.pulls = nil
+	k.mu.Unlock()
 }
 
 func (s *Server) pullKV(ctx context.Context, xid string, raw json.RawMessage, digest string) *apiError {

@@ -171,3 +171,18 @@ func TestVLLMRolesServeNoSGLangEndpoints(t *testing.T) {
 		t.Error("KV held for a request that asked for none")
 	}
 }
+
+// The decode keeps its last RecordLimit pulls, and Reset clears them.
+func TestVLLMPullsAreBounded(t *testing.T) {
+	d := start(t, Config{Role: RoleVLLMDecode, RecordLimit: 2})
+	for _, xid := range []string{"a", "b", "c"} {
+		d.post("/v1/completions", `{"prompt":"a","kv_transfer_params":null}`, "X-Request-Id", xid)
+	}
+	if pulls := d.s.VLLMPulls(); len(pulls) != 2 || pulls[0].XRequestID != "b" || pulls[1].XRequestID != "c" {
+		t.Errorf("pulls %+v, want b and c", pulls)
+	}
+	d.s.Reset()
+	if n := len(d.s.VLLMPulls()); n != 0 {
+		t.Errorf("%d pulls after Reset", n)
+	}
+}
