@@ -7,7 +7,6 @@ import (
 	"errors"
 	"io"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -79,7 +78,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	r.pd, r.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
-	header := vllmHeader(r.header, pw, dw)
+	header := vllmHeader(r.header, s.hostOf(pw), s.hostOf(dw))
 	if fail, ok := s.vllmPrefill(r, pw, &at, header); !ok {
 		return fail, false
 	}
@@ -207,26 +206,27 @@ func vllmPrefillBody(b *splice.Body, src []byte, at *vllmSpans) {
 // ___prefill_addr_HOST:PORT___decode_addr_HOST:PORT_UUID, fresh per
 // attempt. vLLM's P2P NCCL connector reads the peer's address from it;
 // the others only need both legs to carry the same id.
-func appendVLLMRequestID(b []byte, pw, dw *balancer.Worker) []byte {
+func appendVLLMRequestID(b []byte, prefill, decode string) []byte {
 	var u [16]byte
 	_, _ = rand.Read(u[:])
-	b = append(append(b, "___prefill_addr_"...), hostPortOf(pw.BaseURL)...)
-	b = append(append(b, "___decode_addr_"...), hostPortOf(dw.BaseURL)...)
+	b = append(append(b, "___prefill_addr_"...), prefill...)
+	b = append(append(b, "___decode_addr_"...), decode...)
 	return hex.AppendEncode(append(b, '_'), u[:])
 }
 
-func hostPortOf(baseURL string) string {
-	if _, rest, ok := strings.Cut(baseURL, "://"); ok {
-		baseURL = rest
+// hostOf is w's HOST:PORT as its URL writes it (vllm-router's spelling),
+// from the upstream's table of registered workers.
+func (s *Server) hostOf(w *balancer.Worker) string {
+	if _, host, _, err := s.upstream.endpoint(w.BaseURL); err == nil {
+		return host
 	}
-	hp, _, _ := strings.Cut(baseURL, "/")
-	return hp
+	return w.BaseURL
 }
 
 // vllmHeader is the request's forwarded header lines with the pair's
 // request id as X-Request-Id in place of the client's (forwardHeaders
 // writes it last), in one allocation.
-func vllmHeader(header []byte, pw, dw *balancer.Worker) []byte {
+func vllmHeader(header []byte, prefill, decode string) []byte {
 	body := bytes.TrimSuffix(header, []byte("\r\n"))
 	last := bytes.LastIndex(body, []byte("\r\n")) + 2
 	if last == 1 {
@@ -235,7 +235,7 @@ func vllmHeader(header []byte, pw, dw *balancer.Worker) []byte {
 	if bytes.HasPrefix(body[last:], []byte("X-Request-Id: ")) {
 		header = header[:last]
 	}
-	out := make([]byte, 0, len(header)+len(pw.BaseURL)+len(dw.BaseURL)+96)
+	out := make([]byte, 0, len(header)+len(prefill)+len(decode)+96)
 	out = append(append(out, header...), "X-Request-Id: "...)
-	return append(appendVLLMRequestID(out, pw, dw), "\r\n"...)
+	return append(appendVLLMRequestID(out, prefill, decode), "\r\n"...)
 }
