@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu chaos soak
+.PHONY: build test run bench bench-vllm bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu chaos soak
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -52,6 +52,11 @@ bench:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/fastproxy ./bench/fastproxy
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/stubengine ./bench/stubengine
 	@scripts/bench-router.sh
+	@scripts/bench-vllm.sh
+
+# bench-vllm: pdrouter --vllm-pd-disaggregation against vllm-router 0.1.17 (pip) on mock vLLM engines.
+bench-vllm: build
+	@scripts/bench-vllm.sh
 
 bench-ucx: deps
 	@scripts/bench-ucx.sh

@@ -396,7 +396,7 @@ func (m *Manager) readServerInfo(ctx context.Context, w *Worker) (serverInfo, er
 		}
 		return info, nil
 	}
-	return serverInfo{}, nil // neither endpoint: nothing to learn
+	return readModels(ctx, m.client, w), nil // neither endpoint (vLLM): the model from /v1/models
 }
 
 func (m *Manager) setStatus(j *job, status, msg string) {

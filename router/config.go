@@ -28,6 +28,10 @@ type Config struct {
 	Prefill          []PrefillSpec
 	Decode           []string
 
+	// VLLMPDDisaggregation serves vLLM's PD protocol (vllm.go) instead of
+	// SGLang's; it needs PDDisaggregation too, which --vllm-pd-disaggregation sets.
+	VLLMPDDisaggregation bool
+
 	Policy        string
 	PrefillPolicy string // PD only; "" = Policy
 	DecodePolicy  string // PD only; "" = Policy
@@ -152,6 +156,7 @@ func (c Config) Validate() error {
 		rule string
 	}{
 		{c.Port <= 0 || c.Port > 65535, "port must be in 1..65535"},
+		{c.VLLMPDDisaggregation && !c.PDDisaggregation, "vllm_pd_disaggregation needs pd_disaggregation"},
 		{c.PrometheusPort < 0 || c.PrometheusPort > 65535, "prometheus_port must be in 0..65535"},
 		{po.CacheThreshold < 0 || po.CacheThreshold > 1, "cache_threshold must be in [0, 1]"},
 		{po.BalanceRelThreshold < 1, "balance_rel_threshold must be >= 1.0"},

@@ -50,8 +50,13 @@ func benchRouter(b *testing.B, pd, stream bool) {
 		cfg.WorkerURLs = []string{cannedBackend(b, stream)}
 	}
 	base, srv := serveInProcess(b, cfg)
-	url := base + "/generate"
 	body := []byte(`{"text":"The quick brown fox jumps over the lazy dog","sampling_params":{"max_new_tokens":4},"stream":` + strconv.FormatBool(stream) + `}`)
+	benchPosts(b, srv, base+"/generate", body)
+}
+
+// benchPosts posts body to url from parallel clients, b.N times in all,
+// then shuts srv down.
+func benchPosts(b *testing.B, srv *Server, url string, body []byte) {
 	c := &fasthttp.Client{}
 	b.ReportAllocs()
 	b.ResetTimer()

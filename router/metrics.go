@@ -158,6 +158,7 @@ type pdMetrics struct {
 	ttft              *prometheus.HistogramVec
 	kvTransfer        *prometheus.HistogramVec
 	bootstrapFailures prometheus.Counter
+	runtime           string                         // the engines' ("sglang", "vllm"), a label
 	byModel           readmap.Map[string, *pdSeries] // by model label
 }
 
@@ -167,6 +168,7 @@ type pdSeries struct{ prefill, ttft, kvTransfer prometheus.Observer }
 func newPDMetrics(reg prometheus.Registerer) *pdMetrics {
 	labels := []string{"backend_type", "model", "runtime"}
 	m := &pdMetrics{
+		runtime: "sglang",
 		prefill: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "smg_pd_prefill_duration_seconds",
 			Help: "Prefill-leg duration by backend_type, model, runtime", Buckets: durationBuckets}, labels),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "smg_pd_ttft_seconds",
@@ -185,8 +187,8 @@ func (m *pdMetrics) forModel(model string) *pdSeries {
 		return v
 	}
 	return m.byModel.LoadOrStore(model, &pdSeries{
-		prefill:    m.prefill.WithLabelValues("pd", model, "sglang"),
-		ttft:       m.ttft.WithLabelValues("pd", model, "sglang"),
-		kvTransfer: m.kvTransfer.WithLabelValues("pd", model, "sglang"),
+		prefill:    m.prefill.WithLabelValues("pd", model, m.runtime),
+		ttft:       m.ttft.WithLabelValues("pd", model, m.runtime),
+		kvTransfer: m.kvTransfer.WithLabelValues("pd", model, m.runtime),
 	})
 }

@@ -90,9 +90,12 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 			break
 		}
 		var streaming bool
-		if s.cfg.PDDisaggregation {
+		switch {
+		case s.cfg.VLLMPDDisaggregation:
+			fail, streaming = s.vllmAttempt(ctx, r)
+		case s.cfg.PDDisaggregation:
 			fail, streaming = s.pdAttempt(ctx, r)
-		} else {
+		default:
 			fail, streaming = s.regularAttempt(ctx, r)
 		}
 		if streaming {

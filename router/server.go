@@ -88,6 +88,9 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	}
 	log = redact.Logger(log) // no credential reaches a log line
 	s := &Server{cfg: cfg, log: log, metrics: newMetrics(promReg), pdm: newPDMetrics(promReg)}
+	if cfg.VLLMPDDisaggregation {
+		s.pdm.runtime = "vllm"
+	}
 	var err error
 	if s.bm, err = balancer.NewMetrics(promReg); err != nil {
 		return nil, err

@@ -41,7 +41,7 @@ import (
 func main() {
 	host := flag.String("host", "127.0.0.1", "address to serve on")
 	port := flag.Int("port", 0, "port to serve on (0: any free port)")
-	role := flag.String("role", "regular", "regular, prefill or decode")
+	role := flag.String("role", "regular", "regular, prefill or decode (SGLang); vllm-prefill or vllm-decode (vLLM with a KV connector)")
 	tokens := flag.Int("tokens", 8, "completion tokens per reply (prefill: always 1)")
 	flag.Parse()
 	ln, err := net.Listen("tcp", net.JoinHostPort(*host, strconv.Itoa(*port)))
@@ -50,13 +50,24 @@ func main() {
 		os.Exit(1)
 	}
 	addr := ln.Addr().(*net.TCPAddr)
-	s, err := newStub(*role, *tokens, *host, addr.Port)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "stubengine:", err)
-		os.Exit(2)
+	var handle fasthttp.RequestHandler
+	if strings.HasPrefix(*role, "vllm-") { // vllm.go
+		v, err := newVLLMStub(*role, *tokens, *host, addr.Port)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "stubengine:", err)
+			os.Exit(2)
+		}
+		handle = v.handle
+	} else {
+		s, err := newStub(*role, *tokens, *host, addr.Port)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "stubengine:", err)
+			os.Exit(2)
+		}
+		handle = s.handle
 	}
 	fmt.Printf("listening on %s\n", addr)
-	srv := &fasthttp.Server{Handler: s.handle, Name: "stubengine", NoDefaultDate: true, Logger: probeFilter{}}
+	srv := &fasthttp.Server{Handler: handle, Name: "stubengine", NoDefaultDate: true, Logger: probeFilter{}}
 	if err := srv.Serve(ln); err != nil {
 		fmt.Fprintln(os.Stderr, "stubengine:", err)
 		os.Exit(1)

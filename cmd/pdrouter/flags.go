@@ -26,6 +26,7 @@ type options struct {
 	jsonLog         bool
 	security        securityOptions
 	discovery       discoveryOptions
+	kvConnector     string // vllm-router's --kv-connector: only nixl's relay is implemented
 	// accepted for compatibility only
 	ignoredBool    bool
 	ignoredOpt     *string
@@ -35,7 +36,7 @@ type options struct {
 }
 
 func newParser() (*cli.Parser, *options) {
-	o := &options{cfg: router.DefaultConfig(), cbWindow: 120 * time.Second, logLevel: "info"}
+	o := &options{cfg: router.DefaultConfig(), cbWindow: 120 * time.Second, logLevel: "info", kvConnector: "nixl"}
 	c, po, m := &o.cfg, &o.cfg.PolicyOptions, &o.cfg.Manager
 	p := cli.New("pdrouter", "pdrouter: a drop-in for `python -m sglang_router.launch_router` (prefill/decode disaggregated and regular routing). The default port is 8000, not sglang-router's 30000.")
 	const w, r, pd, lg, pr, rq, rl, rt, cb, hc = "Worker Configuration", "Routing Policy", "PD Disaggregation", "Logging",
@@ -64,6 +65,8 @@ func newParser() (*cli.Parser, *options) {
 	p.Bool(pd, "mini-lb", &o.ignoredBool, "Use the Python MiniLB").Ignored = true
 	p.Bool(pd, "test-external-dp-routing", &o.ignoredBool, "MiniLB DP routing test").Ignored = true
 	p.Bool(pd, "pd-disaggregation", &c.PDDisaggregation, "Enable PD (prefill-decode) disaggregated mode")
+	p.Bool(pd, "vllm-pd-disaggregation", &c.VLLMPDDisaggregation, "Enable vLLM's PD mode (as vllm-router): prefill first with max_tokens 1, then decode with its kv_transfer_params")
+	p.String(pd, "kv-connector", &o.kvConnector, "vLLM PD: the engines' KV connector; pdrouter relays the kv_transfer_params a prefill returns (NIXL's way), and supports nixl only", "nixl", "mooncake", "moriio")
 	p.Append(pd, "prefill", &o.prefill, false, "Prefill server: URL [BOOTSTRAP_PORT|none]; repeatable").Metavar = "URL"
 	p.Append(pd, "decode", &o.decode, true, "Decode server URL; repeatable").Metavar = "URL"
 	p.Duration(pd, "worker-startup-timeout-secs", &m.StartupTimeout, time.Second, "Seconds to wait for each worker to become healthy")
@@ -172,6 +175,7 @@ func (o *options) config() (router.Config, error) {
 // only what does not parse, and the checks of flags no Config field holds.
 func (o *options) build() (router.Config, error) {
 	cfg := o.cfg
+	cfg.PDDisaggregation = cfg.PDDisaggregation || cfg.VLLMPDDisaggregation
 	if cfg.PDDisaggregation {
 		cfg.WorkerURLs = nil
 	}
@@ -205,6 +209,9 @@ func (o *options) build() (router.Config, error) {
 	cfg.Manager.APIKey = cfg.APIKey
 	if err := o.security.apply(&cfg); err != nil {
 		return cfg, err
+	}
+	if o.kvConnector != "nixl" {
+		return cfg, &router.ConfigError{Rule: "kv_connector " + o.kvConnector + " is not supported by pdrouter: only nixl (the prefill returns the kv_transfer_params the decode is sent)"}
 	}
 	if o.cbWindow <= 0 {
 		return cfg, &router.ConfigError{Rule: "circuit breaker durations must be > 0"}

@@ -69,6 +69,8 @@ type answer struct {
 	kv    []*KVResult
 	start time.Time
 	ev    *sse // a stream's events once its head went out early, else nil
+	// vllmParams is a vllm-prefill's kv_transfer_params for its reply (vllm.go).
+	vllmParams any
 }
 
 func (a *answer) model() string {

@@ -73,6 +73,9 @@ type Config struct {
 	Engine EngineInfo
 
 	KV KVTransfer // nil = no KV transfer
+	// VLLMKVTimeout is how long a vllm-prefill keeps a request's KV for its
+	// decode (vllm.go); 0 = DefaultVLLMKVTimeout.
+	VLLMKVTimeout time.Duration
 	// ReportTransferMS > 0 with no KV: report a transfer of this many ms
 	// (kv_transfer.transfer_ms) without moving anything, for routers'
 	// KV transfer metrics.
@@ -123,9 +126,12 @@ func (c Config) withDefaults() (Config, error) {
 		c.Role = RoleRegular
 	}
 	switch c.Role {
-	case RoleRegular, RolePrefill, RoleDecode:
+	case RoleRegular, RolePrefill, RoleDecode, RoleVLLMPrefill, RoleVLLMDecode:
 	default:
-		return c, fmt.Errorf("invalid role %q: want prefill, decode or regular", c.Role)
+		return c, fmt.Errorf("invalid role %q: want prefill, decode, regular, vllm-prefill or vllm-decode", c.Role)
+	}
+	if c.VLLMKVTimeout == 0 {
+		c.VLLMKVTimeout = DefaultVLLMKVTimeout
 	}
 	if c.Host == "" {
 		c.Host = DefaultHost
@@ -154,7 +160,7 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("dp-size %d: at most %d", c.Engine.DPSize, maxDPSize)
 	case c.Tokens < 0:
 		return c, fmt.Errorf("invalid tokens %d", c.Tokens)
-	case c.TokenDelay < 0 || c.PrefillDelay < 0 || c.HealthFailAfter < 0 || c.HealthFlap < 0:
+	case c.TokenDelay < 0 || c.PrefillDelay < 0 || c.HealthFailAfter < 0 || c.HealthFlap < 0 || c.VLLMKVTimeout < 0:
 		return c, errors.New("durations must not be negative")
 	case c.StatusCode != 0 && (c.StatusCode < 100 || c.StatusCode > 599):
 		return c, fmt.Errorf("invalid status code %d", c.StatusCode)
@@ -177,7 +183,8 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	var c Config
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(output)
-	role := fs.String("role", string(RoleRegular), "prefill, decode or regular")
+	role := fs.String("role", string(RoleRegular), "prefill, decode or regular (SGLang), vllm-prefill or vllm-decode (vLLM with a KV connector)")
+	fs.DurationVar(&c.VLLMKVTimeout, "kv-hold-timeout", 0, "vllm-prefill: how long a request's KV waits for its decode (0 = 480s, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
 	fs.StringVar(&c.Host, "host", DefaultHost, "listen host")
 	fs.IntVar(&c.Port, "port", -1, "listen port (required; 0 = ephemeral)")
 	fs.StringVar(&c.WorkerID, "worker-id", "", "worker id in X-Worker-Id and bodies (default worker-PORT)")

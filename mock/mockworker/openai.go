@@ -19,6 +19,8 @@ type chatResponse struct {
 	Usage      *openaiUsage `json:"usage,omitempty"`
 	KVTransfer any          `json:"kv_transfer,omitempty"`
 	WorkerID   string       `json:"worker_id"`
+	// KVTransferParams is vLLM's: what a prefill tells the decode (vllm.go).
+	KVTransferParams any `json:"kv_transfer_params,omitempty"`
 }
 
 type chatChoice struct {
@@ -54,6 +56,8 @@ type completionResponse struct {
 	Usage      *openaiUsage       `json:"usage,omitempty"`
 	KVTransfer any                `json:"kv_transfer,omitempty"`
 	WorkerID   string             `json:"worker_id"`
+	// KVTransferParams is vLLM's: what a prefill tells the decode (vllm.go).
+	KVTransferParams any `json:"kv_transfer_params,omitempty"`
 }
 
 type completionChoice struct {
@@ -156,7 +160,7 @@ func (a *answer) chat() error {
 		})
 	}
 	base.Usage = a.usage()
-	base.KVTransfer = a.kvTopLevel()
+	base.KVTransfer, base.KVTransferParams = a.kvTopLevel(), a.vllmParams
 	return a.writeJSON(base)
 }
 
@@ -240,7 +244,7 @@ func (a *answer) completions() error {
 			Logprobs: a.completionLogprobs(sq, 0, len(sq.ids)), FinishReason: &finishLength})
 	}
 	base.Usage = a.usage()
-	base.KVTransfer = a.kvTopLevel()
+	base.KVTransfer, base.KVTransferParams = a.kvTopLevel(), a.vllmParams
 	return a.writeJSON(base)
 }
 

@@ -26,6 +26,7 @@ type Server struct {
 	srv      *http.Server
 	rec      *recorder
 	aborts   abortLog
+	vkv      vllmKV // the vLLM roles' KV (vllm.go)
 	polls    loadPolls
 	started  time.Time
 
@@ -132,6 +133,7 @@ func (s *Server) Stats() Stats {
 func (s *Server) Reset() {
 	s.rec.reset()
 	s.aborts.reset()
+	s.vkv.reset()
 }
 
 func (s *Server) routes() http.Handler {
@@ -180,7 +182,7 @@ func (s *Server) routes() http.Handler {
 			h(w, r)
 		})
 	}
-	return s.track(mux)
+	return s.track(s.vllmRoutes(mux))
 }
 
 // track counts running handlers so Close can wait for them.
@@ -293,7 +295,7 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 	if f := s.cfg.FailDPRank; f != nil && req.ranks.rank == *f {
 		return writeError(w, errorf(http.StatusInternalServerError, "mock failure: DP rank %d (fail-dp-rank)", *f))
 	}
-	if s.cfg.Role != RoleRegular && ep.generates() && req.boot == nil {
+	if (s.cfg.Role == RolePrefill || s.cfg.Role == RoleDecode) && ep.generates() && req.boot == nil {
 		return writeError(w, badRequest("%s server requires bootstrap_host and bootstrap_room in the request", s.cfg.Role))
 	}
 	seqs := s.sequences(req)
@@ -346,6 +348,9 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 		used.completion += int64(len(sq.ids))
 	}
 	a := &answer{s: s, w: w, ctx: ctx, req: req, seqs: seqs, kv: kv, start: time.Unix(0, rec.StartedUnixNano), ev: ev}
+	if s.cfg.Role.vllm() && (ep == epChat || ep == epCompletions) {
+		return s.vllmAnswer(a, r, body)
+	}
 	switch ep {
 	case epGenerate:
 		return a.generate()

@@ -1,0 +1,353 @@
+package mockworker
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// The vLLM roles play a vLLM OpenAI server run with a KV connector for
+// prefill/decode disaggregation (NixlConnector's fields):
+//
+//   - vllm-prefill: a chat or completions request whose kv_transfer_params
+//     has do_remote_decode true keeps its KV blocks for a remote decode and
+//     answers, in its JSON reply, kv_transfer_params naming them:
+//     {"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids",
+//     "remote_engine_id","remote_request_id","remote_host","remote_port",
+//     "tp_size"}. The blocks stay held until a decode pulls them or
+//     Config.VLLMKVTimeout passes (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT);
+//     a client that leaves before the reply frees them at once.
+//   - vllm-decode: a chat or completions request must carry such
+//     kv_transfer_params (400 naming the field otherwise), and the decode
+//     pulls the blocks from remote_host:remote_port (POST /_mock/vllm/pull)
+//     before it answers: a prefill it cannot reach, that does not hold the
+//     request (wrong engine, request or blocks, or another X-Request-Id),
+//     or KV of another prompt is a 500.
+//
+// Both honour max_tokens, as vLLM does, and record what they got
+// (/_mock/requests; /_mock/vllm/held and /_mock/vllm/pulls for the KV).
+// SGLang's own endpoints (/generate, /get_server_info, /server_info,
+// /get_load, /v1/loads, /get_model_info, /model_info, /flush_cache,
+// /health_generate) answer 404, as vLLM's server has none of them.
+
+const (
+	RoleVLLMPrefill Role = "vllm-prefill"
+	RoleVLLMDecode  Role = "vllm-decode"
+)
+
+// DefaultVLLMKVTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default.
+const DefaultVLLMKVTimeout = 480 * time.Second
+
+// vllmBlockSize is the tokens per KV block the mock counts in (vLLM's default).
+const vllmBlockSize = 16
+
+func (r Role) vllm() bool { return r == RoleVLLMPrefill || r == RoleVLLMDecode }
+
+// sglangOnly are the routes a vLLM server does not have.
+var sglangOnly = map[string]bool{"/generate": true, "/get_server_info": true, "/server_info": true,
+	"/get_load": true, "/v1/loads": true, "/get_model_info": true, "/model_info": true,
+	"/flush_cache": true, "/health_generate": true}
+
+// VLLMHeld is a request whose KV a vllm-prefill keeps for a decode.
+type VLLMHeld struct {
+	RequestID  string `json:"request_id"`   // remote_request_id
+	XRequestID string `json:"x_request_id"` // the prefill request's X-Request-Id
+	Blocks     []int  `json:"blocks"`
+}
+
+// VLLMPull is one KV pull a vllm-decode made.
+type VLLMPull struct {
+	XRequestID string          `json:"x_request_id"`
+	Params     json.RawMessage `json:"kv_transfer_params"`
+	Error      string          `json:"error,omitempty"` // "" when the KV arrived
+}
+
+// vllmKV is the roles' KV state: held blocks (prefill), pulls (decode).
+type vllmKV struct {
+	mu     sync.Mutex
+	engine string
+	held   map[string]*heldKV
+	next   int
+	pulls  []VLLMPull
+	client *http.Client
+}
+
+type heldKV struct {
+	VLLMHeld
+	digest string
+	expiry *time.Timer
+}
+
+// vllmParams is the kv_transfer_params a vllm role reads.
+type vllmParams struct {
+	DoRemoteDecode  bool            `json:"do_remote_decode"`
+	DoRemotePrefill bool            `json:"do_remote_prefill"`
+	RemoteEngineID  *string         `json:"remote_engine_id"`
+	RemoteRequestID *string         `json:"remote_request_id"`
+	RemoteBlockIDs  []int           `json:"remote_block_ids"`
+	RemoteHost      *string         `json:"remote_host"`
+	RemotePort      json.RawMessage `json:"remote_port"`
+	TPSize          *int            `json:"tp_size"`
+}
+
+// VLLMHeldKV returns the requests whose KV the prefill keeps.
+func (s *Server) VLLMHeldKV() []VLLMHeld {
+	s.vkv.mu.Lock()
+	defer s.vkv.mu.Unlock()
+	out := make([]VLLMHeld, 0, len(s.vkv.held))
+	for _, h := range s.vkv.held {
+		out = append(out, h.VLLMHeld)
+	}
+	return out
+}
+
+// VLLMPulls returns the KV pulls the decode made, oldest first: the last
+// Config.RecordLimit, cleared by Reset.
+func (s *Server) VLLMPulls() []VLLMPull {
+	s.vkv.mu.Lock()
+	defer s.vkv.mu.Unlock()
+	return append([]VLLMPull(nil), s.vkv.pulls...)
+}
+
+// vllmRoutes adds the vLLM roles' endpoints to mux and hides SGLang's.
+func (s *Server) vllmRoutes(mux *http.ServeMux) http.Handler {
+	if !s.cfg.Role.vllm() {
+		return mux
+	}
+	s.vkv.engine = "mock-engine-" + s.idPrefix
+	s.vkv.held = map[string]*heldKV{}
+	// No keep-alive: a closed mock leaves no connection (or goroutine) behind.
+	s.vkv.client = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	mux.HandleFunc("POST /_mock/vllm/pull", s.vllmPull)
+	mux.HandleFunc("GET /_mock/vllm/held", func(w http.ResponseWriter, _ *http.Request) { s.writeAny(w, s.VLLMHeldKV()) })
+	mux.HandleFunc("GET /_mock/vllm/pulls", func(w http.ResponseWriter, _ *http.Request) { s.writeAny(w, s.VLLMPulls()) })
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if sglangOnly[r.URL.Path] {
+			http.NotFound(w, r)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// vllmAnswer answers a chat or completions request in a vLLM role.
+func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
+	var raw struct {
+		Params json.RawMessage `json:"kv_transfer_params"`
+	}
+	_ = json.Unmarshal(body, &raw) // parseRequest accepted it
+	fail := func(e *apiError) error {
+		if a.ev != nil { // the stream's head is out
+			return a.ev.write(errorBody(e.status, e.message))
+		}
+		return writeError(a.w, e)
+	}
+	if s.cfg.Role == RoleVLLMDecode {
+		if e := s.vllmFetch(a.ctx, r, raw.Params, vllmDigest(a.seqs)); e != nil {
+			if a.ctx.Err() != nil {
+				return errClientGone
+			}
+			return fail(e)
+		}
+		return a.vllmReply()
+	}
+	var p vllmParams
+	if !isNull(raw.Params) {
+		if err := json.Unmarshal(raw.Params, &p); err != nil {
+			return fail(badRequest("kv_transfer_params: %v", err))
+		}
+	}
+	if !p.DoRemoteDecode {
+		return a.vllmReply()
+	}
+	held := s.vkv.hold(r, a.seqs, s.cfg.VLLMKVTimeout)
+	host, port, _ := net.SplitHostPort(s.Addr())
+	portN, _ := strconv.Atoi(port)
+	a.vllmParams = map[string]any{"do_remote_prefill": true, "do_remote_decode": false,
+		"remote_block_ids": held.Blocks, "remote_engine_id": s.vkv.engine, "remote_request_id": held.RequestID,
+		"remote_host": host, "remote_port": portN, "tp_size": s.cfg.Engine.TPSize}
+	err := a.vllmReply()
+	if err != nil || a.ctx.Err() != nil { // vLLM aborts a request whose client left: its blocks are freed
+		s.vkv.drop(held.RequestID)
+	}
+	return err
+}
+
+func (a *answer) vllmReply() error {
+	if a.req.ep == epChat {
+		return a.chat()
+	}
+	return a.completions()
+}
+
+// vllmDigest stands for the KV of the request's prompts.
+func vllmDigest(seqs []sequence) string {
+	h := fnv.New64a()
+	for _, sq := range seqs {
+		if sq.firstChoice {
+			h.Write(sq.prompt.text)
+			h.Write([]byte{0})
+		}
+	}
+	return strconv.FormatUint(h.Sum64(), 16)
+}
+
+// hold keeps the request's blocks for a decode, as vLLM's request id
+// ("cmpl-" and the X-Request-Id it was sent) names them.
+func (k *vllmKV) hold(r *http.Request, seqs []sequence, timeout time.Duration) *heldKV {
+	xid := r.Header.Get("X-Request-Id")
+	n := max((promptTokens(seqs)+vllmBlockSize-1)/vllmBlockSize, 1)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	h := &heldKV{VLLMHeld: VLLMHeld{XRequestID: xid}, digest: vllmDigest(seqs)}
+	h.RequestID = fmt.Sprintf("cmpl-%s-%d", xid, k.next)
+	for range n {
+		h.Blocks = append(h.Blocks, k.next)
+		k.next++
+	}
+	k.held[h.RequestID] = h
+	id := h.RequestID
+	h.expiry = time.AfterFunc(timeout, func() { k.drop(id) })
+	return h
+}
+
+func (k *vllmKV) drop(id string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if h := k.held[id]; h != nil {
+		h.expiry.Stop()
+		delete(k.held, id)
+	}
+}
+
+// pullRequest is what a decode sends the prefill's side channel.
+type pullRequest struct {
+	EngineID  string `json:"remote_engine_id"`
+	RequestID string `json:"remote_request_id"`
+	Blocks    []int  `json:"remote_block_ids"`
+}
+
+// vllmPull is the prefill's side channel: it hands a held request's KV (its
+// digest) to the decode that names it exactly, and frees the blocks.
+func (s *Server) vllmPull(w http.ResponseWriter, r *http.Request) {
+	var p pullRequest
+	body, err := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+	if err == nil {
+		err = json.Unmarshal(body, &p)
+	}
+	if err != nil {
+		_ = writeError(w, badRequest("pull: %v", err))
+		return
+	}
+	k := &s.vkv
+	k.mu.Lock()
+	h := k.held[p.RequestID]
+	var e *apiError
+	switch {
+	case p.EngineID != k.engine:
+		e = errorf(http.StatusConflict, "engine %q is not this prefill's (%q)", p.EngineID, k.engine)
+	case h == nil:
+		e = errorf(http.StatusNotFound, "no KV held for request %q", p.RequestID)
+	case fmt.Sprint(h.Blocks) != fmt.Sprint(p.Blocks):
+		e = errorf(http.StatusConflict, "blocks %v are not request %q's %v", p.Blocks, p.RequestID, h.Blocks)
+	case h.XRequestID != r.Header.Get("X-Request-Id"):
+		e = errorf(http.StatusConflict, "decode's X-Request-Id %q is not the prefill's %q", r.Header.Get("X-Request-Id"), h.XRequestID)
+	default:
+		h.expiry.Stop()
+		delete(k.held, p.RequestID)
+	}
+	k.mu.Unlock()
+	if e != nil {
+		_ = writeError(w, e)
+		return
+	}
+	s.writeAny(w, map[string]string{"digest": h.digest})
+}
+
+// vllmFetch checks a decode's kv_transfer_params and pulls the KV they
+// name; it records the pull either way.
+func (s *Server) vllmFetch(ctx context.Context, r *http.Request, raw json.RawMessage, digest string) *apiError {
+	xid := r.Header.Get("X-Request-Id")
+	e := s.pullKV(ctx, xid, raw, digest)
+	rec := VLLMPull{XRequestID: xid, Params: append(json.RawMessage(nil), raw...)}
+	if e != nil {
+		rec.Error = e.message
+	}
+	s.vkv.mu.Lock()
+	if limit := s.cfg.RecordLimit; limit > 0 { // as many as the requests kept (negative: none)
+		if len(s.vkv.pulls) == limit {
+			s.vkv.pulls = append(s.vkv.pulls[:0], s.vkv.pulls[1:]...)
+		}
+		s.vkv.pulls = append(s.vkv.pulls, rec)
+	}
+	s.vkv.mu.Unlock()
+	return e
+}
+
+func (k *vllmKV) reset() {
+	k.mu.Lock()
+	k.pulls = nil
+	k.mu.Unlock()
+}
+
+func (s *Server) pullKV(ctx context.Context, xid string, raw json.RawMessage, digest string) *apiError {
+	if isNull(raw) {
+		return badRequest("vllm-decode: the request has no kv_transfer_params (a decode instance needs its prefill's)")
+	}
+	var p vllmParams
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return badRequest("kv_transfer_params: %v", err)
+	}
+	var port int
+	perr := json.Unmarshal(p.RemotePort, &port)
+	switch {
+	case !p.DoRemotePrefill || p.DoRemoteDecode:
+		return badRequest("kv_transfer_params: a decode needs do_remote_prefill true and do_remote_decode false")
+	case p.RemoteEngineID == nil || *p.RemoteEngineID == "":
+		return badRequest("kv_transfer_params: remote_engine_id missing")
+	case p.RemoteRequestID == nil || *p.RemoteRequestID == "":
+		return badRequest("kv_transfer_params: remote_request_id missing")
+	case len(p.RemoteBlockIDs) == 0:
+		return badRequest("kv_transfer_params: remote_block_ids missing")
+	case p.RemoteHost == nil || *p.RemoteHost == "":
+		return badRequest("kv_transfer_params: remote_host missing")
+	case perr != nil || port <= 0 || port > 65535:
+		return badRequest("kv_transfer_params: remote_port %s is not a port", p.RemotePort)
+	case p.TPSize == nil || *p.TPSize < 1:
+		return badRequest("kv_transfer_params: tp_size missing")
+	}
+	b, _ := json.Marshal(pullRequest{EngineID: *p.RemoteEngineID, RequestID: *p.RemoteRequestID, Blocks: p.RemoteBlockIDs})
+	url := "http://" + net.JoinHostPort(*p.RemoteHost, strconv.Itoa(port)) + "/_mock/vllm/pull"
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
+	if err != nil {
+		return errorf(http.StatusInternalServerError, "KV transfer failed: %v", err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", xid)
+	resp, err := s.vkv.client.Do(req)
+	if err != nil {
+		return errorf(http.StatusInternalServerError, "KV transfer failed: prefill %s unreachable: %v", url, err)
+	}
+	defer resp.Body.Close()
+	out, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	var got struct {
+		Digest  string `json:"digest"`
+		Message string `json:"message"`
+	}
+	_ = json.Unmarshal(out, &got)
+	switch {
+	case resp.StatusCode != http.StatusOK:
+		return errorf(http.StatusInternalServerError, "KV transfer failed: prefill refused (%d): %s", resp.StatusCode, got.Message)
+	case got.Digest != digest:
+		return errorf(http.StatusInternalServerError, "KV transfer failed: the KV pulled is another prompt's")
+	}
+	return nil
+}

@@ -1,0 +1,188 @@
+package mockworker
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+const vllmAsk = `"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+// vllmPrefill sends a prefill-leg request and returns its kv_transfer_params.
+func vllmPrefill(t *testing.T, p *harness, prompt, xid string) json.RawMessage {
+	t.Helper()
+	status, _, body := p.post("/v1/completions", `{"model":"mock","prompt":"`+prompt+`","max_tokens":1,"stream":false,`+vllmAsk+`}`, "X-Request-Id", xid)
+	if status != 200 {
+		t.Fatalf("prefill: %d %s", status, body)
+	}
+	var out struct {
+		Params  json.RawMessage `json:"kv_transfer_params"`
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(body, &out); err != nil || len(out.Choices) != 1 || strings.Count(out.Choices[0].Text, "tok") != 1 {
+		t.Fatalf("prefill reply (one token, max_tokens 1): %v %s", err, body)
+	}
+	return out.Params
+}
+
+func TestVLLMPrefillHandsItsKVToOneDecode(t *testing.T) {
+	p := start(t, Config{Role: RoleVLLMPrefill, Engine: EngineInfo{TPSize: 2}})
+	d := start(t, Config{Role: RoleVLLMDecode, Tokens: 3})
+	params := vllmPrefill(t, p, strings.Repeat("w ", 20), "rid-1")
+	var got map[string]any
+	if err := json.Unmarshal(params, &got); err != nil {
+		t.Fatalf("params %s: %v", params, err)
+	}
+	host, port, _ := strings.Cut(p.s.Addr(), ":")
+	for k, want := range map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_host": host,
+		"tp_size": 2.0, "remote_engine_id": "mock-engine-" + p.s.idPrefix} {
+		if got[k] != want {
+			t.Errorf("%s = %v, want %v", k, got[k], want)
+		}
+	}
+	if blocks, _ := got["remote_block_ids"].([]any); len(blocks) != 2 { // 21 tokens: two blocks of 16
+		t.Errorf("remote_block_ids %v, want 2", got["remote_block_ids"])
+	}
+	if got["remote_port"] != json.Number(port) && got["remote_port"] != mustFloat(port) {
+		t.Errorf("remote_port %v, want %s", got["remote_port"], port)
+	}
+	if held := p.s.VLLMHeldKV(); len(held) != 1 || held[0].XRequestID != "rid-1" {
+		t.Fatalf("held %+v", held)
+	}
+
+	req := `{"model":"mock","prompt":"` + strings.Repeat("w ", 20) + `","kv_transfer_params":` + string(params) + `}`
+	if status, _, body := d.post("/v1/completions", req, "X-Request-Id", "rid-1"); status != 200 {
+		t.Fatalf("decode: %d %s", status, body)
+	}
+	if held := p.s.VLLMHeldKV(); len(held) != 0 {
+		t.Errorf("a pulled request's blocks are still held: %+v", held)
+	}
+	if pulls := d.s.VLLMPulls(); len(pulls) != 1 || pulls[0].Error != "" || pulls[0].XRequestID != "rid-1" {
+		t.Errorf("pulls %+v", pulls)
+	}
+	// The KV went to one decode: a second pull of it is refused.
+	if status, _, body := d.post("/v1/completions", req, "X-Request-Id", "rid-1"); status != 500 || !strings.Contains(string(body), "no KV held") {
+		t.Errorf("second decode of the same KV: %d %s", status, body)
+	}
+}
+
+func mustFloat(s string) float64 {
+	var f float64
+	_ = json.Unmarshal([]byte(s), &f)
+	return f
+}
+
+func TestVLLMDecodeRefusesParamsNamingNoReachablePrefill(t *testing.T) {
+	p := start(t, Config{Role: RoleVLLMPrefill})
+	d := start(t, Config{Role: RoleVLLMDecode})
+	params := vllmPrefill(t, p, "a b c", "rid-2")
+	var good map[string]any
+	_ = json.Unmarshal(params, &good)
+	with := func(k string, v any) string {
+		m := map[string]any{}
+		for k, v := range good {
+			m[k] = v
+		}
+		if v == nil {
+			delete(m, k)
+		} else {
+			m[k] = v
+		}
+		b, _ := json.Marshal(m)
+		return string(b)
+	}
+	for _, c := range []struct {
+		name, params, xid string
+		status            int
+		want              string
+	}{
+		{"none", `null`, "rid-2", 400, "no kv_transfer_params"},
+		{"prefill's own ask", `{"do_remote_decode":true}`, "rid-2", 400, "do_remote_prefill"},
+		{"no engine", with("remote_engine_id", nil), "rid-2", 400, "remote_engine_id"},
+		{"no blocks", with("remote_block_ids", nil), "rid-2", 400, "remote_block_ids"},
+		{"bad port", with("remote_port", "x"), "rid-2", 400, "remote_port"},
+		{"no tp_size", with("tp_size", nil), "rid-2", 400, "tp_size"},
+		{"unreachable", with("remote_port", 1), "rid-2", 500, "unreachable"},
+		{"other engine", with("remote_engine_id", "other"), "rid-2", 500, "engine"},
+		{"other blocks", with("remote_block_ids", []int{99}), "rid-2", 500, "blocks"},
+		{"other request id", good2(with), "rid-2", 500, "no KV held"},
+		{"other X-Request-Id", string(params), "rid-x", 500, "X-Request-Id"},
+	} {
+		status, _, body := d.post("/v1/chat/completions", `{"messages":[{"role":"user","content":"a b c"}],"kv_transfer_params":`+c.params+`}`, "X-Request-Id", c.xid)
+		if status != c.status || !strings.Contains(string(body), c.want) {
+			t.Errorf("%s: %d %s, want %d naming %q", c.name, status, body, c.status, c.want)
+		}
+	}
+	// Nothing above pulled the KV: the prefill still holds it; KV of
+	// another prompt is refused and frees it.
+	if held := p.s.VLLMHeldKV(); len(held) != 1 {
+		t.Fatalf("held %+v", held)
+	}
+	status, _, body := d.post("/v1/completions", `{"prompt":"x y z","kv_transfer_params":`+string(params)+`}`, "X-Request-Id", "rid-2")
+	if status != 500 || !strings.Contains(string(body), "another prompt") {
+		t.Errorf("another prompt's KV: %d %s", status, body)
+	}
+	if n := len(d.s.VLLMPulls()); n != 12 {
+		t.Errorf("%d pulls recorded, want 12", n)
+	}
+}
+
+func good2(with func(string, any) string) string { return with("remote_request_id", "cmpl-other") }
+
+func TestVLLMPrefillFreesUnclaimedKVAfterTheTimeout(t *testing.T) {
+	p := start(t, Config{Role: RoleVLLMPrefill, VLLMKVTimeout: 50 * time.Millisecond})
+	vllmPrefill(t, p, "a", "rid-3")
+	deadline := time.Now().Add(5 * time.Second)
+	for len(p.s.VLLMHeldKV()) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("KV still held after the timeout")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestVLLMRolesServeNoSGLangEndpoints(t *testing.T) {
+	for _, role := range []Role{RoleVLLMPrefill, RoleVLLMDecode} {
+		h := start(t, Config{Role: role})
+		for _, path := range []string{"/get_server_info", "/server_info", "/get_load", "/v1/loads", "/get_model_info", "/health_generate"} {
+			if status, _ := h.get(path); status != http.StatusNotFound {
+				t.Errorf("%s GET %s: %d, want 404", role, path, status)
+			}
+		}
+		if status, _, _ := h.post("/generate", `{"text":"a"}`); status != http.StatusNotFound {
+			t.Errorf("%s POST /generate: %d, want 404", role, status)
+		}
+		if status, _ := h.get("/health"); status != 200 {
+			t.Errorf("%s /health: %d", role, status)
+		}
+	}
+	// A prefill asked for no remote decode is a plain vLLM server: no
+	// params, no KV held, max_tokens honoured.
+	h := start(t, Config{Role: RoleVLLMPrefill, Tokens: 5})
+	status, _, body := h.post("/v1/completions", `{"prompt":"a","max_tokens":3}`)
+	if status != 200 || strings.Contains(string(body), "kv_transfer_params") || !strings.Contains(string(body), `"completion_tokens":3`) {
+		t.Errorf("plain request: %d %s", status, body)
+	}
+	if len(h.s.VLLMHeldKV()) != 0 {
+		t.Error("KV held for a request that asked for none")
+	}
+}
+
+// The decode keeps its last RecordLimit pulls, and Reset clears them.
+func TestVLLMPullsAreBounded(t *testing.T) {
+	d := start(t, Config{Role: RoleVLLMDecode, RecordLimit: 2})
+	for _, xid := range []string{"a", "b", "c"} {
+		d.post("/v1/completions", `{"prompt":"a","kv_transfer_params":null}`, "X-Request-Id", xid)
+	}
+	if pulls := d.s.VLLMPulls(); len(pulls) != 2 || pulls[0].XRequestID != "b" || pulls[1].XRequestID != "c" {
+		t.Errorf("pulls %+v, want b and c", pulls)
+	}
+	d.s.Reset()
+	if n := len(d.s.VLLMPulls()); n != 0 {
+		t.Errorf("%d pulls after Reset", n)
+	}
+}
