@@ -205,6 +205,7 @@ func outlierManagerOpen(t *testing.T, ejection time.Duration, urls ...string) (*
 		if err != nil {
 			t.Fatal(err)
 		}
+		met.instrument(w)
 		ws[i], _ = m.reg.Add(w)
 	}
 	if err := m.Start(); err != nil {

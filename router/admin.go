@@ -83,13 +83,17 @@ func (s *Server) addWorker(ctx *fasthttp.RequestCtx) {
 	case errors.Is(err, balancer.ErrWorkerExists):
 		adminError(ctx, 409, "WORKER_EXISTS", err.Error())
 		return
+	case errors.Is(err, balancer.ErrTooManyPending):
+		adminError(ctx, 503, "TOO_MANY_PENDING", err.Error())
+		return
 	case err != nil:
 		adminError(ctx, 400, "BAD_REQUEST", err.Error())
 		return
 	}
 	loc := "/workers/" + id
 	ctx.Response.Header.Set("Location", loc)
-	writeJSON(ctx, 202, map[string]string{"status": "accepted", "worker_id": id, "url": spec.URL,
+	wi, _ := s.manager.Get(id) // the URL as registered: canonical, without userinfo
+	writeJSON(ctx, 202, map[string]string{"status": "accepted", "worker_id": id, "url": wi.URL,
 		"location": loc, "message": "Worker addition queued for background processing"})
 }
 
