@@ -44,8 +44,9 @@ type BreakerConfig struct {
 	// 100 and more: no cap.
 	MaxEjectionPercent int
 	// StallTimeout: a worker with requests waiting this long for a reply
-	// head, and none answered meanwhile, is suspect (policies steer around
-	// it) and is ejected if a health probe fails too. 0: off.
+	// head, none answered and no probe passed meanwhile, is suspect
+	// (policies steer around it) and is ejected if its probe failed too;
+	// a failing probe makes it suspect sooner (outlier.go). 0: off.
 	StallTimeout time.Duration
 	Disabled     bool
 }

@@ -3,7 +3,6 @@ package balancer
 import (
 	"context"
 	"maps"
-	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -18,12 +17,9 @@ import (
 //  3. else (a miss) the least-loaded worker, ties rotated so a burst of misses
 //     spreads instead of piling onto one worker;
 //
-// and records the text under the chosen worker. Loads are in-flight counts,
-// a suspect worker's (requests unanswered past the stall timeout) raised
-// by suspectLoad: it stops taking cache hits and is never least loaded
-// while another worker answers. One tree per model, each
-// bounded in bytes by MaxTreeSize; removed workers are swept out every
-// EvictionInterval (Run).
+// and records the text under the chosen worker. Loads are in-flight counts.
+// One tree per model, each bounded in bytes by MaxTreeSize; removed
+// workers are swept out every EvictionInterval (Run).
 type CacheAware struct {
 	opts     PolicyOptions
 	branches branchCounters
@@ -81,9 +77,6 @@ func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 		if matched, n := t.tree.match(text); len(text) > 0 && float64(matched)/float64(len(text)) > c.opts.CacheThreshold {
 			pick = cand.bestTenant(workers, n.tenants)
 		}
-		if pick >= 0 && workers[pick].Suspect() && minL < suspectLoad {
-			pick = -1 // only suspects hold the prefix: a worker that answers takes it
-		}
 		if pick >= 0 {
 			c.branches.inc("hit")
 		} else {
@@ -112,37 +105,28 @@ func servedModel(workers []*Worker, model string) string {
 	return ""
 }
 
-// loadStats returns the min balance load, how many have it, and the max
-// over the workers that answer (all of them when none does): a suspect's
-// penalty must not make the pool look imbalanced and cost everyone hits.
+// loadStats returns the min load, how many have it, and the max load.
 func loadStats(workers []*Worker) (lo, hi int64, ties int) {
-	lo, ties = workers[0].balanceLoad(), 0
-	hiAll, hiAnswering := lo, int64(math.MinInt64)
+	lo, hi = workers[0].Load(), workers[0].Load()
 	for _, w := range workers {
-		l := w.balanceLoad()
+		l := w.Load()
 		switch {
 		case l < lo:
 			lo, ties = l, 1
 		case l == lo:
 			ties++
 		}
-		hiAll = max(hiAll, l)
-		if l < suspectLoad {
-			hiAnswering = max(hiAnswering, l)
-		}
+		hi = max(hi, l)
 	}
-	if lo >= suspectLoad { // every worker is suspect
-		return lo, hiAll, ties
-	}
-	return lo, hiAnswering, ties
+	return lo, hi, ties
 }
 
 // leastLoaded picks, in rotation, one of the workers at the minimum load.
 func (c *CacheAware) leastLoaded(workers []*Worker, lo int64, ties int) int {
 	k := int(c.rot.Add(1) % uint64(ties))
-	best, bestLoad := 0, workers[0].balanceLoad()
+	best, bestLoad := 0, workers[0].Load()
 	for i, w := range workers {
-		l := w.balanceLoad()
+		l := w.Load()
 		if l <= lo {
 			if k == 0 {
 				return i
@@ -164,7 +148,7 @@ func (cd *candidates) bestTenant(workers []*Worker, tenants []uint32) int {
 			continue
 		}
 		i := int(cd.pos[id] - 1)
-		if l := workers[i].balanceLoad(); best < 0 || l < bestLoad {
+		if l := workers[i].Load(); best < 0 || l < bestLoad {
 			best, bestLoad = i, l
 		}
 	}
