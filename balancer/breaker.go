@@ -31,8 +31,9 @@ func (s BreakerState) String() string {
 // breaker is the router's outlier detection, as Envoy's: consecutive
 // failures (5xx, connect failures, timeouts, broken bodies) or a confirmed
 // stall eject a worker; the k-th ejection in a row lasts k × OpenDuration
-// (base_ejection_time) up to MaxOpenDuration (max_ejection_time); and no
-// worker is ejected while MaxEjectionPercent of its pool is unavailable.
+// (base_ejection_time) up to MaxOpenDuration (max_ejection_time), unless
+// health probes end it sooner (recoveryDue, probed); and no worker is
+// ejected while MaxEjectionPercent of its pool is unavailable.
 type BreakerConfig struct {
 	FailureThreshold int
 	SuccessThreshold int
@@ -67,7 +68,9 @@ type Breaker struct {
 	word     atomic.Uint64    // state<<62 | failures<<31 | successes
 	openedAt atomic.Int64     // unix nanos; written before the CAS that opens
 	openFor  atomic.Int64     // this ejection's duration; written with openedAt
-	gated    atomic.Bool      // ejected for a stall: stays open past openFor until a probe passes
+	gated    atomic.Bool      // stays open past openFor until a probe passes: a stall, or a recovery probe failed
+	byStall  atomic.Bool      // this ejection is for a stall; written with openedAt
+	streak   atomic.Int64     // this ejection's place in a row (the back-off k); written with openedAt
 	okTotal  atomic.Uint64    // every success ever, read by passive health
 
 	// Under ejectMu: ejections in a row (the back-off multiplier) and when
@@ -225,6 +228,8 @@ func (b *Breaker) eject(v uint64, reason string) bool {
 		return false
 	}
 	b.ejections = k + 1
+	b.streak.Store(k + 1)
+	b.byStall.Store(reason == ejectStall)
 	b.gated.Store(reason == ejectStall)
 	b.transition(st, BreakerOpen)
 	b.ejected(reason, true)
@@ -238,29 +243,38 @@ func (b *Breaker) ejectionTime(k int64) int64 {
 
 func (b *Breaker) expired(now int64) bool { return now-b.openedAt.Load() >= b.openFor.Load() }
 
-// gateDue reports whether the breaker was ejected for a stall and its time
-// is up: a probe decides (probed) whether it goes half-open.
-func (b *Breaker) gateDue(now int64) bool {
-	return b.gated.Load() && b.State() == BreakerOpen && b.expired(now)
+// recoveryDue reports whether the ejection, which began at opened, has
+// waited long enough at now for a health probe to end it: a stall
+// ejection its whole time; the k-th failure ejection in a row base ×
+// 2^(k-1) of it (base: the detector's sweep period), so that a worker
+// whose fault outside it (a restarted kvproxy) has passed takes a trial
+// within about the outage's length, not the whole ejection time.
+func (b *Breaker) recoveryDue(now int64, base time.Duration) (opened int64, due bool) {
+	if b.State() != BreakerOpen {
+		return 0, false
+	}
+	opened = b.openedAt.Load()
+	wait := b.openFor.Load()
+	if !b.byStall.Load() {
+		wait = min(wait, int64(base)<<min(b.streak.Load()-1, 32))
+	}
+	return opened, now-opened >= wait
 }
 
-// probed ends a stall ejection's time on a passing probe, else ejects the
-// worker again (the next back-off step): a worker still hung then takes
-// no trial request at all.
-func (b *Breaker) probed(ok bool) {
+// probed applies a recovery probe's verdict to the ejection that began at
+// opened: a pass ends it (the next Allow goes half-open), a failure holds
+// it open until one passes, past its time if need be: recovery follows
+// the health of what failed.
+func (b *Breaker) probed(opened int64, ok bool) {
 	ejectMu.Lock()
 	defer ejectMu.Unlock()
-	if !b.gated.Load() || b.State() != BreakerOpen {
-		return
+	if b.State() != BreakerOpen || b.openedAt.Load() != opened {
+		return // over, or a later ejection: not what was probed
 	}
+	b.gated.Store(!ok)
 	if ok {
-		b.gated.Store(false)
-		return
+		b.openFor.Store(min(b.openFor.Load(), b.now().UnixNano()-opened))
 	}
-	b.ejections++
-	b.openedAt.Store(b.now().UnixNano())
-	b.openFor.Store(b.ejectionTime(b.ejections))
-	b.ejected(ejectStall, true)
 }
 
 // Eject opens a closed or half-open breaker at once (a stall confirmed by a

@@ -73,46 +73,49 @@ func (o *outlierState) stalled(now int64, timeout time.Duration) bool {
 	return o.awaiting.Load() > 0 && now-max(o.lastAnswer.Load(), o.awaitSince.Load(), o.probeOKAt.Load()) >= int64(timeout)
 }
 
-// outlierDetector keeps breakers in their pools (for the ejection cap) and
-// sweeps the workers for stalls: a worker that stops answering
-// (SIGSTOPped, wedged) holds its requests until the request timeout, long
-// before a consecutive-failure count sees anything.
+// outlierDetector keeps breakers in their pools (for the ejection cap),
+// sweeps the workers for stalls, and probes ejected workers to end their
+// ejections (Breaker.recoveryDue, Breaker.probed).
 //
-// A worker whose requests have waited a sweep period with no reply head
-// (a short stall) is probed, at most once a period. It is suspect, and
-// every policy steers around it (Snapshot.Available), when its health
-// probe fails or hangs past a period during a short stall, or when the
-// stall lasts the stall timeout with no probe passing meanwhile; a passing
-// probe restarts the stall clock, so a worker busy with long non-streamed
-// generations is not suspect. A stall of the full timeout whose last probe
-// failed ejects the worker (Breaker.Eject, within the pool's cap; asked
-// once per failed probe). Such an
-// ejection ends on a passing probe only (a failing one ejects the worker
-// again), so a worker still hung takes no trial request. Without probes
-// (health checks disabled) a stall of the full timeout only steers.
+// Stalls: a worker that stops answering (SIGSTOPped, wedged) holds its
+// requests until the request timeout, long before a consecutive-failure
+// count sees anything. A worker whose requests have waited a sweep period
+// without a reply head (a short stall) is probed, at most once a period.
+// It is suspect, and every policy steers around it (Snapshot.Available),
+// when its health probe fails or hangs past a period during a short stall,
+// or when the stall lasts the stall timeout with no probe passing
+// meanwhile; a passing probe restarts the stall clock, so a worker busy
+// with long non-streamed generations is not suspect. A stall of the full
+// timeout whose last probe failed ejects the worker (Breaker.Eject, within
+// the pool's cap; asked once per failed probe). Without probes (health
+// checks disabled) a stall of the full timeout only steers.
 type outlierDetector struct {
 	reg    *Registry
 	client *http.Client
-	stall  time.Duration
+	stall  time.Duration // 0: no stall detection
 	period time.Duration // between sweeps; also the short stall
 	health HealthConfig
 	probes sync.WaitGroup
 }
 
 // newOutlierDetector puts the registry's breakers in their pools from now
-// on; it returns nil when stall detection is off.
+// on; it returns nil when there is nothing to sweep for: no stall
+// detection and no probes.
 func newOutlierDetector(cfg ManagerConfig, reg *Registry, client *http.Client) *outlierDetector {
 	reg.OnChange(func(s *Snapshot) {
 		for _, w := range s.All {
 			w.Breaker.joinPool(reg, w.Type)
 		}
 	})
-	if cfg.Breaker.StallTimeout <= 0 {
+	stall := max(cfg.Breaker.StallTimeout, 0)
+	if stall == 0 && cfg.Health.Disabled {
 		return nil
 	}
-	stall := cfg.Breaker.StallTimeout
-	return &outlierDetector{reg: reg, client: client, stall: stall, health: cfg.Health,
-		period: min(max(stall/5, 50*time.Millisecond), time.Second, stall)}
+	period := time.Second
+	if stall > 0 {
+		period = min(max(stall/5, 50*time.Millisecond), period, stall)
+	}
+	return &outlierDetector{reg: reg, client: client, stall: stall, health: cfg.Health, period: period}
 }
 
 // run sweeps every period (a fifth of the stall timeout, 50 ms to 1 s)
@@ -122,32 +125,42 @@ func (d *outlierDetector) run(ctx context.Context) {
 	d.probes.Wait()
 }
 
-// sweep marks workers suspect or not, probes short stalls, ejects long
-// ones whose probe failed, and probes a stall-ejected worker when its time
-// is up.
+// sweep probes ejected workers whose recovery is due and checks each
+// worker for a stall.
 func (d *outlierDetector) sweep(ctx context.Context, now int64) {
 	for _, w := range d.reg.Snapshot().All {
 		b := w.Breaker
 		if b == nil {
 			continue
 		}
-		o := &b.out
-		short, long := o.stalled(now, d.period), o.stalled(now, d.stall)
-		hanging := o.probing.Load() && now-o.probedAt.Load() >= int64(d.period)
-		suspect := long || short && (o.probeFailing.Load() || hanging)
-		if suspect != o.suspect.Load() {
-			o.suspect.Store(suspect)
+		open := b.State() == BreakerOpen
+		if opened, due := b.recoveryDue(now, d.period); open && due && now-b.out.probedAt.Load() >= int64(d.period) {
+			d.probe(ctx, w, now, func(ok bool) { b.probed(opened, ok) })
 		}
-		switch {
-		case b.gateDue(now):
-			d.probe(ctx, w, now, b.probed)
-		case b.State() == BreakerOpen:
-		case long && o.probeFailing.Load() && o.ejectAsked.Load() != o.probedAt.Load():
-			o.ejectAsked.Store(o.probedAt.Load()) // once per failed probe: a refusal is counted once
-			b.Eject()
-		case short && now-o.probedAt.Load() >= int64(d.period):
-			d.probe(ctx, w, now, nil)
+		if d.stall > 0 {
+			d.checkStall(ctx, w, now, open)
 		}
+	}
+}
+
+// checkStall marks w suspect or not, probes a short stall, and ejects a
+// long one whose probe failed.
+func (d *outlierDetector) checkStall(ctx context.Context, w *Worker, now int64, open bool) {
+	b := w.Breaker
+	o := &b.out
+	short, long := o.stalled(now, d.period), o.stalled(now, d.stall)
+	hanging := o.probing.Load() && now-o.probedAt.Load() >= int64(d.period)
+	suspect := long || short && (o.probeFailing.Load() || hanging)
+	if suspect != o.suspect.Load() {
+		o.suspect.Store(suspect)
+	}
+	switch {
+	case open:
+	case long && o.probeFailing.Load() && o.ejectAsked.Load() != o.probedAt.Load():
+		o.ejectAsked.Store(o.probedAt.Load()) // once per failed probe: a refusal is counted once
+		b.Eject()
+	case short && now-o.probedAt.Load() >= int64(d.period):
+		d.probe(ctx, w, now, nil)
 	}
 }
 
