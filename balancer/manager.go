@@ -545,10 +545,13 @@ func (m *Manager) lookup(idOrURL string) *Worker {
 }
 
 // lookupAll finds a worker by id or URL, or every DP rank of an engine by
-// its base URL.
+// its base URL or by the id its registration returned (rank 0's).
 func (m *Manager) lookupAll(idOrURL string) []*Worker {
 	s := m.reg.Snapshot()
 	if w := s.ByID(idOrURL); w != nil {
+		if w.DPSize > 0 && w.DPRank == 0 {
+			return s.ByBaseURL(w.BaseURL)
+		}
 		return []*Worker{w}
 	}
 	for _, u := range urlKeys(idOrURL) {
