@@ -72,6 +72,7 @@ type Breaker struct {
 	byStall  atomic.Bool      // this ejection is for a stall; written with openedAt
 	streak   atomic.Int64     // this ejection's place in a row (the back-off k); written with openedAt
 	okTotal  atomic.Uint64    // every success ever, read by passive health
+	trialAt  atomic.Int64     // unix nanos a half-open trial was last offered
 
 	// Under ejectMu: ejections in a row (the back-off multiplier) and when
 	// the breaker last closed, from which the multiplier decays.
@@ -121,8 +122,8 @@ func NewBreaker(cfg BreakerConfig) *Breaker {
 
 // Allow reports whether a request may go to the worker, moving open to
 // half-open once the open duration has passed. Half-open admits one trial
-// at a time (while no request waits for a reply head), so a worker that
-// still does not answer holds one request, not its share of traffic.
+// at a time (trialsFree), so a worker that still does not answer holds one
+// request, not its share of traffic.
 func (b *Breaker) Allow() bool {
 	if b.cfg.Disabled {
 		return true
@@ -143,7 +144,21 @@ func (b *Breaker) Allow() bool {
 	return b.trialsFree()
 }
 
-func (b *Breaker) trialsFree() bool { return b.out.awaiting.Load() == 0 }
+// trialsFree offers a half-open breaker's one trial: to one caller at a
+// time, while no request waits for a reply head, and then not again for
+// trialHold, which covers the pick and the send that follow (so callers
+// racing each other cannot all take it). A pick that chose another
+// worker leaves the trial unused until then.
+func (b *Breaker) trialsFree() bool {
+	if b.out.awaiting.Load() != 0 {
+		return false
+	}
+	now, last := b.now().UnixNano(), b.trialAt.Load()
+	return now-last >= int64(trialHold) && b.trialAt.CompareAndSwap(last, now)
+}
+
+// trialHold: see trialsFree.
+const trialHold = 100 * time.Millisecond
 
 // Record feeds one request outcome into the breaker. What counts as success
 // is the caller's call (PD: 2xx or 4xx; regular: 2xx).

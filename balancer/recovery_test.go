@@ -1,6 +1,8 @@
 package balancer
 
 import (
+	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -106,6 +108,36 @@ func TestFailureEjectionWithoutProbesLastsItsTime(t *testing.T) {
 		after(time.Second)
 		if !w.Available() {
 			t.Fatal("not half-open after the 60 s")
+		}
+	})
+}
+
+// A half-open breaker offers its trial to one of many concurrent callers,
+// and again only once the trial's hold has passed.
+func TestHalfOpenAdmitsOneTrialUnderConcurrency(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		b := NewBreaker(BreakerConfig{FailureThreshold: 1, SuccessThreshold: 3, OpenDuration: time.Second})
+		b.Record(false)
+		time.Sleep(time.Second)
+		var admitted atomic.Int32
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for range 16 {
+			wg.Go(func() {
+				<-start
+				if b.Allow() {
+					admitted.Add(1)
+				}
+			})
+		}
+		close(start)
+		wg.Wait()
+		if n := admitted.Load(); n != 1 || b.State() != BreakerHalfOpen {
+			t.Fatalf("%d of 16 concurrent callers admitted (state %v), want 1", n, b.State())
+		}
+		time.Sleep(trialHold)
+		if !b.Allow() {
+			t.Fatal("no trial offered once the hold passed")
 		}
 	})
 }

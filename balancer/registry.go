@@ -32,19 +32,24 @@ func (s *Snapshot) ByBaseURL(base string) []*Worker { return s.byBase[base] }
 func (s *Snapshot) Available(t WorkerType) []*Worker {
 	ws := s.ByType[t]
 	for i, w := range ws {
-		if !w.Available() || w.Suspect() {
-			return available(ws, i)
+		if ok := w.Available(); !ok || w.Suspect() {
+			return available(ws, i, ok)
 		}
 	}
 	return ws
 }
 
-// available is Available's slow path: ws[:first] are in, ws[first] may not be.
-func available(ws []*Worker, first int) []*Worker {
+// available is Available's slow path: ws[:first] are in, ws[first] is out
+// or, when firstOK, suspect. Each worker's Available is asked once: a
+// half-open breaker offers its trial to one caller only.
+func available(ws []*Worker, first int, firstOK bool) []*Worker {
 	out := make([]*Worker, first, len(ws))
 	copy(out, ws[:first])
 	var suspects []*Worker
-	for _, w := range ws[first:] {
+	if firstOK {
+		suspects = append(suspects, ws[first])
+	}
+	for _, w := range ws[first+1:] {
 		switch {
 		case !w.Available():
 		case w.Suspect():
