@@ -30,7 +30,8 @@ type CacheAware struct {
 
 	mu   sync.Mutex // guards the tenant table
 	ids  map[string]uint32
-	urls []string // by tenant id
+	urls []string // by tenant id; "" when free
+	free []uint32 // ids forgotten by sweep, reused first: the table is as big as the most workers seen at once
 	dead map[uint32]bool
 }
 
@@ -170,9 +171,7 @@ func (t *cacheTree) candidates(c *CacheAware, workers []*Worker) *candidates {
 	for _, w := range workers {
 		id, ok := c.ids[w.URL]
 		if !ok {
-			id = uint32(len(c.urls))
-			c.ids[w.URL] = id
-			c.urls = append(c.urls, w.URL)
+			id = c.newTenant(w.URL)
 		}
 		delete(c.dead, id) // re-added before the sweep: keep its entries
 		cd.ids = append(cd.ids, id)
@@ -182,6 +181,20 @@ func (t *cacheTree) candidates(c *CacheAware, workers []*Worker) *candidates {
 		cd.pos[id] = int32(i + 1)
 	}
 	return cd
+}
+
+// newTenant gives url an id, a freed one if any. Caller holds c.mu.
+func (c *CacheAware) newTenant(url string) uint32 {
+	var id uint32
+	if n := len(c.free); n > 0 {
+		id, c.free = c.free[n-1], c.free[:n-1]
+		c.urls[id] = url
+	} else {
+		id = uint32(len(c.urls))
+		c.urls = append(c.urls, url)
+	}
+	c.ids[url] = id
+	return id
 }
 
 func (c *CacheAware) tree(model string) *cacheTree {
@@ -232,6 +245,8 @@ func (c *CacheAware) sweep() {
 		if c.dead[id] { // still gone: forget the URL (a later return gets a new id)
 			delete(c.ids, c.urls[id])
 			delete(c.dead, id)
+			c.urls[id] = ""
+			c.free = append(c.free, id)
 		}
 	}
 	c.mu.Unlock()
