@@ -159,6 +159,13 @@ func (w *Worker) Available() bool {
 	return w.st.healthy.Load() && (w.Breaker == nil || w.Breaker.Allow())
 }
 
+// inService reports, without taking a half-open trial, whether the worker
+// is healthy and not ejected.
+func (w *Worker) inService() bool {
+	b := w.Breaker
+	return w.Healthy() && (b == nil || b.cfg.Disabled || !b.isEjected(b.now().UnixNano()))
+}
+
 // Load is the router's in-flight request count for the worker.
 func (w *Worker) Load() int64 { return w.st.load.Load() }
 func (w *Worker) IncLoad()    { w.st.load.Add(1) }
