@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -64,43 +66,49 @@ func TestRemovedWorkersLeaveNoBreakerSeries(t *testing.T) {
 }
 
 // Registrations waiting for their workers are bounded; so are the failed
-// ones kept for GET, the oldest forgotten first.
+// ones kept for GET, the oldest forgotten first. (Workers never up: their
+// probes hang, on synctest's clock.)
 func TestRegistrationJobsBounded(t *testing.T) {
-	m := newTestManager(t, ManagerConfig{StartupTimeout: time.Hour})
-	m.maxPending, m.maxFailed = 3, 2
-	for i := range 3 {
-		if _, err := m.Add(WorkerSpec{URL: fmt.Sprintf("http://127.0.0.1:%d", 1+i)}); err != nil {
-			t.Fatal(err)
+	synctest.Test(t, func(t *testing.T) {
+		client := &http.Client{Transport: &fakeNet{status: map[string]int{}}}
+		m := NewManager(ManagerConfig{Client: client, StartupTimeout: time.Hour})
+		defer m.Stop()
+		m.maxPending, m.maxFailed = 3, 2
+		for i := range 3 {
+			if _, err := m.Add(WorkerSpec{URL: fmt.Sprintf("http://10.0.0.1:%d", 1+i)}); err != nil {
+				t.Fatal(err)
+			}
 		}
-	}
-	if _, err := m.Add(WorkerSpec{URL: "http://127.0.0.1:9"}); !errors.Is(err, ErrTooManyPending) {
-		t.Fatalf("4th pending registration: %v, want ErrTooManyPending", err)
-	}
-	for _, j := range m.jobsSnapshot() {
-		m.Remove(j)
-	}
-	if _, err := m.Add(WorkerSpec{URL: "http://127.0.0.1:9"}); err != nil {
-		t.Fatalf("after removing the pending ones: %v", err)
-	}
+		if _, err := m.Add(WorkerSpec{URL: "http://10.0.0.1:9"}); !errors.Is(err, ErrTooManyPending) {
+			t.Fatalf("4th pending registration: %v, want ErrTooManyPending", err)
+		}
+		for _, j := range m.jobsSnapshot() {
+			m.Remove(j)
+		}
+		if _, err := m.Add(WorkerSpec{URL: "http://10.0.0.1:9"}); err != nil {
+			t.Fatalf("after removing the pending ones: %v", err)
+		}
 
-	m2 := newTestManager(t, ManagerConfig{StartupTimeout: 20 * time.Millisecond})
-	m2.maxFailed = 2
-	var ids []string
-	for i := range 5 {
-		id, _ := m2.Add(WorkerSpec{URL: fmt.Sprintf("http://127.0.0.1:%d", 1+i)})
-		if err := m2.Await(context.Background(), id); err == nil {
-			t.Fatal("registered a worker that is never up")
+		m2 := NewManager(ManagerConfig{Client: client, StartupTimeout: time.Minute})
+		defer m2.Stop()
+		m2.maxFailed = 2
+		var ids []string
+		for i := range 5 {
+			id, _ := m2.Add(WorkerSpec{URL: fmt.Sprintf("http://10.0.0.2:%d", 1+i)})
+			if err := m2.Await(context.Background(), id); err == nil {
+				t.Fatal("registered a worker that is never up")
+			}
+			ids = append(ids, id)
 		}
-		ids = append(ids, id)
-	}
-	if n := len(m2.jobsSnapshot()); n != 2 {
-		t.Fatalf("%d failed jobs kept, want 2", n)
-	}
-	for i, id := range ids {
-		if _, ok := m2.Get(id); ok != (i >= 3) {
-			t.Errorf("failed job %d kept: %v, want only the last two", i, ok)
+		if n := len(m2.jobsSnapshot()); n != 2 {
+			t.Fatalf("%d failed jobs kept, want 2", n)
 		}
-	}
+		for i, id := range ids {
+			if _, ok := m2.Get(id); ok != (i >= 3) {
+				t.Errorf("failed job %d kept: %v, want only the last two", i, ok)
+			}
+		}
+	})
 }
 
 func (m *Manager) jobsSnapshot() []string {

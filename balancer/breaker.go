@@ -64,15 +64,14 @@ func DefaultBreakerConfig() BreakerConfig {
 // breaker opened as one step.
 type Breaker struct {
 	cfg      BreakerConfig
-	now      func() time.Time // injectable clock
-	word     atomic.Uint64    // state<<62 | failures<<31 | successes
-	openedAt atomic.Int64     // unix nanos; written before the CAS that opens
-	openFor  atomic.Int64     // this ejection's duration; written with openedAt
-	gated    atomic.Bool      // stays open past openFor until a probe passes: a stall, or a recovery probe failed
-	byStall  atomic.Bool      // this ejection is for a stall; written with openedAt
-	streak   atomic.Int64     // this ejection's place in a row (the back-off k); written with openedAt
-	okTotal  atomic.Uint64    // every success ever, read by passive health
-	trialAt  atomic.Int64     // unix nanos a half-open trial was last offered
+	word     atomic.Uint64 // state<<62 | failures<<31 | successes
+	openedAt atomic.Int64  // unix nanos; written before the CAS that opens
+	openFor  atomic.Int64  // this ejection's duration; written with openedAt
+	gated    atomic.Bool   // stays open past openFor until a probe passes: a stall, or a recovery probe failed
+	byStall  atomic.Bool   // this ejection is for a stall; written with openedAt
+	streak   atomic.Int64  // this ejection's place in a row (the back-off k); written with openedAt
+	okTotal  atomic.Uint64 // every success ever, read by passive health
+	trialAt  atomic.Int64  // unix nanos a half-open trial was last offered
 
 	// Under ejectMu: ejections in a row (the back-off multiplier) and when
 	// the breaker last closed, from which the multiplier decays.
@@ -117,7 +116,7 @@ func unpack(v uint64) (BreakerState, uint64, uint64) {
 func NewBreaker(cfg BreakerConfig) *Breaker {
 	cfg.FailureThreshold = max(cfg.FailureThreshold, 1)
 	cfg.SuccessThreshold = max(cfg.SuccessThreshold, 1)
-	return &Breaker{cfg: cfg, now: time.Now}
+	return &Breaker{cfg: cfg}
 }
 
 // Allow reports whether a request may go to the worker, moving open to
@@ -135,7 +134,7 @@ func (b *Breaker) Allow() bool {
 	case BreakerHalfOpen:
 		return b.trialsFree()
 	}
-	if !b.expired(b.now().UnixNano()) || b.gated.Load() {
+	if !b.expired(time.Now().UnixNano()) || b.gated.Load() {
 		return false
 	}
 	if b.word.CompareAndSwap(v, pack(BreakerHalfOpen, 0, 0)) {
@@ -153,7 +152,7 @@ func (b *Breaker) trialsFree() bool {
 	if b.out.awaiting.Load() != 0 {
 		return false
 	}
-	now, last := b.now().UnixNano(), b.trialAt.Load()
+	now, last := time.Now().UnixNano(), b.trialAt.Load()
 	return now-last >= int64(trialHold) && b.trialAt.CompareAndSwap(last, now)
 }
 
@@ -219,7 +218,7 @@ func (b *Breaker) eject(v uint64, reason string) bool {
 	ejectMu.Lock()
 	defer ejectMu.Unlock()
 	st, _, _ := unpack(v)
-	now := b.now().UnixNano()
+	now := time.Now().UnixNano()
 	if !b.pool.Load().mayEject(b, now) {
 		if reason == ejectFailures {
 			if !b.word.CompareAndSwap(v, pack(BreakerClosed, uint64(b.cfg.FailureThreshold-1), 0)) {
@@ -288,7 +287,7 @@ func (b *Breaker) probed(opened int64, ok bool) {
 	}
 	b.gated.Store(!ok)
 	if ok {
-		b.openFor.Store(min(b.openFor.Load(), b.now().UnixNano()-opened))
+		b.openFor.Store(min(b.openFor.Load(), time.Now().UnixNano()-opened))
 	}
 }
 
@@ -312,7 +311,7 @@ func (b *Breaker) Eject() bool {
 // closed notes when the breaker closed, from which the back-off decays.
 func (b *Breaker) closed() {
 	ejectMu.Lock()
-	b.closedAt = b.now().UnixNano()
+	b.closedAt = time.Now().UnixNano()
 	ejectMu.Unlock()
 }
 

@@ -6,13 +6,16 @@ import (
 	"net/http"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
 // Each ejection in a row lasts one base time longer, up to the cap; time
 // spent closed walks the multiplier back.
-func TestBreakerEjectionBackoff(t *testing.T) {
-	b, clk, _ := newTestBreaker(1, 1, 10*time.Second)
+func TestBreakerEjectionBackoff(t *testing.T) { synctest.Test(t, testBreakerEjectionBackoff) }
+
+func testBreakerEjectionBackoff(t *testing.T) {
+	b, _ := newTestBreaker(1, 1, 10*time.Second)
 	b.cfg.MaxOpenDuration = 35 * time.Second
 	openFor := func() time.Duration {
 		t.Helper()
@@ -20,11 +23,11 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 		if b.State() != BreakerOpen {
 			t.Fatalf("failure did not eject: %v", b.State())
 		}
-		start := clk.now()
+		start := time.Now()
 		for b.Allow() == false {
-			clk.add(time.Second)
+			time.Sleep(time.Second)
 		}
-		return clk.now().Sub(start)
+		return time.Now().Sub(start)
 	}
 	for i, want := range []time.Duration{10, 20, 30, 35} { // half-open failures: ejections in a row
 		if got := openFor(); got != want*time.Second {
@@ -32,13 +35,13 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 		}
 	}
 	b.Record(true) // closes (success threshold 1)
-	clk.add(25 * time.Second)
+	time.Sleep(25 * time.Second)
 	// 4 in a row, then 2.5 base times closed: 2 steps back, so the next is the 3rd.
 	if got := openFor(); got != 30*time.Second {
 		t.Fatalf("after 25 s closed: ejection lasted %v, want 30 s", got)
 	}
 	b.Record(true)
-	clk.add(time.Hour)
+	time.Sleep(time.Hour)
 	if got := openFor(); got != 10*time.Second {
 		t.Fatalf("after an hour closed: ejection lasted %v, want the base 10 s", got)
 	}
@@ -46,14 +49,14 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 
 // A half-open breaker admits one trial at a time: none while a request
 // waits for a reply head.
-func TestBreakerHalfOpenLimitsTrials(t *testing.T) {
+func TestBreakerHalfOpenLimitsTrials(t *testing.T) { synctest.Test(t, testBreakerHalfOpenLimitsTrials) }
+
+func testBreakerHalfOpenLimitsTrials(t *testing.T) {
 	w := NewWorker("http://10.0.0.1:1", Decode, NoBootstrapPort)
-	clk := &fakeClock{t: time.Unix(1000, 0)}
 	w.Breaker = NewBreaker(BreakerConfig{FailureThreshold: 1, SuccessThreshold: 2, OpenDuration: time.Second})
-	w.Breaker.now = clk.now
 	w.AwaitReply() // stuck since before the ejection
 	w.Record(false)
-	clk.add(time.Second)
+	time.Sleep(time.Second)
 	if w.Available() {
 		t.Fatal("half-open admitted a trial while a request waits for a reply")
 	}
@@ -203,14 +206,16 @@ func TestHealthProbeOfHungWorkerTimesOut(t *testing.T) {
 // back-off decays from then, not from an earlier close (which would count
 // the ejection itself as time spent closed and reset the multiplier).
 func TestBreakerCapCloseRestartsBackoffDecay(t *testing.T) {
+	synctest.Test(t, testBreakerCapCloseRestartsBackoffDecay)
+}
+
+func testBreakerCapCloseRestartsBackoffDecay(t *testing.T) {
 	ws := poolOf(t, 2, BreakerConfig{FailureThreshold: 1, SuccessThreshold: 1, OpenDuration: 10 * time.Second,
 		MaxOpenDuration: 100 * time.Second, MaxEjectionPercent: 50})
-	clk := &fakeClock{t: time.Unix(1000, 0)}
 	b := ws[0].Breaker
-	b.now = clk.now
 	reopen := func(wait time.Duration) {
 		t.Helper()
-		clk.add(wait)
+		time.Sleep(wait)
 		if !b.Allow() || b.State() != BreakerHalfOpen {
 			t.Fatalf("not half-open after %v: %v", wait, b.State())
 		}

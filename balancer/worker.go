@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // WorkerType is the role a worker plays.
@@ -163,7 +164,7 @@ func (w *Worker) Available() bool {
 // is healthy and not ejected.
 func (w *Worker) inService() bool {
 	b := w.Breaker
-	return w.Healthy() && (b == nil || b.cfg.Disabled || !b.isEjected(b.now().UnixNano()))
+	return w.Healthy() && (b == nil || b.cfg.Disabled || !b.isEjected(time.Now().UnixNano()))
 }
 
 // Load is the router's in-flight request count for the worker.
