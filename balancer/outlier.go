@@ -62,7 +62,10 @@ func (w *Worker) ReplyDone(answered bool) {
 			o.suspect.Store(false)
 		}
 	}
-	o.awaiting.Add(-1)
+	held := w.Breaker.trialAt.Load()
+	if o.awaiting.Add(-1) == 0 && held != 0 {
+		w.Breaker.trialAt.CompareAndSwap(held, 0) // a half-open trial is over: the next may go at once
+	}
 }
 
 // Suspect reports whether the worker has had requests waiting for a reply

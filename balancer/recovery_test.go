@@ -141,3 +141,25 @@ func TestHalfOpenAdmitsOneTrialUnderConcurrency(t *testing.T) {
 		}
 	})
 }
+
+// Half-open trials in a row do not wait for the hold: one ends, the next
+// is offered at once.
+func TestHalfOpenTrialsInARow(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := NewWorker("http://10.0.0.1:1", Decode, NoBootstrapPort)
+		w.Breaker = NewBreaker(BreakerConfig{FailureThreshold: 1, SuccessThreshold: 3, OpenDuration: time.Second})
+		w.Record(false)
+		time.Sleep(time.Second)
+		for i := range 3 {
+			if !w.Available() {
+				t.Fatalf("trial %d not offered right after the previous one ended", i+1)
+			}
+			w.AwaitReply()
+			w.ReplyDone(true)
+			w.Record(true)
+		}
+		if w.Breaker.State() != BreakerClosed {
+			t.Fatalf("3 trials in a row: %v, want closed", w.Breaker.State())
+		}
+	})
+}
