@@ -68,8 +68,9 @@ func (w *Worker) ReplyDone(answered bool) {
 	}
 }
 
-// Suspect reports whether the worker has had requests waiting for a reply
-// head longer than the stall timeout, answering none meanwhile.
+// Suspect reports whether the detector's last sweep found the worker
+// stalled (requests waiting for a reply head, none answered) with its
+// probe failing, or past the stall timeout; an answer clears it.
 func (w *Worker) Suspect() bool { return w.Breaker != nil && w.Breaker.out.suspect.Load() }
 
 func (o *outlierState) stalled(now int64, timeout time.Duration) bool {
