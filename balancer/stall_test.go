@@ -40,8 +40,8 @@ func (f *fakeNet) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 // stallPool starts, in the caller's bubble, a manager with the default
-// breaker and health settings (as cfg leaves them) over decode workers at
-// urls, whose probes fn answers with the given status.
+// breaker and health settings (those cfg leaves zero) over one decode
+// worker per status, whose probes the returned fakeNet answers with it.
 func stallPool(t *testing.T, cfg ManagerConfig, status ...int) (*Manager, []*Worker, *fakeNet, *prometheus.Registry) {
 	t.Helper()
 	pr := prometheus.NewRegistry()
