@@ -270,7 +270,7 @@ func (b *Breaker) recoveryDue(now int64, base time.Duration) (opened int64, due 
 	opened = b.openedAt.Load()
 	wait := b.openFor.Load()
 	if !b.byStall.Load() {
-		wait = min(wait, int64(base)<<min(b.streak.Load()-1, 32))
+		wait = min(wait, int64(base)<<min(max(b.streak.Load()-1, 0), 32))
 	}
 	return opened, now-opened >= wait
 }
