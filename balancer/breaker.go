@@ -31,8 +31,9 @@ func (s BreakerState) String() string {
 // breaker is the router's outlier detection, as Envoy's: consecutive
 // failures (5xx, connect failures, timeouts, broken bodies) or a confirmed
 // stall eject a worker; the k-th ejection in a row lasts k × OpenDuration
-// (base_ejection_time) up to MaxOpenDuration (max_ejection_time); and no
-// worker is ejected while MaxEjectionPercent of its pool is unavailable.
+// (base_ejection_time) up to MaxOpenDuration (max_ejection_time), unless
+// health probes end it sooner (recoveryDue, probed); and no worker is
+// ejected while MaxEjectionPercent of its pool is unavailable.
 type BreakerConfig struct {
 	FailureThreshold int
 	SuccessThreshold int
@@ -44,8 +45,9 @@ type BreakerConfig struct {
 	// 100 and more: no cap.
 	MaxEjectionPercent int
 	// StallTimeout: a worker with requests waiting this long for a reply
-	// head, and none answered meanwhile, is suspect (policies steer around
-	// it) and is ejected if a health probe fails too. 0: off.
+	// head, none answered and no probe passed meanwhile, is suspect
+	// (policies steer around it) and is ejected if its probe failed too;
+	// a failing probe makes it suspect sooner (outlier.go). 0: off.
 	StallTimeout time.Duration
 	Disabled     bool
 }
@@ -62,12 +64,14 @@ func DefaultBreakerConfig() BreakerConfig {
 // breaker opened as one step.
 type Breaker struct {
 	cfg      BreakerConfig
-	now      func() time.Time // injectable clock
-	word     atomic.Uint64    // state<<62 | failures<<31 | successes
-	openedAt atomic.Int64     // unix nanos; written before the CAS that opens
-	openFor  atomic.Int64     // this ejection's duration; written with openedAt
-	gated    atomic.Bool      // ejected for a stall: stays open past openFor until a probe passes
-	okTotal  atomic.Uint64    // every success ever, read by passive health
+	word     atomic.Uint64 // state<<62 | failures<<31 | successes
+	openedAt atomic.Int64  // unix nanos; written before the CAS that opens
+	openFor  atomic.Int64  // this ejection's duration; written with openedAt
+	gated    atomic.Bool   // stays open past openFor until a probe passes: a stall, or a recovery probe failed
+	byStall  atomic.Bool   // this ejection is for a stall; written with openedAt
+	streak   atomic.Int64  // this ejection's place in a row (the back-off k); written with openedAt
+	okTotal  atomic.Uint64 // every success ever, read by passive health
+	trialAt  atomic.Int64  // unix nanos a half-open trial was last offered
 
 	// Under ejectMu: ejections in a row (the back-off multiplier) and when
 	// the breaker last closed, from which the multiplier decays.
@@ -112,13 +116,13 @@ func unpack(v uint64) (BreakerState, uint64, uint64) {
 func NewBreaker(cfg BreakerConfig) *Breaker {
 	cfg.FailureThreshold = max(cfg.FailureThreshold, 1)
 	cfg.SuccessThreshold = max(cfg.SuccessThreshold, 1)
-	return &Breaker{cfg: cfg, now: time.Now}
+	return &Breaker{cfg: cfg}
 }
 
 // Allow reports whether a request may go to the worker, moving open to
 // half-open once the open duration has passed. Half-open admits one trial
-// at a time (while no request waits for a reply head), so a worker that
-// still does not answer holds one request, not its share of traffic.
+// at a time (trialsFree), so a worker that still does not answer holds one
+// request, not its share of traffic.
 func (b *Breaker) Allow() bool {
 	if b.cfg.Disabled {
 		return true
@@ -130,7 +134,7 @@ func (b *Breaker) Allow() bool {
 	case BreakerHalfOpen:
 		return b.trialsFree()
 	}
-	if !b.expired(b.now().UnixNano()) || b.gated.Load() {
+	if !b.expired(time.Now().UnixNano()) || b.gated.Load() {
 		return false
 	}
 	if b.word.CompareAndSwap(v, pack(BreakerHalfOpen, 0, 0)) {
@@ -139,7 +143,21 @@ func (b *Breaker) Allow() bool {
 	return b.trialsFree()
 }
 
-func (b *Breaker) trialsFree() bool { return b.out.awaiting.Load() == 0 }
+// trialsFree offers a half-open breaker's one trial: to one caller at a
+// time, while no request waits for a reply head, and then not again for
+// trialHold, which covers the pick and the send that follow (so callers
+// racing each other cannot all take it). A pick that chose another
+// worker leaves the trial unused until then.
+func (b *Breaker) trialsFree() bool {
+	if b.out.awaiting.Load() != 0 {
+		return false
+	}
+	now, last := time.Now().UnixNano(), b.trialAt.Load()
+	return now-last >= int64(trialHold) && b.trialAt.CompareAndSwap(last, now)
+}
+
+// trialHold: see trialsFree.
+const trialHold = 100 * time.Millisecond
 
 // Record feeds one request outcome into the breaker. What counts as success
 // is the caller's call (PD: 2xx or 4xx; regular: 2xx).
@@ -200,7 +218,7 @@ func (b *Breaker) eject(v uint64, reason string) bool {
 	ejectMu.Lock()
 	defer ejectMu.Unlock()
 	st, _, _ := unpack(v)
-	now := b.now().UnixNano()
+	now := time.Now().UnixNano()
 	if !b.pool.Load().mayEject(b, now) {
 		if reason == ejectFailures {
 			if !b.word.CompareAndSwap(v, pack(BreakerClosed, uint64(b.cfg.FailureThreshold-1), 0)) {
@@ -224,6 +242,8 @@ func (b *Breaker) eject(v uint64, reason string) bool {
 		return false
 	}
 	b.ejections = k + 1
+	b.streak.Store(k + 1)
+	b.byStall.Store(reason == ejectStall)
 	b.gated.Store(reason == ejectStall)
 	b.transition(st, BreakerOpen)
 	b.ejected(reason, true)
@@ -237,29 +257,38 @@ func (b *Breaker) ejectionTime(k int64) int64 {
 
 func (b *Breaker) expired(now int64) bool { return now-b.openedAt.Load() >= b.openFor.Load() }
 
-// gateDue reports whether the breaker was ejected for a stall and its time
-// is up: a probe decides (probed) whether it goes half-open.
-func (b *Breaker) gateDue(now int64) bool {
-	return b.gated.Load() && b.State() == BreakerOpen && b.expired(now)
+// recoveryDue reports whether the ejection, which began at opened, has
+// waited long enough at now for a health probe to end it: a stall
+// ejection its whole time; the k-th failure ejection in a row base ×
+// 2^(k-1) of it (base: the detector's sweep period), so that a worker
+// whose fault outside it (a restarted kvproxy) has passed takes a trial
+// within about the outage's length, not the whole ejection time.
+func (b *Breaker) recoveryDue(now int64, base time.Duration) (opened int64, due bool) {
+	if b.State() != BreakerOpen {
+		return 0, false
+	}
+	opened = b.openedAt.Load()
+	wait := b.openFor.Load()
+	if !b.byStall.Load() {
+		wait = min(wait, int64(base)<<min(max(b.streak.Load()-1, 0), 32))
+	}
+	return opened, now-opened >= wait
 }
 
-// probed ends a stall ejection's time on a passing probe, else ejects the
-// worker again (the next back-off step): a worker still hung then takes
-// no trial request at all.
-func (b *Breaker) probed(ok bool) {
+// probed applies a recovery probe's verdict to the ejection that began at
+// opened: a pass ends it (the next Allow goes half-open), a failure holds
+// it open until one passes, past its time if need be: recovery follows
+// the health of what failed.
+func (b *Breaker) probed(opened int64, ok bool) {
 	ejectMu.Lock()
 	defer ejectMu.Unlock()
-	if !b.gated.Load() || b.State() != BreakerOpen {
-		return
+	if b.State() != BreakerOpen || b.openedAt.Load() != opened {
+		return // over, or a later ejection: not what was probed
 	}
+	b.gated.Store(!ok)
 	if ok {
-		b.gated.Store(false)
-		return
+		b.openFor.Store(min(b.openFor.Load(), time.Now().UnixNano()-opened))
 	}
-	b.ejections++
-	b.openedAt.Store(b.now().UnixNano())
-	b.openFor.Store(b.ejectionTime(b.ejections))
-	b.ejected(ejectStall, true)
 }
 
 // Eject opens a closed or half-open breaker at once (a stall confirmed by a
@@ -282,7 +311,7 @@ func (b *Breaker) Eject() bool {
 // closed notes when the breaker closed, from which the back-off decays.
 func (b *Breaker) closed() {
 	ejectMu.Lock()
-	b.closedAt = b.now().UnixNano()
+	b.closedAt = time.Now().UnixNano()
 	ejectMu.Unlock()
 }
 

@@ -3,32 +3,23 @@ package balancer
 import (
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *fakeClock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-func (c *fakeClock) add(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
-
-func newTestBreaker(fail, ok int, open time.Duration) (*Breaker, *fakeClock, *[]string) {
-	clk := &fakeClock{t: time.Unix(1000, 0)}
+// newTestBreaker is a breaker recording its transitions; tests of its
+// timing run in a synctest bubble.
+func newTestBreaker(fail, ok int, open time.Duration) (*Breaker, *[]string) {
 	b := NewBreaker(BreakerConfig{FailureThreshold: fail, SuccessThreshold: ok, OpenDuration: open})
-	b.now = clk.now
 	var trans []string
 	b.onTransition = func(from, to BreakerState) { trans = append(trans, from.String()+">"+to.String()) }
-	return b, clk, &trans
+	return b, &trans
 }
 
-func TestBreakerLifecycle(t *testing.T) {
-	b, clk, trans := newTestBreaker(3, 2, time.Minute)
+func TestBreakerLifecycle(t *testing.T) { synctest.Test(t, testBreakerLifecycle) }
+
+func testBreakerLifecycle(t *testing.T) {
+	b, trans := newTestBreaker(3, 2, time.Minute)
 	b.Record(false)
 	b.Record(false)
 	b.Record(true) // a success resets the consecutive count
@@ -44,11 +35,11 @@ func TestBreakerLifecycle(t *testing.T) {
 	if b.State() != BreakerOpen || b.Allow() {
 		t.Fatal("3 consecutive failures did not open")
 	}
-	clk.add(59 * time.Second)
+	time.Sleep(59 * time.Second)
 	if b.Allow() {
 		t.Fatal("allowed before the open duration")
 	}
-	clk.add(time.Second)
+	time.Sleep(time.Second)
 	if !b.Allow() || b.State() != BreakerHalfOpen {
 		t.Fatalf("not half-open after the open duration: %v", b.State())
 	}
@@ -56,7 +47,7 @@ func TestBreakerLifecycle(t *testing.T) {
 	if b.State() != BreakerOpen || b.Allow() {
 		t.Fatal("half-open failure did not reopen")
 	}
-	clk.add(time.Minute)
+	time.Sleep(time.Minute)
 	b.Allow()
 	b.Record(true)
 	if b.State() != BreakerHalfOpen {
@@ -93,7 +84,7 @@ func TestBreakerDisabledCountsSuccesses(t *testing.T) {
 
 // Concurrent failures open the breaker exactly once.
 func TestBreakerConcurrentOpenOnce(t *testing.T) {
-	b, _, _ := newTestBreaker(50, 1, time.Minute)
+	b, _ := newTestBreaker(50, 1, time.Minute)
 	var mu sync.Mutex
 	opens := 0
 	b.onTransition = func(_, to BreakerState) {

@@ -22,6 +22,7 @@ type Bucket struct {
 
 	mu      sync.Mutex
 	slots   map[string]int // per-URL index into chars
+	free    []int          // slots of removed workers, reused first
 	chars   []int64        // characters routed per slot since the last adjustment
 	cand    []*Worker      // last candidate list and its slots, reused while unchanged
 	candIdx []int
@@ -71,13 +72,32 @@ func (b *Bucket) slotsFor(workers []*Worker) []int {
 	for i, w := range workers {
 		s, ok := b.slots[w.URL]
 		if !ok {
-			s = len(b.chars)
+			if n := len(b.free); n > 0 {
+				s, b.free = b.free[n-1], b.free[:n-1]
+				b.chars[s] = 0
+			} else {
+				s = len(b.chars)
+				b.chars = append(b.chars, 0)
+			}
 			b.slots[w.URL] = s
-			b.chars = append(b.chars, 0)
 		}
 		b.candIdx[i] = s
 	}
 	return b.candIdx
+}
+
+// WorkersChanged frees the slots of workers that left the registry, so
+// slots do not grow with every URL ever seen.
+func (b *Bucket) WorkersChanged(s *Snapshot) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for url, slot := range b.slots {
+		if s.ByURL(url) == nil {
+			delete(b.slots, url)
+			b.free = append(b.free, slot)
+			b.cand = nil // its slots may be reused
+		}
+	}
 }
 
 func (b *Bucket) pick(workers []*Worker, idx []int, n int) int {

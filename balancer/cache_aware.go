@@ -3,7 +3,6 @@ package balancer
 import (
 	"context"
 	"maps"
-	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -18,12 +17,9 @@ import (
 //  3. else (a miss) the least-loaded worker, ties rotated so a burst of misses
 //     spreads instead of piling onto one worker;
 //
-// and records the text under the chosen worker. Loads are in-flight counts,
-// a suspect worker's (requests unanswered past the stall timeout) raised
-// by suspectLoad: it stops taking cache hits and is never least loaded
-// while another worker answers. One tree per model, each
-// bounded in bytes by MaxTreeSize; removed workers are swept out every
-// EvictionInterval (Run).
+// and records the text under the chosen worker. Loads are in-flight counts.
+// One tree per model, each bounded in bytes by MaxTreeSize; removed
+// workers are swept out every EvictionInterval (Run).
 type CacheAware struct {
 	opts     PolicyOptions
 	branches branchCounters
@@ -34,7 +30,8 @@ type CacheAware struct {
 
 	mu   sync.Mutex // guards the tenant table
 	ids  map[string]uint32
-	urls []string // by tenant id
+	urls []string // by tenant id; "" when free
+	free []uint32 // ids forgotten by sweep, reused first: the table is as big as the most workers seen at once
 	dead map[uint32]bool
 }
 
@@ -81,9 +78,6 @@ func (c *CacheAware) Select(workers []*Worker, req *Request) (*Worker, error) {
 		if matched, n := t.tree.match(text); len(text) > 0 && float64(matched)/float64(len(text)) > c.opts.CacheThreshold {
 			pick = cand.bestTenant(workers, n.tenants)
 		}
-		if pick >= 0 && workers[pick].Suspect() && minL < suspectLoad {
-			pick = -1 // only suspects hold the prefix: a worker that answers takes it
-		}
 		if pick >= 0 {
 			c.branches.inc("hit")
 		} else {
@@ -112,37 +106,28 @@ func servedModel(workers []*Worker, model string) string {
 	return ""
 }
 
-// loadStats returns the min balance load, how many have it, and the max
-// over the workers that answer (all of them when none does): a suspect's
-// penalty must not make the pool look imbalanced and cost everyone hits.
+// loadStats returns the min load, how many have it, and the max load.
 func loadStats(workers []*Worker) (lo, hi int64, ties int) {
-	lo, ties = workers[0].balanceLoad(), 0
-	hiAll, hiAnswering := lo, int64(math.MinInt64)
+	lo, hi = workers[0].Load(), workers[0].Load()
 	for _, w := range workers {
-		l := w.balanceLoad()
+		l := w.Load()
 		switch {
 		case l < lo:
 			lo, ties = l, 1
 		case l == lo:
 			ties++
 		}
-		hiAll = max(hiAll, l)
-		if l < suspectLoad {
-			hiAnswering = max(hiAnswering, l)
-		}
+		hi = max(hi, l)
 	}
-	if lo >= suspectLoad { // every worker is suspect
-		return lo, hiAll, ties
-	}
-	return lo, hiAnswering, ties
+	return lo, hi, ties
 }
 
 // leastLoaded picks, in rotation, one of the workers at the minimum load.
 func (c *CacheAware) leastLoaded(workers []*Worker, lo int64, ties int) int {
 	k := int(c.rot.Add(1) % uint64(ties))
-	best, bestLoad := 0, workers[0].balanceLoad()
+	best, bestLoad := 0, workers[0].Load()
 	for i, w := range workers {
-		l := w.balanceLoad()
+		l := w.Load()
 		if l <= lo {
 			if k == 0 {
 				return i
@@ -164,7 +149,7 @@ func (cd *candidates) bestTenant(workers []*Worker, tenants []uint32) int {
 			continue
 		}
 		i := int(cd.pos[id] - 1)
-		if l := workers[i].balanceLoad(); best < 0 || l < bestLoad {
+		if l := workers[i].Load(); best < 0 || l < bestLoad {
 			best, bestLoad = i, l
 		}
 	}
@@ -186,9 +171,7 @@ func (t *cacheTree) candidates(c *CacheAware, workers []*Worker) *candidates {
 	for _, w := range workers {
 		id, ok := c.ids[w.URL]
 		if !ok {
-			id = uint32(len(c.urls))
-			c.ids[w.URL] = id
-			c.urls = append(c.urls, w.URL)
+			id = c.newTenant(w.URL)
 		}
 		delete(c.dead, id) // re-added before the sweep: keep its entries
 		cd.ids = append(cd.ids, id)
@@ -198,6 +181,20 @@ func (t *cacheTree) candidates(c *CacheAware, workers []*Worker) *candidates {
 		cd.pos[id] = int32(i + 1)
 	}
 	return cd
+}
+
+// newTenant gives url an id, a freed one if any. Caller holds c.mu.
+func (c *CacheAware) newTenant(url string) uint32 {
+	var id uint32
+	if n := len(c.free); n > 0 {
+		id, c.free = c.free[n-1], c.free[:n-1]
+		c.urls[id] = url
+	} else {
+		id = uint32(len(c.urls))
+		c.urls = append(c.urls, url)
+	}
+	c.ids[url] = id
+	return id
 }
 
 func (c *CacheAware) tree(model string) *cacheTree {
@@ -248,6 +245,8 @@ func (c *CacheAware) sweep() {
 		if c.dead[id] { // still gone: forget the URL (a later return gets a new id)
 			delete(c.ids, c.urls[id])
 			delete(c.dead, id)
+			c.urls[id] = ""
+			c.free = append(c.free, id)
 		}
 	}
 	c.mu.Unlock()

@@ -171,18 +171,3 @@ func TestCacheAwareUnservedModelsShareOneTree(t *testing.T) {
 		t.Fatalf("%d trees after 100 unserved model names and one served: want 2 (default, served)", n)
 	}
 }
-
-// A suspect worker's load penalty steers requests off it without making
-// the pool look imbalanced: the others keep their cache hits.
-func TestCacheAwareSuspectKeepsOthersHits(t *testing.T) {
-	ws := testWorkers(3)
-	ca := NewCacheAware(PolicyOptions{})
-	text := strings.Repeat("shared prefix ", 20)
-	ca.Select([]*Worker{ws[0]}, &Request{Text: text}) // cached on ws[0]
-	ws[1].Breaker.out.suspect.Store(true)
-	for i := range 20 {
-		if w, _ := ca.Select(ws, &Request{Text: text + strconv.Itoa(i)}); w != ws[0] {
-			t.Fatalf("request %d with ws[0]'s prefix went to %s while another worker is suspect", i, w.URL)
-		}
-	}
-}

@@ -6,7 +6,7 @@ import (
 )
 
 // ConsistentHashing routes by key on a hash ring (spec §4.6):
-// X-SMG-Target-Worker pins an index of the available list; otherwise
+// X-SMG-Target-Worker pins an index of the available list (Request.target); otherwise
 // X-SMG-Routing-Key, else an implicit key (authorization, x-forwarded-for,
 // cookie) picks a ring position; with no key at all, random.
 type ConsistentHashing struct {
@@ -33,13 +33,16 @@ func (*ConsistentHashing) NeedsText() bool { return false }
 
 func (c *ConsistentHashing) Select(workers []*Worker, req *Request) (*Worker, error) {
 	if t := req.header(HeaderTargetWorker); t != "" {
-		i, err := strconv.Atoi(t)
-		if err != nil || i < 0 || i >= len(workers) {
+		var w *Worker
+		if i, err := strconv.Atoi(t); err == nil {
+			w = req.target(workers, i)
+		}
+		if w == nil {
 			c.branches.inc("target_worker_miss")
 			return nil, ErrNoSelection
 		}
 		c.branches.inc("target_worker")
-		return workers[i], nil
+		return w, nil
 	}
 	branch, key := "routing_key", req.header(HeaderRoutingKey)
 	for _, h := range implicitKeyHeaders {

@@ -92,3 +92,26 @@ func TestConsistentHashingHeaders(t *testing.T) {
 		t.Fatal("requests without any key are not spread at random")
 	}
 }
+
+// X-SMG-Target-Worker indexes the pool's workers in service, not one
+// attempt's candidates: a retry that leaves out the worker it failed on
+// still reaches the pinned worker, and an unhealthy worker shifts the index
+// as the available list does.
+func TestTargetWorkerIndexesThePool(t *testing.T) {
+	ws := testWorkers(3)
+	ch := NewConsistentHashing(PolicyOptions{})
+	req := withHeaders(HeaderTargetWorker, "1")
+	req.Pool = ws
+	if w, err := ch.Select([]*Worker{ws[0], ws[2]}, req); w != ws[1] {
+		t.Fatalf("index 1 with ws[1] left out of the candidates: %v %v, want ws[1]", w, err)
+	}
+	ws[0].SetHealthy(false)
+	if w, _ := ch.Select(ws[1:], req); w != ws[2] {
+		t.Fatalf("index 1 with ws[0] unhealthy: %v, want ws[2]", w)
+	}
+	req = withHeaders(HeaderTargetWorker, "2")
+	req.Pool = ws
+	if _, err := ch.Select(ws[1:], req); !errors.Is(err, ErrNoSelection) {
+		t.Fatalf("index 2 of 2 in service: %v, want ErrNoSelection", err)
+	}
+}

@@ -95,6 +95,17 @@ func TestDPAwareRegistersOneWorkerPerRank(t *testing.T) {
 	}
 }
 
+// The id a --dp-aware registration returns names the engine: DELETE by it
+// removes every rank, not rank 0 alone.
+func TestDPAwareRemoveByReturnedID(t *testing.T) {
+	e := startMock(t, mockworker.Config{Engine: mockworker.EngineInfo{DPSize: 4}})
+	m := newTestManager(t, ManagerConfig{DPAware: true})
+	id := register(t, m, WorkerSpec{URL: e.URL(), WorkerType: "decode"})
+	if wi, ok := m.Remove(id); !ok || wi.ID != id || len(m.Snapshot().All) != 0 {
+		t.Fatalf("removing by the returned id left %v", rankURLs(m.Snapshot().All))
+	}
+}
+
 func TestDPAwareDiscovery(t *testing.T) {
 	cases := []struct {
 		name  string

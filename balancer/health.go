@@ -61,6 +61,9 @@ func (h *healthChecker) apply(w *Worker, ok bool) {
 		st.passiveSeen.Store(seen)
 	}
 	h.metrics.healthCheck(w, ok)
+	if w.Breaker != nil {
+		w.Breaker.out.probed(ok, time.Now().UnixNano())
+	}
 	if ok {
 		st.probeFails.Store(0)
 		if !w.Healthy() && st.probeOKs.Add(1) >= int32(h.cfg.SuccessThreshold) {

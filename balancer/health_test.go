@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -82,34 +83,35 @@ func TestHealthSkipsDisabledAndTimesOut(t *testing.T) {
 	}
 }
 
-// The manager's loop evicts a dead worker and readmits it when it recovers.
+// The manager's loop evicts a dead worker and readmits it when it
+// recovers, at its interval and thresholds (on synctest's clock).
 func TestHealthLoopEvictsAndRecovers(t *testing.T) {
-	e := newFakeEngine(t, 200)
-	m := NewManager(ManagerConfig{
-		Health: HealthConfig{Interval: 10 * time.Millisecond, Timeout: 200 * time.Millisecond, FailureThreshold: 2, SuccessThreshold: 2},
+	synctest.Test(t, func(t *testing.T) {
+		cfg := ManagerConfig{Health: HealthConfig{Interval: 10 * time.Second, Timeout: time.Second, FailureThreshold: 2, SuccessThreshold: 2}}
+		m, ws, fn, _ := stallPool(t, cfg, 200)
+		defer m.Stop()
+		w := ws[0]
+		synctest.Wait() // the first round, at once: passes
+		fn.set(w.URL, 500)
+		after(15 * time.Second) // probes at 10 s (1st failure)
+		if !w.Healthy() {
+			t.Fatal("evicted after one failure with threshold 2")
+		}
+		after(10 * time.Second) // 20 s: the 2nd
+		if w.Healthy() || len(m.Snapshot().Available(Decode)) != 0 {
+			t.Fatal("still healthy or available after 2 failed probes")
+		}
+		fn.set(w.URL, hang)
+		after(20 * time.Second) // probes time out: still failures
+		if w.Healthy() {
+			t.Fatal("readmitted while its probes time out")
+		}
+		fn.set(w.URL, 200)
+		after(20 * time.Second)
+		if !w.Healthy() || len(m.Snapshot().Available(Decode)) != 1 {
+			t.Fatal("not readmitted after 2 passing probes")
+		}
 	})
-	defer m.Stop()
-	id, err := m.Add(WorkerSpec{URL: e.URL})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Await(context.Background(), id); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Start(); err != nil {
-		t.Fatal(err)
-	}
-	w := m.Snapshot().ByID(id)
-	e.healthStatus.Store(500)
-	waitFor(t, "eviction", func() bool { return !w.Healthy() })
-	if m.Ready() || len(m.Snapshot().Available(Regular)) != 0 {
-		t.Fatal("unhealthy worker still ready/available")
-	}
-	e.healthStatus.Store(200)
-	waitFor(t, "recovery", func() bool { return w.Healthy() })
-	if !m.Ready() {
-		t.Fatal("not ready after recovery")
-	}
 }
 
 func waitFor(t *testing.T, what string, cond func() bool) {

@@ -57,6 +57,17 @@ var (
 	ErrWorkerExists   = errors.New("worker already registered")
 	ErrWorkerNotFound = errors.New("worker not found")
 	ErrInvalidWorker  = errors.New("invalid worker")
+	// ErrTooManyPending refuses a registration while maxPending others
+	// still wait for their workers (each holds a goroutine for up to the
+	// startup timeout).
+	ErrTooManyPending = errors.New("too many pending worker registrations")
+)
+
+// Bounds on registration jobs: running ones, and failed ones kept for GET
+// /workers/{id} (the oldest is forgotten first).
+const (
+	maxPending    = 1024
+	maxFailedJobs = 256
 )
 
 // Manager registers workers in the background the way sglang-router 0.3.x
@@ -75,12 +86,16 @@ type Manager struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu   sync.Mutex
-	jobs map[string]*job // by worker id: running or failed registrations
+	mu       sync.Mutex
+	jobs     map[string]*job // by worker id: running or failed registrations
+	failures int64           // failed jobs so far, numbering them
+	// maxPending and maxFailed bound jobs (tests lower them).
+	maxPending, maxFailed int
 }
 
 type job struct {
 	w      *Worker
+	failed int64      // sequence number of the failure, 0 while running: the oldest failed job goes first
 	status *JobStatus // replaced, never mutated, so Info can share it
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -112,7 +127,8 @@ func NewManager(cfg ManagerConfig) *Manager {
 	cfg.StartupTimeout = positiveOr(cfg.StartupTimeout, def.StartupTimeout)
 	cfg.StartupInterval = positiveOr(cfg.StartupInterval, def.StartupInterval)
 	cfg.Breaker = cmp.Or(cfg.Breaker, def.Breaker)
-	m := &Manager{cfg: cfg, reg: NewRegistry(), client: cfg.Client, log: cfg.Logger, jobs: map[string]*job{}}
+	m := &Manager{cfg: cfg, reg: NewRegistry(), client: cfg.Client, log: cfg.Logger, jobs: map[string]*job{},
+		maxPending: maxPending, maxFailed: maxFailedJobs}
 	if m.client == nil {
 		m.client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: 90 * time.Second}}
 	}
@@ -181,13 +197,20 @@ func (m *Manager) Add(spec WorkerSpec) (string, error) {
 	if old := m.lookup(w.URL); old != nil {
 		return old.ID, fmt.Errorf("%w: %s", ErrWorkerExists, w.URL)
 	}
+	pending := 0
 	for id, j := range m.jobs {
 		if j.w.URL == w.URL {
-			if j.status.Status != JobFailed {
+			if j.failed == 0 {
 				return id, fmt.Errorf("%w: %s", ErrWorkerExists, w.URL)
 			}
 			delete(m.jobs, id) // a failed attempt may be retried
 		}
+		if j.failed == 0 {
+			pending++
+		}
+	}
+	if pending >= m.maxPending {
+		return "", fmt.Errorf("%w: %d wait for their workers", ErrTooManyPending, pending)
 	}
 	ctx, cancel := context.WithCancel(m.ctx)
 	j := &job{w: w, status: newJobStatus(w.URL, JobPending, ""), cancel: cancel, done: make(chan struct{})}
@@ -197,9 +220,9 @@ func (m *Manager) Add(spec WorkerSpec) (string, error) {
 }
 
 func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
-	u, err := url.Parse(spec.URL)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("%w: url %q must be http(s)://host[:port]", ErrInvalidWorker, spec.URL)
+	base, err := canonicalURL(spec.URL)
+	if err != nil {
+		return nil, err
 	}
 	typ, ok := ParseWorkerType(spec.WorkerType)
 	if !ok {
@@ -209,7 +232,7 @@ func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
 	if port <= 0 || typ != Prefill {
 		port = NoBootstrapPort
 	}
-	w := NewWorker(spec.URL, typ, port)
+	w := NewWorker(base, typ, port)
 	w.ID = uuid.NewString()
 	w.Breaker = NewBreaker(m.cfg.Breaker)
 	w.APIKey = cmp.Or(spec.APIKey, m.cfg.APIKey)
@@ -222,8 +245,30 @@ func (m *Manager) newWorker(spec WorkerSpec) (*Worker, error) {
 	if spec.Cost != nil {
 		w.Cost = *spec.Cost
 	}
-	m.cfg.Metrics.instrument(w)
 	return w, nil
+}
+
+// canonicalURL is a worker's identity: scheme and host in lower case, no
+// userinfo, no trailing slash. Credentials in a URL are never sent (the
+// worker's api_key is) and must not show in /workers or the log; without
+// this, http://user:pw@host would also register host a second time.
+func canonicalURL(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil || (!strings.EqualFold(u.Scheme, "http") && !strings.EqualFold(u.Scheme, "https")) || u.Host == "" {
+		return "", fmt.Errorf("%w: url %q must be http(s)://host[:port]", ErrInvalidWorker, redactURL(raw, u, err))
+	}
+	u.User = nil
+	u.Scheme, u.Host = strings.ToLower(u.Scheme), strings.ToLower(u.Host)
+	return strings.TrimRight(u.String(), "/"), nil
+}
+
+// redactURL is raw with the password of its userinfo replaced, for errors
+// that quote a URL they refuse.
+func redactURL(raw string, u *url.URL, err error) string {
+	if err != nil {
+		return "(unparsable)"
+	}
+	return u.Redacted()
 }
 
 // register is one AddWorker job: wait for health, discover, publish (with
@@ -242,20 +287,23 @@ func (m *Manager) register(ctx context.Context, j *job) {
 	case m.jobs[w.ID] != j: // removed (or shutting down) meanwhile: do not publish
 		err = cmp.Or(err, ErrWorkerNotFound)
 	case err != nil:
-		j.status = newJobStatus(w.URL, JobFailed, err.Error())
+		m.fail(j, err)
 		m.log.Warn("worker registration failed", zap.String("url", w.URL), zap.Error(err))
 	default:
 		if w.ModelID == "unknown" { // under mu: Get may be reading the pending worker
 			w.ModelID = cmp.Or(info.model, w.ModelID)
 		}
 		ws := m.ranks(w, info.dpSize)
+		for _, rw := range ws {
+			m.cfg.Metrics.instrument(rw) // series only for published workers: forget removes them
+		}
 		if _, added := m.reg.AddAll(ws); added {
 			delete(m.jobs, w.ID)
 			m.log.Info("worker registered", zap.String("url", w.URL), zap.String("type", w.Type.String()),
 				zap.String("model", w.ModelID), zap.Int("dp_ranks", len(ws)))
 		} else {
 			err = fmt.Errorf("%w: %s", ErrWorkerExists, w.URL)
-			j.status = newJobStatus(w.URL, JobFailed, err.Error())
+			m.fail(j, err)
 		}
 	}
 	j.err = err
@@ -273,7 +321,6 @@ func (m *Manager) ranks(w *Worker, dpSize int) []*Worker {
 	ws := make([]*Worker, max(dpSize, 1))
 	for i := range ws {
 		ws[i] = w.rank(i, len(ws), m.cfg.Breaker)
-		m.cfg.Metrics.instrument(ws[i])
 	}
 	ws[0].ID = w.ID
 	return ws
@@ -399,6 +446,27 @@ func (m *Manager) readServerInfo(ctx context.Context, w *Worker) (serverInfo, er
 	return readModels(ctx, m.client, w), nil // neither endpoint (vLLM): the model from /v1/models
 }
 
+// fail marks j failed and forgets the oldest failed job past
+// maxFailedJobs. Caller holds mu.
+func (m *Manager) fail(j *job, err error) {
+	j.status = newJobStatus(j.w.URL, JobFailed, err.Error())
+	m.failures++
+	j.failed = m.failures
+	var oldest *job
+	n := 0
+	for _, o := range m.jobs {
+		if o.failed > 0 {
+			n++
+			if oldest == nil || o.failed < oldest.failed {
+				oldest = o
+			}
+		}
+	}
+	if n > m.maxFailed {
+		delete(m.jobs, oldest.w.ID)
+	}
+}
+
 func (m *Manager) setStatus(j *job, status, msg string) {
 	m.mu.Lock()
 	j.status = newJobStatus(j.w.URL, status, msg)
@@ -446,13 +514,25 @@ func (m *Manager) job(idOrURL string) *job {
 	if j := m.jobs[idOrURL]; j != nil {
 		return j
 	}
-	u := strings.TrimRight(idOrURL, "/")
-	for _, j := range m.jobs {
-		if j.w.URL == u {
-			return j
+	for _, u := range urlKeys(idOrURL) {
+		for _, j := range m.jobs {
+			if j.w.URL == u {
+				return j
+			}
 		}
 	}
 	return nil
+}
+
+// urlKeys are the URLs idOrURL may name a worker by: as given (less a
+// trailing slash: "BASE@RANK" must not go through url.Parse, which reads
+// "host:port@" as userinfo) and in canonical form.
+func urlKeys(idOrURL string) []string {
+	u := strings.TrimRight(idOrURL, "/")
+	if c, err := canonicalURL(idOrURL); err == nil && c != u {
+		return []string{u, c}
+	}
+	return []string{u}
 }
 
 // lookup finds a worker by id or URL; an engine's base URL finds its first
@@ -465,17 +545,24 @@ func (m *Manager) lookup(idOrURL string) *Worker {
 }
 
 // lookupAll finds a worker by id or URL, or every DP rank of an engine by
-// its base URL.
+// its base URL or by the id its registration returned (rank 0's).
 func (m *Manager) lookupAll(idOrURL string) []*Worker {
 	s := m.reg.Snapshot()
 	if w := s.ByID(idOrURL); w != nil {
+		if w.DPSize > 0 && w.DPRank == 0 {
+			return s.ByBaseURL(w.BaseURL)
+		}
 		return []*Worker{w}
 	}
-	u := strings.TrimRight(idOrURL, "/")
-	if w := s.ByURL(u); w != nil {
-		return []*Worker{w}
+	for _, u := range urlKeys(idOrURL) {
+		if w := s.ByURL(u); w != nil {
+			return []*Worker{w}
+		}
+		if ws := s.ByBaseURL(u); len(ws) > 0 {
+			return ws
+		}
 	}
-	return s.ByBaseURL(u)
+	return nil
 }
 
 // List describes the registered workers (pending registrations are not

@@ -19,7 +19,6 @@ type Manual struct {
 	maxIdle  time.Duration
 	metrics  *Metrics
 	branches branchCounters
-	now      func() time.Time
 
 	mu     sync.Mutex
 	keys   map[string]*manualEntry
@@ -34,7 +33,7 @@ type manualEntry struct {
 
 func NewManual(o PolicyOptions) *Manual {
 	o = o.withDefaults()
-	return &Manual{mode: o.AssignmentMode, maxIdle: o.MaxIdle, metrics: o.Metrics, now: time.Now,
+	return &Manual{mode: o.AssignmentMode, maxIdle: o.MaxIdle, metrics: o.Metrics,
 		branches: o.Metrics.branchCounters("manual", "no_routing_key", "hit", "new_key", "reassigned"),
 		keys:     map[string]*manualEntry{}, groups: map[string]int{}}
 }
@@ -48,7 +47,7 @@ func (m *Manual) Select(workers []*Worker, req *Request) (*Worker, error) {
 		m.branches.inc("no_routing_key")
 		return workers[rand.IntN(len(workers))], nil
 	}
-	now := m.now()
+	now := time.Now()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	e := m.keys[key]
@@ -132,7 +131,7 @@ func findURL(workers []*Worker, url string) *Worker {
 func (m *Manual) Run(ctx context.Context) { runEvery(ctx, max(m.maxIdle/8, time.Second), m.evictIdle) }
 
 func (m *Manual) evictIdle() {
-	cutoff := m.now().Add(-m.maxIdle)
+	cutoff := time.Now().Add(-m.maxIdle)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for k, e := range m.keys {

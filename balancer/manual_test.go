@@ -3,6 +3,7 @@ package balancer
 import (
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -59,15 +60,15 @@ func TestManualAssignmentModes(t *testing.T) {
 	}
 }
 
-func TestManualIdleEviction(t *testing.T) {
+func TestManualIdleEviction(t *testing.T) { synctest.Test(t, testManualIdleEviction) }
+
+func testManualIdleEviction(t *testing.T) {
 	ws := testWorkers(2)
-	clk := &fakeClock{t: time.Unix(0, 0)}
 	m := NewManual(PolicyOptions{MaxIdle: time.Hour, AssignmentMode: "min_group"})
-	m.now = clk.now
 	m.Select(ws, withHeaders(HeaderRoutingKey, "old"))
-	clk.add(50 * time.Minute)
+	time.Sleep(50 * time.Minute)
 	m.Select(ws, withHeaders(HeaderRoutingKey, "fresh"))
-	clk.add(20 * time.Minute)
+	time.Sleep(20 * time.Minute)
 	m.evictIdle()
 	if _, ok := m.keys["old"]; ok {
 		t.Fatal("idle key not evicted")

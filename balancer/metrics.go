@@ -201,7 +201,7 @@ var (
 	descCBState    = prometheus.NewDesc("smg_worker_cb_state", "Circuit breaker state: 0 closed, 1 open, 2 half_open.", []string{"worker"}, nil)
 	descCBFailures = prometheus.NewDesc("smg_worker_cb_consecutive_failures", "Consecutive failures seen by the breaker.", []string{"worker"}, nil)
 	descCBOKs      = prometheus.NewDesc("smg_worker_cb_consecutive_successes", "Consecutive successes seen by the breaker.", []string{"worker"}, nil)
-	descSuspect    = prometheus.NewDesc("smg_worker_outlier_suspect", "1 while the worker holds requests unanswered past --outlier-first-byte-timeout-secs.", []string{"worker"}, nil)
+	descSuspect    = prometheus.NewDesc("smg_worker_outlier_suspect", "1 while policies steer around the worker: requests unanswered and its health probe failing, or unanswered past --outlier-first-byte-timeout-secs.", []string{"worker"}, nil)
 	descEjected    = prometheus.NewDesc("smg_worker_outlier_ejected", "Workers ejected now (breaker open).", []string{"worker_type"}, nil)
 )
 

@@ -4,20 +4,18 @@ import (
 	"context"
 	"net"
 	"net/http"
-	"net/http/httptest"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
-
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Each ejection in a row lasts one base time longer, up to the cap; time
 // spent closed walks the multiplier back.
-func TestBreakerEjectionBackoff(t *testing.T) {
-	b, clk, _ := newTestBreaker(1, 1, 10*time.Second)
+func TestBreakerEjectionBackoff(t *testing.T) { synctest.Test(t, testBreakerEjectionBackoff) }
+
+func testBreakerEjectionBackoff(t *testing.T) {
+	b, _ := newTestBreaker(1, 1, 10*time.Second)
 	b.cfg.MaxOpenDuration = 35 * time.Second
 	openFor := func() time.Duration {
 		t.Helper()
@@ -25,11 +23,11 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 		if b.State() != BreakerOpen {
 			t.Fatalf("failure did not eject: %v", b.State())
 		}
-		start := clk.now()
+		start := time.Now()
 		for b.Allow() == false {
-			clk.add(time.Second)
+			time.Sleep(time.Second)
 		}
-		return clk.now().Sub(start)
+		return time.Now().Sub(start)
 	}
 	for i, want := range []time.Duration{10, 20, 30, 35} { // half-open failures: ejections in a row
 		if got := openFor(); got != want*time.Second {
@@ -37,13 +35,13 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 		}
 	}
 	b.Record(true) // closes (success threshold 1)
-	clk.add(25 * time.Second)
+	time.Sleep(25 * time.Second)
 	// 4 in a row, then 2.5 base times closed: 2 steps back, so the next is the 3rd.
 	if got := openFor(); got != 30*time.Second {
 		t.Fatalf("after 25 s closed: ejection lasted %v, want 30 s", got)
 	}
 	b.Record(true)
-	clk.add(time.Hour)
+	time.Sleep(time.Hour)
 	if got := openFor(); got != 10*time.Second {
 		t.Fatalf("after an hour closed: ejection lasted %v, want the base 10 s", got)
 	}
@@ -51,14 +49,14 @@ func TestBreakerEjectionBackoff(t *testing.T) {
 
 // A half-open breaker admits one trial at a time: none while a request
 // waits for a reply head.
-func TestBreakerHalfOpenLimitsTrials(t *testing.T) {
+func TestBreakerHalfOpenLimitsTrials(t *testing.T) { synctest.Test(t, testBreakerHalfOpenLimitsTrials) }
+
+func testBreakerHalfOpenLimitsTrials(t *testing.T) {
 	w := NewWorker("http://10.0.0.1:1", Decode, NoBootstrapPort)
-	clk := &fakeClock{t: time.Unix(1000, 0)}
 	w.Breaker = NewBreaker(BreakerConfig{FailureThreshold: 1, SuccessThreshold: 2, OpenDuration: time.Second})
-	w.Breaker.now = clk.now
 	w.AwaitReply() // stuck since before the ejection
 	w.Record(false)
-	clk.add(time.Second)
+	time.Sleep(time.Second)
 	if w.Available() {
 		t.Fatal("half-open admitted a trial while a request waits for a reply")
 	}
@@ -182,149 +180,6 @@ func hungServer(t *testing.T) string {
 	return "http://" + ln.Addr().String()
 }
 
-func outlierManager(t *testing.T, urls ...string) (*Manager, []*Worker, *prometheus.Registry) {
-	return outlierManagerOpen(t, time.Minute, urls...)
-}
-
-func outlierManagerOpen(t *testing.T, ejection time.Duration, urls ...string) (*Manager, []*Worker, *prometheus.Registry) {
-	t.Helper()
-	pr := prometheus.NewRegistry()
-	met, err := NewMetrics(pr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := DefaultBreakerConfig()
-	cfg.StallTimeout = 100 * time.Millisecond
-	cfg.OpenDuration = ejection
-	m := NewManager(ManagerConfig{Metrics: met, Breaker: cfg,
-		Health: HealthConfig{Interval: time.Hour, Timeout: 200 * time.Millisecond}})
-	t.Cleanup(m.Stop)
-	ws := make([]*Worker, len(urls))
-	for i, u := range urls {
-		w, err := m.newWorker(WorkerSpec{URL: u, WorkerType: "decode"})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ws[i], _ = m.reg.Add(w)
-	}
-	if err := m.Start(); err != nil {
-		t.Fatal(err)
-	}
-	return m, ws, pr
-}
-
-// A worker that holds requests without answering is suspect within the
-// stall timeout and ejected once a probe times out too; one that answers
-// its probe is only suspect, until it answers a request.
-func TestStallEjectsHungWorker(t *testing.T) {
-	_, ws, pr := outlierManager(t, hungServer(t), newFakeEngine(t, 200).URL, newFakeEngine(t, 200).URL)
-	hung, slow, idle := ws[0], ws[1], ws[2]
-	start := time.Now()
-	hung.AwaitReply()
-	slow.AwaitReply()
-	waitFor(t, "the hung worker's ejection", func() bool { return !hung.Available() })
-	if d := time.Since(start); d > 2*time.Second {
-		t.Errorf("ejected after %v, want about the stall timeout plus the probe timeout (0.3 s)", d)
-	}
-	if !slow.Suspect() || !slow.Available() || idle.Suspect() {
-		t.Fatalf("slow worker: suspect %v, available %v; idle worker suspect %v", slow.Suspect(), slow.Available(), idle.Suspect())
-	}
-	labels := map[string]string{"worker_type": "decode", "reason": "stall"}
-	if v, _ := gauge(t, pr, "smg_worker_outlier_ejections_total", labels); v != 1 {
-		t.Errorf("stall ejections = %v, want 1", v)
-	}
-	if v, _ := gauge(t, pr, "smg_worker_outlier_ejected", map[string]string{"worker_type": "decode"}); v != 1 {
-		t.Errorf("ejected gauge = %v, want 1", v)
-	}
-	if v, _ := gauge(t, pr, "smg_worker_outlier_suspect", map[string]string{"worker": slow.URL}); v != 1 {
-		t.Errorf("suspect gauge of the slow worker = %v, want 1", v)
-	}
-	time.Sleep(300 * time.Millisecond) // more sweeps and probes
-	if !slow.Available() {
-		t.Fatal("a worker whose probe passes was ejected")
-	}
-	slow.ReplyDone(true)
-	if slow.Suspect() {
-		t.Fatal("still suspect after answering")
-	}
-	hung.ReplyDone(false)
-}
-
-// A stall ejection outlasts its time while probes fail, and ends on the
-// first passing one.
-func TestStallEjectionEndsOnPassingProbe(t *testing.T) {
-	var hung atomic.Bool
-	hung.Store(true)
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if hung.Load() {
-			<-r.Context().Done() // the probe's timeout
-		}
-	}))
-	t.Cleanup(srv.Close)
-	_, ws, pr := outlierManagerOpen(t, 200*time.Millisecond, srv.URL, newFakeEngine(t, 200).URL)
-	w := ws[0]
-	w.AwaitReply()
-	waitFor(t, "the ejection", func() bool { return !w.Available() })
-	w.ReplyDone(false) // the stuck request gave up: nothing holds the worker now
-	// Asked all along, as traffic would: never available past the 200 ms.
-	for end := time.Now().Add(700 * time.Millisecond); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
-		if w.Available() {
-			t.Fatal("available while its probes fail")
-		}
-	}
-	labels := map[string]string{"worker_type": "decode", "reason": "stall"}
-	if v, _ := gauge(t, pr, "smg_worker_outlier_ejections_total", labels); v < 2 {
-		t.Fatalf("stall ejections = %v, want >= 2 (the failed probe at the end ejects again)", v)
-	}
-	hung.Store(false)
-	waitFor(t, "the return after a passing probe", w.Available)
-	if st := w.Breaker.State(); st != BreakerHalfOpen {
-		t.Fatalf("state %v after the passing probe, want half_open", st)
-	}
-}
-
-// A stall caught while the pool is at its cap is refused and counted.
-func TestStallEjectionRespectsCap(t *testing.T) {
-	_, ws, pr := outlierManager(t, hungServer(t), hungServer(t))
-	for _, w := range ws {
-		w.AwaitReply()
-	}
-	waitFor(t, "an ejection", func() bool { return !ws[0].Available() || !ws[1].Available() })
-	labels := map[string]string{"worker_type": "decode", "reason": "stall"}
-	waitFor(t, "a refused ejection", func() bool {
-		v, _ := gauge(t, pr, "smg_worker_outlier_ejections_overflow_total", labels)
-		return v >= 1
-	})
-	if ws[0].Available() == ws[1].Available() {
-		t.Fatalf("available: %v and %v, want exactly one (50 %% of two)", ws[0].Available(), ws[1].Available())
-	}
-	for _, w := range ws {
-		w.ReplyDone(false)
-	}
-}
-
-// Policies that balance load steer around a suspect worker.
-func TestPoliciesSteerAroundSuspect(t *testing.T) {
-	ws := testWorkers(3)
-	ws[1].Breaker.out.suspect.Store(true)
-	ca := NewCacheAware(PolicyOptions{})
-	text := strings.Repeat("shared prefix ", 20)
-	ca.Select([]*Worker{ws[1]}, &Request{Text: text}) // the prefix is cached on ws[1]
-	for range 20 {
-		for _, p := range []Policy{PowerOfTwo{}, ca} {
-			if w, _ := p.Select(ws, &Request{Text: text}); w == ws[1] {
-				t.Fatalf("%s picked the suspect worker", p.Name())
-			}
-		}
-	}
-	for _, w := range ws {
-		w.Breaker.out.suspect.Store(true)
-	}
-	if w, _ := (PowerOfTwo{}).Select(ws[:2], nil); w == nil {
-		t.Fatal("no pick when every worker is suspect")
-	}
-}
-
 // A probe of a worker that never answers ends at the health check timeout,
 // and such probes mark it unhealthy after the failure threshold.
 func TestHealthProbeOfHungWorkerTimesOut(t *testing.T) {
@@ -351,14 +206,16 @@ func TestHealthProbeOfHungWorkerTimesOut(t *testing.T) {
 // back-off decays from then, not from an earlier close (which would count
 // the ejection itself as time spent closed and reset the multiplier).
 func TestBreakerCapCloseRestartsBackoffDecay(t *testing.T) {
+	synctest.Test(t, testBreakerCapCloseRestartsBackoffDecay)
+}
+
+func testBreakerCapCloseRestartsBackoffDecay(t *testing.T) {
 	ws := poolOf(t, 2, BreakerConfig{FailureThreshold: 1, SuccessThreshold: 1, OpenDuration: 10 * time.Second,
 		MaxOpenDuration: 100 * time.Second, MaxEjectionPercent: 50})
-	clk := &fakeClock{t: time.Unix(1000, 0)}
 	b := ws[0].Breaker
-	b.now = clk.now
 	reopen := func(wait time.Duration) {
 		t.Helper()
-		clk.add(wait)
+		time.Sleep(wait)
 		if !b.Allow() || b.State() != BreakerHalfOpen {
 			t.Fatalf("not half-open after %v: %v", wait, b.State())
 		}

@@ -15,6 +15,32 @@ type Request struct {
 	Text   string
 	Model  string  // model the request asks for; "" = the default tree/pool
 	Header Headers // the request's headers; may be nil
+	// Pool is the side's registered workers (Snapshot.ByType), which
+	// X-SMG-Target-Worker indexes among those in service; nil: the workers
+	// Select is given.
+	Pool []*Worker
+}
+
+// target is the worker X-SMG-Target-Worker's index i names: the i-th in
+// service of the pool (healthy, not ejected), whichever of them the router
+// leaves out of one attempt's candidates (workers the request failed on,
+// suspects), so that an index names the same worker on every attempt.
+func (r *Request) target(workers []*Worker, i int) *Worker {
+	if r == nil || r.Pool == nil {
+		if i < 0 || i >= len(workers) {
+			return nil
+		}
+		return workers[i]
+	}
+	for _, w := range r.Pool {
+		if i >= 0 && w.inService() {
+			if i == 0 {
+				return w
+			}
+			i--
+		}
+	}
+	return nil
 }
 
 // Headers looks request headers up case-insensitively; net/http's Header

@@ -8,8 +8,6 @@ import "math/rand/v2"
 // count. Reports are stale between polls, so each is advanced by the
 // requests routed since, priced at the pair's tokens per request: an engine
 // that looked idle at the last poll stops looking idle after a few picks.
-// A suspect worker (requests unanswered past the stall timeout) loses to
-// one that answers, whatever the loads say.
 type PowerOfTwo struct{}
 
 func (PowerOfTwo) Name() string    { return "power_of_two" }
@@ -26,12 +24,6 @@ func (PowerOfTwo) Select(workers []*Worker, _ *Request) (*Worker, error) {
 		j++
 	}
 	a, b := workers[i], workers[j]
-	if sa, sb := a.Suspect(), b.Suspect(); sa != sb {
-		if sa {
-			return b, nil
-		}
-		return a, nil
-	}
 	if loadB, loadA := pairLoads(b, a); loadB < loadA {
 		return b, nil
 	}

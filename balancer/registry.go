@@ -25,23 +25,43 @@ func (s *Snapshot) ByID(id string) *Worker { return s.byID[id] }
 // with --dp-aware, else the one worker.
 func (s *Snapshot) ByBaseURL(base string) []*Worker { return s.byBase[base] }
 
-// Available returns the workers of a type that may take traffic now. It
-// allocates only when some worker is unavailable.
+// Available returns the workers of a type that may take traffic now:
+// healthy, let in by their breakers, and not suspect unless all of those
+// are, so every policy steers around a worker that stopped answering. It
+// allocates only when some worker is left out.
 func (s *Snapshot) Available(t WorkerType) []*Worker {
 	ws := s.ByType[t]
 	for i, w := range ws {
-		if !w.Available() {
-			out := make([]*Worker, i, len(ws))
-			copy(out, ws[:i])
-			for _, w := range ws[i+1:] {
-				if w.Available() {
-					out = append(out, w)
-				}
-			}
-			return out
+		if ok := w.Available(); !ok || w.Suspect() {
+			return available(ws, i, ok)
 		}
 	}
 	return ws
+}
+
+// available is Available's slow path: ws[:first] are in, ws[first] is out
+// or, when firstOK, suspect. Each worker's Available is asked once: a
+// half-open breaker offers its trial to one caller only.
+func available(ws []*Worker, first int, firstOK bool) []*Worker {
+	out := make([]*Worker, first, len(ws))
+	copy(out, ws[:first])
+	var suspects []*Worker
+	if firstOK {
+		suspects = append(suspects, ws[first])
+	}
+	for _, w := range ws[first+1:] {
+		switch {
+		case !w.Available():
+		case w.Suspect():
+			suspects = append(suspects, w)
+		default:
+			out = append(out, w)
+		}
+	}
+	if len(out) == 0 {
+		return suspects
+	}
+	return out
 }
 
 // Registry owns the set of workers. Writers serialise on a mutex and publish

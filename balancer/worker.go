@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // WorkerType is the role a worker plays.
@@ -157,6 +158,13 @@ func (w *Worker) SetHealthy(h bool) { w.st.healthy.Store(h) }
 // Available reports whether the worker may take new traffic.
 func (w *Worker) Available() bool {
 	return w.st.healthy.Load() && (w.Breaker == nil || w.Breaker.Allow())
+}
+
+// inService reports, without taking a half-open trial, whether the worker
+// is healthy and not ejected.
+func (w *Worker) inService() bool {
+	b := w.Breaker
+	return w.Healthy() && (b == nil || b.cfg.Disabled || !b.isEjected(time.Now().UnixNano()))
 }
 
 // Load is the router's in-flight request count for the worker.

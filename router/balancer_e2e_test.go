@@ -372,6 +372,36 @@ func TestBalancerCacheAwarePD(t *testing.T) {
 	}
 }
 
+// X-SMG-Target-Worker names the same worker on a retry: an attempt that
+// failed on the pinned worker does not shift the index onto another one.
+func TestTargetWorkerStaysPinnedOnRetry(t *testing.T) {
+	t.Parallel()
+	var urls []string
+	byID := map[string]string{}
+	for _, id := range []string{"a", "b", "c"} { // each fails its first request
+		byID[id] = startWorker(t, "regular", "--worker-id", id, "--tokens", "1", "--fail-first-n", "1").URL()
+		urls = append(urls, byID[id])
+	}
+	r := startRouter(t, append(append([]string{"--worker-urls"}, urls...), "--policy", "consistent_hashing",
+		"--retry-initial-backoff-ms", "1", "--retry-max-backoff-ms", "5")...)
+	for _, u := range urls {
+		balWaitHealth(t, r, u, true, 10*time.Second)
+	}
+	_, list := get(t, r.url+"/workers")
+	var ws struct{ Workers []balWorkerInfo }
+	if err := json.Unmarshal(list, &ws); err != nil || len(ws.Workers) != 3 {
+		t.Fatalf("GET /workers: %v %s", err, list)
+	}
+	pinned := ws.Workers[1].URL
+	resp, out := post(t, r.url+"/generate", `{"text":"hi"}`, "X-SMG-Target-Worker", "1")
+	if resp.StatusCode != 200 {
+		t.Fatalf("pinned request: %d %s, want 200 from %s on the retry", resp.StatusCode, out, pinned)
+	}
+	if got := resp.Header.Get("X-Worker-Id"); byID[got] != pinned {
+		t.Fatalf("answered by %s (%s), want the worker at index 1, %s", got, byID[got], pinned)
+	}
+}
+
 func TestBalancerConsistentHashing(t *testing.T) {
 	t.Parallel()
 	ws := map[string]worker{}

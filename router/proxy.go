@@ -197,6 +197,7 @@ func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, r *request
 		return nil, selectionError(t.String(), len(snap.ByType[t]))
 	}
 	avail = r.failed.without(avail)
+	pr.Pool = snap.ByType[t] // what X-SMG-Target-Worker indexes, whatever this attempt leaves out
 	w, err := p.Select(avail, pr)
 	if err != nil || w == nil {
 		return nil, &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + p.Name() + " policy made no selection"}

@@ -113,7 +113,7 @@ func newParser() (*cli.Parser, *options) {
 	p.Duration(cb, "cb-window-duration-secs", &o.cbWindow, time.Second, "Validated but unused, as in sglang-router")
 	p.Bool(cb, "disable-circuit-breaker", &m.Breaker.Disabled, "Never open circuits")
 	p.Duration(cb, "outlier-first-byte-timeout-secs", &m.Breaker.StallTimeout, time.Second,
-		"Seconds a worker may hold requests without a reply head, answering none, before policies steer around it and it is probed: a failed probe ejects it (0: off)")
+		"Seconds a worker may hold requests without a reply head, answering none and passing no health probe, before policies steer around it; with its probe failed too it is ejected (0: off)")
 	p.Int(cb, "outlier-max-ejection-percent", &m.Breaker.MaxEjectionPercent,
 		"No ejection while this share of a pool is ejected or unhealthy, as Envoy's max_ejection_percent (100: no cap)")
 	p.Duration(cb, "outlier-max-ejection-time-secs", &m.Breaker.MaxOpenDuration, time.Second,

@@ -161,13 +161,17 @@ func (a *API) addWorker(ctx *fasthttp.RequestCtx) {
 	case errors.Is(err, balancer.ErrWorkerExists):
 		respond.AdminError(ctx, 409, "WORKER_EXISTS", err.Error())
 		return
+	case errors.Is(err, balancer.ErrTooManyPending):
+		respond.AdminError(ctx, 503, "TOO_MANY_PENDING", err.Error())
+		return
 	case err != nil:
 		respond.AdminError(ctx, 400, "BAD_REQUEST", err.Error())
 		return
 	}
 	loc := "/workers/" + id
 	ctx.Response.Header.Set("Location", loc)
-	respond.JSON(ctx, 202, map[string]string{"status": "accepted", "worker_id": id, "url": spec.URL,
+	wi, _ := a.Workers.Get(id) // the URL as registered: canonical, without userinfo
+	respond.JSON(ctx, 202, map[string]string{"status": "accepted", "worker_id": id, "url": wi.URL,
 		"location": loc, "message": "Worker addition queued for background processing"})
 }
 
