@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
 // series counts the samples of a metric family.
