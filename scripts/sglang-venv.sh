@@ -28,7 +28,7 @@ if [ ! -e "$root/.complete" ]; then
 	touch "$root/.complete"
 fi
 # python/ changes with the tree: install it when its hash moved.
-pkg=$(find python/pdrouter_kv python/mooncake python/pyproject.toml -type f -name '*.py' -o -name pyproject.toml | sort | xargs cat | sha256sum | cut -c1-16)
+pkg=$(find python/pdrouter_kv python/mooncake python/nixl python/pyproject.toml -type f -name '*.py' -o -name pyproject.toml | sort | xargs cat | sha256sum | cut -c1-16)
 if [ "$(cat "$root/.pkg" 2>/dev/null)" != "$pkg" ]; then
 	"$venv/bin/pip" install -q --no-deps --force-reinstall ./python >&2
 	echo "$pkg" > "$root/.pkg"

@@ -24,8 +24,8 @@ run() {
 run "python unit tests (control client, TransferEngine, remap) against kvproxy" \
 	bash -c 'cd python && python3 -m unittest discover -s tests -t .'
 # python3 may lack numpy (batches then go as triples): page writes with it.
-run "TransferEngine page writes, with numpy" \
-	bash -c "cd python && '$VENV/bin/python' -m unittest tests.test_pageplan tests.test_engine_pages"
+run "TransferEngine page writes and the nixl look-alike, with numpy" \
+	bash -c "cd python && '$VENV/bin/python' -m unittest tests.test_pageplan tests.test_engine_pages tests.test_nixl"
 harness() {
 	local name=$1
 	shift
