@@ -283,7 +283,7 @@ class AgentTest(unittest.TestCase):
             t.join(60)
         self.assertEqual(errors, [])
         self.check_pages(list(range(64)), list(range(64)))
-        del sh, dh
+        sh = dh = None  # noqa: F841 - dropped for the check below
         gc.collect()
         wait_for(lambda: self.p.held() == (0, 0, 0), 10)
 
