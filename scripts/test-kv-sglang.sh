@@ -3,7 +3,7 @@
 # against a real kvproxy, then SGLang 0.5.23's own mooncake PD backend
 # (python/harness) with pdrouter's TransferEngine over kvproxy, with
 # kvproxy's bootstrap server instead of SGLang's, and with Mooncake's real
-# TransferEngine. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
+# TransferEngine, and SGLang's own nixl backend with pdrouter's nixl look-alike. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -35,6 +35,8 @@ run "kvproxy tcp, SGLang's bootstrap: 200 requests, abort, prefill and decode kv
 	harness ours --engine kvproxy --kvproxy "$KVPROXY" --requests 200 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
 run "kvproxy tcp, kvproxy's bootstrap server: 50 requests, abort" \
 	harness ours-kvproxy-bootstrap --engine kvproxy --kvproxy "$KVPROXY" --bootstrap kvproxy --requests 50 --phases normal
+run "SGLang's nixl backend on python/nixl, kvproxy tcp: 100 requests, abort, prefill and decode kvproxy killed and restarted, decode killed" \
+	harness nixl --engine nixl --kvproxy "$KVPROXY" --requests 100 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
 run "Mooncake's TransferEngine (tcp): 50 requests, abort, decode killed" \
 	harness mooncake --engine mooncake --mooncake-path "$MOONCAKE" --requests 50 --phases normal,kill-decode
 [ "$failed" -eq 0 ] && rm -rf "$work"
