@@ -87,10 +87,9 @@ class Side:
         )
         if a.backend == "nixl" and a.nixl_host_as_dram:
             # Real NIXL refuses host memory registered as VRAM (SGLang's kind
-            # for the KV pool); the look-alike takes it as it comes.
+            # for the KV pool, host memory here); the look-alike takes it as it comes.
             import sglang.srt.disaggregation.nixl.conn as nixl_conn
-            as_vram = nixl_conn._normalize_kv_mem_kinds
-            nixl_conn._normalize_kv_mem_kinds = lambda kinds, n: ["DRAM"] * n if kinds is None else as_vram(kinds, n)
+            nixl_conn._normalize_kv_mem_kinds = lambda kinds, n: ["DRAM"] * n
         if a.role == "prefill":
             from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue as Q
         else:
