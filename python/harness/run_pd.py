@@ -330,7 +330,7 @@ def main():
             if ph == "normal" and "prefill" in res:
                 ok = [x for x in res["prefill"] if x["state"] == "success"]
                 ps["bytes_moved"] = sum(x["tokens"] for x in ok) * summary["bytes_per_token"]
-                summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges", "fill_s")} for x in ok]
+                summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges", "engine_make_s", "fill_s")} for x in ok]
                 dec = {x["room"]: x for x in res.get("decode", [])}
                 for pr, x in zip(summary["per_request"], ok):
                     d = dec.get(x["room"])

@@ -111,12 +111,12 @@ class Side:
     def _count_engine_calls(self):
         """Times every batch_transfer_sync SGLang makes (its wrapper of the engine),
         or with nixl each post: making the transfer request and posting it."""
-        self.calls = [0, 0.0, 0, 0]  # calls, seconds, bytes, ranges
+        self.calls = [0, 0.0, 0, 0, 0.0]  # calls, seconds, bytes, ranges, of the seconds making nixl requests
         lock = threading.Lock()
         if self.a.backend == "nixl":
             agent = self.mgr.agent
 
-            def timed_call(name, count):
+            def timed_call(name, making):
                 inner = getattr(agent, name)
 
                 def call(*args, **kw):
@@ -126,13 +126,14 @@ class Side:
                     finally:
                         dt = time.perf_counter() - t
                         with lock:
-                            self.calls[0] += count
+                            self.calls[0] += 0 if making else 1
                             self.calls[1] += dt
+                            self.calls[4] += dt if making else 0
                 setattr(agent, name, call)
 
             for name in ("make_prepped_xfer", "initialize_xfer"):
-                timed_call(name, 0)
-            timed_call("transfer", 1)
+                timed_call(name, True)
+            timed_call("transfer", False)
             return
         te = self.mgr.engine
         inner = te.batch_transfer_sync
@@ -268,7 +269,7 @@ def run_prefill(side, plan, a, res):
                 c = [x - y for x, y in zip(side.calls, st["calls0"])]
                 res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason,
                                 transfer_s=now - st.get("t_send", now), wall_s=now - st["t0"],
-                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3], fill_s=st.get("fill_s", 0)))
+                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3], engine_make_s=c[4], fill_s=st.get("fill_s", 0)))
                 side.free(st["pages"], st["aux"])
                 del live[room]
                 print(json.dumps(dict(progress=len(res), state=state)), flush=True)
