@@ -531,12 +531,13 @@ class nixl_agent:
         """Posts the transfer: "PROC" once its requests are sent to kvproxy, "ERR" if they cannot be."""
         x = self._xfer(handle)
         core = self._core
+        msg = _bytes(notif_msg) or x.notif
+        if msg and not x.peer.inbox:
+            raise nixlInvalidParamError("remote agent %r takes no notifications" % x.peer.name)
         with core.lock:
             if x.post is not None and x.post.status() == "PROC":
                 raise nixlRepostActiveError("the transfer is still in flight")
-            post = x.post = _Post(_bytes(notif_msg) or x.notif, x.peer)
-        if post.notif and not x.peer.inbox:
-            raise nixlInvalidParamError("remote agent %r takes no notifications" % x.peer.name)
+            post = x.post = _Post(msg, x.peer)
         client = self._engine().control()
         if client is None:
             post.state = "ERR"

@@ -44,6 +44,26 @@ def agent_on(kp, name, threads=0):
     return a
 
 
+class stopped:
+    """kvproxy stopped (SIGSTOP) for the block: it reads and answers nothing.
+    Waits until every thread of it is stopped, so nothing slips through."""
+
+    def __init__(self, kp):
+        self.pid = kp.p.pid
+
+    def __enter__(self):
+        os.kill(self.pid, signal.SIGSTOP)
+        tasks = "/proc/%d/task" % self.pid
+
+        def state(t):
+            with open(os.path.join(tasks, t, "stat")) as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        wait_for(lambda: all(state(t) == "T" for t in os.listdir(tasks)), 5)
+
+    def __exit__(self, *exc):
+        os.kill(self.pid, signal.SIGCONT)
+
+
 def settle(agent, handles, timeout=20):
     """Polls as SGLang's _await_handles does; returns each handle's last state."""
     end = time.monotonic() + timeout
@@ -218,8 +238,7 @@ class AgentTest(unittest.TestCase):
         h = self.prepped([1, 2], [3, 4])
         with self.assertRaises(nixlNotPostedError):
             self.p.check_xfer_state(h)
-        os.kill(self.kp[0].p.pid, signal.SIGSTOP)  # kvproxy stops answering
-        try:
+        with stopped(self.kp[0]):
             self.assertEqual(self.p.transfer(h), "PROC")
             t0 = time.monotonic()
             for _ in range(100):
@@ -228,8 +247,6 @@ class AgentTest(unittest.TestCase):
             self.assertLess(time.monotonic() - t0, 2.0)
             with self.assertRaises(nixlRepostActiveError):
                 self.p.transfer(h)
-        finally:
-            os.kill(self.kp[0].p.pid, signal.SIGCONT)
         self.assertEqual(settle(self.p, [h]), ["DONE"])
         self.check_pages([1, 2], [3, 4])
         # A finished transfer may be posted again (NIXL allows it).
@@ -295,14 +312,11 @@ class AgentTest(unittest.TestCase):
         del sh, dh  # a transfer made from them does not need them
         gc.collect()
         self.assertEqual(self.p.held(), (0, 1, 0))
-        os.kill(self.kp[0].p.pid, signal.SIGSTOP)
-        try:
+        with stopped(self.kp[0]):
             self.assertEqual(self.p.transfer(h), "PROC")
             del h  # dropped in flight, as SGLang drops its handles
             gc.collect()
             self.assertEqual(self.p.held(), (0, 0, 1), "the handle's state outlived it")
-        finally:
-            os.kill(self.kp[0].p.pid, signal.SIGCONT)
         wait_for(lambda: self.p.held() == (0, 0, 0), 10)
         self.check_pages([5], [6])  # the write went on to completion
 
