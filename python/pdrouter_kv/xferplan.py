@@ -73,13 +73,17 @@ def inside(r, regions):
 class DList:
     """A prepared list: its runs, memory kind, owner ("" for local) and flat index table."""
 
-    __slots__ = ("runs", "kind", "agent", "first", "total")
+    __slots__ = ("runs", "kind", "agent", "first", "total", "paged")
 
     def __init__(self, r, kind, agent):
         self.runs, self.kind, self.agent = r, kind, agent
         counts = r[:, 4].astype(np.int64)
         self.first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(r) else np.zeros(0, dtype=np.int64)
         self.total = int(counts.sum())
+        # (page length, pages per run) when every run is whole pages of one
+        # length and count: SGLang's KV lists, indexed by division.
+        uniform = len(r) and (r[:, 1] == r[:, 3]).all() and (r[:, 1] == r[0, 1]).all() and (r[:, 4] == r[0, 4]).all()
+        self.paged = (int(r[0, 1]), int(r[0, 4])) if uniform else None
 
     def locate(self, idx):
         """(run, slot) of each flat index; DescError if one is out of range."""
@@ -101,6 +105,9 @@ def plan(src, src_idx, dst, dst_idx):
     ("pages", buffers, src pages, dst pages) and ("triples", srcs, dsts, lens)."""
     if len(src_idx) != len(dst_idx):
         raise DescError("%d local and %d remote indices" % (len(src_idx), len(dst_idx)))
+    fast = _same_pages(src, src_idx, dst, dst_idx)
+    if fast is not None:
+        return fast
     rs, ks = src.locate(src_idx)
     rd, kd = dst.locate(dst_idx)
     ls, ld = src.runs[rs, 1], dst.runs[rd, 1]
@@ -117,6 +124,40 @@ def plan(src, src_idx, dst, dst_idx):
         d = dst.runs[rd[rest], 0] + kd[rest].astype(np.uint64) * dst.runs[rd[rest], 3]
         writes.append(("triples", s, d, ls[rest]))
     return writes
+
+
+def _same_pages(src, si, dst, di):
+    """SGLang's prepared KV transfer in a few passes over the indices, or None:
+    both lists whole pages of one length, the indices rows of one run each,
+    every row the same pages (its repeat_indices_over_layers)."""
+    if src.paged is None or dst.paged is None or src.paged[0] != dst.paged[0] or not len(si):
+        return None
+    s, d = _rows(si, src), _rows(di, dst)
+    if s is None or d is None or len(s[0]) != len(d[0]):
+        return None
+    buffers = list(zip(src.runs[s[0], 0].tolist(), dst.runs[d[0], 0].tolist(), [src.paged[0]] * len(s[0])))
+    return [_pages(buffers, s[1], d[1])]
+
+
+def _rows(idx, dl):
+    """(run of each row, the rows' pages) when idx is rows of the same pages of one run each, else None."""
+    count = dl.paged[1]
+    first = int(idx[0])
+    if not 0 <= first < dl.total:
+        return None
+    lo = first - first % count
+    inside = (idx >= lo) & (idx < lo + count)
+    width = len(idx) if inside.all() else int(np.argmin(inside))
+    if len(idx) % width:
+        return None
+    rows = idx.reshape(-1, width)
+    if not (rows - rows[:, :1] == rows[0] - first).all():
+        return None
+    # Each row starts at the same page of its run as the first: its run's first index.
+    base = rows[:, 0] - (first - lo)
+    if base.min() < 0 or base.max() >= dl.total or (base % count).any():
+        return None
+    return base // count, rows[0] - lo
 
 
 def frames(client, peer, writes):

@@ -109,6 +109,40 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(buffers, [(0x10000, 0x90000, 64), (0x20000, 0xA0000, 64), (0x30000, 0xB0000, 64), (0x40000, 0xC0000, 64)])
         self.assertEqual((sp.tolist(), dp.tolist()), ([2, 3, 7], [5, 6, 1]))
 
+    def test_the_shortcut_for_sglangs_lists_plans_what_the_general_way_does(self):
+        rng = np.random.default_rng(7)
+        src = self.dlist([(0x100000 * (b + 1), 64, 0, 64, 50) for b in range(8)])
+        dst = self.dlist([(0x9000000 * (b + 1), 64, 0, 64, 40) for b in range(8)], "peer")
+
+        def general(dl):  # the same list without the shortcut
+            g = xferplan.DList(dl.runs, dl.kind, dl.agent)
+            g.paged = None
+            return g
+
+        def flat(writes):
+            out = set()
+            for _, buffers, sp, dp in writes:
+                out |= {(s + i * n, d + j * n, n) for s, d, n in buffers for i, j in zip(sp.tolist(), dp.tolist())}
+            return out
+
+        cases = []
+        for _ in range(20):  # SGLang's: the same pages in every run
+            pages = rng.choice(40, size=int(rng.integers(1, 40)), replace=False)
+            runs = rng.choice(8, size=int(rng.integers(1, 9)), replace=False)
+            cases.append(((runs[:, None] * 50 + pages).ravel(), (runs[:, None] * 40 + pages).ravel()))
+        # Not SGLang's: other pages per run, a row across two runs, rows of two widths.
+        cases.append((np.array([1, 2, 51, 53]), np.array([1, 2, 41, 43])))
+        cases.append((np.array([48, 49, 50, 51]), np.array([0, 1, 2, 3])))
+        cases.append((np.array([1, 2, 51]), np.array([1, 2, 41])))
+        for si, di in cases:
+            fast = xferplan.plan(src, si, dst, di)
+            slow = xferplan.plan(general(src), si, general(dst), di)
+            self.assertEqual(flat(fast), flat(slow), (si, di))
+            self.assertEqual(sum(len(w[1]) * len(w[2]) for w in fast), len(si))
+        self.assertEqual(len(xferplan.plan(src, cases[0][0], dst, cases[0][1])), 1, "SGLang's transfer is one page write")
+        with self.assertRaisesRegex(xferplan.DescError, "out of range"):
+            xferplan.plan(src, np.array([1, 51, 401]), dst, np.array([1, 41, 81]))
+
     def test_buffers_with_different_pages_and_partial_blocks(self):
         src = self.dlist([(0x10000, 64, 0, 64, 10), (0x20000, 64, 0, 64, 10), (0x30000, 16, 0, 64, 10)])
         dst = self.dlist([(0x90000, 64, 0, 64, 10), (0xA0000, 64, 0, 64, 10), (0xB0000, 16, 0, 64, 10)], "peer")
