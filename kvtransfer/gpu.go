@@ -47,6 +47,7 @@ type gpuPlane struct {
 	resolveSec, copySec prometheus.Counter
 
 	mu      sync.Mutex
+	closed  bool         // set by close: no device opens, no region joins
 	regions []*gpuRegion // sorted by base
 	imports map[cuda.Handle]*gpuImport
 	// peers maps a peer region (by link and ID) to where it is mapped here;
@@ -159,7 +160,15 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	case length > maxMemoryRegion:
 		return fmt.Errorf("register cuda memory: %d bytes is too large", length)
 	}
-	if err := g.open(p.cfg.Registry); err != nil {
+	// Opened under mu, which close takes first: a device opened after close
+	// would never be closed.
+	g.mu.Lock()
+	err := ErrClosed
+	if !g.closed {
+		err = g.open(p.cfg.Registry)
+	}
+	g.mu.Unlock()
+	if err != nil {
 		return fmt.Errorf("register cuda memory: %w", err)
 	}
 	var h cuda.Handle
@@ -174,6 +183,10 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 		return ErrClosed
 	}
 	g.mu.Lock()
+	if g.closed { // close ran since: its drop would miss this region
+		g.mu.Unlock()
+		return ErrClosed
+	}
 	var replaced *gpuRegion
 	for _, r := range g.regions {
 		if r.base < addr+length && addr < r.end() {
@@ -262,7 +275,11 @@ func (g *gpuPlane) dropSession(p *MemoryPlane, s *MemorySession, push bool) erro
 
 // close drops every region and peer import and frees the device.
 func (g *gpuPlane) close(p *MemoryPlane) error {
-	if g.dev == nil {
+	g.mu.Lock()
+	g.closed = true
+	opened := g.dev != nil
+	g.mu.Unlock()
+	if !opened {
 		return nil
 	}
 	err := g.dropSession(p, nil, false)

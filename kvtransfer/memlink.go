@@ -238,11 +238,12 @@ func (l *memLink) handle(m wire.Msg) error {
 	case *wire.Data:
 		return l.land(m)
 	case *wire.MemRegionsReq:
-		// Taken and sent under bmu, as pushes are: an answer taken before a
-		// drop but sent after its push would list the dropped region again.
+		// Taken and posted under bmu, as pushes are written: an answer taken
+		// before a drop but sent after its push would list the dropped
+		// region again. Posted, not written: see wire.Conn.Post.
 		l.p.bmu.Lock()
 		defer l.p.bmu.Unlock()
-		return l.conn.Write(&wire.MemRegions{Seq: m.Seq, Regions: l.p.table()})
+		l.conn.Post(&wire.MemRegions{Seq: m.Seq, Regions: l.p.table()})
 	case *wire.MemRegions:
 		// Installed here, in the link's order, for an answer too: a push
 		// read after an answer is the newer table, and a waiter installing
@@ -252,9 +253,8 @@ func (l *memLink) handle(m wire.Msg) error {
 			l.deliver(m.Seq, m)
 		}
 	case *wire.MemFence:
-		ack := &wire.MemFenceAck{Seq: m.Seq, Err: l.dropped}
+		l.conn.Post(&wire.MemFenceAck{Seq: m.Seq, Err: l.dropped})
 		l.dropped = ""
-		return l.conn.Write(ack)
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
 	default:

@@ -261,9 +261,9 @@ func (sr *streamRelay) Read(p []byte) (int, error) {
 }
 
 // next reads the worker's next chunk into buf and returns what the client
-// gets for it: the chunk (logprobs merged), and at the end what the merger
-// held back or, when the worker's stream broke, one valid SSE error event
-// (prefill's error if prefill is what failed).
+// gets for it: the chunk (logprobs merged) or, when the worker's stream
+// broke, one valid SSE error event (prefill's error if prefill is what
+// failed).
 func (sr *streamRelay) next(buf []byte) []byte {
 	if sr.readErr == nil {
 		var n int
@@ -284,9 +284,6 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	}
 	sr.ended = true
 	if sr.readErr == io.EOF {
-		if sr.merge != nil {
-			return sr.merge.flush()
-		}
 		return nil
 	}
 	sr.leg.bodyFailed()

@@ -64,30 +64,62 @@ func timedStatus(url string) (int, time.Duration) {
 	return code, time.Since(start)
 }
 
-func bootstrapFloodRooms(t *testing.T) {
+// pdOverKV is a PD deployment of mock workers whose KV moves through a
+// prefill and a decode kvproxy (tcp), behind pdrouter.
+type pdOverKV struct {
+	prefillKV *testenv.Proc
+	router    string
+	bootAddr  string // the prefill kvproxy's bootstrap port
+	route     string // GET /route for the topology, as SGLang's decode asks
+}
+
+// startPDOverKV starts one and waits until the bootstrap port answers the
+// topology (the prefill engine registered its pool).
+func startPDOverKV(t *testing.T) pdOverKV {
 	dir := t.TempDir()
 	kv := testenv.BuildBinary(t, "kvproxy", testenv.Build{CGO: true})
 	mock := testenv.Binary(t, "mockworker")
 	workerFlags := []string{"--port", "0", "--tokens", "4", "--kv-layers", "2", "--kv-bytes-per-token", "64",
 		"--kv-pool-tokens", "4096", "--kv-chunk-tokens", "256"}
 	boot := testenv.FreePort(t)
-	prefillKV := testenv.StartWith(t, kv, kvReady, kvproxyArgs("prefill", filepath.Join(dir, "p.sock"), boot)...)
+	d := pdOverKV{prefillKV: testenv.StartWith(t, kv, kvReady, kvproxyArgs("prefill", filepath.Join(dir, "p.sock"), boot)...)}
 	testenv.StartWith(t, kv, kvReady, kvproxyArgs("decode", filepath.Join(dir, "d.sock"), -1)...)
 	prefill := testenv.StartWith(t, mock, testenv.Options{Ready: "listening on "},
 		append([]string{"--role", "prefill", "--kvproxy", filepath.Join(dir, "p.sock")}, workerFlags...)...)
 	decode := testenv.StartWith(t, mock, testenv.Options{Ready: "listening on "},
 		append([]string{"--role", "decode", "--kvproxy", filepath.Join(dir, "d.sock")}, workerFlags...)...)
 	port := testenv.FreePort(t)
-	router := "http://127.0.0.1:" + strconv.Itoa(port)
+	d.router = "http://127.0.0.1:" + strconv.Itoa(port)
 	testenv.Start(t, testenv.Binary(t, "pdrouter"), "--host", "127.0.0.1", "--port", strconv.Itoa(port),
 		"--prometheus-port", "0", "--log-level", "warn", "--pd-disaggregation",
 		"--prefill", prefill.URL(), strconv.Itoa(boot), "--decode", decode.URL())
-	testenv.WaitStatus(t, router+"/readiness", 200, 30*time.Second)
-	bootAddr := "127.0.0.1:" + strconv.Itoa(boot)
-	// SGLang's decode asks GET /route for the topology; 200 once the
-	// prefill engine registered its pool.
-	route := "http://" + bootAddr + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-	testenv.WaitStatus(t, route, 200, 30*time.Second)
+	testenv.WaitStatus(t, d.router+"/readiness", 200, 30*time.Second)
+	d.bootAddr = "127.0.0.1:" + strconv.Itoa(boot)
+	d.route = "http://" + d.bootAddr + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+	testenv.WaitStatus(t, d.route, 200, 30*time.Second)
+	return d
+}
+
+// rooms sends n PD requests through the router; each must move its KV intact.
+func (d pdOverKV) rooms(t *testing.T, n int, when string) {
+	t.Helper()
+	for i := range n {
+		body := fmt.Sprintf(`{"text":"flood %d","sampling_params":{"max_new_tokens":4}}`, i)
+		resp, err := client.Post(d.router+"/generate", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatalf("room %d %s: %v", i, when, err)
+		}
+		out, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !bytes.Contains(out, []byte(`"checksum_ok":true`)) {
+			t.Fatalf("room %d %s: %d %.300s", i, when, resp.StatusCode, out)
+		}
+	}
+}
+
+func bootstrapFloodRooms(t *testing.T) {
+	d := startPDOverKV(t)
+	prefillKV, bootAddr, route := d.prefillKV, d.bootAddr, d.route
 
 	// Below the port's 1,024-connection limit: a flood over it is refused
 	// at accept, and so are engines until the header timeout frees slots.
@@ -107,18 +139,7 @@ func bootstrapFloodRooms(t *testing.T) {
 	// The first PD requests since start: the decode kvproxy resolves the
 	// prefill through this bootstrap port now, during the flood.
 	rooms := size(10, 50)
-	for i := range rooms {
-		body := fmt.Sprintf(`{"text":"flood %d","sampling_params":{"max_new_tokens":4}}`, i)
-		resp, err := client.Post(router+"/generate", "application/json", strings.NewReader(body))
-		if err != nil {
-			t.Fatalf("room %d during the flood: %v", i, err)
-		}
-		out, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 200 || !bytes.Contains(out, []byte(`"checksum_ok":true`)) {
-			t.Fatalf("room %d during the flood: %d %.300s", i, resp.StatusCode, out)
-		}
-	}
+	d.rooms(t, rooms, "during the flood")
 	roomsTook := time.Since(floodStart)
 	if roomsTook > bootstrapHeaderTimeout/2 {
 		t.Errorf("checks and rooms took %v: the flood may have been reaped before they ran", roomsTook)

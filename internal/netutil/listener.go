@@ -3,6 +3,7 @@
 package netutil
 
 import (
+	"bytes"
 	"errors"
 	"net"
 	"sync"
@@ -111,11 +112,19 @@ func (l *Listener) refuse(c net.Conn) {
 	}
 	go func() {
 		defer func() { <-l.refusing }()
+		// The request's head first: an HTTP client that reads an answer
+		// before it sent its request takes it for a broken connection.
+		_ = c.SetReadDeadline(time.Now().Add(refusalLinger))
+		skipHead(c)
 		_ = c.SetDeadline(time.Now().Add(refusalLinger))
 		if _, err := c.Write(l.opt.Refusal); err == nil {
 			// Read what the client sent, so closing does not reset the
 			// connection before the refusal is read.
-			if tc, ok := c.(*net.TCPConn); ok {
+			inner := c
+			if wc, ok := c.(*conn); ok {
+				inner = wc.Conn
+			}
+			if tc, ok := inner.(*net.TCPConn); ok {
 				_ = tc.CloseWrite()
 			}
 			var buf [512]byte
@@ -128,6 +137,24 @@ func (l *Listener) refuse(c net.Conn) {
 		_ = c.Close()
 	}()
 }
+
+// skipHead reads from c up to the end of an HTTP request head, 4 KiB, or
+// an error (the deadline).
+func skipHead(c net.Conn) {
+	var buf [4 << 10]byte
+	n := 0
+	for n < len(buf) && !bytes.Contains(buf[:n], []byte("\r\n\r\n")) {
+		k, err := c.Read(buf[n:])
+		n += k
+		if err != nil {
+			return
+		}
+	}
+}
+
+// Refuse answers c, a connection Accept returned, as one over MaxConns is
+// (a caller with its own admission rules refuses alike), and closes it.
+func (l *Listener) Refuse(c net.Conn) { l.refuse(c) }
 
 // Close stops accepting; a pause in progress ends at once.
 func (l *Listener) Close() error {

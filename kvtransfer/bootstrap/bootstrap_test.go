@@ -6,8 +6,10 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/goleak"
@@ -146,18 +148,20 @@ func TestOptionalFields(t *testing.T) {
 }
 
 func TestDPRanksExpire(t *testing.T) {
-	s := NewServer()
-	now := time.Unix(1000, 0)
-	s.now = func() time.Time { return now }
-	expect(t, "register", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 9223372036854775807, "dp_rank": 3}`), answer{200, "OK", textCT})
-	expect(t, "register by string", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": "12", "dp_rank": 0}`), answer{200, "OK", textCT})
-	expect(t, "query", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807, 5, "12"]}`),
-		answer{200, `{"9223372036854775807": 3, "12": 0}`, jsonCT})
-	if a := do(t, s, "POST", "/register_dp_rank", `{"dp_rank": 3}`); a.code != 500 {
-		t.Fatalf("register without a room: %+v", a)
-	}
-	now = now.Add(121 * time.Second)
-	expect(t, "after TTL", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807]}`), answer{200, `{}`, jsonCT})
+	synctest.Test(t, func(t *testing.T) {
+		s := NewServer()
+		expect(t, "register", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": 9223372036854775807, "dp_rank": 3}`), answer{200, "OK", textCT})
+		expect(t, "register by string", do(t, s, "POST", "/register_dp_rank", `{"bootstrap_room": "12", "dp_rank": 0}`), answer{200, "OK", textCT})
+		expect(t, "query", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807, 5, "12"]}`),
+			answer{200, `{"9223372036854775807": 3, "12": 0}`, jsonCT})
+		if a := do(t, s, "POST", "/register_dp_rank", `{"dp_rank": 3}`); a.code != 500 {
+			t.Fatalf("register without a room: %+v", a)
+		}
+		time.Sleep(119 * time.Second)
+		expect(t, "within the TTL", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": ["12"]}`), answer{200, `{"12": 0}`, jsonCT})
+		time.Sleep(2 * time.Second)
+		expect(t, "after TTL", do(t, s, "POST", "/query_dp_ranks", `{"bootstrap_rooms": [9223372036854775807]}`), answer{200, `{}`, jsonCT})
+	})
 }
 
 // TestKvproxyRegistration: the kvproxy's own registration (pool mode) gives
@@ -218,4 +222,49 @@ func TestTrailingDataIsNotJSON(t *testing.T) {
 	if a := do(t, s, "GET", topoURL, ""); a.code != 503 {
 		t.Fatalf("topology after a rejected registration: %+v", a)
 	}
+}
+
+// TestRouteGarbageRanks: GET /route answers bad rank values as SGLang's
+// _handle_route_get does. It reads the ranks lazily: the all -1 check stops
+// at the first rank that is not -1, an unready server answers 503 before the
+// rest are parsed, and the table lookup parses rank by rank, so a rank
+// missing from the table (404) hides garbage after it; only garbage that
+// int() reaches raises (500). A number too big for int64 is a valid int
+// that no rank has.
+func TestRouteGarbageRanks(t *testing.T) {
+	route := func(dp, cp, tp, pp string) string {
+		q := url.Values{"prefill_dp_rank": {dp}, "prefill_cp_rank": {cp}, "target_tp_rank": {tp}, "target_pp_rank": {pp}}
+		return "/route?" + q.Encode()
+	}
+	notFound := func(dp, cp, tp, pp string) answer {
+		return answer{404, fmt.Sprintf("Bootstrap info not found for dp_rank=%s cp_rank=%s tp_rank=%s pp_rank=%s", dp, cp, tp, pp), textCT}
+	}
+	s := NewServer()
+	notReady := answer{503, "Prefill server not fully registered yet (0 workers registered).", textCT}
+	for _, q := range [][4]string{{"0", "x", "0", "0"}, {"-1", "0", "x", "x"}, {"-1", "-1", "-1", "0"}, {"5", "0", "0", "y"}} {
+		expect(t, "unready "+q[0]+","+q[1]+","+q[2]+","+q[3], do(t, s, "GET", route(q[0], q[1], q[2], q[3]), ""), notReady)
+	}
+	for _, q := range [][4]string{{"x", "0", "0", "0"}, {"-1", "x", "0", "0"}, {"-1", "-1", "-1", "x"}} {
+		if a := do(t, s, "GET", route(q[0], q[1], q[2], q[3]), ""); a.code != 500 {
+			t.Errorf("unready %v: %+v, want 500 (int() raises before the readiness check)", q, a)
+		}
+	}
+	expect(t, "PUT", do(t, s, "PUT", "/route", sglangPut(1, 0, 7000)), answer{200, "OK", textCT})
+	for _, q := range [][4]string{
+		{"7", "x", "x", "x"},                     // no dp group 7: KeyError before int("x")
+		{"-1", "0", "x", "0"},                    // not the all -1 query; dp -1 is no group
+		{"0", "3", "x", "0"},                     // no cp rank 3 in dp 0
+		{"0", "0", "0", "1"},                     // no pp rank 1
+		{"99999999999999999999", "0", "0", "0"},  // a valid int, no such group
+		{"0", "0", "-99999999999999999999", "x"}, // idem for tp, before pp's garbage
+		{" 0", "0", "0", "+1"},                   // int() takes spaces and a sign
+	} {
+		expect(t, fmt.Sprint(q), do(t, s, "GET", route(q[0], q[1], q[2], q[3]), ""), notFound(q[0], q[1], q[2], q[3]))
+	}
+	for _, q := range [][4]string{{"0", "x", "0", "0"}, {"0", "0", "0", "1.5"}, {"x", "0", "0", "0"}} {
+		if a := do(t, s, "GET", route(q[0], q[1], q[2], q[3]), ""); a.code != 500 {
+			t.Errorf("ready %v: %+v, want 500 (int() raises on a rank the lookup reaches)", q, a)
+		}
+	}
+	expect(t, "rank 0 with spaces", do(t, s, "GET", route("0", " 0", "0 ", "+0"), ""), answer{200, `{"rank_ip": "127.0.0.1", "rank_port": 7000}`, jsonCT})
 }

@@ -13,6 +13,7 @@ package bootstrap
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -78,8 +79,7 @@ type Server struct {
 	// EntryTTL is how long a room's DP rank is kept (SGLang: 120 s).
 	EntryTTL time.Duration
 
-	mu  sync.Mutex
-	now func() time.Time
+	mu sync.Mutex
 	// The topology, fixed field by field by the first registration that
 	// sets it (nil: not yet, Python's None).
 	attnTPSize, attnCPSize, dpSize, ppSize, pageSize, prefillHTTPPort *int64
@@ -94,7 +94,7 @@ type Server struct {
 
 // NewServer returns an empty server.
 func NewServer() *Server {
-	return &Server{EntryTTL: 120 * time.Second, now: time.Now, decodeAllocationPolicy: "early",
+	return &Server{EntryTTL: 120 * time.Second, decodeAllocationPolicy: "early",
 		ranks: map[rankKey]RankAddr{}, dp: map[int64]dpEntry{}}
 }
 
@@ -164,8 +164,8 @@ func pyInt(v any) (int64, bool) {
 			return int64(f), true // int() truncates
 		}
 	case string:
-		n, err := strconv.ParseInt(strings.ReplaceAll(strings.TrimSpace(x), "_", ""), 10, 64)
-		return n, err == nil
+		v := parseRank(x)
+		return v.n, v.valid && !v.big
 	case bool:
 		if x {
 			return 1, true
@@ -375,7 +375,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		s.mu.Lock()
 		s.expireLocked()
-		s.dp[room] = dpEntry{rank: rank, at: s.now()}
+		s.dp[room] = dpEntry{rank: rank, at: time.Now()}
 		s.mu.Unlock()
 		writeText(w, http.StatusOK, "OK")
 	case "/query_dp_ranks":
@@ -452,7 +452,7 @@ func (s *Server) queryDPRanks(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) expireLocked() {
-	now := s.now()
+	now := time.Now()
 	for room, e := range s.dp {
 		if now.Sub(e.at) > s.EntryTTL {
 			delete(s.dp, room)
@@ -460,6 +460,10 @@ func (s *Server) expireLocked() {
 	}
 }
 
+// getRoute is _handle_route_get, down to the order in which it parses the
+// ranks: int() raises (500) only on a rank it reaches, and the all -1
+// test, the readiness check (503) and the table lookup (404 at the first
+// rank the table lacks) each stop it early.
 func (s *Server) getRoute(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
 	names := [4]string{"prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"}
@@ -470,34 +474,83 @@ func (s *Server) getRoute(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	var k [4]int64
-	for i := range raw {
-		n, ok := pyInt(raw[i])
-		if !ok {
+	var k [4]rankValue
+	parse := func(i int) bool {
+		if k[i] = parseRank(raw[i]); !k[i].valid {
 			writeText(w, http.StatusInternalServerError, internal("ValueError: invalid literal for int() with base 10: '%s'", raw[i]).text)
-			return
 		}
-		k[i] = n
+		return k[i].valid
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	topology := true
+	for i := range k {
+		if !parse(i) {
+			return
+		}
+		if !k[i].is(-1) {
+			topology = false
+			break
+		}
+	}
 	if !s.readyLocked() {
 		writeText(w, http.StatusServiceUnavailable, fmt.Sprintf("Prefill server not fully registered yet (%d workers registered).", s.registered))
 		return
 	}
-	if k == [4]int64{-1, -1, -1, -1} {
+	if topology {
 		writeJSON(w, s.topologyLocked())
 		return
 	}
-	a, ok := s.ranks[rankKey{k[0], k[1], k[2], k[3]}]
-	if !ok {
-		writeText(w, http.StatusNotFound, fmt.Sprintf("Bootstrap info not found for dp_rank=%s cp_rank=%s tp_rank=%s pp_rank=%s", raw[0], raw[1], raw[2], raw[3]))
-		return
+	// The table is nested dp → cp → tp → pp: a rank is looked up once the
+	// ones before it were found.
+	for i := range k {
+		if i > 0 && !parse(i) { // k[0] is parsed already
+			return
+		}
+		if !s.hasPrefixLocked(k[:i+1]) {
+			writeText(w, http.StatusNotFound, fmt.Sprintf("Bootstrap info not found for dp_rank=%s cp_rank=%s tp_rank=%s pp_rank=%s", raw[0], raw[1], raw[2], raw[3]))
+			return
+		}
 	}
+	a := s.ranks[rankKey{k[0].n, k[1].n, k[2].n, k[3].n}]
 	var out pyObject
 	out.set("rank_ip", a.RankIP)
 	out.set("rank_port", a.RankPort)
 	writeJSON(w, out)
+}
+
+// rankValue is Python's int() of a string: valid or not, and a valid one
+// too big for int64 (big) matches no rank.
+type rankValue struct {
+	n          int64
+	valid, big bool
+}
+
+func (v rankValue) is(n int64) bool { return v.valid && !v.big && v.n == n }
+
+func parseRank(s string) rankValue {
+	t := strings.ReplaceAll(strings.TrimSpace(s), "_", "")
+	n, err := strconv.ParseInt(t, 10, 64)
+	if errors.Is(err, strconv.ErrRange) {
+		return rankValue{valid: true, big: true}
+	}
+	return rankValue{n: n, valid: err == nil}
+}
+
+// hasPrefixLocked reports whether a registered rank starts with the ranks
+// in p (dp, then cp, tp, pp).
+func (s *Server) hasPrefixLocked(p []rankValue) bool {
+	for key := range s.ranks {
+		ks := [4]int64{key.dp, key.cp, key.tp, key.pp}
+		match := true
+		for i, v := range p {
+			match = match && v.is(ks[i])
+		}
+		if match {
+			return true
+		}
+	}
+	return false
 }
 
 // topologyLocked is dataclasses.asdict(PrefillServerInfo(...)) in field

@@ -99,13 +99,17 @@ func (c *Client) readLoop() {
 			if r.Op == OpRegister && r.Err == "" && len(fds) > 0 {
 				r.fd, fds = fds[0], fds[1:]
 			}
+			// Handed over under mu (ch has room for it): a caller giving up
+			// forgets its id under mu too, so either it finds the reply,
+			// and the fd, in ch, or the reply finds no caller here.
 			c.mu.Lock()
 			ch := c.wait[r.ID]
 			delete(c.wait, r.ID)
-			c.mu.Unlock()
 			if ch != nil {
 				ch <- r
-			} else if r.fd >= 0 {
+			}
+			c.mu.Unlock()
+			if ch == nil && r.fd >= 0 {
 				syscall.Close(r.fd)
 			}
 		}
@@ -154,7 +158,7 @@ func (c *Client) callWith(ctx context.Context, req *Request, oob []byte) (*Reply
 		return r, nil
 	case <-ctx.Done():
 		c.forget(req.ID)
-		select { // a reply that raced in may hold a segment fd
+		select { // a reply handed over before forget may hold a segment fd
 		case r, ok := <-ch:
 			if ok && r.fd >= 0 {
 				syscall.Close(r.fd)

@@ -1,11 +1,13 @@
 package control
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"syscall"
@@ -29,6 +31,12 @@ type Server struct {
 	// OnRegister runs after the pool is registered (the prefill kvproxy
 	// then announces itself on its bootstrap server).
 	OnRegister func(*kvtransfer.Pool)
+	// MaxConns caps the connections served at once (0: 256); more are
+	// closed as they arrive.
+	MaxConns int
+	// FrameTimeout bounds the read of a frame once its first bytes are in
+	// (0: 10 s); an idle connection waits as long as it likes.
+	FrameTimeout time.Duration
 
 	mu     sync.Mutex
 	seg    *shm.Segment
@@ -50,6 +58,7 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	}()
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
+	slots := make(chan struct{}, cmp.Or(s.MaxConns, defaultMaxConns))
 	var backoff netutil.Backoff
 	for {
 		c, err := ln.AcceptUnix()
@@ -71,9 +80,21 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 			continue
 		}
 		backoff.Reset()
+		select {
+		case slots <- struct{}{}:
+		default:
+			// Refused at once rather than left in the backlog: the engine
+			// sees the failure instead of hanging on a connect.
+			s.Log.Warn("control socket: connection cap reached; refusing a connection", zap.Int("max", cap(slots)))
+			c.Close()
+			continue
+		}
 		s.wg.Add(1)
 		go func() {
-			defer s.wg.Done()
+			defer func() {
+				<-slots
+				s.wg.Done()
+			}()
 			s.serveConn(ctx, c)
 		}()
 	}
@@ -140,24 +161,26 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	}()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
-	// Reads land in pending's spare room, grown to the frame being read: a
-	// big Write arrives in as few reads as the socket allows, copied once.
-	pending := make([]byte, 0, 64<<10)
+	// Reads land in pending's spare room, grown toward the frame being read
+	// (see readRoom).
+	pending := make([]byte, 0, readChunk)
 	oob := make([]byte, syscall.CmsgSpace(4*4))
+	frameTimeout := cmp.Or(s.FrameTimeout, defaultFrameTimeout)
+	timed := false // a read deadline is armed for the frame in progress
 	for {
-		want := 64 << 10
-		if len(pending) >= 4 {
-			want = max(want, min(int(binary.LittleEndian.Uint32(pending))+4, maxFrame+4)-len(pending))
-		}
-		pending = slices.Grow(pending, want)
+		pending = slices.Grow(pending, readRoom(pending))
 		n, oobn, _, _, err := uc.ReadMsgUnix(pending[len(pending):cap(pending)], oob)
 		if oobn > 0 {
 			fds = append(fds, parseFds(oob[:oobn])...)
 		}
 		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				s.Log.Warn("control: a frame stalled midway, closing", zap.Duration("timeout", frameTimeout), zap.Int("have", len(pending)))
+			}
 			return
 		}
 		pending = pending[:len(pending)+n]
+		framed := false
 		for {
 			body, rest, err := splitFrame(pending)
 			if err != nil {
@@ -173,6 +196,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 				return
 			}
 			pending = append(pending[:0], rest...)
+			framed = true
 			fd := -1
 			if req.Op == OpRegisterMemory && req.Kind == wire.MemHost && len(fds) > 0 {
 				fd, fds = fds[0], fds[1:]
@@ -192,10 +216,40 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			}
 			c.reply(c.handle(ctx, req, fd))
 		}
+		// A frame begun must arrive within frameTimeout (a truncated one
+		// would hold the connection forever); between frames the engine
+		// may idle as long as it likes.
+		switch {
+		case len(pending) > 0 && (framed || !timed):
+			_ = uc.SetReadDeadline(time.Now().Add(frameTimeout))
+			timed = true
+		case len(pending) == 0 && timed:
+			_ = uc.SetReadDeadline(time.Time{})
+			timed = false
+		}
 		if len(pending) == 0 && cap(pending) > 4<<20 {
-			pending = make([]byte, 0, 64<<10) // room for SGLang-sized writes stays; the biggest frames' does not
+			pending = make([]byte, 0, readChunk) // room for SGLang-sized writes stays; the biggest frames' does not
 		}
 	}
+}
+
+const (
+	defaultMaxConns     = 256
+	defaultFrameTimeout = 10 * time.Second
+	readChunk           = 64 << 10
+)
+
+// readRoom is the free space the next read gets. A frame's declared
+// length is trusted only as far as its bytes have come: the room at most
+// doubles what the frame already holds, so a 16 MiB Write lands in a few
+// reads (amortised one extra copy) and a truncated one costs about what
+// it sent, not what it declared.
+func readRoom(pending []byte) int {
+	if len(pending) < 4 {
+		return readChunk
+	}
+	left := min(int(binary.LittleEndian.Uint32(pending))+4, maxFrame+4) - len(pending)
+	return max(readChunk, min(left, len(pending)))
 }
 
 // parseFds returns the descriptors an SCM_RIGHTS message carried.

@@ -10,6 +10,7 @@
 package sidecar
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -50,6 +51,8 @@ type Config struct {
 	WaitingTimeout   time.Duration
 	Heartbeat        time.Duration
 	Logger           *zap.Logger // nil: no logs
+
+	bootstrapMaxConns int // 0: maxHTTPConns (tests set fewer)
 }
 
 // Addrs is where a started sidecar listens; Bootstrap is empty on a decode
@@ -154,7 +157,9 @@ func Start(cfg Config) (*Sidecar, error) {
 	s.serve(newHTTPServer(mux), lns.metrics)
 	if boot != nil {
 		s.addrs.Bootstrap = lns.boot.Addr().String()
-		s.serve(newHTTPServer(boot), lns.boot)
+		srv := newHTTPServer(lns.boot.vouch(boot))
+		srv.ConnState = lns.boot.track
+		s.serve(srv, lns.boot)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
@@ -195,27 +200,36 @@ func newHTTPServer(h http.Handler) *http.Server {
 }
 
 type listeners struct {
-	peer, boot, metrics net.Listener // boot: prefill only
-	control             *net.UnixListener
+	peer, metrics net.Listener
+	boot          *connGuard // prefill only
+	control       *net.UnixListener
 }
 
 func (s *Sidecar) listen() (*listeners, error) {
 	l := &listeners{}
 	// Every TCP port survives running out of fds and refuses connections
-	// over its limit, so a flood on one leaves fds for the others.
-	tcp := func(port, maxConns int) (net.Listener, error) {
+	// over its limit, so a flood on one leaves fds for the others; the
+	// bootstrap port keeps slots for the peers that use it (connGuard).
+	listen := func(port int) (net.Listener, func(error, time.Duration), error) {
 		ln, err := net.Listen("tcp", net.JoinHostPort(s.cfg.Host, strconv.Itoa(port)))
+		return ln, func(err error, pause time.Duration) {
+			s.cfg.Logger.Warn("accept failed; retrying", zap.Stringer("addr", ln.Addr()), zap.Error(err), zap.Duration("pause", pause))
+		}, err
+	}
+	tcp := func(port, maxConns int) (net.Listener, error) {
+		ln, onErr, err := listen(port)
 		if err != nil {
 			return nil, err
 		}
-		return netutil.Listen(ln, netutil.Options{MaxConns: maxConns, OnAcceptError: func(err error, pause time.Duration) {
-			s.cfg.Logger.Warn("accept failed; retrying", zap.Stringer("addr", ln.Addr()), zap.Error(err), zap.Duration("pause", pause))
-		}}), nil
+		return netutil.Listen(ln, netutil.Options{MaxConns: maxConns, OnAcceptError: onErr}), nil
 	}
 	var err error
 	l.peer, err = tcp(s.cfg.PeerPort, maxPeerConns)
 	if err == nil && s.cfg.Role == "prefill" && s.cfg.BootstrapPort >= 0 {
-		l.boot, err = tcp(s.cfg.BootstrapPort, maxHTTPConns)
+		ln, onErr, lerr := listen(s.cfg.BootstrapPort)
+		if err = lerr; err == nil {
+			l.boot = newConnGuard(ln, cmp.Or(s.cfg.bootstrapMaxConns, maxHTTPConns), onErr)
+		}
 	}
 	if err == nil {
 		l.metrics, err = tcp(s.cfg.MetricsPort, maxMetricsConns)
@@ -246,10 +260,13 @@ func removeStaleSocket(path string) error {
 }
 
 func (l *listeners) close() {
-	for _, ln := range []net.Listener{l.peer, l.boot, l.metrics} {
+	for _, ln := range []net.Listener{l.peer, l.metrics} {
 		if ln != nil {
 			_ = ln.Close()
 		}
+	}
+	if l.boot != nil {
+		_ = l.boot.Close()
 	}
 	if l.control != nil {
 		_ = l.control.Close()

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"time"
 )
@@ -21,6 +22,13 @@ type Conn struct {
 	wbuf     []byte
 	iov      net.Buffers
 	wTimeout time.Duration // per frame written; 0: none
+
+	// posted are frames Post queued, written by the next holder of wmu
+	// ahead of its own; only a holder of wmu takes them, so they keep
+	// their place before any frame written after Post returned.
+	pmu      sync.Mutex
+	posted   []Msg
+	flushing bool // a goroutine is on its way to write posted
 
 	pending uint32 // DATA bytes the caller still has to consume
 }
@@ -54,6 +62,9 @@ func (c *Conn) armWrite() {
 func (c *Conn) Write(m Msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if err := c.writePosted(); err != nil {
+		return err
+	}
 	c.armWrite()
 	c.wbuf = AppendFrame(c.wbuf[:0], m)
 	_, err := c.nc.Write(c.wbuf)
@@ -82,6 +93,9 @@ const dataBatchBytes = 16 << 20
 func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	if err := c.writePosted(); err != nil {
+		return err
+	}
 	for len(pieces) > 0 {
 		// Headers of this writev, in one buffer that is not grown while
 		// iov points into it.
@@ -109,6 +123,48 @@ func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
 		pieces = pieces[n:]
 	}
 	return nil
+}
+
+// Post queues control frame m and returns without waiting for the write
+// lock. The reader of a connection answers its peer with Post: a reader
+// waiting behind this side's bulk write, which only the peer's reader can
+// drain, while the peer's reader waits the same way, would stall both
+// until the write timeout. Posted frames go out in order, ahead of every
+// frame written after Post returns. One that cannot be written closes the
+// connection (the stream may hold part of a frame).
+func (c *Conn) Post(m Msg) {
+	c.pmu.Lock()
+	c.posted = append(c.posted, m)
+	start := !c.flushing
+	c.flushing = true
+	c.pmu.Unlock()
+	if start {
+		go func() {
+			c.wmu.Lock()
+			defer c.wmu.Unlock()
+			if err := c.writePosted(); err != nil {
+				_ = c.nc.Close()
+			}
+		}()
+	}
+}
+
+// writePosted writes the frames Post queued; the caller holds wmu.
+func (c *Conn) writePosted() error {
+	c.pmu.Lock()
+	ms := c.posted
+	c.posted, c.flushing = nil, false
+	c.pmu.Unlock()
+	if len(ms) == 0 {
+		return nil
+	}
+	c.wbuf = c.wbuf[:0]
+	for _, m := range ms {
+		c.wbuf = AppendFrame(c.wbuf, m)
+	}
+	c.armWrite()
+	_, err := c.nc.Write(c.wbuf)
+	return err
 }
 
 // SetReadTimeout arms the read deadline d from now (0 disables it).
@@ -153,14 +209,31 @@ func ReadMsg(r io.Reader, buf *[]byte, pending *uint32) (Msg, error) {
 		*pending = d.N
 		return d, nil
 	}
-	if cap(*buf) < int(n) {
-		*buf = make([]byte, n)
-	}
-	p := (*buf)[:n]
-	if _, err := io.ReadFull(r, p); err != nil {
-		return nil, unexpected(err)
+	p, err := readPayload(r, buf, int(n))
+	if err != nil {
+		return nil, err
 	}
 	return Decode(t, p)
+}
+
+// readPayload reads n bytes into *buf, growing it only as they arrive (at
+// most doubling what it holds), so a length declared by a frame that never
+// comes costs about what did.
+func readPayload(r io.Reader, buf *[]byte, n int) ([]byte, error) {
+	p := (*buf)[:0]
+	for len(p) < n {
+		if len(p) == cap(p) {
+			p = slices.Grow(p, min(n-len(p), max(len(p), 64<<10)))
+		}
+		k, err := io.ReadFull(r, p[len(p):min(n, cap(p))])
+		p = p[:len(p)+k]
+		if err != nil {
+			*buf = p
+			return nil, unexpected(err)
+		}
+	}
+	*buf = p
+	return p, nil
 }
 
 func unexpected(err error) error {

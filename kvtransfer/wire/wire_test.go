@@ -6,8 +6,11 @@ import (
 	"io"
 	"net"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
+	"testing/iotest"
+	"time"
 	"unicode/utf8"
 )
 
@@ -223,5 +226,78 @@ func TestLongTextStillDecodes(t *testing.T) {
 		if len(text) == 0 || len(text) > maxString || !strings.HasPrefix(long, text) || !utf8.ValidString(text) {
 			t.Fatalf("%s: text of %d bytes, want a valid prefix of at most %d", m.Type(), len(text), maxString)
 		}
+	}
+}
+
+// A frame's declared length is not allocated before its bytes come: a
+// header declaring the largest control payload, followed by a few bytes and
+// the end of the stream, costs about what arrived.
+func TestTruncatedFrameAllocatesWhatArrived(t *testing.T) {
+	f := withLen(AppendFrame(nil, &Heartbeat{Seq: 1}), MaxControlLen)
+	f = append(f, make([]byte, 100)...)
+	var buf []byte
+	var pending uint32
+	if _, err := ReadMsg(bytes.NewReader(f), &buf, &pending); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("truncated frame: %v", err)
+	}
+	if cap(buf) > 256<<10 {
+		t.Fatalf("a frame that sent %d bytes grew the buffer to %d", len(f), cap(buf))
+	}
+	// A whole large frame still reads (in growing pieces).
+	big := &XferReq{Room: 3, AuxSlot: -1, DstPages: make([]uint32, 100_000)}
+	for i := range big.DstPages {
+		big.DstPages[i] = uint32(i * 7)
+	}
+	m, err := ReadMsg(iotest.OneByteReader(bytes.NewReader(AppendFrame(nil, big))), &buf, &pending)
+	if err != nil || !reflect.DeepEqual(m, big) {
+		t.Fatalf("whole frame after a truncated one: %+v %v", m, err)
+	}
+}
+
+// Post does not wait behind a write blocked on a peer that is not reading,
+// and its frames go out after that write and before any later one.
+func TestPostDoesNotWaitForTheWriteLock(t *testing.T) {
+	p1, p2 := net.Pipe()
+	defer p1.Close()
+	defer p2.Close()
+	w, r := NewConn(p1), NewConn(p2)
+	data := make([]byte, 1<<20)
+	wrote := make(chan error, 1)
+	go func() { wrote <- w.WriteData(1, 0, data) }()
+	for w.wmu.TryLock() { // until the write holds the lock (blocked: nobody reads yet)
+		w.wmu.Unlock()
+		runtime.Gosched()
+	}
+	posted := make(chan struct{})
+	go func() {
+		w.Post(&Heartbeat{Seq: 1})
+		w.Post(&Heartbeat{Seq: 2})
+		close(posted)
+	}()
+	select {
+	case <-posted:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Post waited for the write lock")
+	}
+	later := make(chan error, 1)
+	go func() { later <- w.Write(&Heartbeat{Seq: 3}) }()
+	m, err := r.Read()
+	if d, ok := m.(*Data); err != nil || !ok || d.N != uint32(len(data)) {
+		t.Fatalf("first frame: %+v %v", m, err)
+	}
+	if err := r.ReadData(make([]byte, len(data))); err != nil {
+		t.Fatal(err)
+	}
+	for want := uint64(1); want <= 3; want++ {
+		m, err := r.Read()
+		if h, ok := m.(*Heartbeat); err != nil || !ok || h.Seq != want {
+			t.Fatalf("frame %d: %+v %v", want, m, err)
+		}
+	}
+	if err := <-wrote; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-later; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -30,6 +30,9 @@ FEATURE_WRITE_PAGES = 1
 
 KIND_HOST = 0
 
+# Ops whose effect kvproxy keeps: one that times out may still take effect.
+_KEPT_BY_KVPROXY = (OP_REGISTER_MEMORY, OP_UNREGISTER_MEMORY)
+
 DEFAULT_SOCK = "/tmp/kvproxy.sock"
 MAX_FRAME = 16 << 20  # kvproxy's limit (kvtransfer/control/proto.go)
 MAX_STRING = 4 << 10  # kvproxy's limit on a string in a frame (kvtransfer/wire/codec.go)
@@ -350,7 +353,15 @@ class Client:
             # A reader hands over to the oldest caller, which may be this one:
             # pass the wake on, or the others' replies wait in the socket.
             self._hand_over()
-            raise TimeoutError("kvproxy did not answer op %d within %.1fs" % (p.op, limit))
+            late = TimeoutError("kvproxy did not answer op %d within %.1fs" % (p.op, limit))
+            if p.op in _KEPT_BY_KVPROXY:
+                # kvproxy may still carry it out: dropping the connection (and
+                # all registered on it) is the one state both sides then agree on.
+                err = ControlClosed("%s; closed the connection, so kvproxy drops what this engine registered" % late)
+                self._fail_all(err)
+                self.close()
+                raise err from late
+            raise late
         if p.error is not None:
             raise p.error
         return p.reply

@@ -136,9 +136,12 @@ class TransferEngine:
                     self._lost(client, control.ControlClosed("kvproxy hung up"))
                     logger.warning("TransferEngine: kvproxy at %s went away; reconnecting", client.sock_path)
                 continue
-            if self._conn() is not None:
-                delay = self.RECONNECT_INTERVAL
-                continue
+            try:
+                if self._conn() is not None:
+                    delay = self.RECONNECT_INTERVAL
+                    continue
+            except Exception:  # whatever it was, the engine must not stop reconnecting
+                logger.exception("TransferEngine: reconnecting to kvproxy")
             stop.wait(delay)
             delay = min(2 * delay, self.RECONNECT_MAX)
 
@@ -155,8 +158,14 @@ class TransferEngine:
             self._peer_addr, self.transport = client.hello()
             for start, (size, fd) in self._segments.items():
                 client.register_memory(start, size, fd)
-            for p, n in self._cuda.items():
-                client.register_cuda_memory(p, n)
+            for p, n in list(self._cuda.items()):
+                try:
+                    client.register_cuda_memory(p, n)
+                except (ValueError, RuntimeError, control.KVProxyError) as e:  # RuntimeError: CudaError, CudaUnavailable
+                    # Its allocation went, or the driver or kvproxy refuse it:
+                    # it would fail every reconnect, so the rest goes on without it.
+                    logger.error("TransferEngine: device memory [%#x,+%d) not registered again, dropped: %s", p, n, e)
+                    del self._cuda[p]
         except (OSError, control.KVProxyError, cuda.CudaError) as e:
             logger.error("TransferEngine: kvproxy at %s: %s", client.sock_path, e)
             client.close()

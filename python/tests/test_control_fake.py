@@ -157,5 +157,42 @@ class FakeServerTest(unittest.TestCase):
         self.assertIsNotNone(out.get("reply"))
 
 
+class RegisterTimeoutTest(unittest.TestCase):
+    """kvproxy may still carry out a register (or unregister) the client gave
+    up waiting for: only dropping the connection, and with it everything
+    registered on it, leaves the engine and kvproxy agreeing."""
+
+    def setUp(self):
+        self.kp = FakeKVProxy()
+        self.addCleanup(self.kp.close)
+        self.cl = control.Client(self.kp.path, timeout=0.3)
+        self.addCleanup(self.cl.close)
+        self.kp.accept()
+
+    def dropped(self, op):
+        got, _, _ = self.kp.request()
+        self.assertEqual(got, op)
+        self.kp.conn.settimeout(5)
+        self.assertEqual(self.kp.conn.recv(1), b"", "the connection stayed open: kvproxy may keep what the engine thinks failed")
+        self.assertFalse(self.cl.alive())
+
+    def test_a_register_that_times_out_drops_the_connection(self):
+        fd = os.open("/dev/null", os.O_RDONLY)
+        self.addCleanup(os.close, fd)
+        with self.assertRaises(control.ControlClosed):
+            self.cl.register_memory(4096, 4096, fd)
+        self.dropped(control.OP_REGISTER_MEMORY)
+
+    def test_an_unregister_that_times_out_drops_the_connection(self):
+        with self.assertRaises(control.ControlClosed):
+            self.cl.unregister_memory(4096)
+        self.dropped(control.OP_UNREGISTER_MEMORY)
+
+    def test_a_probe_that_times_out_keeps_the_connection(self):
+        with self.assertRaises(TimeoutError):
+            self.cl.probe("p")
+        self.assertTrue(self.cl.alive())
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -5,6 +5,7 @@ import socket
 import time
 import unittest
 
+from pdrouter_kv import control
 from tests.kvproxy_proc import KVProxy
 from tests.test_engine import buffer, engine_on
 
@@ -83,6 +84,29 @@ class RestartTest(unittest.TestCase):
         self.assertTrue(watcher.is_alive())
         self.src_eng.close()
         self.assertFalse(watcher.is_alive())
+    def test_a_device_range_that_fails_to_register_again_does_not_stop_reconnecting(self):
+        # Its allocation went (or the driver fails): the watcher must live on,
+        # and the engine's other memory be served again.
+        failed = []
+
+        def failing(client, ptr, length):
+            failed.append(ptr)
+            raise ValueError("%#x is not CUDA device memory" % ptr)
+
+        orig = control.Client.register_cuda_memory
+        control.Client.register_cuda_memory = failing
+        self.addCleanup(setattr, control.Client, "register_cuda_memory", orig)
+        with self.src_eng._lock:
+            self.src_eng._cuda[0x7F0000000000] = 4096
+        self.assertEqual(self.write(), 0)
+        self.a.kill()
+        self.a.start()
+        wait_for(lambda: failed, 5)
+        wait_for(lambda: self.a.metric("kvproxy_registered_regions") == 1, 5)
+        self.assertTrue(self.src_eng._watcher.is_alive(), "the watcher died on the failed re-register")
+        self.assertEqual(self.write(5), 0)
+        self.assertEqual(self.dst.raw, bytes([5]) * SIZE)
+
 
 if __name__ == "__main__":
     unittest.main()
