@@ -293,7 +293,7 @@ class Client:
         return self.wait(self.post(op, body, fd), timeout)
 
     def post(self, op, body, fd=None):
-        """Sends one request and returns at once; wait() (or done()) tells its end.
+        """Sends one request and returns at once; wait() tells its end.
 
         Replies are read by whichever caller waits: something must wait for a
         posted request, or its reply stays in the socket. p.done turns true
