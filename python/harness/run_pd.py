@@ -241,6 +241,9 @@ def main():
                    SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="1", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2",
                    SGLANG_ENABLE_FAILED_SESSION_PROBE="1", SGLANG_FAILED_SESSION_PROBE_INTERVAL_S="0.5",
                    SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S="1", PYTHONUNBUFFERED="1")
+        # This tree's python/ before the venv's installed copy: several trees
+        # share one cached venv, and another's install must not change the run.
+        env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
         if a.engine == "mooncake":
             env["PYTHONPATH"] = a.mooncake_path + os.pathsep + env.get("PYTHONPATH", "")
         elif a.engine == "nixl-real":
