@@ -2,11 +2,11 @@
 # Installs the Debian packages a target needs, only when they are missing.
 #   test : libucx-dev, ucx-utils (the ucx package and ucx_perftest)
 #   bench: the above plus nginx and wrk
-#   sglang: the SGLang harness's cached Python venv (prints VENV=... MOONCAKE=...)
+#   sglang: the SGLang harness's cached Python venv (prints VENV=... MOONCAKE=... NIXL=...)
 set -euo pipefail
 if [ "${1:-test}" = sglang ]; then
 	# python/sglang: SGLang 0.5.23 and Mooncake's TransferEngine in a cached
-	# venv (scripts/sglang-venv.sh; prints VENV=... MOONCAKE=...).
+	# venv (scripts/sglang-venv.sh; prints VENV=... MOONCAKE=... NIXL=...).
 	if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
 		[ "$(id -u)" -eq 0 ] || { echo "python3 lacks venv: apt-get install python3-venv" >&2; exit 1; }
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Makes (once) and prints the path of a cached venv holding SGLang 0.5.23's
 # KV-transfer code with its import-time deps, pdrouter's python/ package, and
-# Mooncake's real TransferEngine in a folder of its own (selected per process
-# with PYTHONPATH). Keyed by a hash of the pinned requirements and python/, so
-# a second run only re-installs python/ when it changed.
-#   prints: VENV=<dir> MOONCAKE=<dir>
+# Mooncake's real TransferEngine and NIXL (PyPI's, UCX 1.23 inside) in folders
+# of their own (selected per process with PYTHONPATH). Keyed by a hash of the
+# pinned requirements and python/, so a second run only re-installs python/
+# when it changed.
+#   prints: VENV=<dir> MOONCAKE=<dir> NIXL=<dir>
 set -euo pipefail
 cd "$(dirname "$0")/.."
 req=python/harness/requirements-sglang.txt
 mooncake_req="mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# The meta package picks nixl_cu13 for the venv's CUDA 13 torch.
+nixl_req=(nixl==1.5.1 nixl-cu13==1.5.1)
 uv_version=0.13.9
 py=${PYTHON:-python3}
 key=$( (cat "$req"; echo "$mooncake_req" "$uv_version"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
@@ -27,10 +30,19 @@ if [ ! -e "$root/.complete" ]; then
 	rm -rf "$root/uv-cache"
 	touch "$root/.complete"
 fi
+# NIXL came later than the venv: a folder of its own, so that adding it
+# left the venv's key (and the venv) as it was.
+if [ ! -e "$root/nixl/.complete" ]; then
+	echo "sglang-venv: installing ${nixl_req[*]} into $root/nixl (~60 MB)" >&2
+	rm -rf "$root/nixl"
+	UV_CACHE_DIR=$root/uv-cache "$venv/bin/uv" pip install -q --python "$venv/bin/python" --no-deps --target "$root/nixl" "${nixl_req[@]}" >&2
+	rm -rf "$root/uv-cache"
+	touch "$root/nixl/.complete"
+fi
 # python/ changes with the tree: install it when its hash moved.
-pkg=$(find python/pdrouter_kv python/mooncake python/pyproject.toml -type f -name '*.py' -o -name pyproject.toml | sort | xargs cat | sha256sum | cut -c1-16)
+pkg=$(find python/pdrouter_kv python/mooncake python/nixl python/pyproject.toml -type f -name '*.py' -o -name pyproject.toml | sort | xargs cat | sha256sum | cut -c1-16)
 if [ "$(cat "$root/.pkg" 2>/dev/null)" != "$pkg" ]; then
 	"$venv/bin/pip" install -q --no-deps --force-reinstall ./python >&2
 	echo "$pkg" > "$root/.pkg"
 fi
-echo "VENV=$venv MOONCAKE=$root/mooncake"
+echo "VENV=$venv MOONCAKE=$root/mooncake NIXL=$root/nixl"

@@ -3,7 +3,7 @@
 # against a real kvproxy, then SGLang 0.5.23's own mooncake PD backend
 # (python/harness) with pdrouter's TransferEngine over kvproxy, with
 # kvproxy's bootstrap server instead of SGLang's, and with Mooncake's real
-# TransferEngine. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
+# TransferEngine, and SGLang's own nixl backend with pdrouter's nixl look-alike. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -24,8 +24,8 @@ run() {
 run "python unit tests (control client, TransferEngine, remap) against kvproxy" \
 	bash -c 'cd python && python3 -m unittest discover -s tests -t .'
 # python3 may lack numpy (batches then go as triples): page writes with it.
-run "TransferEngine page writes, with numpy" \
-	bash -c "cd python && '$VENV/bin/python' -m unittest tests.test_pageplan tests.test_engine_pages"
+run "TransferEngine page writes and the nixl look-alike, with numpy" \
+	bash -c "cd python && '$VENV/bin/python' -m unittest tests.test_pageplan tests.test_engine_pages tests.test_nixl"
 harness() {
 	local name=$1
 	shift
@@ -35,6 +35,8 @@ run "kvproxy tcp, SGLang's bootstrap: 200 requests, abort, prefill and decode kv
 	harness ours --engine kvproxy --kvproxy "$KVPROXY" --requests 200 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
 run "kvproxy tcp, kvproxy's bootstrap server: 50 requests, abort" \
 	harness ours-kvproxy-bootstrap --engine kvproxy --kvproxy "$KVPROXY" --bootstrap kvproxy --requests 50 --phases normal
+run "SGLang's nixl backend on python/nixl, kvproxy tcp: 100 requests, abort, prefill and decode kvproxy killed and restarted, decode killed" \
+	harness nixl --engine nixl --kvproxy "$KVPROXY" --requests 100 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
 run "Mooncake's TransferEngine (tcp): 50 requests, abort, decode killed" \
 	harness mooncake --engine mooncake --mooncake-path "$MOONCAKE" --requests 50 --phases normal,kill-decode
 [ "$failed" -eq 0 ] && rm -rf "$work"

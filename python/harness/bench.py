@@ -1,9 +1,14 @@
 """make bench-kv-sglang: SGLang 0.5.23's mooncake backend moving Llama-3.1-8B-shaped
 KV (32 layers x K,V x 8 KV heads x 128 dim bf16) through Mooncake's TransferEngine
-(TCP) and through kvproxy (tcp, UCX over tcp, UCX over shared memory, kvproxy's shm), plus a
-memcpy over the same working set and the per-call cost of a tiny write, all in
-one run. Writes bench/out/kv-sglang.json and prints a Markdown table.
+(TCP) and through kvproxy (tcp, UCX over tcp, UCX over shared memory, kvproxy's shm),
+and SGLang's nixl backend through NIXL 1.5 from PyPI (UCX 1.23 inside it) and
+through python/nixl over kvproxy, plus a memcpy over the same working set and the
+per-call cost of a tiny write, all in one run. Writes bench/out/kv-sglang.json
+and prints a Markdown table.
 """
+
+import ctypes
+import glob
 
 import argparse
 import json
@@ -25,7 +30,29 @@ CONFIGS = [
     ("kvproxy-ucx-shm", ["--engine", "kvproxy", "--transport", "ucx", "--ucx-tls", "posix,cma,tcp"]),
     # kvproxy's own same-host path: the writer maps the peer engine's memfd and copies.
     ("kvproxy-shm", ["--engine", "kvproxy", "--transport", "shm"]),
+    # SGLang's nixl backend. NIXL's best same-host path is its default UCX_TLS
+    # (puts by cma, zero-copy; its notifications need tcp: UCX_TLS=sm fails).
+    ("nixl-ucx", ["--engine", "nixl-real"]),
+    ("nixl-ucx-tcp", ["--engine", "nixl-real", "--ucx-tls", "tcp"]),
+    ("kvproxy-nixl-ucx-tcp", ["--engine", "nixl", "--transport", "ucx", "--ucx-tls", "tcp"]),
+    ("kvproxy-nixl-shm", ["--engine", "nixl", "--transport", "shm"]),
 ]
+# What each nixl row is compared with: the same UCX_TLS, or NIXL's best.
+NIXL_BASE = {"nixl-ucx-tcp": "nixl-ucx-tcp", "kvproxy-nixl-ucx-tcp": "nixl-ucx-tcp", "kvproxy-nixl-shm": "nixl-ucx"}
+
+
+def ucx_versions(nixl_path):
+    """UCX's version as kvproxy loads it (the system's libucp) and as NIXL's wheel bundles it."""
+    out = {}
+    for name, pattern in (("kvproxy", "libucp.so.0"), ("nixl", os.path.join(nixl_path, "nixl_cu*.libs", "libucp-*.so*"))):
+        paths = glob.glob(pattern) if os.sep in pattern else [pattern]
+        try:
+            f = ctypes.CDLL(paths[0]).ucp_get_version_string
+            f.restype = ctypes.c_char_p
+            out[name] = f().decode()
+        except (OSError, IndexError, AttributeError) as e:
+            out[name] = "unknown (%s)" % e
+    return out
 
 
 def memcpy_gbps(nbytes, repeat=3):
@@ -55,10 +82,11 @@ def summarize(per_request, bytes_per_token, prefill_tps):
         transfer = statistics.median(x["transfer_s"] for x in rs)
         engine = statistics.median(x["engine_s"] for x in rs)
         calls = statistics.median(x["engine_calls"] for x in rs)
+        make = statistics.median(x["engine_make_s"] for x in rs)
         wall = statistics.median(x["decode_wall_s"] for x in rs)
         compute = tokens / prefill_tps
         out[str(tokens)] = dict(
-            requests=len(rs), bytes=nbytes, transfer_s=transfer, engine_s=engine, engine_calls=calls,
+            requests=len(rs), bytes=nbytes, transfer_s=transfer, engine_s=engine, engine_calls=calls, engine_make_s=make,
             gbps_engine=nbytes / engine / 1e9 if engine else None, gbps_transfer=nbytes / transfer / 1e9,
             decode_wall_s=wall, ttft_model_s=compute + wall, kv_share_of_ttft=transfer / (compute + wall),
         )
@@ -70,6 +98,7 @@ def main():
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--kvproxy", required=True)
     p.add_argument("--mooncake-path", required=True)
+    p.add_argument("--nixl-path", required=True)
     p.add_argument("--sizes", default="128x6,1024x6,4096x5,32768x3")
     p.add_argument("--prefill-tps", type=float, default=20000,
                    help="modelled prefill compute, tokens/s (the harness has no model; TTFT = this + the measured PD hand-off)")
@@ -80,7 +109,7 @@ def main():
 
     res = dict(layout=dict(model="Llama-3.1-8B", layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16),
                sizes=a.sizes, prefill_tps_model=a.prefill_tps, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               configs={})
+               ucx_versions=ucx_versions(a.nixl_path), ucx_net_devices=os.environ.get("UCX_NET_DEVICES", ""), configs={})
     wanted = a.configs.split(",")
     sizes = [int(part.split("x")[0]) for part in a.sizes.split(",")]
     for name, args in CONFIGS:
@@ -88,7 +117,8 @@ def main():
             continue
         sj = os.path.join(a.workdir, name + ".json")
         argv = [a.python, os.path.join(HERE, "run_pd.py"), "--python", a.python, "--label", name,
-                "--kvproxy", a.kvproxy, "--mooncake-path", a.mooncake_path, "--phases", "warmup,normal", "--abort", "0",
+                "--kvproxy", a.kvproxy, "--mooncake-path", a.mooncake_path, "--nixl-path", a.nixl_path,
+                "--phases", "warmup,normal", "--abort", "0",
                 "--sizes", a.sizes, "--concurrency", "1", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                 "--chunk-tokens", "8192", "--fill", "sample", "--bound", "120",
                 # One 8192-token chunk is 1 GiB here: give a slow transport time for it.
@@ -109,7 +139,10 @@ def main():
             raise SystemExit("SGLang lays out %d bytes per token, expected %d" % (s["bytes_per_token"], BYTES_PER_TOKEN))
         res["bytes_per_token"] = s["bytes_per_token"]
         # The 1-minute load average around the run: this 2-core box is shared.
+        tls = next((v for k, v in zip(args, args[1:]) if k == "--ucx-tls"), "")
         res["configs"][name] = dict(ok=True, load_avg=[round(load, 1), round(os.getloadavg()[0], 1)], memcpy_gbps=copy,
+                                    backend=s["backend"], transport=s["transport"],
+                                    ucx_tls=tls or ("default" if s["transport"] in ("ucx", "nixl-ucx") else "-"),
                                     sizes=summarize(s["per_request"], s["bytes_per_token"], a.prefill_tps))
     # Control cost of one call: a tiny write's round trip through each engine.
     r = subprocess.run([a.python, os.path.join(HERE, "bench_control.py"), "--kvproxy", a.kvproxy,
@@ -122,21 +155,30 @@ def main():
 
 
 def table(res):
-    base = res["configs"].get("mooncake-tcp", {}).get("sizes", {})
-    lines = ["| engine | tokens | MiB | transfer ms | GB/s | vs Mooncake | memcpy GB/s | of memcpy | KV share of TTFT |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, c in res["configs"].items():
+    configs = res["configs"]
+    base = configs.get("mooncake-tcp", {}).get("sizes", {})
+    lines = ["UCX: kvproxy %s, NIXL %s; UCX_NET_DEVICES=%s" % (
+                 res["ucx_versions"].get("kvproxy"), res["ucx_versions"].get("nixl"), res.get("ucx_net_devices") or "(unset)"), "",
+             "| engine | UCX_TLS | tokens | MiB | transfer ms | GB/s | vs Mooncake | vs NIXL | post µs (make + transfer) | memcpy GB/s | of memcpy | KV share of TTFT |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, c in configs.items():
         if not c.get("ok"):
             lines.append("| %s | failed: %s |" % (name, "; ".join(c["failures"])[:200]))
             continue
         label = "%s (load %s)" % (name, "→".join(str(v) for v in c.get("load_avg", [])))
+        nixl = configs.get(NIXL_BASE.get(name), {}).get("sizes", {})
         for tokens, x in c["sizes"].items():
-            b = base.get(tokens)
+            b = None if c.get("backend") == "nixl" else base.get(tokens)
+            n = nixl.get(tokens) if name != NIXL_BASE.get(name) else None
             mc = c["memcpy_gbps"].get(tokens)
             ratio = "%.2fx" % (x["gbps_transfer"] / b["gbps_transfer"]) if b else "-"
-            lines.append("| %s | %s | %.1f | %.1f | %.2f | %s | %.2f | %.0f %% | %.0f %% |" % (
-                label, tokens, x["bytes"] / 2**20, x["transfer_s"] * 1e3, x["gbps_transfer"], ratio,
-                mc or 0, 100 * x["gbps_transfer"] / mc if mc else 0, 100 * x["kv_share_of_ttft"]))
+            vs_nixl = "**%.2fx**" % (x["gbps_transfer"] / n["gbps_transfer"]) if n else "-"
+            # nixl rows: SGLang's calls per request until posted: making the
+            # requests (make_prepped_xfer, initialize_xfer) + transfer().
+            post = "%.0f + %.0f" % (x["engine_make_s"] * 1e6, (x["engine_s"] - x["engine_make_s"]) * 1e6) if c.get("backend") == "nixl" else "-"
+            lines.append("| %s | %s | %s | %.1f | %.1f | %.2f | %s | %s | %s | %.2f | %.0f %% | %.0f %% |" % (
+                label, c.get("ucx_tls", "-"), tokens, x["bytes"] / 2**20, x["transfer_s"] * 1e3, x["gbps_transfer"], ratio,
+                vs_nixl, post, mc or 0, 100 * x["gbps_transfer"] / mc if mc else 0, 100 * x["kv_share_of_ttft"]))
     cc = res.get("call_cost", {})
     for name, v in cc.items():
         lines.append("")

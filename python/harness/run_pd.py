@@ -165,8 +165,11 @@ def counts(results):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--engine", choices=["mooncake", "kvproxy"], required=True)
+    p.add_argument("--engine", choices=["mooncake", "kvproxy", "nixl", "nixl-real"], required=True,
+                   help="mooncake: SGLang's mooncake backend on Mooncake's engine; kvproxy: the same on python/mooncake; "
+                        "nixl: SGLang's nixl backend on python/nixl (kvproxy); nixl-real: the same on NIXL from PyPI")
     p.add_argument("--mooncake-path", help="folder holding Mooncake's real mooncake package")
+    p.add_argument("--nixl-path", help="folder holding NIXL's real nixl package (for --engine nixl-real)")
     p.add_argument("--kvproxy", help="kvproxy binary")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--ucx-tls", default="")
@@ -218,7 +221,10 @@ def main():
     max_tokens = max(r["tokens"] for pl in plans.values() for r in pl)
     pool_tokens = (a.concurrency * (-(-max_tokens // 16)) + 2) * 16
     kvp, sides, procs, failures = {}, {}, [], []
-    summary = dict(label=a.label, engine=a.engine, transport=a.transport if a.engine == "kvproxy" else "mooncake-tcp",
+    over_kvproxy = a.engine in ("kvproxy", "nixl")
+    backend = "nixl" if a.engine.startswith("nixl") else "mooncake"
+    transport = a.transport if over_kvproxy else {"mooncake": "mooncake-tcp", "nixl-real": "nixl-ucx"}[a.engine]
+    summary = dict(label=a.label, engine=a.engine, backend=backend, transport=transport,
                    ucx_tls=a.ucx_tls, bootstrap=a.bootstrap, phases={}, workdir=work)
 
     def check(ok, what):
@@ -235,8 +241,15 @@ def main():
                    SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL="1", SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="2",
                    SGLANG_ENABLE_FAILED_SESSION_PROBE="1", SGLANG_FAILED_SESSION_PROBE_INTERVAL_S="0.5",
                    SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S="1", PYTHONUNBUFFERED="1")
+        # This tree's python/ before the venv's installed copy: several trees
+        # share one cached venv, and another's install must not change the run.
+        env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
         if a.engine == "mooncake":
             env["PYTHONPATH"] = a.mooncake_path + os.pathsep + env.get("PYTHONPATH", "")
+        elif a.engine == "nixl-real":
+            env["PYTHONPATH"] = a.nixl_path + os.pathsep + env.get("PYTHONPATH", "")
+            if a.ucx_tls:
+                env["UCX_TLS"] = a.ucx_tls
         else:
             for role in ("prefill", "decode"):
                 # A fixed peer port: a restarted kvproxy keeps the session id SGLang holds.
@@ -249,7 +262,8 @@ def main():
             e = dict(env, HARNESS_ROLE=role)
             if role in kvp:
                 e["PDROUTER_KVPROXY_SOCK"] = kvp[role].sock
-            argv = [a.python, os.path.join(HERE, "sglang_pd.py"), "--role", role,
+            argv = [a.python, os.path.join(HERE, "sglang_pd.py"), "--role", role, "--backend", backend,
+                    "--nixl-host-as-dram", "1" if a.engine == "nixl-real" else "0",
                     "--model-dir", os.path.join(work, "model-" + role),
                     "--bootstrap-port", str(bport), "--dist-port", str(free_port()),
                     "--sglang-bootstrap", "1" if a.bootstrap == "sglang" else "0",
@@ -319,7 +333,7 @@ def main():
             if ph == "normal" and "prefill" in res:
                 ok = [x for x in res["prefill"] if x["state"] == "success"]
                 ps["bytes_moved"] = sum(x["tokens"] for x in ok) * summary["bytes_per_token"]
-                summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges", "fill_s")} for x in ok]
+                summary["per_request"] = [{k: x[k] for k in ("tokens", "transfer_s", "wall_s", "engine_calls", "engine_s", "engine_bytes", "engine_ranges", "engine_make_s", "fill_s")} for x in ok]
                 dec = {x["room"]: x for x in res.get("decode", [])}
                 for pr, x in zip(summary["per_request"], ok):
                     d = dec.get(x["room"])

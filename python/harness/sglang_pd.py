@@ -1,10 +1,11 @@
-"""SGLang 0.5.23's own mooncake PD backend, outside a server, moving real KV.
+"""SGLang 0.5.23's own mooncake or nixl PD backend, outside a server, moving real KV.
 
 `worker` runs one side (prefill or decode) the way SGLang's scheduler does:
 SGLang's MHATokenToKVPool and MetadataBuffers on CPU, KVArgs filled by SGLang's
-own _init_kv_manager, MooncakeKVManager/Sender/Receiver, SGLang's bootstrap
-server (or kvproxy's). Whichever `mooncake.engine` is first on sys.path moves
-the bytes: Mooncake's real one or pdrouter's (python/mooncake).
+own _init_kv_manager, the backend's KVManager/Sender/Receiver, SGLang's bootstrap
+server (or kvproxy's). Whichever `mooncake.engine` (or `nixl`) is first on
+sys.path moves the bytes: Mooncake's (NIXL's) real one or pdrouter's
+(python/mooncake, python/nixl).
 
 Both sides read one plan (rooms and prompt lengths). Prefill fills each
 request's pages with a pattern derived from (room, layer, K/V, token) and
@@ -56,7 +57,7 @@ class Side:
         write_model_dir(a.model_dir, a.layers, a.kv_heads, a.head_dim)
         sa = ServerArgs(
             model_path=a.model_dir, device="cpu", tp_size=1, page_size=PAGE_SIZE,
-            disaggregation_mode=a.role, disaggregation_transfer_backend="mooncake",
+            disaggregation_mode=a.role, disaggregation_transfer_backend=a.backend,
             disaggregation_bootstrap_port=a.bootstrap_port, host="127.0.0.1",
             skip_tokenizer_init=True, load_format="dummy",
         )
@@ -77,13 +78,18 @@ class Side:
         self.metadata = MetadataBuffers(a.aux_slots, hidden_size=model_config.hidden_size,
                                         hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=16)
         fake = types.SimpleNamespace(
-            transfer_backend=TransferBackend.MOONCAKE, tp_rank=0, pp_rank=0, is_mla_backend=False, enable_staging=False,
+            transfer_backend=TransferBackend(a.backend), tp_rank=0, pp_rank=0, is_mla_backend=False, enable_staging=False,
             token_to_kv_pool=self.kv_pool, draft_token_to_kv_pool=None, metadata_buffers=self.metadata,
             scheduler=types.SimpleNamespace(
                 rust_server=None, enable_hisparse=False, model_config=model_config, server_args=sa,
                 tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="bfloat16")),
             ),
         )
+        if a.backend == "nixl" and a.nixl_host_as_dram:
+            # Real NIXL refuses host memory registered as VRAM (SGLang's kind
+            # for the KV pool, host memory here); the look-alike takes it as it comes.
+            import sglang.srt.disaggregation.nixl.conn as nixl_conn
+            nixl_conn._normalize_kv_mem_kinds = lambda kinds, n: ["DRAM"] * n
         if a.role == "prefill":
             from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue as Q
         else:
@@ -103,11 +109,34 @@ class Side:
         self._count_engine_calls()
 
     def _count_engine_calls(self):
-        """Times every batch_transfer_sync SGLang makes (its wrapper of the engine)."""
+        """Times every batch_transfer_sync SGLang makes (its wrapper of the engine),
+        or with nixl each post: making the transfer request and posting it."""
+        self.calls = [0, 0.0, 0, 0, 0.0]  # calls, seconds, bytes, ranges, of the seconds making nixl requests
+        lock = threading.Lock()
+        if self.a.backend == "nixl":
+            agent = self.mgr.agent
+
+            def timed_call(name, making):
+                inner = getattr(agent, name)
+
+                def call(*args, **kw):
+                    t = time.perf_counter()
+                    try:
+                        return inner(*args, **kw)
+                    finally:
+                        dt = time.perf_counter() - t
+                        with lock:
+                            self.calls[0] += 0 if making else 1
+                            self.calls[1] += dt
+                            self.calls[4] += dt if making else 0
+                setattr(agent, name, call)
+
+            for name in ("make_prepped_xfer", "initialize_xfer"):
+                timed_call(name, True)
+            timed_call("transfer", False)
+            return
         te = self.mgr.engine
         inner = te.batch_transfer_sync
-        self.calls = [0, 0.0, 0, 0]  # calls, seconds, bytes, ranges
-        lock = threading.Lock()
 
         def timed(session_id, srcs, dsts, lens):
             t = time.perf_counter()
@@ -184,10 +213,16 @@ class Side:
                 buf[p:p + n, :w] = 0
 
 
+def kv_class(a, kind):
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    return get_kv_class(TransferBackend(a.backend), getattr(KVClassType, kind))
+
+
 def run_prefill(side, plan, a, res):
     import numpy as np
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
     from sglang.srt.disaggregation.base.conn import KVPoll
+
+    KVSender = kv_class(a, "SENDER")
 
     boot = "127.0.0.1:%d" % a.bootstrap_port
     pending = list(plan)
@@ -202,7 +237,7 @@ def run_prefill(side, plan, a, res):
             if pages is None:
                 break
             pending.pop(0)
-            s = MooncakeKVSender(side.mgr, boot, r["room"])
+            s = KVSender(side.mgr, boot, r["room"])
             s.init(npages, aux)
             live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False, calls0=list(side.calls))
         for room, st in list(live.items()):
@@ -234,7 +269,7 @@ def run_prefill(side, plan, a, res):
                 c = [x - y for x, y in zip(side.calls, st["calls0"])]
                 res.append(dict(room=room, tokens=st["r"]["tokens"], state=state, reason=reason,
                                 transfer_s=now - st.get("t_send", now), wall_s=now - st["t0"],
-                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3], fill_s=st.get("fill_s", 0)))
+                                engine_calls=c[0], engine_s=c[1], engine_bytes=c[2], engine_ranges=c[3], engine_make_s=c[4], fill_s=st.get("fill_s", 0)))
                 side.free(st["pages"], st["aux"])
                 del live[room]
                 print(json.dumps(dict(progress=len(res), state=state)), flush=True)
@@ -243,8 +278,9 @@ def run_prefill(side, plan, a, res):
 
 def run_decode(side, plan, a, res):
     import numpy as np
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
     from sglang.srt.disaggregation.base.conn import KVPoll
+
+    KVReceiver = kv_class(a, "RECEIVER")
 
     boot = "127.0.0.1:%d" % a.bootstrap_port
     # As the decode scheduler does before it makes receivers for an address.
@@ -263,7 +299,7 @@ def run_decode(side, plan, a, res):
             pending.pop(0)
             side.clear(pages)
             t0 = time.perf_counter()
-            rcv = MooncakeKVReceiver(side.mgr, boot, r["room"])
+            rcv = KVReceiver(side.mgr, boot, r["room"])
             rcv.init(0)
             live[r["room"]] = dict(r=r, rcv=rcv, pages=pages, aux=aux, t0=t0, meta=False)
         for room, st in list(live.items()):
@@ -301,13 +337,16 @@ def run_decode(side, plan, a, res):
 
 def worker(a):
     os.environ["HARNESS_ROLE"] = a.role
-    import mooncake.engine
-    engine_origin = os.path.dirname(mooncake.engine.__file__)
+    if a.backend == "nixl":
+        import nixl._api as engine_module
+    else:
+        import mooncake.engine as engine_module
+    engine_origin = os.path.dirname(engine_module.__file__)
     t0 = time.perf_counter()
     side = Side(a)
     ready = dict(ready=True, role=a.role, engine=engine_origin, setup_s=time.perf_counter() - t0,
                  bytes_per_page=side.bytes_per_page, regions=len(side.kv_args.kv_data_ptrs) + len(side.kv_args.aux_data_ptrs),
-                 session_id=side.mgr.get_session_id())
+                 session_id=side.mgr.get_session_id() if a.backend == "mooncake" else side.mgr.agent.name)
     print(json.dumps(ready), flush=True)
     # The driver sends one command per phase on stdin, so set-up time never
     # counts against a request's timeout and phases share one set-up.
@@ -324,13 +363,16 @@ def worker(a):
         with open(cmd["out"], "w") as f:
             json.dump(dict(results=res, run_s=time.perf_counter() - t1), f)
         print(json.dumps(dict(done=cmd["out"])), flush=True)
-    side.mgr.deregister_buffer_to_engine()
+    if hasattr(side.mgr, "deregister_buffer_to_engine"):  # mooncake's; a nixl agent's go with the process
+        side.mgr.deregister_buffer_to_engine()
     os._exit(0)  # SGLang's manager threads are not daemonic everywhere
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--backend", choices=["mooncake", "nixl"], default="mooncake")
+    p.add_argument("--nixl-host-as-dram", type=int, default=0, help="register the KV pool as DRAM (real NIXL on CPU)")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--bootstrap-port", type=int, required=True)
     p.add_argument("--dist-port", type=int, required=True)

@@ -82,6 +82,20 @@ def _interleave(code, *columns):
     return out.tobytes()
 
 
+def write_frame(peer, srcs, dsts, lens):
+    """Client.write()'s request as (op, body), for Client.post()."""
+    n = len(srcs)
+    if len(dsts) != n or len(lens) != n:
+        raise ValueError("write: %d sources, %d destinations, %d lengths" % (n, len(dsts), len(lens)))
+    if n > MAX_TRIPLES:
+        raise ValueError("write: %d ranges in one call, at most %d" % (n, MAX_TRIPLES))
+    try:
+        triples = _interleave("Q", srcs, dsts, lens)
+    except (OverflowError, TypeError) as e:
+        raise ValueError("write: addresses and lengths must be unsigned 64-bit ints: %s" % e) from None
+    return OP_WRITE, _string(peer) + _U32.pack(n) + triples
+
+
 class _Reader:
     def __init__(self, body):
         self.b, self.i = body, 0
@@ -111,10 +125,11 @@ class _Reader:
 
 
 class _Pending:
-    __slots__ = ("done", "wake", "reply", "error")
+    __slots__ = ("done", "wake", "reply", "error", "rid", "op", "waiting")
 
     def __init__(self):
-        self.done = False
+        self.rid = self.op = 0
+        self.done = self.waiting = False
         self.wake = threading.Event()  # set when done, or when the socket needs a reader
         self.reply = None
         self.error = None
@@ -214,16 +229,7 @@ class Client:
 
     def write(self, peer, srcs, dsts, lens, timeout=None):
         """Writes src[i] -> the peer engine's dst[i] for len[i] bytes; returns once remotely complete."""
-        n = len(srcs)
-        if len(dsts) != n or len(lens) != n:
-            raise ValueError("write: %d sources, %d destinations, %d lengths" % (n, len(dsts), len(lens)))
-        if n > MAX_TRIPLES:
-            raise ValueError("write: %d ranges in one call, at most %d" % (n, MAX_TRIPLES))
-        try:
-            triples = _interleave("Q", srcs, dsts, lens)
-        except (OverflowError, TypeError) as e:
-            raise ValueError("write: addresses and lengths must be unsigned 64-bit ints: %s" % e) from None
-        self._call(OP_WRITE, _string(peer) + _U32.pack(n) + triples, timeout=timeout)
+        self._call(*write_frame(peer, srcs, dsts, lens), timeout=timeout)
 
     def write_pages(self, peer, buffers, src_pages, dst_pages, timeout=None):
         """Writes the same pages of several buffers: for each (src, dst, page_len) in
@@ -235,6 +241,12 @@ class Client:
         bytes a buffer and 8 a page (kvproxy moves GPU pages so without expanding
         them); against a kvproxy that lacks it, it falls back to write().
         """
+        for op, body in self.write_pages_frames(peer, buffers, src_pages, dst_pages):
+            self._call(op, body, timeout=timeout)
+
+    def write_pages_frames(self, peer, buffers, src_pages, dst_pages):
+        """write_pages()'s requests as [(op, body)], for post(): page writes, or
+        writes of triples against a kvproxy that lacks them (asks hello() once)."""
         n = len(src_pages)
         if len(dst_pages) != n:
             raise ValueError("write_pages: %d source pages, %d destination pages" % (n, len(dst_pages)))
@@ -256,9 +268,8 @@ class Client:
                 srcs += [src + p * page_len for p in src_pages]
                 dsts += [dst + p * page_len for p in dst_pages]
                 lens += [page_len] * n
-            for i in range(0, len(srcs), MAX_TRIPLES):
-                self.write(peer, srcs[i:i + MAX_TRIPLES], dsts[i:i + MAX_TRIPLES], lens[i:i + MAX_TRIPLES], timeout)
-            return
+            return [write_frame(peer, srcs[i:i + MAX_TRIPLES], dsts[i:i + MAX_TRIPLES], lens[i:i + MAX_TRIPLES])
+                    for i in range(0, len(srcs), MAX_TRIPLES)]
         # kvproxy drops a connection whose frame passes MAX_FRAME (one buffer of
         # MAX_PAGE_WRITE pages does): the pairs go in as many frames as need be.
         head = _string(peer) + _U32.pack(len(buffers)) + bufs
@@ -267,9 +278,11 @@ class Client:
         per = (MAX_FRAME - 9 - len(head) - _U32.size) // 8
         if per < 1:
             raise ValueError("write_pages: %d buffers do not fit one frame" % len(buffers))
+        frames = []
         for i in range(0, max(n, 1), per):
             chunk = pairs[8 * i:8 * (i + per)]
-            self._call(OP_WRITE_PAGES, b"".join((head, _U32.pack(len(chunk) // 8), chunk)), timeout=timeout)
+            frames.append((OP_WRITE_PAGES, b"".join((head, _U32.pack(len(chunk) // 8), chunk))))
+        return frames
 
     def probe(self, peer):
         self._call(OP_PROBE, _string(peer))
@@ -277,14 +290,23 @@ class Client:
     # Plumbing.
 
     def _call(self, op, body, fd=None, timeout=None):
+        return self.wait(self.post(op, body, fd), timeout)
+
+    def post(self, op, body, fd=None):
+        """Sends one request and returns at once; wait() tells its end.
+
+        Replies are read by whichever caller waits: something must wait for a
+        posted request, or its reply stays in the socket. p.done turns true
+        when its reply has been read.
+        """
         p = _Pending()
         with self._lock:
             if self._closed is not None:
                 raise self._closed
             self._next_id += 1
-            rid = self._next_id
-            self._pending[rid] = p
-        head = _HEAD.pack(len(body) + 9, op, rid)
+            p.rid, p.op = self._next_id, op
+            self._pending[p.rid] = p
+        head = _HEAD.pack(len(body) + 9, op, p.rid)
         # A big body (a write of 10^5 ranges) goes as it is, not copied behind its head.
         frame = head + body if len(body) < _SEND_APART or fd is not None else None
         try:
@@ -303,8 +325,15 @@ class Client:
             err = ControlClosed("send to kvproxy: %s" % e)
             self._fail_all(err)
             raise err from e
+        return p
+
+    def wait(self, p, timeout=None):
+        """Waits for a posted request's reply (reading for every caller while it
+        waits); returns its body, raises its error, TimeoutError after timeout
+        (default self.timeout: the reply is then dropped when it comes)."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
+        p.waiting = True
         while not p.done:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -320,12 +349,12 @@ class Client:
                 p.wake.clear()
         if not p.done:
             with self._lock:
-                self._pending.pop(rid, None)
+                self._pending.pop(p.rid, None)
             # A reader hands over to the oldest caller, which may be this one:
             # pass the wake on, or the others' replies wait in the socket.
             self._hand_over()
-            late = TimeoutError("kvproxy did not answer op %d within %.1fs" % (op, limit))
-            if op in _KEPT_BY_KVPROXY:
+            late = TimeoutError("kvproxy did not answer op %d within %.1fs" % (p.op, limit))
+            if p.op in _KEPT_BY_KVPROXY:
                 # kvproxy may still carry it out: dropping the connection (and
                 # all registered on it) is the one state both sides then agree on.
                 err = ControlClosed("%s; closed the connection, so kvproxy drops what this engine registered" % late)
@@ -341,8 +370,9 @@ class Client:
         """Wakes one waiting caller to read on, now that this one stopped."""
         with self._lock:
             for q in self._pending.values():
-                q.wake.set()
-                return
+                if q.waiting:  # a posted request nobody waits for yet cannot read
+                    q.wake.set()
+                    return
 
     def _read_until(self, p, deadline):
         """Reads and dispatches replies until p's arrives, the deadline passes or the connection ends."""

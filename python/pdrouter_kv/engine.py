@@ -203,6 +203,15 @@ class TransferEngine:
     def get_engine(self):
         return self
 
+    def peer_address(self):
+        """This engine's kvproxy's "host:port" for peers (None before initialize)."""
+        return self._peer_addr
+
+    def control(self):
+        """The live control connection to kvproxy (re-dialled after it went
+        away), or None while it is unreachable."""
+        return self._conn()
+
     def close(self):
         """Drops the control connection; kvproxy unregisters everything with it."""
         with self._lock:

@@ -142,6 +142,35 @@ class FakeServerTest(unittest.TestCase):
         self.assertFalse(t2.is_alive(), "the second caller's reply sat unread in the socket")
         self.assertNotIn("error", second)
 
+    def test_a_posted_request_nobody_waits_for_does_not_take_the_hand_over(self):
+        # The nixl look-alike posts and reads replies later: the reader that
+        # stops must wake a caller that waits, not the oldest request.
+        clock = _Clock()
+        orig = control.time
+        control.time = clock
+        self.addCleanup(setattr, control, "time", orig)
+        self.cl._read_lock = lock = _CountingLock()
+        posted = self.cl.post(control.OP_PROBE, control._string("p"))
+        _, id0, _ = self.kp.request()
+        first, second = {}, {}
+        t1 = self.call_in_thread(100, first)
+        self.kp.request()
+        wait_until(lock.locked, "the first caller reads the socket")
+        t2 = self.call_in_thread(10000, second)
+        _, id2, _ = self.kp.request()
+        wait_until(lambda: lock.refused >= 1, "the second caller waits for the reader")
+        clock.now = 200
+        self.kp.reply(control.OP_PROBE, 999)
+        t1.join(10)
+        self.assertIsInstance(first.get("error"), TimeoutError)
+        self.kp.reply(control.OP_PROBE, id2)
+        t2.join(5)
+        self.assertFalse(t2.is_alive(), "the hand-over went to the posted request, and the caller's reply sat unread")
+        self.assertNotIn("error", second)
+        self.assertFalse(posted.done)
+        self.kp.reply(control.OP_PROBE, id0)
+        self.assertIsNotNone(self.cl.wait(posted, 5))
+
     def test_error_text_that_is_not_utf8_is_an_error_reply(self):
         out = {}
         t = self.call_in_thread(10, out)
