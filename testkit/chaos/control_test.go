@@ -60,7 +60,10 @@ func TestKVProxyControlTruncatedFrames(t *testing.T) {
 		t.Fatalf("control socket under %d truncated frames: %v", n, err)
 	}
 	t.Logf("kvproxy RSS %.1f MiB -> %.1f MiB with %d connections each 1 MiB into a 16 MiB frame", before, peak, n)
-	if grew := peak - before; grew > 6*float64(n) { // buffers at most double what came; GC lags
+	// Buffers at most double what came, the ones they replaced wait for the
+	// GC, and on a loaded machine the GC lags: up to ~7 MiB a connection
+	// was seen. Trusting the declared length cost 16 MiB each.
+	if grew := peak - before; grew > 10*float64(n) {
 		t.Errorf("RSS grew %.1f MiB for %d MiB sent", grew, n)
 	}
 	// The frame timeout (10 s) drops every stalled connection.
