@@ -217,6 +217,7 @@ func (l *memLink) close(cause error) {
 	}
 	p.m.peers.Dec()
 	p.mu.Unlock()
+	p.roomLinkLost(l, cause)
 	if !errors.Is(cause, ErrClosed) {
 		p.log.Info("memory link closed", zap.String("peer", l.remote.Name), zap.Error(cause))
 	}
@@ -262,6 +263,8 @@ func (l *memLink) handle(m wire.Msg) error {
 		return l.conn.Write(ack)
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
+	case *wire.XferReq, *wire.Done, *wire.Abort, *wire.Heartbeat:
+		return l.p.roomMsg(l, m)
 	default:
 		return fmt.Errorf("%w: unexpected %s on a memory link", wire.ErrMalformed, m.Type())
 	}
@@ -440,6 +443,11 @@ func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error
 	if err != nil {
 		return err
 	}
+	return p.writeLink(ctx, l, ts)
+}
+
+// writeLink is write over the link l.
+func (p *MemoryPlane) writeLink(ctx context.Context, l *memLink, ts []Triple) error {
 	if p.gpu.holds(ts) {
 		return p.gpu.write(ctx, p, l, ts)
 	}

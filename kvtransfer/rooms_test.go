@@ -6,12 +6,17 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -24,39 +29,112 @@ const (
 	testAux     = 8
 )
 
-// testPool: 2 layers × (K, V) + one aux buffer, each page of each buffer
-// filled with a byte pattern unique to (buffer, page) when fill is set.
-// The transport allocates the memory, as kvproxy has it do.
-func testPool(t testing.TB, tr Transport, fill byte) *Pool {
-	seg, err := tr.Alloc(4*testPages*testItem + testAux*testAuxItem)
+// testMem: 2 layers × (K, V) + one aux buffer in one memfd the "engine"
+// allocated and registered, each page of each buffer filled with a byte
+// pattern unique to (buffer, page) when fill is set.
+type testMem struct {
+	bufs   [][]byte // 4 KV buffers, then aux
+	layout RoomLayout
+}
+
+func newTestMem(t testing.TB, s *MemorySession, fill byte) *testMem {
+	t.Helper()
+	seg, err := shm.Create("test", 4*testPages*testItem+testAux*testAuxItem)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = seg.Close() })
-	all := seg.Mem
-	p := &Pool{PageSize: 16, Dtype: "bf16"}
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(seg.Mem))))
+	fd, err := unix.Dup(seg.Fd())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Register(wire.MemHost, base, uint64(len(seg.Mem)), fd); err != nil {
+		t.Fatal(err)
+	}
+	m := &testMem{layout: RoomLayout{PageSize: 16, Dtype: "bf16"}}
 	for b := 0; b < 4; b++ {
-		mem := all[b*testPages*testItem : (b+1)*testPages*testItem]
+		off := b * testPages * testItem
+		mem := seg.Mem[off : off+testPages*testItem]
 		if fill != 0 {
 			for i := range mem {
 				mem[i] = fill + byte(b*31) + byte(i/testItem)*7 + byte(i)
 			}
 		}
-		p.Regions = append(p.Regions, Region{Kind: wire.KindKV, ItemLen: testItem, Mem: mem})
+		m.bufs = append(m.bufs, mem)
+		m.layout.Bufs = append(m.layout.Bufs, wire.RoomBuf{Kind: wire.KindKV, Addr: base + uint64(off), ItemLen: testItem, Items: testPages})
 	}
-	aux := all[4*testPages*testItem:][:testAux*testAuxItem] // UCX may round the segment up
+	off := 4 * testPages * testItem
+	aux := seg.Mem[off : off+testAux*testAuxItem]
 	if fill != 0 {
 		for i := range aux {
 			aux[i] = fill ^ byte(i)
 		}
 	}
-	p.Regions = append(p.Regions, Region{Kind: wire.KindAux, ItemLen: testAuxItem, Mem: aux})
-	return p
+	m.bufs = append(m.bufs, aux)
+	m.layout.Bufs = append(m.layout.Bufs, wire.RoomBuf{Kind: wire.KindAux, Addr: base + uint64(off), ItemLen: testAuxItem, Items: testAux})
+	return m
+}
+
+// side is one kvproxy with its engine: a memory plane, rooms on it, and
+// the engine's session holding its registered memory and layout.
+type side struct {
+	R    *Rooms
+	P    *MemoryPlane
+	S    *MemorySession
+	T    Transport
+	Mem  *testMem
+	Addr string // peer address
+
+	once sync.Once
+	err  error
+}
+
+// close takes the side down as kvproxy does: rooms, the engine's session,
+// the plane, the transport.
+func (sd *side) close() error {
+	sd.once.Do(func() {
+		sd.err = errors.Join(sd.R.Close(), sd.S.Close(), sd.P.Close(), sd.T.Close())
+	})
+	return sd.err
+}
+
+// newSide starts a kvproxy listening on ln (nil: a fresh port) with a
+// registered engine pool filled with fill.
+func newSide(t testing.TB, name, transport string, ln net.Listener, fill byte, cfg RoomConfig) *side {
+	t.Helper()
+	if ln == nil {
+		var err error
+		if ln, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tr := newTransport(t, transport)
+	p, err := NewMemoryPlane(MemoryConfig{Name: name, Transport: tr, Listener: ln})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Memory = p
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = 500 * time.Millisecond
+	}
+	r, err := NewRooms(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sd := &side{R: r, P: p, S: p.NewSession(), T: tr, Addr: ln.Addr().String()}
+	t.Cleanup(func() { _ = sd.close() })
+	sd.Mem = newTestMem(t, sd.S, fill)
+	if err := r.SetLayout(sd.S, sd.Mem.layout); err != nil {
+		t.Fatal(err)
+	}
+	return sd
 }
 
 type pair struct {
-	P, D         *Engine
-	PPool, DPool *Pool
+	P, D         *Rooms
+	PS, DS       *side
+	PPool, DPool *testMem
 }
 
 func newTransport(t testing.TB, name string) Transport {
@@ -77,47 +155,31 @@ func newTransport(t testing.TB, name string) Transport {
 // transports lists the optional transports built in (ucx with cgo).
 var transports = map[string]func() (Transport, error){}
 
-func newPair(t testing.TB, transport string, tweak func(*Config)) *pair {
+// newPair starts a prefill and a decode kvproxy; the decode resolves
+// bootstrap address "boot:1" to the prefill.
+func newPair(t testing.TB, transport string, tweak func(*RoomConfig)) *pair {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfgP := Config{Name: "P", Transport: newTransport(t, transport), Listener: ln, Heartbeat: 500 * time.Millisecond}
-	cfgD := Config{Name: "D", Transport: newTransport(t, transport), Heartbeat: 500 * time.Millisecond,
-		Resolve: func(_ context.Context, boot string) (string, error) {
-			if boot != "boot:1" {
-				return "", fmt.Errorf("no bootstrap server at %s", boot)
-			}
-			return ln.Addr().String(), nil
-		}}
+	cfgP := RoomConfig{}
+	cfgD := RoomConfig{Resolve: func(_ context.Context, boot string) (string, error) {
+		if boot != "boot:1" {
+			return "", fmt.Errorf("no bootstrap server at %s", boot)
+		}
+		return ln.Addr().String(), nil
+	}}
 	if tweak != nil {
 		tweak(&cfgP)
 		tweak(&cfgD)
 	}
-	pr := &pair{PPool: testPool(t, cfgP.Transport, 1), DPool: testPool(t, cfgD.Transport, 0)}
-	if pr.P, err = New(cfgP); err != nil {
-		t.Fatal(err)
-	}
-	if pr.D, err = New(cfgD); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = pr.D.Close()
-		_ = pr.P.Close()
-		_ = cfgP.Transport.Close()
-		_ = cfgD.Transport.Close()
-	})
-	if err := pr.P.RegisterPool(pr.PPool); err != nil {
-		t.Fatal(err)
-	}
-	if err := pr.D.RegisterPool(pr.DPool); err != nil {
-		t.Fatal(err)
-	}
-	return pr
+	ps := newSide(t, "P", transport, ln, 1, cfgP)
+	ds := newSide(t, "D", transport, nil, 0, cfgD)
+	return &pair{P: ps.R, D: ds.R, PS: ps, DS: ds, PPool: ps.Mem, DPool: ds.Mem}
 }
 
-func wait(t testing.TB, e *Engine, room uint64, want State) Status {
+func wait(t testing.TB, e *Rooms, room uint64, want State) Status {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -146,13 +208,13 @@ func noRooms(t testing.TB, pr *pair) {
 	eventually(t, "rooms freed", func() bool { return pr.P.ActiveRooms() == 0 && pr.D.ActiveRooms() == 0 })
 }
 
-// checkPages asserts every KV buffer's src page landed in the dst page.
-func checkPages(t testing.TB, pr *pair, src, dst []uint32) {
+// samePages asserts every KV buffer's src page landed in the dst page.
+func samePages(t testing.TB, pr *pair, src, dst []uint32) {
 	t.Helper()
 	for i := range src {
 		for b := 0; b < 4; b++ {
-			s := pr.PPool.Regions[b].Mem[int(src[i])*testItem:][:testItem]
-			d := pr.DPool.Regions[b].Mem[int(dst[i])*testItem:][:testItem]
+			s := pr.PPool.bufs[b][int(src[i])*testItem:][:testItem]
+			d := pr.DPool.bufs[b][int(dst[i])*testItem:][:testItem]
 			if !bytes.Equal(s, d) {
 				t.Fatalf("buffer %d: src page %d != dst page %d", b, src[i], dst[i])
 			}
@@ -194,9 +256,9 @@ func testTransfer(t *testing.T, transport string) {
 			}
 			ds := wait(t, pr.D, room, Success)
 			ps := wait(t, pr.P, room, Success)
-			checkPages(t, pr, src, dst)
-			aux := pr.DPool.Regions[4].Mem[5*testAuxItem:][:testAuxItem]
-			if !bytes.Equal(aux, pr.PPool.Regions[4].Mem[2*testAuxItem:][:testAuxItem]) {
+			samePages(t, pr, src, dst)
+			aux := pr.DPool.bufs[4][5*testAuxItem:][:testAuxItem]
+			if !bytes.Equal(aux, pr.PPool.bufs[4][2*testAuxItem:][:testAuxItem]) {
 				t.Fatal("aux slot not copied")
 			}
 			wantBytes := uint64(len(src)*4*testItem + testAuxItem)
@@ -214,18 +276,28 @@ func testTransfer(t *testing.T, transport string) {
 	}
 }
 
-func TestBuildRunsMerges(t *testing.T) {
-	p := testPool(t, &TCP{}, 0)
-	runs := buildRuns(p, []uint32{1, 2, 3, 7, 8}, []uint32{10, 11, 12, 13, 14})
-	// Two merged runs ([1..3]→[10..12], [7..8]→[13..14]) × 4 KV buffers.
-	if len(runs) != 8 {
-		t.Fatalf("got %d runs: %+v", len(runs), runs)
+func TestMergedTriples(t *testing.T) {
+	w := PageWrite{Bufs: []PageBuf{{Src: 0x1000, Dst: 0x9000, PageLen: testItem}, {Src: 0x2000, Dst: 0xa000, PageLen: testItem}},
+		Pairs: []PagePair{{1, 10}, {2, 11}, {3, 12}, {7, 13}, {8, 14}}}
+	ts := w.mergedTriples()
+	// Two merged runs ([1..3]→[10..12], [7..8]→[13..14]) × 2 buffers.
+	want := []Triple{
+		{Src: 0x1000 + testItem, Dst: 0x9000 + 10*testItem, Len: 3 * testItem}, {Src: 0x1000 + 7*testItem, Dst: 0x9000 + 13*testItem, Len: 2 * testItem},
+		{Src: 0x2000 + testItem, Dst: 0xa000 + 10*testItem, Len: 3 * testItem}, {Src: 0x2000 + 7*testItem, Dst: 0xa000 + 13*testItem, Len: 2 * testItem},
 	}
-	if r := runs[0]; r.SrcOff != testItem || r.DstOff != 10*testItem || r.Len != 3*testItem {
-		t.Fatalf("first run %+v", r)
+	if !slices.Equal(ts, want) {
+		t.Fatalf("got %+v\nwant %+v", ts, want)
 	}
-	if r := runs[4]; r.SrcOff != 7*testItem || r.DstOff != 13*testItem || r.Len != 2*testItem {
-		t.Fatalf("second run %+v", r)
+	// The same bytes as the expanded list.
+	var a, b uint64
+	for _, x := range ts {
+		a += x.Len
+	}
+	for _, x := range w.Triples() {
+		b += x.Len
+	}
+	if a != b {
+		t.Fatalf("merged %d bytes, expanded %d", a, b)
 	}
 }
 
@@ -264,7 +336,7 @@ func TestEmptyTransfer(t *testing.T) {
 }
 
 func TestPrefillOnlyBootstrapTimeout(t *testing.T) {
-	pr := newPair(t, "tcp", func(c *Config) { c.BootstrapTimeout = 150 * time.Millisecond })
+	pr := newPair(t, "tcp", func(c *RoomConfig) { c.BootstrapTimeout = 150 * time.Millisecond })
 	if err := pr.P.Send(7, []uint32{1, 2}, true, -1); err != nil {
 		t.Fatal(err)
 	}
@@ -283,7 +355,7 @@ func TestPrefillOnlyBootstrapTimeout(t *testing.T) {
 }
 
 func TestDecodeOnlyWaitingTimeout(t *testing.T) {
-	pr := newPair(t, "tcp", func(c *Config) { c.WaitingTimeout = 200 * time.Millisecond })
+	pr := newPair(t, "tcp", func(c *RoomConfig) { c.WaitingTimeout = 200 * time.Millisecond })
 	start := time.Now()
 	if err := pr.D.Expect(8, "boot:1", []uint32{1}, -1); err != nil {
 		t.Fatal(err)
@@ -360,52 +432,28 @@ func TestBadInputs(t *testing.T) {
 	if _, err := pr.D.Poll(99); !errors.Is(err, ErrUnknownRoom) {
 		t.Fatalf("Poll unknown: %v", err)
 	}
-}
-
-// fakePeer accepts one decode connection, answers HELLO like a prefill
-// engine, then runs script on the connection.
-func fakePeer(t *testing.T, script func(*wire.Conn)) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
+	// Rooms before the engine described its layout.
+	bare, err := NewRooms(RoomConfig{Memory: pr.DS.P})
+	if err == nil {
+		t.Fatal("a second room layer on one memory plane")
+	}
+	_ = pr.D.Close()
+	if bare, err = NewRooms(RoomConfig{Memory: pr.DS.P}); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		nc, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer nc.Close()
-		c := wire.NewConn(nc)
-		m, err := c.Read()
-		if err != nil {
-			return
-		}
-		h := *m.(*wire.Hello)
-		h.Name = "fake"
-		if c.Write(&h) == nil {
-			script(c)
-		}
-	}()
-	t.Cleanup(func() { ln.Close(); <-done })
-	return ln.Addr().String()
+	defer bare.Close()
+	if err := bare.Send(1, []uint32{1}, true, -1); !errors.Is(err, ErrNoLayout) {
+		t.Fatalf("Send without a layout: %v", err)
+	}
 }
 
 func TestSilentPeerFailsRoomsWithinTwoHeartbeats(t *testing.T) {
-	stop := make(chan struct{})
-	addr := fakePeer(t, func(c *wire.Conn) { <-stop })
-	defer close(stop)
+	addr, stop := silentMemPeer(t, false)
+	defer stop()
 	const hb = 100 * time.Millisecond
-	e, err := New(Config{Name: "D", Transport: &TCP{}, Heartbeat: hb,
+	d := newSide(t, "D", "tcp", nil, 0, RoomConfig{Heartbeat: hb,
 		Resolve: func(context.Context, string) (string, error) { return addr, nil }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
-	if err := e.RegisterPool(testPool(t, &TCP{}, 0)); err != nil {
-		t.Fatal(err)
-	}
+	e := d.R
 	start := time.Now()
 	for i := uint64(1); i <= 3; i++ {
 		if err := e.Expect(i, "x", []uint32{uint32(i)}, -1); err != nil {
@@ -414,32 +462,44 @@ func TestSilentPeerFailsRoomsWithinTwoHeartbeats(t *testing.T) {
 	}
 	for i := uint64(1); i <= 3; i++ {
 		st := wait(t, e, i, Failed)
-		if !strings.Contains(st.Reason, "peer lost") {
+		if !strings.Contains(st.Reason, "peer lost") || !strings.Contains(st.Reason, "silent") {
 			t.Fatalf("reason %q", st.Reason)
 		}
 	}
-	if d := time.Since(start); d > 2*hb+150*time.Millisecond {
-		t.Fatalf("rooms failed after %v, want within two heartbeats", d)
+	if d := time.Since(start); d > 3*hb+150*time.Millisecond {
+		t.Fatalf("rooms failed after %v, want within two heartbeats of silence", d)
 	}
-	if e.ActiveRooms() != 0 || e.Peers() != 0 {
-		t.Fatalf("%d rooms, %d peers left", e.ActiveRooms(), e.Peers())
+	if e.ActiveRooms() != 0 || e.Peers() != 0 || d.P.Links() != 0 {
+		t.Fatalf("%d rooms, %d room links, %d links left", e.ActiveRooms(), e.Peers(), d.P.Links())
 	}
+}
+
+// onlyLink is e's one room link.
+func onlyLink(e *Rooms) *roomLink {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, rl := range e.links {
+		return rl
+	}
+	return nil
+}
+
+// xferReq is the XFER_REQ pr's decode sends for pages.
+func xferReq(pr *pair, room uint64, pages []uint32) *wire.XferReq {
+	l := pr.DPool.layout
+	return &wire.XferReq{Room: room, AuxSlot: -1, PageSize: l.PageSize, Dtype: l.Dtype, Bufs: l.Bufs, DstPages: pages}
 }
 
 func TestMalformedFrameClosesOnlyThatPeer(t *testing.T) {
 	pr := newPair(t, "tcp", nil)
-	// A second, broken decode peer says HELLO then sends garbage.
-	ln := pr.P.cfg.Listener.Addr().String()
-	nc, err := net.Dial("tcp", ln)
+	// A second, broken decode peer says MEM_HELLO then sends garbage.
+	nc, err := net.Dial("tcp", pr.PS.Addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer nc.Close()
 	c := wire.NewConn(nc)
-	pr.D.mu.Lock()
-	h := pr.D.localHello()
-	pr.D.mu.Unlock()
-	if err := c.Write(h); err != nil {
+	if err := c.Write(&wire.MemHello{Name: "broken", Transport: "tcp", ListenAddr: "broken:1"}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.Read(); err != nil {
@@ -449,11 +509,11 @@ func TestMalformedFrameClosesOnlyThatPeer(t *testing.T) {
 	if err := pr.D.Expect(5, "boot:1", []uint32{1}, -1); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "two peers", func() bool { return pr.P.Peers() == 2 })
-	if _, err := nc.Write([]byte("KV\x01\x09garbage")); err != nil {
+	eventually(t, "two links", func() bool { return pr.PS.P.Links() == 2 && pr.P.Peers() == 1 })
+	if _, err := nc.Write([]byte("KV\x02\x09garbage")); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "broken peer closed", func() bool { return pr.P.Peers() == 1 })
+	eventually(t, "broken peer closed", func() bool { return pr.PS.P.Links() == 1 })
 	if err := pr.P.Send(5, []uint32{1}, true, -1); err != nil {
 		t.Fatal(err)
 	}
@@ -461,9 +521,42 @@ func TestMalformedFrameClosesOnlyThatPeer(t *testing.T) {
 	_ = nc.SetReadDeadline(time.Now().Add(2 * time.Second))
 	for {
 		if _, err := c.Read(); err != nil {
-			break // closed by P (heartbeats may arrive first)
+			break // closed by P
 		}
 	}
+}
+
+// TestBadXferReqAborted: an XFER_REQ whose layout does not pair with the
+// prefill's, or whose pages lie outside it, is answered with ABORT and
+// never moves a byte.
+func TestBadXferReqAborted(t *testing.T) {
+	pr := newPair(t, "tcp", nil)
+	if err := pr.D.Expect(1, "boot:1", []uint32{0}, -1); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "P's room link", func() bool { return pr.P.Peers() == 1 })
+	rl := onlyLink(pr.P)
+	for name, m := range map[string]*wire.XferReq{
+		"page size": func() *wire.XferReq { m := xferReq(pr, 10, []uint32{1}); m.PageSize = 32; return m }(),
+		"dtype":     func() *wire.XferReq { m := xferReq(pr, 11, []uint32{1}); m.Dtype = "fp8"; return m }(),
+		"buffers":   func() *wire.XferReq { m := xferReq(pr, 12, []uint32{1}); m.Bufs = m.Bufs[1:]; return m }(),
+		"item": func() *wire.XferReq {
+			m := xferReq(pr, 13, []uint32{1})
+			m.Bufs = slices.Clone(m.Bufs)
+			m.Bufs[0].ItemLen *= 2
+			return m
+		}(),
+		"page": xferReq(pr, 14, []uint32{testPages}),
+	} {
+		pr.P.onXferReq(rl, m)
+		if _, err := pr.P.Poll(m.Room); !errors.Is(err, ErrUnknownRoom) {
+			t.Errorf("%s: a bad XFER_REQ opened room %d: %v", name, m.Room, err)
+		}
+	}
+	if err := pr.P.Send(1, []uint32{3}, true, -1); err != nil {
+		t.Fatal(err)
+	}
+	wait(t, pr.D, 1, Success)
 }
 
 func TestCloseFailsRooms(t *testing.T) {
@@ -483,7 +576,7 @@ func TestCloseFailsRooms(t *testing.T) {
 }
 
 // TestRoomMatchedOverAClosedPeerFails: an XFER_REQ read just before the
-// peer's writer or heartbeat closed it is matched after that peer's
+// link's sender or heartbeat closed it is matched after that link's
 // rooms were failed; the room must fail then too, not wait out the
 // waiting timeout over a connection that is gone.
 func TestRoomMatchedOverAClosedPeerFails(t *testing.T) {
@@ -491,17 +584,14 @@ func TestRoomMatchedOverAClosedPeerFails(t *testing.T) {
 	if err := pr.D.Expect(1, "boot:1", []uint32{0}, -1); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "P accepting D", func() bool { return pr.P.Peers() == 1 })
-	pr.P.mu.Lock()
-	var p *peer
-	for x := range pr.P.peers {
-		p = x
-	}
-	pr.P.mu.Unlock()
-	p.close(errors.New("write: connection reset"))
-	pr.P.onXferReq(p, &wire.XferReq{Room: 2, AuxSlot: -1, DstPages: []uint32{1}})
+	eventually(t, "P's room link", func() bool { return pr.P.Peers() == 1 })
+	rl := onlyLink(pr.P)
+	rl.l.close(errors.New("write: connection reset"))
+	pr.P.onXferReq(rl, xferReq(pr, 2, []uint32{1}))
 	if st, err := pr.P.Poll(2); err != nil || st.State != Failed {
 		t.Fatalf("room matched over a closed peer: %+v %v, want Failed", st, err)
 	}
 	wait(t, pr.D, 1, Failed)
 }
+
+func TestTransferSHM(t *testing.T) { testTransfer(t, "shm") }
