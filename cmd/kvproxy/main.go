@@ -1,14 +1,14 @@
-// Command kvproxy is the KV-transfer sidecar next to one engine. Pool mode
-// (our mock engine): it allocates the engine's KV pool in shared memory
-// (UCX-allocated with ucx over shared memory, else a memfd), registers it
-// with the transport once, hands the engine the segment's fd over the
-// control socket, and moves pages to/from peer kvproxies. Engine-memory
-// mode (SGLang through the Mooncake-compatible TransferEngine in python/):
-// the engine registers memory it owns by memfd and writes into peer
-// engines by address; peers name this kvproxy by its peer address (the
-// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health,
-// /metrics and /status (each peer link's path per pair of memory places,
-// JSON) are on the metrics port. The sidecar itself is package
+// Command kvproxy is the KV-transfer sidecar next to one engine. The
+// engine registers memory it owns (a memfd, or CUDA memory by IPC handle)
+// over the control socket; SGLang (through the Mooncake-compatible
+// TransferEngine in python/) then writes into peer engines by address, and
+// an engine that wants rooms (our mock engine) describes its KV layout and
+// calls Expect/Send/Poll/Abort, whose pages move by the same writes over
+// the same links. Peers name this kvproxy by its peer address (the
+// engine's rpc address), so keep --peer-port fixed across restarts. The
+// prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port.
+// /health, /metrics and /status (each peer link's path per pair of memory
+// places, JSON) are on the metrics port. The sidecar itself is package
 // kvtransfer/sidecar; this command parses flags and runs it until SIGINT or
 // SIGTERM.
 //
@@ -42,7 +42,7 @@ func main() {
 	flag.StringVar(&cfg.Control, "control", "/tmp/kvproxy.sock", "Unix socket the engine connects to")
 	flag.StringVar(&cfg.Host, "host", "127.0.0.1", "address to listen on and advertise to peers")
 	flag.IntVar(&cfg.BootstrapPort, "bootstrap-port", 8998, "prefill: bootstrap HTTP API port (0: any; negative: none, when SGLang serves its own)")
-	flag.IntVar(&cfg.PeerPort, "peer-port", 0, "peer protocol port: rooms (prefill) and engine memory (both roles) (0: any)")
+	flag.IntVar(&cfg.PeerPort, "peer-port", 0, "peer protocol port: links to peer kvproxies, the rank port the bootstrap API hands out (0: any)")
 	flag.IntVar(&cfg.MetricsPort, "metrics-port", 0, "/health and /metrics port (0: any)")
 	flag.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", 300*time.Second, "a room not matched by its peer within this fails")
 	flag.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", 300*time.Second, "a matched room not finished within this fails")
