@@ -98,7 +98,9 @@ func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
 
 func (p *MemoryPlane) acceptLoop() {
 	defer p.wg.Done()
+	slots := make(chan struct{}, maxHandshakes) // helloguard.go
 	for {
+		slots <- struct{}{}
 		nc, err := p.cfg.Listener.Accept()
 		if err != nil {
 			if p.ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
@@ -110,7 +112,13 @@ func (p *MemoryPlane) acceptLoop() {
 		go func() {
 			defer p.wg.Done()
 			stop := context.AfterFunc(p.ctx, func() { _ = nc.Close() })
-			l, err := p.handshake(nc, false)
+			_ = nc.SetReadDeadline(time.Now().Add(p.cfg.WriteTimeout))
+			c, err := admitHello(nc)
+			var l *memLink
+			if err == nil {
+				l, err = p.handshake(c, false)
+			}
+			<-slots
 			stop()
 			if err != nil {
 				p.log.Warn("memory link handshake", zap.String("remote", nc.RemoteAddr().String()), zap.Error(err))
