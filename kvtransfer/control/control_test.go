@@ -419,3 +419,15 @@ func TestAbortedRoomIsNotTracked(t *testing.T) {
 		t.Fatalf("%d rooms still tracked after the engine aborted its only one", n)
 	}
 }
+
+// TestOpNumbers: ops are the control API; python/pdrouter_kv/control.py
+// and engines built against it use these numbers (1 was the retired pool
+// Register).
+func TestOpNumbers(t *testing.T) {
+	for op, want := range map[Op]uint8{OpExpect: 2, OpSend: 3, OpPoll: 4, OpAbort: 5, OpHello: 6, OpRegisterMemory: 7,
+		OpUnregisterMemory: 8, OpWrite: 9, OpProbe: 10, OpWritePages: 11, OpRoomLayout: 12} {
+		if uint8(op) != want {
+			t.Errorf("op %d, want %d", uint8(op), want)
+		}
+	}
+}

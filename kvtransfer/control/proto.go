@@ -35,7 +35,7 @@ import (
 type Op uint8
 
 const (
-	_ Op = iota // 1 was the kvproxy-allocated pool's Register
+	_ Op = iota + 1 // 1 was the kvproxy-allocated pool's Register
 	OpExpect
 	OpSend
 	OpPoll

@@ -36,7 +36,7 @@ const (
 type Type uint8
 
 const (
-	_ Type = iota // 1 was the pool protocol's HELLO
+	_ Type = iota + 1 // 1 was the pool protocol's HELLO
 	TXferReq
 	TData
 	TDone

@@ -218,3 +218,13 @@ func TestLongTextStillDecodes(t *testing.T) {
 		}
 	}
 }
+
+// TestTypeNumbers: frame types are the wire format; a renumbering breaks
+// every peer of another build (1 was the retired pool HELLO).
+func TestTypeNumbers(t *testing.T) {
+	for typ, want := range map[Type]uint8{TXferReq: 2, TData: 3, TDone: 4, TAbort: 5, THeartbeat: 6, TMemHello: 7, TMemRegionsReq: 8, TMemRegions: 9, TMemFence: 10, TMemFenceAck: 11} {
+		if uint8(typ) != want {
+			t.Errorf("%s is %d, want %d", typ, uint8(typ), want)
+		}
+	}
+}
