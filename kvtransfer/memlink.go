@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -48,6 +49,10 @@ type memLink struct {
 	// touched only by the reader, as is stage.
 	dropped string
 	stage   stageIn
+
+	// lastRead is when the reader last got a frame (unix nanos): rooms
+	// tell a silent peer by it (roomlink.go).
+	lastRead atomic.Int64
 }
 
 // hello returns our MEM_HELLO and the count of table pushes its table
@@ -237,6 +242,7 @@ func (l *memLink) readLoop() {
 	for {
 		m, err := l.conn.Read()
 		if err == nil {
+			l.lastRead.Store(time.Now().UnixNano())
 			err = l.handle(m)
 		}
 		if err != nil {

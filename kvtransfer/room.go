@@ -290,8 +290,11 @@ func (e *Rooms) failLocked(r *room, reason string, notify bool) {
 
 // checkLocked refuses pages or an aux slot outside our layout.
 func (e *Rooms) checkLocked(pages []uint32, aux int32) error {
-	if e.layout == nil {
-		return ErrNoLayout
+	if e.closed {
+		return ErrClosed
+	}
+	if e.layout == nil || e.owner.ctx.Err() != nil {
+		return ErrNoLayout // none, or its engine left with its memory
 	}
 	return checkPages(e.layout, pages, aux)
 }

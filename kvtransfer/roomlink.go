@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
@@ -14,7 +13,7 @@ import (
 // matched over it, the ordered queue of what they send (messages and chunk
 // jobs, so a chunk's DONE follows its data and an ABORT its XFER_REQ), and
 // liveness. Two goroutines per link: the sender and the heartbeat, which
-// also closes a link whose peer stayed silent for two intervals (a dead
+// also closes a link whose peer sent nothing for two intervals (a dead
 // peer fails all its rooms at once).
 type roomLink struct {
 	e *Rooms
@@ -27,7 +26,7 @@ type roomLink struct {
 	queue []item
 	wake  chan struct{}
 
-	seen atomic.Int64 // unix nanos of the last room message from the peer
+	since time.Time // when rooms started using the link
 
 	ctx    context.Context // ends when the link is lost or rooms close
 	cancel context.CancelFunc
@@ -54,7 +53,7 @@ func (e *Rooms) roomLinkLocked(l *memLink) *roomLink {
 	}
 	ctx, cancel := context.WithCancel(e.ctx)
 	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), ctx: ctx, cancel: cancel, done: make(chan struct{})}
-	rl.seen.Store(time.Now().UnixNano())
+	rl.since = time.Now()
 	e.links[l] = rl
 	e.wg.Add(2)
 	go rl.send()
@@ -122,7 +121,12 @@ func (rl *roomLink) heartbeat() {
 			return
 		case <-t.C:
 		}
-		if silent := time.Since(time.Unix(0, rl.seen.Load())); silent > 2*hb {
+		// Any frame counts: a long DATA stream holds up the peer's heartbeats.
+		last := time.Unix(0, rl.l.lastRead.Load())
+		if last.Before(rl.since) {
+			last = rl.since
+		}
+		if silent := time.Since(last); silent > 2*hb {
 			rl.l.close(fmt.Errorf("peer silent for %v", silent.Round(time.Millisecond)))
 			return
 		}
@@ -149,7 +153,6 @@ func (p *MemoryPlane) roomMsg(l *memLink, m wire.Msg) error {
 	if rl == nil {
 		return nil // closing
 	}
-	rl.seen.Store(time.Now().UnixNano())
 	switch m := m.(type) {
 	case *wire.XferReq:
 		e.onXferReq(rl, m)

@@ -445,6 +445,14 @@ func TestBadInputs(t *testing.T) {
 	if err := bare.Send(1, []uint32{1}, true, -1); !errors.Is(err, ErrNoLayout) {
 		t.Fatalf("Send without a layout: %v", err)
 	}
+	// A layout whose engine left with its memory is none.
+	if err := bare.SetLayout(pr.DS.S, pr.DPool.layout); err != nil {
+		t.Fatal(err)
+	}
+	_ = pr.DS.S.Close()
+	if err := bare.Send(2, []uint32{1}, true, -1); !errors.Is(err, ErrNoLayout) {
+		t.Fatalf("Send after the engine left: %v", err)
+	}
 }
 
 func TestSilentPeerFailsRoomsWithinTwoHeartbeats(t *testing.T) {

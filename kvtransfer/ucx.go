@@ -43,7 +43,13 @@ var _ Transport = (*UCX)(nil)
 // 1.13 crashed (SIGSEGV) once a second context of the process connected
 // over tcp (BenchmarkUCXWrite/tcp reproduced it).
 func NewUCX() (*UCX, error) {
-	cfg := ucx.Config{NoPeerErrorHandling: shmAllowed(os.Getenv("UCX_TLS"))}
+	cfg := ucx.Config{NoPeerErrorHandling: shmAllowed(os.Getenv("UCX_TLS")), Options: map[string]string{}}
+	if os.Getenv("UCX_ALLOC_PRIO") == "" {
+		// posix before sysv, as when UCX allocated the pool: UCX's own
+		// shared-memory buffers keep the allocator the memory plane's
+		// writes over posix were measured with.
+		cfg.Options["ALLOC_PRIO"] = "md:posix,md:sysv,huge,thp,md:*,mmap,heap"
+	}
 	ctx, err := ucx.NewContext(cfg)
 	if err != nil {
 		return nil, err

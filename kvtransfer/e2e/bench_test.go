@@ -46,7 +46,9 @@ func TestBenchKV(t *testing.T) {
 		RatioChunk         float64 `json:"ratio_to_perftest_chunk,omitempty"`
 	}
 	var rows []row
-	for _, cfg := range []struct{ transport, tls string }{{"tcp", "tcp"}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}} {
+	// shm is compared with UCX's own shared memory (its UCX_TLS column is
+	// perftest's).
+	for _, cfg := range []struct{ transport, tls string }{{"tcp", "tcp"}, {"shm", "posix,cma,tcp"}, {"ucx", "tcp"}, {"ucx", "posix,cma,tcp"}} {
 		t.Run(cfg.transport+"/"+cfg.tls, func(t *testing.T) {
 			tls := ""
 			if cfg.transport == "ucx" {
