@@ -603,3 +603,62 @@ func TestRoomMatchedOverAClosedPeerFails(t *testing.T) {
 }
 
 func TestTransferSHM(t *testing.T) { testTransfer(t, "shm") }
+
+// TestDataFramesProveAPeerAlive: a peer busy streaming DATA frames sends no
+// heartbeat meanwhile (its frames queue behind the stream); its rooms must
+// live on, and fail only once it sends nothing at all.
+func TestDataFramesProveAPeerAlive(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	quiet := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		nc, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer nc.Close()
+		c := wire.NewConn(nc)
+		if _, err := c.Read(); err != nil {
+			return
+		}
+		_ = c.Write(&wire.MemHello{Name: "busy", Transport: "tcp", ListenAddr: ln.Addr().String()})
+		go func() { // drain what the decode sends
+			for {
+				m, err := c.Read()
+				if err != nil {
+					return
+				}
+				if _, ok := m.(*wire.Data); ok {
+					_ = c.DiscardData()
+				}
+			}
+		}()
+		for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+			// For a region the decode does not have: read and dropped.
+			if c.WriteData(99, 0, make([]byte, 4096)) != nil {
+				return
+			}
+		}
+		close(quiet)
+		<-time.After(3 * time.Second)
+	}()
+	t.Cleanup(func() { ln.Close(); <-done })
+	const hb = 250 * time.Millisecond
+	d := newSide(t, "D", "tcp", nil, 0, RoomConfig{Heartbeat: hb,
+		Resolve: func(context.Context, string) (string, error) { return ln.Addr().String(), nil }})
+	if err := d.R.Expect(1, "x", []uint32{1}, -1); err != nil {
+		t.Fatal(err)
+	}
+	<-quiet
+	if st, err := d.R.Poll(1); err != nil || st.State.Terminal() {
+		t.Fatalf("room over a link busy with DATA frames: %+v %v, want it alive", st, err)
+	}
+	st := wait(t, d.R, 1, Failed)
+	if !strings.Contains(st.Reason, "silent") {
+		t.Fatalf("reason %q", st.Reason)
+	}
+}

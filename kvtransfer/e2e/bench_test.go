@@ -166,8 +166,8 @@ func pdOnce(p, d worker, tokens int, room uint64) (*kvInfo, float64, error) {
 // perftest runs ucx_perftest ucp_put_bw (server and client on this host)
 // and returns its best average bandwidth (MB/s as printed, i.e. MiB/s) over
 // three runs: best of several, like our side, so load from other processes
-// on the box skews neither side alone. Its buffers are UCX-allocated, as
-// our pool is.
+// on the box skews neither side alone. Its buffers are UCX-allocated;
+// ours are the engines' memfds, registered.
 func perftest(t *testing.T, tls string, size int) float64 {
 	best := 0.0
 	for range 3 {
