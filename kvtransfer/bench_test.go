@@ -8,7 +8,7 @@ import (
 // BenchmarkEmptyRoom is the control overhead of one room with nothing to
 // move: Expect, XFER_REQ, Send(last), DONE, Success on both sides.
 func BenchmarkEmptyRoom(b *testing.B) {
-	for _, tr := range []string{"tcp", "ucx"} {
+	for _, tr := range []string{"tcp", "shm", "ucx"} {
 		b.Run(tr, func(b *testing.B) {
 			pr := newPair(b, tr, nil)
 			ctx := context.Background()

@@ -6,7 +6,7 @@ import (
 	"sync"
 	"unsafe"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 )
 
 // Span is a range of memory in a Device's address space: a device address

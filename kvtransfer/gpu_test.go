@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 )
 
 // A RegisterCUDA after (or racing) the plane's Close opens no device and

@@ -7,7 +7,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 )
 
 // hostGPUs stands host memory in for the GPUs of one machine: allocations

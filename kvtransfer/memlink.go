@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -48,6 +49,10 @@ type memLink struct {
 	// touched only by the reader, as is stage.
 	dropped string
 	stage   stageIn
+
+	// lastRead is when the reader last got a frame (unix nanos): rooms
+	// tell a silent peer by it (roomlink.go).
+	lastRead atomic.Int64
 }
 
 // hello returns our MEM_HELLO and the count of table pushes its table
@@ -98,7 +103,9 @@ func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
 
 func (p *MemoryPlane) acceptLoop() {
 	defer p.wg.Done()
+	slots := make(chan struct{}, maxHandshakes) // helloguard.go
 	for {
+		slots <- struct{}{}
 		nc, err := p.cfg.Listener.Accept()
 		if err != nil {
 			if p.ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
@@ -110,7 +117,13 @@ func (p *MemoryPlane) acceptLoop() {
 		go func() {
 			defer p.wg.Done()
 			stop := context.AfterFunc(p.ctx, func() { _ = nc.Close() })
-			l, err := p.handshake(nc, false)
+			_ = nc.SetReadDeadline(time.Now().Add(p.cfg.WriteTimeout))
+			c, err := admitHello(nc)
+			var l *memLink
+			if err == nil {
+				l, err = p.handshake(c, false)
+			}
+			<-slots
 			stop()
 			if err != nil {
 				p.log.Warn("memory link handshake", zap.String("remote", nc.RemoteAddr().String()), zap.Error(err))
@@ -217,6 +230,7 @@ func (l *memLink) close(cause error) {
 	}
 	p.m.peers.Dec()
 	p.mu.Unlock()
+	p.roomLinkLost(l, cause)
 	if !errors.Is(cause, ErrClosed) {
 		p.log.Info("memory link closed", zap.String("peer", l.remote.Name), zap.Error(cause))
 	}
@@ -228,6 +242,7 @@ func (l *memLink) readLoop() {
 	for {
 		m, err := l.conn.Read()
 		if err == nil {
+			l.lastRead.Store(time.Now().UnixNano())
 			err = l.handle(m)
 		}
 		if err != nil {
@@ -262,6 +277,8 @@ func (l *memLink) handle(m wire.Msg) error {
 		l.dropped = ""
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
+	case *wire.XferReq, *wire.Done, *wire.Abort, *wire.Heartbeat:
+		return l.p.roomMsg(l, m)
 	default:
 		return fmt.Errorf("%w: unexpected %s on a memory link", wire.ErrMalformed, m.Type())
 	}
@@ -440,6 +457,11 @@ func (p *MemoryPlane) write(ctx context.Context, peer string, ts []Triple) error
 	if err != nil {
 		return err
 	}
+	return p.writeLink(ctx, l, ts)
+}
+
+// writeLink is write over the link l.
+func (p *MemoryPlane) writeLink(ctx context.Context, l *memLink, ts []Triple) error {
 	if p.gpu.holds(ts) {
 		return p.gpu.write(ctx, p, l, ts)
 	}

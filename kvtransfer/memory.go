@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -103,6 +104,8 @@ type MemoryPlane struct {
 	pushes uint64     // region-table pushes so far; under bmu
 
 	gpu gpuPlane // GPU regions (gpu.go)
+
+	rooms atomic.Pointer[Rooms] // the room layer on top, if any (rooms.go)
 }
 
 // memRegion is one registered region.
@@ -140,7 +143,7 @@ func newMemMetrics(reg prometheus.Registerer) memMetrics {
 	m := memMetrics{
 		regions: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_registered_regions", Help: "Engine memory regions registered now."}),
 		bytes:   prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_registered_bytes", Help: "Bytes of engine memory registered now."}),
-		peers:   prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_memory_links", Help: "Engine-memory links to peer kvproxies."}),
+		peers:   prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvproxy_peers", Help: "Links to peer kvproxies."}),
 		writes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvproxy_memory_writes_total", Help: "Engine-memory writes by result.",
 		}, []string{"result"}),

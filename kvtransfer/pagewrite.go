@@ -124,3 +124,16 @@ func (p *MemoryPlane) writePages(ctx context.Context, peer string, w *PageWrite)
 	}
 	return p.gpu.writePages(ctx, p, l, w)
 }
+
+// mergedTriples lists w's ranges with pages that follow each other on both
+// sides merged: a contiguous page list is one triple per buffer.
+func (w *PageWrite) mergedTriples() []Triple {
+	rs := w.runs()
+	ts := make([]Triple, 0, len(w.Bufs)*len(rs))
+	for _, b := range w.Bufs {
+		for _, r := range rs {
+			ts = append(ts, Triple{Src: b.Src + r.src*b.PageLen, Dst: b.Dst + r.dst*b.PageLen, Len: r.count * b.PageLen})
+		}
+	}
+	return ts
+}

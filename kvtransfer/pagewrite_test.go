@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 )
 
 func TestPageWriteExpands(t *testing.T) {

@@ -120,12 +120,12 @@ func (k role) String() string {
 	return "decode"
 }
 
-// room is what both roles' rooms hold. Everything is guarded by Engine.mu.
+// room is what both roles' rooms hold. Everything is guarded by Rooms.mu.
 type room struct {
 	id    uint64
 	role  role
 	st    Status
-	peer  *peer     // the peer it is matched over, set with matched
+	link  *roomLink // the link it is matched over, set with matched
 	start time.Time // when it was matched
 	timer *time.Timer
 	gen   int // timer generation, so a stale timer cannot fire
@@ -136,18 +136,20 @@ type room struct {
 // chunk is mapped onto the next of the decode's pages.
 type prefillRoom struct {
 	room
-	dst       []uint32 // the decode's pages, from XFER_REQ
-	dstAux    int32    // the decode's aux slot (-1: none)
+	dst       []uint32       // the decode's pages, from XFER_REQ
+	dstAux    int32          // the decode's aux slot (-1: none)
+	dstBufs   []wire.RoomBuf // the decode's buffers, from XFER_REQ
 	queued    []chunk
 	assigned  int  // dst pages given to chunks so far
 	lastSeen  bool // the last chunk was Sent
 	nextChunk uint32
 }
 
-// decodeRoom receives into pages of our pool.
+// decodeRoom receives into pages of our engine's buffers.
 type decodeRoom struct {
 	room
 	boot   string // bootstrap address of the prefill engine
+	layout *RoomLayout
 	pages  []uint32
 	aux    int32  // aux slot (-1: none)
 	expect uint32 // next chunk whose DONE is due
@@ -165,7 +167,7 @@ type tomb struct {
 }
 
 // roomLocked finds an unfinished room of either role.
-func (e *Engine) roomLocked(id uint64) *room {
+func (e *Rooms) roomLocked(id uint64) *room {
 	if r := e.prefills[id]; r != nil {
 		return &r.room
 	}
@@ -176,7 +178,7 @@ func (e *Engine) roomLocked(id uint64) *room {
 }
 
 // admitLocked checks that a new room id may start.
-func (e *Engine) admitLocked(id uint64) error {
+func (e *Rooms) admitLocked(id uint64) error {
 	if e.closed {
 		return ErrClosed
 	}
@@ -189,7 +191,7 @@ func (e *Engine) admitLocked(id uint64) error {
 	return nil
 }
 
-func (e *Engine) newRoom(id uint64, k role) room {
+func (e *Rooms) newRoom(id uint64, k role) room {
 	e.m.roomsActive.WithLabelValues(k.String()).Inc()
 	return room{id: id, role: k, st: Status{State: Bootstrapping}, done: make(chan struct{})}
 }
@@ -197,7 +199,7 @@ func (e *Engine) newRoom(id uint64, k role) room {
 // stepLocked applies ev to r and reports whether it was legal (an illegal
 // event leaves r as it was). Entering WaitingForInput starts the waiting
 // timeout; Success and Failed end the room.
-func (e *Engine) stepLocked(r *room, ev event, reason string) bool {
+func (e *Rooms) stepLocked(r *room, ev event, reason string) bool {
 	to, ok := next(r.st.State, ev)
 	if !ok {
 		return false
@@ -214,25 +216,23 @@ func (e *Engine) stepLocked(r *room, ev event, reason string) bool {
 	return true
 }
 
-// matchLocked binds r to the peer it transfers over.
-func (e *Engine) matchLocked(r *room, p *peer) bool {
+// matchLocked binds r to the link it transfers over.
+func (e *Rooms) matchLocked(r *room, rl *roomLink) bool {
 	if !e.stepLocked(r, matched, "") {
 		return false
 	}
-	r.peer = p
-	p.rooms[r.id] = r
-	select {
-	case <-p.closed:
-		// p.close closes this before it fails p's rooms under e.mu: a room
-		// matched after that would wait out its timeout over a dead link.
+	r.link = rl
+	rl.rooms[r.id] = r
+	if rl.lost {
+		// A room matched after its link's rooms failed would wait out its
+		// timeout over a dead link.
 		e.failLocked(r, "peer lost before the room matched", false)
-	default:
 	}
 	return true
 }
 
 // armLocked replaces the room's timer.
-func (e *Engine) armLocked(r *room, d time.Duration, why string) {
+func (e *Rooms) armLocked(r *room, d time.Duration, why string) {
 	if r.timer != nil {
 		r.timer.Stop()
 	}
@@ -249,13 +249,13 @@ func (e *Engine) armLocked(r *room, d time.Duration, why string) {
 
 // finishLocked ends r: it leaves the room table (its pages are the engine's
 // to free once it sees the final state) and becomes a tombstone.
-func (e *Engine) finishLocked(r *room, s State, reason string) {
+func (e *Rooms) finishLocked(r *room, s State, reason string) {
 	if r.timer != nil {
 		r.timer.Stop()
 	}
 	r.gen++
 	if r.st.State != Bootstrapping {
-		delete(r.peer.rooms, r.id)
+		delete(r.link.rooms, r.id)
 	}
 	r.st.State, r.st.Reason = s, reason
 	if !r.start.IsZero() {
@@ -281,29 +281,40 @@ func (e *Engine) finishLocked(r *room, s State, reason string) {
 
 // failLocked fails r; with notify, a matched room's peer is told with an
 // ABORT.
-func (e *Engine) failLocked(r *room, reason string, notify bool) {
+func (e *Rooms) failLocked(r *room, reason string, notify bool) {
 	wasMatched := r.st.State != Bootstrapping
 	if e.stepLocked(r, failed, reason) && notify && wasMatched {
-		r.peer.enqueue(item{msg: &wire.Abort{Room: r.id, Reason: reason}})
+		r.link.enqueue(item{msg: &wire.Abort{Room: r.id, Reason: reason}})
 	}
+}
+
+// checkLocked refuses pages or an aux slot outside our layout.
+func (e *Rooms) checkLocked(pages []uint32, aux int32) error {
+	if e.closed {
+		return ErrClosed
+	}
+	if e.layout == nil || e.owner.ctx.Err() != nil {
+		return ErrNoLayout // none, or its engine left with its memory
+	}
+	return checkPages(e.layout, pages, aux)
 }
 
 // Expect (decode) announces that room's KV must land in dst pages (in prompt
 // order) and its aux item in auxSlot (-1: none), sent by the prefill engine
 // behind bootstrapAddr.
-func (e *Engine) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot int32) error {
+func (e *Rooms) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot int32) error {
 	if e.cfg.Resolve == nil {
 		return errors.New("kvtransfer: no bootstrap resolver configured")
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if err := e.checkPages(dst, auxSlot); err != nil {
+	if err := e.checkLocked(dst, auxSlot); err != nil {
 		return err
 	}
 	if err := e.admitLocked(id); err != nil {
 		return err
 	}
-	r := &decodeRoom{room: e.newRoom(id, decodeRole), boot: bootstrapAddr, pages: dst, aux: auxSlot}
+	r := &decodeRoom{room: e.newRoom(id, decodeRole), boot: bootstrapAddr, pages: dst, aux: auxSlot, layout: e.layout}
 	e.decodes[id] = r
 	e.armLocked(&r.room, e.cfg.BootstrapTimeout, "bootstrap timeout")
 	e.wg.Add(1)
@@ -311,8 +322,9 @@ func (e *Engine) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot i
 	return nil
 }
 
-// bootstrap finds (or connects) the room's prefill peer and sends XFER_REQ.
-func (e *Engine) bootstrap(r *decodeRoom) {
+// bootstrap finds (or connects) the link to the room's prefill kvproxy and
+// sends XFER_REQ.
+func (e *Rooms) bootstrap(r *decodeRoom) {
 	defer e.wg.Done()
 	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.BootstrapTimeout)
 	defer cancel()
@@ -323,24 +335,39 @@ func (e *Engine) bootstrap(r *decodeRoom) {
 		case <-ctx.Done():
 		}
 	}()
-	p, err := e.peerFor(ctx, r.boot)
+	l, err := e.linkFor(ctx, r.boot)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err != nil {
 		e.failLocked(&r.room, "bootstrap: "+err.Error(), false)
 		return
 	}
-	if e.matchLocked(&r.room, p) {
-		p.enqueue(item{msg: &wire.XferReq{Room: r.id, AuxSlot: r.aux, DstPages: r.pages}})
+	rl := e.roomLinkLocked(l)
+	if rl == nil {
+		e.failLocked(&r.room, "bootstrap: "+ErrClosed.Error(), false)
+		return
 	}
+	if e.matchLocked(&r.room, rl) {
+		rl.enqueue(item{msg: &wire.XferReq{Room: r.id, AuxSlot: r.aux, PageSize: r.layout.PageSize, Dtype: r.layout.Dtype,
+			Bufs: r.layout.Bufs, DstPages: r.pages}})
+	}
+}
+
+// linkFor returns the link to the kvproxy behind a bootstrap address.
+func (e *Rooms) linkFor(ctx context.Context, bootstrapAddr string) (*memLink, error) {
+	addr, err := e.cfg.Resolve(ctx, bootstrapAddr)
+	if err != nil {
+		return nil, err
+	}
+	return e.p.link(ctx, addr)
 }
 
 // Send (prefill) queues one chunk of room's pages; last marks the final
 // chunk, whose aux item srcAux (-1: none) goes with it.
-func (e *Engine) Send(id uint64, src []uint32, last bool, srcAux int32) error {
+func (e *Rooms) Send(id uint64, src []uint32, last bool, srcAux int32) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if err := e.checkPages(src, srcAux); err != nil {
+	if err := e.checkLocked(src, srcAux); err != nil {
 		return err
 	}
 	if e.decodes[id] != nil {
@@ -367,7 +394,7 @@ func (e *Engine) Send(id uint64, src []uint32, last bool, srcAux int32) error {
 	return nil
 }
 
-func (e *Engine) newPrefillLocked(id uint64) *prefillRoom {
+func (e *Rooms) newPrefillLocked(id uint64) *prefillRoom {
 	r := &prefillRoom{room: e.newRoom(id, prefillRole), dstAux: -1}
 	e.prefills[id] = r
 	return r
@@ -375,18 +402,18 @@ func (e *Engine) newPrefillLocked(id uint64) *prefillRoom {
 
 // onXferReq matches the decode's request with the prefill room, creating
 // it when the prefill engine has not Sent yet, and dispatches what waited.
-func (e *Engine) onXferReq(p *peer, m *wire.XferReq) {
-	abort := func(reason string) { p.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: reason}}) }
-	if p.origin != accepted {
-		abort("XFER_REQ sent to a decode peer")
+func (e *Rooms) onXferReq(rl *roomLink, m *wire.XferReq) {
+	abort := func(reason string) { rl.enqueue(item{msg: &wire.Abort{Room: m.Room, Reason: reason}}) }
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.layout == nil {
+		abort("the prefill engine registered no room layout")
 		return
 	}
-	if err := p.checkRemote(m.DstPages, m.AuxSlot); err != nil {
+	if err := e.layout.compatible(m); err != nil {
 		abort(err.Error())
 		return
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
 	r := e.prefills[m.Room]
 	if r == nil && e.decodes[m.Room] == nil {
 		if err := e.admitLocked(m.Room); err != nil {
@@ -395,11 +422,11 @@ func (e *Engine) onXferReq(p *peer, m *wire.XferReq) {
 		}
 		r = e.newPrefillLocked(m.Room)
 	}
-	if r == nil || !e.matchLocked(&r.room, p) {
+	if r == nil || !e.matchLocked(&r.room, rl) {
 		abort("duplicate XFER_REQ")
 		return
 	}
-	r.dst, r.dstAux = m.DstPages, m.AuxSlot
+	r.dst, r.dstAux, r.dstBufs = m.DstPages, m.AuxSlot, m.Bufs
 	queued := r.queued
 	r.queued = nil
 	for _, c := range queued {
@@ -411,7 +438,7 @@ func (e *Engine) onXferReq(p *peer, m *wire.XferReq) {
 }
 
 // dispatchLocked maps a chunk onto the decode's pages and queues the batch.
-func (e *Engine) dispatchLocked(r *prefillRoom, c chunk) {
+func (e *Rooms) dispatchLocked(r *prefillRoom, c chunk) {
 	end := r.assigned + len(c.src)
 	switch {
 	case end > len(r.dst):
@@ -423,78 +450,62 @@ func (e *Engine) dispatchLocked(r *prefillRoom, c chunk) {
 	}
 	dst := r.dst[r.assigned:end]
 	r.assigned = end
-	runs := buildRuns(e.pool, c.src, dst)
-	if c.last && c.srcAux >= 0 && r.dstAux >= 0 {
-		runs = appendAux(runs, e.pool, c.srcAux, r.dstAux)
+	j := &chunkJob{r: r, s: e.owner, chunk: r.nextChunk, last: c.last, pages: len(c.src)}
+	for i, b := range e.layout.Bufs {
+		d := r.dstBufs[i]
+		switch {
+		case b.Kind == wire.KindKV:
+			j.w.Bufs = append(j.w.Bufs, PageBuf{Src: b.Addr, Dst: d.Addr, PageLen: uint64(b.ItemLen)})
+		case c.last && c.srcAux >= 0 && r.dstAux >= 0:
+			j.aux = append(j.aux, Triple{Src: b.Addr + uint64(c.srcAux)*uint64(b.ItemLen), Dst: d.Addr + uint64(r.dstAux)*uint64(d.ItemLen), Len: uint64(b.ItemLen)})
+		}
+	}
+	j.w.Pairs = make([]PagePair, len(c.src))
+	for i, p := range c.src {
+		j.w.Pairs[i] = PagePair{Src: p, Dst: dst[i]}
 	}
 	e.stepLocked(&r.room, moved, "")
-	r.peer.enqueue(item{job: &chunkJob{r: r, chunk: r.nextChunk, last: c.last, pages: len(c.src), runs: runs}})
+	r.link.enqueue(item{job: j})
 	r.nextChunk++
 }
 
-// buildRuns merges runs of consecutive indices on both sides, then emits one
-// run per KV region per merged run.
-func buildRuns(p *Pool, src, dst []uint32) []Run {
-	var runs []Run
-	for i := 0; i < len(src); {
-		j := i + 1
-		for j < len(src) && src[j] == src[j-1]+1 && dst[j] == dst[j-1]+1 {
-			j++
-		}
-		for ri, reg := range p.Regions {
-			if reg.Kind != wire.KindKV {
-				continue
-			}
-			it := uint64(reg.ItemLen)
-			runs = append(runs, Run{Region: ri, SrcOff: uint64(src[i]) * it, DstOff: uint64(dst[i]) * it, Len: uint64(j-i) * it})
-		}
-		i = j
-	}
-	return runs
-}
-
-func appendAux(runs []Run, p *Pool, src, dst int32) []Run {
-	for ri, reg := range p.Regions {
-		if reg.Kind == wire.KindAux {
-			it := uint64(reg.ItemLen)
-			runs = append(runs, Run{Region: ri, SrcOff: uint64(src) * it, DstOff: uint64(dst) * it, Len: it})
-		}
-	}
-	return runs
-}
-
-// chunkJob is one prefill chunk's batch, run by the peer's writer.
+// chunkJob is one prefill chunk: a page write of every KV buffer plus the
+// aux item with the last chunk, run by the link's sender.
 type chunkJob struct {
 	r     *prefillRoom
+	s     *MemorySession // the engine whose memory the pages are
 	chunk uint32
 	last  bool
 	pages int
-	runs  []Run
+	w     PageWrite
+	aux   []Triple
 }
 
-// run moves the chunk (one batch, one flush) then sends its DONE.
-func (j *chunkJob) run(p *peer) error {
-	e := p.e
+// run moves the chunk, then sends its DONE.
+func (j *chunkJob) run(rl *roomLink) error {
+	e := rl.e
 	e.mu.Lock()
 	skip := j.r.st.State.Terminal()
 	e.mu.Unlock()
 	if skip {
 		return nil
 	}
-	var bytes uint64
-	for _, r := range j.runs {
-		bytes += r.Len
+	bytes := j.w.Bytes()
+	for _, t := range j.aux {
+		bytes += t.Len
 	}
 	t0 := time.Now()
-	if err := p.w.Write(p.ctx, j.runs); err != nil {
+	if err := j.s.writeRoom(rl.ctx, rl.l, &j.w, j.aux); err != nil {
+		// The link may be fine (the engine's memory went, a bad page): fail
+		// the room and tell the decode, keep the link.
 		e.mu.Lock()
-		e.failLocked(&j.r.room, "transfer: "+err.Error(), false)
+		e.failLocked(&j.r.room, "transfer: "+err.Error(), true)
 		e.mu.Unlock()
-		return fmt.Errorf("transfer: %w", err)
+		return nil
 	}
 	dt := time.Since(t0)
 	done := &wire.Done{Room: j.r.id, Chunk: j.chunk, Last: j.last, Pages: uint32(j.pages), Bytes: bytes, Nanos: uint64(dt)}
-	if err := p.conn.Write(done); err != nil {
+	if err := rl.l.conn.Write(done); err != nil {
 		return err
 	}
 	e.mu.Lock()
@@ -511,11 +522,11 @@ func (j *chunkJob) run(p *peer) error {
 }
 
 // onDone accounts one chunk that landed in a decode room.
-func (e *Engine) onDone(p *peer, m *wire.Done) {
+func (e *Rooms) onDone(rl *roomLink, m *wire.Done) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	r := e.decodes[m.Room]
-	if r == nil || r.peer != p {
+	if r == nil || r.link != rl {
 		return
 	}
 	switch {
@@ -538,24 +549,17 @@ func (e *Engine) onDone(p *peer, m *wire.Done) {
 	}
 }
 
-// onAbort fails the room the peer aborted, if it is matched over that peer.
-func (e *Engine) onAbort(p *peer, m *wire.Abort) {
+// onAbort fails the room the peer aborted, if it is matched over that link.
+func (e *Rooms) onAbort(rl *roomLink, m *wire.Abort) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if r := e.roomLocked(m.Room); r != nil && r.peer == p {
+	if r := e.roomLocked(m.Room); r != nil && r.link == rl {
 		e.failLocked(r, "aborted by peer: "+m.Reason, false)
 	}
 }
 
-// peerLostLocked fails every room matched over p.
-func (e *Engine) peerLostLocked(p *peer, cause error) {
-	for _, r := range p.rooms {
-		e.failLocked(r, "peer lost: "+cause.Error(), false)
-	}
-}
-
 // Poll returns the room's status; a finished room is remembered for Linger.
-func (e *Engine) Poll(id uint64) (Status, error) {
+func (e *Rooms) Poll(id uint64) (Status, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if r := e.roomLocked(id); r != nil {
@@ -568,7 +572,7 @@ func (e *Engine) Poll(id uint64) (Status, error) {
 }
 
 // Wait blocks until the room finishes or ctx ends, then returns its status.
-func (e *Engine) Wait(ctx context.Context, id uint64) (Status, error) {
+func (e *Rooms) Wait(ctx context.Context, id uint64) (Status, error) {
 	e.mu.Lock()
 	r := e.roomLocked(id)
 	e.mu.Unlock()
@@ -581,48 +585,47 @@ func (e *Engine) Wait(ctx context.Context, id uint64) (Status, error) {
 	return e.Poll(id)
 }
 
-// Abort fails the room here and tells its peer.
-func (e *Engine) Abort(id uint64, reason string) error {
+// Abort fails the room here and tells its peer; it returns once the ABORT
+// is on the link (or the link is gone), so an engine that aborts then
+// leaves does not lose it with the link.
+func (e *Rooms) Abort(id uint64, reason string) error {
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	r := e.roomLocked(id)
 	if r == nil {
-		if _, ok := e.tombs[id]; ok {
+		_, done := e.tombs[id]
+		e.mu.Unlock()
+		if done {
 			return nil
 		}
 		return ErrUnknownRoom
 	}
-	e.failLocked(r, "aborted: "+reason, true)
+	reason = "aborted: " + reason
+	rl, matched := r.link, r.st.State != Bootstrapping
+	e.failLocked(r, reason, false)
+	var sent chan struct{}
+	if matched {
+		sent = make(chan struct{})
+		rl.enqueue(item{msg: &wire.Abort{Room: id, Reason: reason}, sent: sent})
+	}
+	e.mu.Unlock()
+	if sent != nil {
+		t := time.NewTimer(e.p.cfg.WriteTimeout)
+		defer t.Stop()
+		select {
+		case <-sent:
+		case <-rl.done:
+		case <-t.C:
+		}
+	}
 	return nil
 }
 
 // failAllLocked fails every unfinished room (the engine is closing).
-func (e *Engine) failAllLocked(reason string) {
+func (e *Rooms) failAllLocked(reason string) {
 	for _, r := range e.prefills {
 		e.failLocked(&r.room, reason, true)
 	}
 	for _, r := range e.decodes {
 		e.failLocked(&r.room, reason, true)
-	}
-}
-
-// sweep drops tombstones older than Linger.
-func (e *Engine) sweep() {
-	defer e.wg.Done()
-	t := time.NewTicker(e.cfg.Linger / 2)
-	defer t.Stop()
-	for {
-		select {
-		case <-e.ctx.Done():
-			return
-		case now := <-t.C:
-			e.mu.Lock()
-			for id, tb := range e.tombs {
-				if now.Sub(tb.end) > e.cfg.Linger {
-					delete(e.tombs, id)
-				}
-			}
-			e.mu.Unlock()
-		}
 	}
 }

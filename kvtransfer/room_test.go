@@ -106,23 +106,23 @@ func TestEveryRoomEnds(t *testing.T) {
 	endings := []struct {
 		name    string
 		matched bool // needs a peer
-		end     func(e *Engine, id uint64)
+		end     func(e *Rooms, id uint64)
 		reason  string
 	}{
-		{"abort", false, func(e *Engine, id uint64) { _ = e.Abort(id, "client gone") }, "aborted: client gone"},
-		{"timeout", false, func(*Engine, uint64) {}, "timeout"},
-		{"peer-lost", true, func(e *Engine, _ uint64) {
+		{"abort", false, func(e *Rooms, id uint64) { _ = e.Abort(id, "client gone") }, "aborted: client gone"},
+		{"timeout", false, func(*Rooms, uint64) {}, "timeout"},
+		{"peer-lost", true, func(e *Rooms, _ uint64) {
 			e.mu.Lock()
-			var peers []*peer
-			for p := range e.peers {
-				peers = append(peers, p)
+			var links []*memLink
+			for l := range e.links {
+				links = append(links, l)
 			}
 			e.mu.Unlock()
-			for _, p := range peers {
-				p.close(errors.New("connection cut"))
+			for _, l := range links {
+				l.close(errors.New("connection cut"))
 			}
 		}, "peer lost: connection cut"},
-		{"engine-closed", false, func(e *Engine, _ uint64) { _ = e.Close() }, "engine closed"},
+		{"rooms-closed", false, func(e *Rooms, _ uint64) { _ = e.Close() }, "kvproxy closing"},
 	}
 	for _, su := range setups {
 		for _, side := range su.sides {
@@ -133,7 +133,7 @@ func TestEveryRoomEnds(t *testing.T) {
 				t.Run(su.name+"/"+side+"/"+en.name, func(t *testing.T) {
 					const id = 42
 					var pr *pair
-					pr = newPair(t, "tcp", func(c *Config) {
+					pr = newPair(t, "tcp", func(c *RoomConfig) {
 						if en.name == "timeout" {
 							c.BootstrapTimeout, c.WaitingTimeout = short, short
 						}

@@ -21,8 +21,7 @@ import (
 // copies straight from its mapping of the local engine's memory into it:
 // one memcpy, no socket, no UCX. UCX over shared memory cannot do that for
 // memory it did not allocate (UCX 1.13's posix and sysv register no
-// foreign memory and fall back to active messages). Pools (the room API)
-// move as with TCP.
+// foreign memory and fall back to active messages).
 type SHM struct {
 	TCP
 	live shmLiveness

@@ -1,39 +1,16 @@
 package kvtransfer
 
-import (
-	"context"
-	"fmt"
+import "github.com/pdrouter/pdrouter/kvtransfer/wire"
 
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
-	"github.com/pdrouter/pdrouter/kvtransfer/wire"
-)
-
-// TCP is the pure-Go transport: pages travel as DATA frames on the peer
-// connection, written with writev straight from the source pages and read by
-// the receiving engine straight into the destination pages. DONE follows the
-// data on the same ordered stream, so no flush is needed.
-type TCP struct {
-	pool *Pool
-}
+// TCP is the pure-Go transport: a write's bytes travel as DATA frames on
+// the peer link, written with writev straight from the source mapping and
+// read by the peer's link reader straight into the destination mapping; a
+// fence after them says when they are all in memory.
+type TCP struct{}
 
 var _ Transport = (*TCP)(nil)
 
 func (*TCP) Name() string { return "tcp" }
-
-// Alloc makes a memfd: tcp reads and writes any memory.
-func (*TCP) Alloc(size int) (*shm.Segment, error) { return shm.Create("kvpool", size) }
-
-func (t *TCP) Register(p *Pool) (LocalMeta, error) {
-	t.pool = p
-	return LocalMeta{Bases: make([]uint64, len(p.Regions)), RKeys: make([][]byte, len(p.Regions))}, nil
-}
-
-func (t *TCP) Connect(_ *wire.Hello, conn *wire.Conn) (Writer, error) {
-	if t.pool == nil {
-		return nil, fmt.Errorf("tcp transport: no pool registered")
-	}
-	return &tcpWriter{pool: t.pool, conn: conn}, nil
-}
 
 // Done is nil: tcp shares nothing between peers that could break.
 func (*TCP) Done() <-chan struct{} { return nil }
@@ -41,22 +18,6 @@ func (*TCP) Done() <-chan struct{} { return nil }
 func (*TCP) Err() error { return nil }
 
 func (*TCP) Close() error { return nil }
-
-type tcpWriter struct {
-	pool *Pool
-	conn *wire.Conn
-}
-
-func (w *tcpWriter) Write(_ context.Context, runs []Run) error {
-	var pieces []wire.DataPiece
-	for _, r := range runs {
-		src := w.pool.Regions[r.Region].Mem[r.SrcOff : r.SrcOff+r.Len]
-		pieces = appendPieces(pieces, uint32(r.Region), r.DstOff, src)
-	}
-	return w.conn.WriteDataBatch(pieces)
-}
-
-func (*tcpWriter) Close() {}
 
 // appendPieces adds src, bound for region at off, as DATA frames of at most
 // wire.MaxDataLen bytes.
@@ -68,8 +29,6 @@ func appendPieces(pieces []wire.DataPiece, region uint32, off uint64, src []byte
 	}
 	return pieces
 }
-
-var _ MemoryTransport = (*TCP)(nil)
 
 // RegisterMemory needs nothing: tcp reads and writes any mapping.
 func (*TCP) RegisterMemory([]byte, int) (MemoryRegistration, error) { return tcpRegistration{}, nil }

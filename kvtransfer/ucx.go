@@ -8,32 +8,22 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"unsafe"
 
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
-	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 	"github.com/pdrouter/pdrouter/ucx"
 )
 
-// UCX is the zero-copy transport. The pool is one segment UCX allocates
-// (UCP_MEM_MAP_ALLOCATE) when its allocator gives shared memory (posix in
-// UCX_TLS), so a peer's put over shared memory is a direct store into it;
-// UCX 1.13's shm transports cannot register foreign memory, and puts into
-// a registered memfd fall back to active-message emulation. Without a shm
-// allocator (UCX_TLS=tcp) the pool is a memfd registered per region.
-// Remote keys are unpacked once per peer and distinct key; a chunk is one
-// batch of puts per (local, remote) registration (one cgo call each) plus
-// one endpoint flush. One UCX worker, owned by a ucx.Loop goroutine locked
-// to its OS thread, serves every peer and also progresses incoming
-// transfers on the decode side.
+// UCX moves engine memory by RMA: each registered mapping is registered
+// with ucp_mem_map once and its packed key sent to peers once; a peer
+// unpacks it once per endpoint. A write is one batch of puts per (local
+// registration, remote key) (one cgo call each) plus one endpoint flush.
+// UCX 1.13's shared-memory transports cannot register foreign memory, so
+// over posix/sysv puts fall back to active messages: the shm transport
+// copies directly instead. One UCX worker, owned by a ucx.Loop goroutine
+// locked to its OS thread, serves every peer and also progresses incoming
+// transfers.
 type UCX struct {
-	ctx   *ucx.Context
-	loop  *ucx.Loop
-	alloc *ucx.Memory // the UCX-allocated pool segment, if any
-	owned []*ucx.Memory
-	// per region: its registration and its offset inside it
-	mems []*ucx.Memory
-	offs []uint64
+	ctx  *ucx.Context
+	loop *ucx.Loop
 	// flushes in flight; touched only on the loop goroutine.
 	pending []pendingFlush
 }
@@ -55,8 +45,9 @@ var _ Transport = (*UCX)(nil)
 func NewUCX() (*UCX, error) {
 	cfg := ucx.Config{NoPeerErrorHandling: shmAllowed(os.Getenv("UCX_TLS")), Options: map[string]string{}}
 	if os.Getenv("UCX_ALLOC_PRIO") == "" {
-		// posix before sysv: a posix segment is a file whose fd the engine
-		// can map; a sysv one has no fd.
+		// posix before sysv, as when UCX allocated the pool: UCX's own
+		// shared-memory buffers keep the allocator the memory plane's
+		// writes over posix were measured with.
 		cfg.Options["ALLOC_PRIO"] = "md:posix,md:sysv,huge,thp,md:*,mmap,heap"
 	}
 	ctx, err := ucx.NewContext(cfg)
@@ -105,140 +96,24 @@ func (u *UCX) poll(*ucx.Worker) bool {
 
 func (*UCX) Name() string { return "ucx" }
 
-// Alloc lets UCX allocate the pool and finds the file behind it; when UCX's
-// memory is not a shared file (no posix allocator), it makes a memfd.
-func (u *UCX) Alloc(size int) (*shm.Segment, error) {
-	if u.alloc != nil {
-		return nil, errors.New("ucx: pool already allocated")
-	}
-	m, err := u.ctx.Alloc(size)
-	if err != nil {
-		return nil, err
-	}
-	seg, err := shm.Find(m.Bytes())
-	if errors.Is(err, shm.ErrNotShared) {
-		if err := m.Close(); err != nil {
-			return nil, err
-		}
-		return shm.Create("kvpool", size)
-	}
-	if err != nil {
-		m.Close()
-		return nil, err
-	}
-	u.alloc = m
-	u.owned = append(u.owned, m)
-	return seg, nil
-}
-
-func (u *UCX) Register(p *Pool) (LocalMeta, error) {
-	var meta LocalMeta
-	var allocKey []byte
-	for i, r := range p.Regions {
-		m, off, err := u.registration(r.Mem)
-		if err != nil {
-			return LocalMeta{}, fmt.Errorf("region %d: %w", i, err)
-		}
-		// Regions of the allocated segment share its key: peers unpack
-		// (and attach the segment) once.
-		rk := allocKey
-		if m != u.alloc || rk == nil {
-			if rk, err = m.PackRkey(); err != nil {
-				return LocalMeta{}, fmt.Errorf("region %d: %w", i, err)
-			}
-		}
-		if m == u.alloc {
-			allocKey = rk
-		}
-		u.mems, u.offs = append(u.mems, m), append(u.offs, off)
-		meta.Bases = append(meta.Bases, m.Addr()+off)
-		meta.RKeys = append(meta.RKeys, rk)
-	}
-	err := u.loop.Do(func(w *ucx.Worker) error {
-		a, err := w.Address()
-		meta.WorkerAddr = a
-		return err
-	})
-	return meta, err
-}
-
-// registration returns the registered memory holding b and b's offset in
-// it: the allocated segment, or a new registration of b.
-func (u *UCX) registration(b []byte) (*ucx.Memory, uint64, error) {
-	if a := u.alloc; a != nil {
-		addr, n := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))), uint64(len(b))
-		if addr >= a.Addr() && addr+n <= a.Addr()+uint64(a.Len()) {
-			return a, addr - a.Addr(), nil
-		}
-	}
-	m, err := u.ctx.Map(b)
-	if err != nil {
-		return nil, 0, err
-	}
-	u.owned = append(u.owned, m)
-	return m, 0, nil
-}
-
-func (u *UCX) Connect(remote *wire.Hello, _ *wire.Conn) (Writer, error) {
-	if len(remote.Regions) != len(u.mems) {
-		return nil, fmt.Errorf("ucx: peer has %d regions, %d registered here", len(remote.Regions), len(u.mems))
-	}
-	w := &ucxWriter{ucxEndpoint: ucxEndpoint{u: u}, remote: remote}
-	err := u.loop.Do(func(wk *ucx.Worker) error {
-		ep, err := wk.ConnectAddress(remote.WorkerAddr)
-		if err != nil {
-			return err
-		}
-		w.ep = ep
-		byKey := map[string]*ucx.Rkey{}
-		for i, r := range remote.Regions {
-			rk := byKey[string(r.RKey)]
-			if rk == nil {
-				if rk, err = ep.UnpackRkey(r.RKey); err != nil {
-					ep.Close()
-					return fmt.Errorf("region %d rkey: %w", i, err)
-				}
-				byKey[string(r.RKey)] = rk
-			}
-			w.rkeys = append(w.rkeys, rk)
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("ucx connect: %w", err)
-	}
-	return w, nil
-}
-
 // Done is closed when the worker's loop stops: on Close, or on a worker
 // error (a failed endpoint only fails its own peer's writes).
 func (u *UCX) Done() <-chan struct{} { return u.loop.Done() }
 
 func (u *UCX) Err() error { return u.loop.Err() }
 
-// Close stops the worker and unregisters the pool; call after every Writer
-// is closed.
+// Close stops the worker; call after every registration and endpoint is
+// closed.
 func (u *UCX) Close() error {
-	err := u.loop.Close()
-	for _, m := range u.owned {
-		err = errors.Join(err, m.Close())
-	}
-	return errors.Join(err, u.ctx.Close())
+	return errors.Join(u.loop.Close(), u.ctx.Close())
 }
 
-// ucxEndpoint is an endpoint to one peer worker that writes are posted on:
-// a room writer's or a memory endpoint's. ep and closed belong to the loop
-// goroutine.
+// ucxEndpoint is an endpoint to one peer worker that writes are posted on.
+// ep and closed belong to the loop goroutine.
 type ucxEndpoint struct {
 	u      *UCX
 	ep     *ucx.Endpoint
 	closed bool
-}
-
-type ucxWriter struct {
-	ucxEndpoint
-	remote *wire.Hello
-	rkeys  []*ucx.Rkey // per region; regions of one peer segment share one
 }
 
 // batch is the puts between one local registration and one remote key,
@@ -247,20 +122,6 @@ type batch struct {
 	mem *ucx.Memory
 	rk  *ucx.Rkey
 	ops []ucx.Op
-}
-
-func (w *ucxWriter) Write(ctx context.Context, runs []Run) error {
-	if len(runs) == 0 {
-		return nil
-	}
-	// Group the runs by (local registration, remote key) so that pools
-	// that are one segment on both sides post the whole chunk in one call.
-	var batches []batch
-	for _, r := range runs {
-		op := ucx.Op{LocalOff: w.u.offs[r.Region] + r.SrcOff, RemoteOff: w.remote.Regions[r.Region].Base + r.DstOff, Len: r.Len}
-		batches = addToBatch(batches, w.u.mems[r.Region], w.rkeys[r.Region], op)
-	}
-	return w.write(ctx, batches)
 }
 
 // addToBatch appends op to the batch of (m, rk), starting one if needed.

@@ -42,22 +42,8 @@ func TestUCXRoomPeerKilled(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			tr := newTransport(t, "ucx")
-			pool := testPool(t, tr, 1)
-			p, err := New(Config{Name: "P", Transport: tr, Listener: ln, Heartbeat: 250 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			closed := false
-			t.Cleanup(func() {
-				if !closed {
-					_ = p.Close()
-					_ = tr.Close()
-				}
-			})
-			if err := p.RegisterPool(pool); err != nil {
-				t.Fatal(err)
-			}
+			ps := newSide(t, "P", "ucx", ln, 1, RoomConfig{Heartbeat: 250 * time.Millisecond})
+			p, tr := ps.R, ps.T
 			relay := newHalfOpenRelay(t, ln.Addr().String())
 			child := startRoomChild(t, relay.addr())
 
@@ -113,11 +99,7 @@ func TestUCXRoomPeerKilled(t *testing.T) {
 				t.Fatalf("transport stopped: %v", tr.Err())
 			default:
 			}
-			closed = true
-			if err := p.Close(); err != nil {
-				t.Fatal(err)
-			}
-			if err := tr.Close(); err != nil {
+			if err := ps.close(); err != nil {
 				t.Fatal(err)
 			}
 			if l := ucx.LiveObjects(); l != (ucx.Live{}) {
@@ -135,16 +117,9 @@ func TestUCXRoomChild(t *testing.T) {
 	if boot == "" {
 		t.Skip("runs as TestUCXRoomPeerKilled's child")
 	}
-	tr := newTransport(t, "ucx")
-	pool := testPool(t, tr, 0)
-	d, err := New(Config{Name: "D", Transport: tr, Heartbeat: 250 * time.Millisecond,
+	ds := newSide(t, "D", "ucx", nil, 0, RoomConfig{Heartbeat: 250 * time.Millisecond,
 		Resolve: func(context.Context, string) (string, error) { return boot, nil }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := d.RegisterPool(pool); err != nil {
-		t.Fatal(err)
-	}
+	d := ds.R
 	all := make([]uint32, testPages)
 	for i := range all {
 		all[i] = uint32(i)
@@ -157,8 +132,7 @@ func TestUCXRoomChild(t *testing.T) {
 		}
 		fmt.Println("expected", room, err)
 	}
-	_ = d.Close()
-	_ = tr.Close()
+	_ = ds.close()
 }
 
 type roomChild struct {
@@ -170,7 +144,7 @@ type roomChild struct {
 
 func startRoomChild(t *testing.T, boot string) *roomChild {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestUCXRoomChild$", "-test.v")
-	cmd.Env = append(os.Environ(), roomChildEnv+"="+boot, "UCX_ALLOC_PRIO=mmap,heap")
+	cmd.Env = append(os.Environ(), roomChildEnv+"="+boot)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {

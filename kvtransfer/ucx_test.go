@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/ucx"
 )
 
@@ -47,37 +46,16 @@ func TestUCXPeerLossKeepsTransport(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			engine := func(name string, fill byte, l net.Listener) (*Engine, Transport, *Pool) {
-				tr := newTransport(t, "ucx")
-				pool := testPool(t, tr, fill)
-				// A room whose XFER_REQ D1 never got out before dying is
-				// unknown to P's peer link, so only the bootstrap timeout
-				// can end it: keep that short.
-				e, err := New(Config{Name: name, Transport: tr, Listener: l, Heartbeat: 500 * time.Millisecond,
-					BootstrapTimeout: 3 * time.Second,
-					Resolve:          func(context.Context, string) (string, error) { return ln.Addr().String(), nil }})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := e.RegisterPool(pool); err != nil {
-					t.Fatal(err)
-				}
-				return e, tr, pool
-			}
-			p, ptr, ppool := engine("P", 1, ln)
-			d1, d1tr, _ := engine("D1", 0, nil)
-			d2, d2tr, d2pool := engine("D2", 0, nil)
-			d1Closed := false
-			t.Cleanup(func() {
-				_ = d2.Close()
-				if !d1Closed {
-					_ = d1.Close()
-					_ = d1tr.Close()
-				}
-				_ = p.Close()
-				_ = d2tr.Close()
-				_ = ptr.Close()
-			})
+			resolve := func(context.Context, string) (string, error) { return ln.Addr().String(), nil }
+			// A room whose XFER_REQ D1 never got out before dying is
+			// unknown to P's link, so only the bootstrap timeout can end
+			// it: keep that short.
+			cfg := RoomConfig{BootstrapTimeout: 3 * time.Second, Resolve: resolve}
+			ps := newSide(t, "P", "ucx", ln, 1, cfg)
+			d1s := newSide(t, "D1", "ucx", nil, 0, cfg)
+			d2s := newSide(t, "D2", "ucx", nil, 0, cfg)
+			p, d1, d2 := ps.R, d1s.R, d2s.R
+			ptr, ppool, d2pool := ps.T, ps.Mem, d2s.Mem
 
 			var tid int
 			if err := ptr.(*UCX).loop.Do(func(*ucx.Worker) error { tid = syscall.Gettid(); return nil }); err != nil {
@@ -102,7 +80,7 @@ func TestUCXPeerLossKeepsTransport(t *testing.T) {
 				all[i] = uint32(i)
 			}
 			// transfer moves the whole pool into d in 8 chunks.
-			transfer := func(d *Engine, room uint64) error {
+			transfer := func(d *Rooms, room uint64) error {
 				if err := d.Expect(room, "boot:1", all, -1); err != nil {
 					return err
 				}
@@ -122,13 +100,9 @@ func TestUCXPeerLossKeepsTransport(t *testing.T) {
 					time.Sleep(200 * time.Millisecond) // the loop sleeps, signalled, between bursts
 				}
 				if room == 6 {
-					if err := d1tr.Close(); err != nil {
+					if err := d1s.close(); err != nil {
 						t.Fatal(err)
 					}
-					if err := d1.Close(); err != nil {
-						t.Fatal(err)
-					}
-					d1Closed = true
 				}
 				if err := transfer(d1, room); err != nil {
 					if !errors.Is(err, ErrClosed) {
@@ -161,7 +135,7 @@ func TestUCXPeerLossKeepsTransport(t *testing.T) {
 			// the same transport serves D2.
 			time.Sleep(300 * time.Millisecond)
 			for room := uint64(100); room < 103; room++ {
-				clear(d2pool.Regions[0].Mem)
+				clear(d2pool.bufs[0])
 				if err := transfer(d2, room); err != nil {
 					t.Fatalf("room %d to D2: %v", room, err)
 				}
@@ -170,7 +144,7 @@ func TestUCXPeerLossKeepsTransport(t *testing.T) {
 				}
 				wait(t, p, room, Success)
 				for b := range 4 {
-					if !bytes.Equal(ppool.Regions[b].Mem, d2pool.Regions[b].Mem) {
+					if !bytes.Equal(ppool.bufs[b], d2pool.bufs[b]) {
 						t.Fatalf("room %d: buffer %d differs on D2", room, b)
 					}
 				}
@@ -185,55 +159,6 @@ func TestUCXPeerLossKeepsTransport(t *testing.T) {
 	}
 	if l := ucx.LiveObjects(); l != (ucx.Live{}) {
 		t.Fatalf("UCX objects leaked: %+v", l)
-	}
-}
-
-// TestUCXAllocShared: over posix the pool is UCX's own segment, its fd maps
-// the same pages in another mapping (the engine's), and every region shares
-// one registration; over tcp UCX's memory is private, so the pool is a memfd.
-func TestUCXAllocShared(t *testing.T) {
-	for _, c := range []struct {
-		tls     string
-		ucxOwns bool
-	}{{"posix,cma,tcp", true}, {"tcp", false}} {
-		t.Run(c.tls, func(t *testing.T) {
-			t.Setenv("UCX_TLS", c.tls)
-			u, err := NewUCX()
-			if err != nil {
-				t.Skip(err)
-			}
-			p := testPool(t, u, 1)
-			meta, err := u.Register(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := u.alloc != nil; got != c.ucxOwns {
-				t.Fatalf("pool allocated by UCX: %v, want %v", got, c.ucxOwns)
-			}
-			last := len(u.mems) - 1
-			if one := u.mems[0] == u.mems[last] && bytes.Equal(meta.RKeys[0], meta.RKeys[last]); one != c.ucxOwns {
-				t.Fatalf("regions share one registration and rkey: %v, want %v", one, c.ucxOwns)
-			}
-			// Map the segment again, as the engine does, and write through it.
-			seg, err := shm.Find(p.Regions[0].Mem)
-			if err != nil {
-				t.Fatal(err)
-			}
-			dup, err := shm.Map(seg.Fd())
-			if err != nil {
-				t.Fatal(err)
-			}
-			dup.Mem[0] ^= 0xff
-			if p.Regions[0].Mem[0] != dup.Mem[0] {
-				t.Fatal("the engine's mapping does not alias the kvproxy's")
-			}
-			if err := dup.Close(); err != nil { // closes seg's fd too: Map took it
-				t.Fatal(err)
-			}
-			if err := u.Close(); err != nil {
-				t.Fatal(err)
-			}
-		})
 	}
 }
 

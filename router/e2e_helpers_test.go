@@ -164,16 +164,7 @@ func send(t *testing.T, method, url, body string, header ...string) (*http.Respo
 	for i := 0; i+1 < len(header); i += 2 {
 		req.Header.Set(header[i], header[i+1])
 	}
-	resp, err := client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp, b
+	return testenv.Do(t, client, req)
 }
 
 // sseEvents splits an SSE body into its data payloads.

@@ -33,10 +33,10 @@ type leg struct {
 	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
 }
 
-// open binds the leg of a client request that has failed on failed to w
-// and takes w's load slot.
-func (l *leg) open(s *Server, w *balancer.Worker, failed *failedWorkers) {
-	*l = leg{s: s, w: w, failed: failed}
+// open binds a leg of r, whose engine knows it by rid, to w and takes w's
+// load slot: the one leg set-up of both modes.
+func (l *leg) open(r *request, w *balancer.Worker, rid engineRID) {
+	*l = leg{s: r.s, w: w, failed: &r.failed, rid: rid, trace: r.trace.leg()}
 	w.IncLoad()
 }
 

@@ -401,7 +401,7 @@ func TestLegClosesOnce(t *testing.T) {
 	w := balancer.NewWorker(url, balancer.Regular, balancer.NoBootstrapPort)
 
 	var l leg
-	l.open(s, w, nil)
+	l.open(&request{s: s}, w, engineRID{})
 	sc := &scope{}
 	sc.cancel(errRequestTimeout) // a timeout is the worker's failure
 	if err := l.send(sc, "/generate", bodyOf(nil), nil); err == nil {
@@ -413,7 +413,7 @@ func TestLegClosesOnce(t *testing.T) {
 		t.Errorf("closed twice: %d breaker failures, load %d; want 1 and 0", fails, w.Load())
 	}
 
-	l.open(s, w, nil)
+	l.open(&request{s: s}, w, engineRID{})
 	sc = &scope{}
 	sc.cancel(errClientGone) // not the worker's
 	l.send(sc, "/generate", bodyOf(nil), nil)

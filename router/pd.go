@@ -124,9 +124,7 @@ func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
 	a := &attempt{done: make(chan struct{}), pd: r.rec.pd, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
-	a.prefill.open(s, pw, &r.failed)
-	a.prefill.trace = r.trace.leg()
-	a.prefill.rid = a.rid
+	a.prefill.open(r, pw, a.rid)
 	a.prefill.guard = &a.guard
 	r.hold()
 	s.background.Add(1)
@@ -265,9 +263,7 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 // gone).
 func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	l := &r.leg
-	l.open(s, dw, &r.failed)
-	l.trace = r.trace.leg()
-	l.rid = a.rid
+	l.open(r, dw, a.rid)
 	body := &a.body
 	if a.decode != nil {
 		body = a.decode

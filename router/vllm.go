@@ -83,8 +83,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 		return fail, false
 	}
 	l := &r.leg
-	l.open(s, dw, &r.failed)
-	l.trace = r.trace.leg()
+	l.open(r, dw, engineRID{}) // no rid: vLLM's engines are not sent SGLang's aborts
 	if err := l.send(&r.scope, r.path, &r.out, header); err != nil {
 		l.close()
 		if r.scope.Err() != nil {
@@ -112,8 +111,7 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 	var body splice.Body
 	vllmPrefillBody(&body, r.body, at)
 	var l leg
-	l.open(s, pw, &r.failed)
-	l.trace = r.trace.leg()
+	l.open(r, pw, engineRID{})
 	defer l.close()
 	if err := l.send(&r.scope, r.path, &body, header); err != nil {
 		if r.scope.Err() != nil {

@@ -21,7 +21,7 @@ export PYTHONPATH=$PWD/python LD_LIBRARY_PATH=$b/lib PATH=$b/bin:$PATH PYTHONUNB
 run() { echo "== $*"; "$@"; local rc=$?; echo "rc=$rc"; return $rc; }
 {
 	nvidia-smi -L
-	(cd internal/cuda && run "$b/bin/cuda.test" -test.v -test.count=1)
+	(cd cuda && run "$b/bin/cuda.test" -test.v -test.count=1)
 	(cd ucx && run "$b/bin/ucx.test" -test.v -test.count=1 -test.run 'CUDA|MapAddr')
 	(cd python && run python3 -m unittest tests.test_cuda)
 	# GPU regions move on kvproxy's own CUDA path whatever the transport;

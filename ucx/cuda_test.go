@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 )
 
 // The GPU test moves CUDA memory between two processes with UCX (cuda_ipc):

@@ -2,7 +2,7 @@
 // workers, listeners, endpoints, memory registration, remote keys, RMA
 // put/get (one call or a batch per cgo call), flush and active messages.
 //
-// It and internal/cuda (the CUDA driver, loaded at run time) are the
+// It and package cuda (../cuda: the CUDA driver, loaded at run time) are the
 // project's only cgo; pdrouter itself builds with CGO_ENABLED=0.
 //
 // Threading rules:

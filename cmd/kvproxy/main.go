@@ -1,14 +1,14 @@
-// Command kvproxy is the KV-transfer sidecar next to one engine. Pool mode
-// (our mock engine): it allocates the engine's KV pool in shared memory
-// (UCX-allocated with ucx over shared memory, else a memfd), registers it
-// with the transport once, hands the engine the segment's fd over the
-// control socket, and moves pages to/from peer kvproxies. Engine-memory
-// mode (SGLang through the Mooncake-compatible TransferEngine in python/):
-// the engine registers memory it owns by memfd and writes into peer
-// engines by address; peers name this kvproxy by its peer address (the
-// engine's rpc address), so keep --peer-port fixed across restarts. The prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port. /health,
-// /metrics and /status (each peer link's path per pair of memory places,
-// JSON) are on the metrics port. The sidecar itself is package
+// Command kvproxy is the KV-transfer sidecar next to one engine. The
+// engine registers memory it owns (a memfd, or CUDA memory by IPC handle)
+// over the control socket; SGLang (through the Mooncake-compatible
+// TransferEngine in python/) then writes into peer engines by address, and
+// an engine that wants rooms (our mock engine) describes its KV layout and
+// calls Expect/Send/Poll/Abort, whose pages move by the same writes over
+// the same links. Peers name this kvproxy by its peer address (the
+// engine's rpc address), so keep --peer-port fixed across restarts. The
+// prefill kvproxy also serves SGLang's bootstrap API on the bootstrap port.
+// /health, /metrics and /status (each peer link's path per pair of memory
+// places, JSON) are on the metrics port. The sidecar itself is package
 // kvtransfer/sidecar; this command parses flags and runs it until SIGINT or
 // SIGTERM.
 //
@@ -57,7 +57,7 @@ func flags(fs *flag.FlagSet) (*sidecar.Config, *string) {
 	fs.StringVar(&cfg.Control, "control", cfg.Control, "Unix socket the engine connects to")
 	fs.StringVar(&cfg.Host, "host", cfg.Host, "address to listen on and advertise to peers")
 	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "prefill: bootstrap HTTP API port (0: any; negative: none, when SGLang serves its own)")
-	fs.IntVar(&cfg.PeerPort, "peer-port", cfg.PeerPort, "peer protocol port: rooms (prefill) and engine memory (both roles) (0: any)")
+	fs.IntVar(&cfg.PeerPort, "peer-port", cfg.PeerPort, "peer protocol port: links to peer kvproxies, the rank port the bootstrap API hands out (0: any)")
 	fs.IntVar(&cfg.MetricsPort, "metrics-port", cfg.MetricsPort, "/health and /metrics port (0: any)")
 	fs.DurationVar(&cfg.BootstrapTimeout, "bootstrap-timeout", cfg.BootstrapTimeout, "a room not matched by its peer within this fails")
 	fs.DurationVar(&cfg.WaitingTimeout, "waiting-timeout", cfg.WaitingTimeout, "a matched room not finished within this fails")

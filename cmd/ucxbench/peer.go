@@ -11,7 +11,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/pdrouter/pdrouter/internal/cuda"
+	"github.com/pdrouter/pdrouter/cuda"
 	"github.com/pdrouter/pdrouter/ucx"
 )
 

@@ -53,14 +53,7 @@ func (c *Client) Close() error {
 func (c *Client) readLoop() {
 	defer close(c.done)
 	var pending []byte
-	var fds []int // received with Register replies, not yet handed out
-	defer func() {
-		for _, fd := range fds {
-			syscall.Close(fd)
-		}
-	}()
 	buf := make([]byte, 64<<10)
-	oob := make([]byte, syscall.CmsgSpace(4*4))
 	fail := func(err error) {
 		c.mu.Lock()
 		c.err = err
@@ -71,8 +64,7 @@ func (c *Client) readLoop() {
 		c.mu.Unlock()
 	}
 	for {
-		n, oobn, _, _, err := c.c.ReadMsgUnix(buf, oob)
-		fds = append(fds, parseFds(oob[:oobn])...)
+		n, err := c.c.Read(buf)
 		if err != nil {
 			fail(fmt.Errorf("%w: %v", ErrClientClosed, err))
 			return
@@ -95,22 +87,12 @@ func (c *Client) readLoop() {
 				return
 			}
 			pending = append(pending[:0], rest...)
-			r.fd = -1
-			if r.Op == OpRegister && r.Err == "" && len(fds) > 0 {
-				r.fd, fds = fds[0], fds[1:]
-			}
-			// Handed over under mu (ch has room for it): a caller giving up
-			// forgets its id under mu too, so either it finds the reply,
-			// and the fd, in ch, or the reply finds no caller here.
 			c.mu.Lock()
 			ch := c.wait[r.ID]
 			delete(c.wait, r.ID)
+			c.mu.Unlock()
 			if ch != nil {
 				ch <- r
-			}
-			c.mu.Unlock()
-			if ch == nil && r.fd >= 0 {
-				syscall.Close(r.fd)
 			}
 		}
 	}
@@ -158,13 +140,6 @@ func (c *Client) callWith(ctx context.Context, req *Request, oob []byte) (*Reply
 		return r, nil
 	case <-ctx.Done():
 		c.forget(req.ID)
-		select { // a reply handed over before forget may hold a segment fd
-		case r, ok := <-ch:
-			if ok && r.fd >= 0 {
-				syscall.Close(r.fd)
-			}
-		default:
-		}
 		return nil, ctx.Err()
 	}
 }
@@ -175,18 +150,11 @@ func (c *Client) forget(id uint64) {
 	c.mu.Unlock()
 }
 
-// Register has the kvproxy allocate and register a pool with layout l; it
-// returns the kvproxy's transport name and the fd of the shared segment
-// holding the pool (the caller maps and closes it).
-func (c *Client) Register(ctx context.Context, l Layout) (string, int, error) {
-	r, err := c.call(ctx, &Request{Op: OpRegister, Layout: l})
-	if err != nil {
-		return "", -1, err
-	}
-	if r.fd < 0 {
-		return "", -1, errors.New("register: kvproxy sent no segment fd")
-	}
-	return r.Transport, r.fd, nil
+// RoomLayout tells the kvproxy where the engine's KV buffers lie, in
+// memory this connection registered; rooms need it.
+func (c *Client) RoomLayout(ctx context.Context, l RoomLayout) error {
+	_, err := c.call(ctx, &Request{Op: OpRoomLayout, Layout: l})
+	return err
 }
 
 // Expect (decode) announces a room and where its pages must land.

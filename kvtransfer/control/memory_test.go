@@ -215,13 +215,9 @@ func TestEngineMemoryThroughControl(t *testing.T) {
 	}
 }
 
-func TestMemoryAPIsNeedTheirService(t *testing.T) {
-	_, d := pair(t) // pool-only kvproxies
-	if _, _, err := d.cl.Hello(context.Background()); err == nil || !strings.Contains(err.Error(), "no engine-memory API") {
-		t.Fatalf("hello on a pool-only kvproxy: %v", err)
-	}
-	m := startMemProxy(t, "tcp")
-	if err := m.cl.Expect(context.Background(), 1, "h:1", []uint32{1}, -1); err == nil || !strings.Contains(err.Error(), "no pool API") {
-		t.Fatalf("expect on a memory-only kvproxy: %v", err)
+func TestRoomAPINeedsRooms(t *testing.T) {
+	m := startMemProxy(t, "tcp") // no room layer
+	if err := m.cl.Expect(context.Background(), 1, "h:1", []uint32{1}, -1); err == nil || !strings.Contains(err.Error(), "no room API") {
+		t.Fatalf("expect on a kvproxy without rooms: %v", err)
 	}
 }

@@ -1,9 +1,5 @@
 // Package control is the Unix-socket API between an engine and its kvproxy.
 //
-// Pool API (the kvproxy owns the KV memory): Register (the kvproxy allocates
-// the pool; the fd of its shared segment comes back with SCM_RIGHTS), decode
-// Expect, prefill Send, Poll (optionally waiting for the end), Abort.
-//
 // Engine-memory API (the engine owns its memory, Mooncake-style): Hello
 // (the kvproxy's peer address, which names it to other engines),
 // RegisterMemory (a memfd of the engine's pages travels as SCM_RIGHTS with
@@ -13,7 +9,13 @@
 // pages in every layer is 24 bytes a buffer and 8 a page instead of 24 a
 // page in each buffer), Probe. Hello's reply lists the optional ops this
 // kvproxy serves (Features), so a client can fall back to Write.
-// Everything a connection registered is dropped when it closes.
+//
+// Room API on top (SGLang's KVSender/KVReceiver): RoomLayout (where the
+// engine's KV buffers lie in the memory it registered), decode Expect,
+// prefill Send, Poll (optionally waiting for the end), Abort.
+//
+// Everything a connection registered is dropped when it closes, and its
+// unfinished rooms are aborted.
 //
 // Frame: u32 LE length, then op (u8), request id (u64), body. Replies echo
 // op and id and carry ok (bool), error text and a body. Requests on one
@@ -33,7 +35,7 @@ import (
 type Op uint8
 
 const (
-	OpRegister Op = iota + 1
+	_ Op = iota + 1 // 1 was the kvproxy-allocated pool's Register
 	OpExpect
 	OpSend
 	OpPoll
@@ -44,6 +46,7 @@ const (
 	OpWrite
 	OpProbe
 	OpWritePages
+	OpRoomLayout
 )
 
 // Features a kvproxy lists in its Hello reply.
@@ -69,20 +72,11 @@ type Triple = kvtransfer.Triple
 // cudaHandleLen is the size of a cudaIpcMemHandle_t.
 const cudaHandleLen = 64
 
-// RegionSpec places one pool region inside the shared segment.
-type RegionSpec struct {
-	Kind    wire.RegionKind
-	Offset  uint64
-	Len     uint64
-	ItemLen uint32
-}
+// RoomLayout is where the engine's KV buffers lie (see kvtransfer.RoomLayout).
+type RoomLayout = kvtransfer.RoomLayout
 
-// Layout describes the pool inside the segment passed with Register.
-type Layout struct {
-	PageSize uint32
-	Dtype    string
-	Regions  []RegionSpec
-}
+// RoomBuf is one buffer of a RoomLayout.
+type RoomBuf = wire.RoomBuf
 
 // Request is one decoded request. Fields unused by Op are zero.
 type Request struct {
@@ -92,10 +86,10 @@ type Request struct {
 	Bootstrap string // Expect: bootstrap host:port
 	Pages     []uint32
 	Aux       int32
-	Last      bool   // Send
-	Wait      bool   // Poll: block until the room ends
-	Reason    string // Abort
-	Layout    Layout // Register
+	Last      bool       // Send
+	Wait      bool       // Poll: block until the room ends
+	Reason    string     // Abort
+	Layout    RoomLayout // RoomLayout
 
 	// RegisterMemory: Kind, Addr (start of the region in the engine's
 	// address space; page-aligned for host memory), Len; cuda also Handle
@@ -117,10 +111,8 @@ type Reply struct {
 	Op  Op
 	ID  uint64
 	Err string
-	// Register; fd is the pool segment's, which travels as SCM_RIGHTS
-	// beside the frame (-1: none).
+	// Hello
 	Transport string
-	fd        int
 	// Poll
 	State              uint8
 	Reason             string
@@ -145,15 +137,15 @@ func EncodeRequest(r *Request) []byte {
 		e.U8(uint8(r.Op))
 		e.U64(r.ID)
 		switch r.Op {
-		case OpRegister:
+		case OpRoomLayout:
 			e.U32(r.Layout.PageSize)
 			e.String(r.Layout.Dtype)
-			e.U32(uint32(len(r.Layout.Regions)))
-			for _, s := range r.Layout.Regions {
-				e.U8(uint8(s.Kind))
-				e.U64(s.Offset)
-				e.U64(s.Len)
-				e.U32(s.ItemLen)
+			e.U32(uint32(len(r.Layout.Bufs)))
+			for _, b := range r.Layout.Bufs {
+				e.U8(uint8(b.Kind))
+				e.U64(b.Addr)
+				e.U32(b.ItemLen)
+				e.U32(b.Items)
 			}
 		case OpExpect:
 			e.U64(r.Room)
@@ -214,15 +206,15 @@ func DecodeRequest(b []byte) (*Request, error) {
 	d := wire.Dec{B: b}
 	r := &Request{Op: Op(d.U8()), ID: d.U64()}
 	switch r.Op {
-	case OpRegister:
+	case OpRoomLayout:
 		r.Layout.PageSize = d.U32()
 		r.Layout.Dtype = d.String()
 		n := d.U32()
 		if n > 4096 {
-			return nil, fmt.Errorf("%w: %d regions", wire.ErrMalformed, n)
+			return nil, fmt.Errorf("%w: %d buffers", wire.ErrMalformed, n)
 		}
 		for i := uint32(0); i < n && d.Err == nil; i++ {
-			r.Layout.Regions = append(r.Layout.Regions, RegionSpec{Kind: wire.RegionKind(d.U8()), Offset: d.U64(), Len: d.U64(), ItemLen: d.U32()})
+			r.Layout.Bufs = append(r.Layout.Bufs, RoomBuf{Kind: wire.RegionKind(d.U8()), Addr: d.U64(), ItemLen: d.U32(), Items: d.U32()})
 		}
 	case OpExpect:
 		r.Room, r.Bootstrap, r.Aux, r.Pages = d.U64(), d.String(), d.I32(), d.U32s()
@@ -325,8 +317,6 @@ func EncodeReply(r *Reply) []byte {
 		e.U64(r.ID)
 		e.Text(r.Err)
 		switch r.Op {
-		case OpRegister:
-			e.String(r.Transport)
 		case OpHello:
 			e.String(r.PeerAddr)
 			e.String(r.Transport)
@@ -347,8 +337,6 @@ func DecodeReply(b []byte) (*Reply, error) {
 	d := wire.Dec{B: b}
 	r := &Reply{Op: Op(d.U8()), ID: d.U64(), Err: d.String()}
 	switch r.Op {
-	case OpRegister:
-		r.Transport = d.String()
 	case OpHello:
 		r.PeerAddr, r.Transport = d.String(), d.String()
 		if d.Err == nil && len(d.B) > 0 {

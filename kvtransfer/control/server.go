@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"fmt"
 	"net"
 	"os"
 	"slices"
@@ -17,20 +16,19 @@ import (
 
 	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/kvtransfer"
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
 // Server serves one engine's control connections.
 type Server struct {
-	// Engine serves the pool API (nil: not offered).
-	Engine *kvtransfer.Engine
-	// Memory serves the engine-memory API (nil: not offered).
+	// Memory serves the engine-memory API.
 	Memory *kvtransfer.MemoryPlane
-	Log    *zap.Logger
-	// OnRegister runs after the pool is registered (the prefill kvproxy
-	// then announces itself on its bootstrap server).
-	OnRegister func(*kvtransfer.Pool)
+	// Rooms serves the room API on top (nil: not offered).
+	Rooms *kvtransfer.Rooms
+	Log   *zap.Logger
+	// OnLayout runs after an engine registered its room layout (the
+	// prefill kvproxy then announces itself on its bootstrap server).
+	OnLayout func(kvtransfer.RoomLayout)
 	// MaxConns caps the connections served at once (0: 256); more are
 	// closed as they arrive.
 	MaxConns int
@@ -38,11 +36,16 @@ type Server struct {
 	// (0: 10 s); an idle connection waits as long as it likes.
 	FrameTimeout time.Duration
 
-	mu     sync.Mutex
-	seg    *shm.Segment
-	layout Layout // seg's, for an engine that comes back
-	owner  *conn  // the connection that registered or re-attached seg; nil once it closed
-	wg     sync.WaitGroup
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conns map[*conn]struct{}
+}
+
+// Engines counts the engine connections open now.
+func (s *Server) Engines() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
 }
 
 // Serve accepts connections until ln is closed, then waits for every
@@ -100,33 +103,29 @@ func (s *Server) Serve(ctx context.Context, ln *net.UnixListener) error {
 	}
 }
 
-// Close unmaps the pool segment; call after the engine and its transport
-// are closed.
-func (s *Server) Close() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.seg == nil {
-		return nil
-	}
-	err := s.seg.Close()
-	s.seg = nil
-	return err
-}
-
 type conn struct {
 	s     *Server
 	c     *net.UnixConn
 	wmu   sync.Mutex
 	rooms map[uint64]struct{} // rooms this client opened, aborted if it goes away
 	rmu   sync.Mutex
-	// mem holds what this client registered, dropped when it goes away;
-	// only the read loop sets it.
+	// mem holds what this client registered, dropped when it goes away
+	// (nil: the server has no memory plane).
 	mem *kvtransfer.MemorySession
 }
 
 func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	ctx, cancel := context.WithCancel(ctx)
 	c := &conn{s: s, c: uc, rooms: map[uint64]struct{}{}}
+	if s.Memory != nil {
+		c.mem = s.Memory.NewSession()
+	}
+	s.mu.Lock()
+	if s.conns == nil {
+		s.conns = map[*conn]struct{}{}
+	}
+	s.conns[c] = struct{}{}
+	s.mu.Unlock()
 	var wg sync.WaitGroup
 	// fds received and not yet claimed: each host RegisterMemory frame
 	// claims the oldest (its memfd arrives with the frame's first bytes).
@@ -138,25 +137,22 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		for _, fd := range fds {
 			syscall.Close(fd)
 		}
+		// The engine went away: its unfinished rooms would only time out,
+		// and their pages are its memory, about to be dropped.
+		c.rmu.Lock()
+		for room := range c.rooms {
+			if st, err := s.Rooms.Poll(room); err == nil && !st.State.Terminal() {
+				_ = s.Rooms.Abort(room, "engine disconnected from kvproxy")
+			}
+		}
+		c.rmu.Unlock()
 		if c.mem != nil {
 			if err := c.mem.Close(); err != nil {
 				s.Log.Warn("control: dropping the engine's memory", zap.Error(err))
 			}
 		}
-		// The engine went away: its unfinished rooms would only time out.
-		c.rmu.Lock()
-		for room := range c.rooms {
-			if st, err := s.Engine.Poll(room); err == nil && !st.State.Terminal() {
-				_ = s.Engine.Abort(room, "engine disconnected from kvproxy")
-			}
-		}
-		c.rmu.Unlock()
-		// Only now may a restarted engine re-attach: its fresh allocations
-		// must not share pages with rooms still open.
 		s.mu.Lock()
-		if s.owner == c {
-			s.owner = nil // the pool stays, for the engine to re-attach
-		}
+		delete(s.conns, c)
 		s.mu.Unlock()
 	}()
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
@@ -200,9 +196,6 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			fd := -1
 			if req.Op == OpRegisterMemory && req.Kind == wire.MemHost && len(fds) > 0 {
 				fd, fds = fds[0], fds[1:]
-			}
-			if isMemoryOp(req.Op) && s.Memory != nil && c.mem == nil {
-				c.mem = s.Memory.NewSession()
 			}
 			// Waits and transfers run beside the loop, so one caller's wait
 			// does not hold up another's request.
@@ -267,46 +260,45 @@ func parseFds(oob []byte) []int {
 	return all
 }
 
-// reply sends r; a successful Register reply carries the pool's fd.
+// reply sends r.
 func (c *conn) reply(r *Reply) {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	if r.Op == OpRegister && r.Err == "" {
-		c.s.mu.Lock()
-		rights := syscall.UnixRights(c.s.seg.Fd())
-		c.s.mu.Unlock()
-		_, _, _ = c.c.WriteMsgUnix(EncodeReply(r), rights, nil)
-		return
-	}
 	_, _ = c.c.Write(EncodeReply(r))
 }
 
-func isMemoryOp(op Op) bool {
-	return op >= OpHello && op <= OpWritePages
+func isRoomOp(op Op) bool {
+	switch op {
+	case OpRoomLayout, OpExpect, OpSend, OpPoll, OpAbort:
+		return true
+	}
+	return false
 }
 
 // Errors for an API this kvproxy does not serve.
 var (
-	errNoPoolAPI   = errors.New("this kvproxy serves no pool API (started for engine-owned memory)")
+	errNoRoomAPI   = errors.New("this kvproxy serves no room API")
 	errNoMemoryAPI = errors.New("this kvproxy serves no engine-memory API")
 )
 
 // handle answers req; fd is the memfd that came with a host
 // RegisterMemory (-1: none), which handle takes.
 func (c *conn) handle(ctx context.Context, req *Request, fd int) *Reply {
-	if isMemoryOp(req.Op) {
+	if !isRoomOp(req.Op) {
 		return c.handleMemory(ctx, req, fd)
 	}
-	e := c.s.Engine
+	e := c.s.Rooms
 	r := &Reply{Op: req.Op, ID: req.ID}
-	if e == nil {
-		r.Err = errNoPoolAPI.Error()
+	if e == nil || c.mem == nil {
+		r.Err = errNoRoomAPI.Error()
 		return r
 	}
 	var err error
 	switch req.Op {
-	case OpRegister:
-		r.Transport, err = c.register(req.Layout)
+	case OpRoomLayout:
+		if err = e.SetLayout(c.mem, req.Layout); err == nil && c.s.OnLayout != nil {
+			c.s.OnLayout(req.Layout)
+		}
 	case OpExpect:
 		if err = e.Expect(req.Room, req.Bootstrap, req.Pages, req.Aux); err == nil {
 			c.track(req.Room)
@@ -383,58 +375,6 @@ func (c *conn) untrack(room uint64) {
 	delete(c.rooms, room)
 	c.rmu.Unlock()
 }
-
-// register has the transport allocate the shared segment for layout l and
-// registers the pool it holds; the reply passes the segment's fd to the
-// engine. The pool lives as long as kvproxy (peers hold its keys): an
-// engine that restarts with the same layout gets the same segment back.
-func (c *conn) register(l Layout) (string, error) {
-	c.s.mu.Lock()
-	defer c.s.mu.Unlock()
-	if c.s.seg != nil {
-		switch {
-		case c.s.owner != nil:
-			return "", errors.New("register: a pool is already registered by a connected engine")
-		case !sameLayout(l, c.s.layout):
-			return "", errors.New("register: the pool registered earlier has another layout; restart kvproxy to change it")
-		}
-		c.s.owner = c
-		c.s.Log.Info("pool re-attached", zap.Int("bytes", len(c.s.seg.Mem)))
-		return c.s.Engine.TransportName(), nil
-	}
-	var size uint64
-	for i, rs := range l.Regions {
-		if rs.Len == 0 || rs.Offset+rs.Len < rs.Offset || rs.Offset+rs.Len > maxPool {
-			return "", fmt.Errorf("register: region %d [%d,+%d) is empty or too large", i, rs.Offset, rs.Len)
-		}
-		size = max(size, rs.Offset+rs.Len)
-	}
-	seg, err := c.s.Engine.AllocPool(int(size))
-	if err != nil {
-		return "", fmt.Errorf("register: allocate %d bytes: %w", size, err)
-	}
-	p := &kvtransfer.Pool{PageSize: l.PageSize, Dtype: l.Dtype}
-	for _, rs := range l.Regions {
-		p.Regions = append(p.Regions, kvtransfer.Region{Kind: rs.Kind, ItemLen: rs.ItemLen, Mem: seg.Mem[rs.Offset : rs.Offset+rs.Len : rs.Offset+rs.Len]})
-	}
-	if err := c.s.Engine.RegisterPool(p); err != nil {
-		seg.Close()
-		return "", err
-	}
-	c.s.seg, c.s.layout, c.s.owner = seg, Layout{PageSize: l.PageSize, Dtype: l.Dtype, Regions: slices.Clone(l.Regions)}, c
-	if c.s.OnRegister != nil {
-		c.s.OnRegister(p)
-	}
-	c.s.Log.Info("pool registered", zap.Int("bytes", len(seg.Mem)), zap.Int("regions", len(p.Regions)), zap.Int("pages", p.Pages()))
-	return c.s.Engine.TransportName(), nil
-}
-
-func sameLayout(a, b Layout) bool {
-	return a.PageSize == b.PageSize && a.Dtype == b.Dtype && slices.Equal(a.Regions, b.Regions)
-}
-
-// maxPool bounds a pool's size (1 TiB), so a bad layout cannot overflow.
-const maxPool = 1 << 40
 
 // KindKV and KindAux re-export the region kinds for clients.
 const (

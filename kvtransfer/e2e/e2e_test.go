@@ -211,7 +211,7 @@ func waitRouter(t *testing.T, c *cluster) {
 
 func TestKVThroughRouter(t *testing.T) {
 	for _, tc := range []struct{ name, transport, tls string }{
-		{"tcp", "tcp", ""}, {"ucx-tcp", "ucx", "tcp"}, {"ucx-shm", "ucx", "posix,cma,tcp"},
+		{"tcp", "tcp", ""}, {"shm", "shm", ""}, {"ucx-tcp", "ucx", "tcp"}, {"ucx-shm", "ucx", "posix,cma,tcp"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := startCluster(t, opts{transport: tc.transport, tls: tc.tls, prefills: 2, decodes: 2, timeouts: "30s", router: true})

@@ -5,8 +5,8 @@
 // move it. cmd/kvproxy only parses flags into a Config; tests run it in
 // process.
 //
-// The pool segment is allocated when the engine registers its pool over the
-// control socket, so a sidecar runs without one until then.
+// The engine registers its own memory over the control socket; rooms work
+// once it also described its KV layout there.
 package sidecar
 
 import (
@@ -43,8 +43,8 @@ type Config struct {
 	// Prefill only: the bootstrap HTTP API; negative: none (SGLang's own
 	// bootstrap server runs instead, on SGLang's port).
 	BootstrapPort int
-	// The peer protocol: rooms (prefill) and engine-owned memory (both
-	// roles; an engine reports this address as its rpc address).
+	// The peer protocol (an engine reports this address as its rpc
+	// address; the bootstrap API hands it to decode kvproxies).
 	PeerPort     int
 	MetricsPort  int           // /health and /metrics
 	WriteTimeout time.Duration // bounds an engine-memory write; 0: 5 s
@@ -78,7 +78,7 @@ func DefaultConfig() Config {
 }
 
 // Addrs is where a started sidecar listens; Bootstrap is empty on a decode
-// sidecar, whose peer port serves engine-owned memory only.
+// sidecar.
 type Addrs struct {
 	Control   string
 	Metrics   string
@@ -91,7 +91,7 @@ type Sidecar struct {
 	cfg      Config
 	addrs    Addrs
 	tr       kvtransfer.Transport
-	eng      *kvtransfer.Engine
+	rooms    *kvtransfer.Rooms
 	mem      *kvtransfer.MemoryPlane
 	ctl      *control.Server
 	resolver *bootstrap.Resolver // decode
@@ -127,46 +127,40 @@ func Start(cfg Config) (*Sidecar, error) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	roomLn, memLn := kvtransfer.SplitPeerListener(lns.peer)
-	ecfg := kvtransfer.Config{
-		Name: cfg.Role + "@" + cfg.Host, Transport: tr, Logger: log, Metrics: kvtransfer.NewMetrics(reg),
+	rcfg := kvtransfer.RoomConfig{
+		Logger: log, Registry: reg,
 		BootstrapTimeout: cfg.BootstrapTimeout, WaitingTimeout: cfg.WaitingTimeout, Heartbeat: cfg.Heartbeat,
 	}
 	var boot *bootstrap.Server
 	if cfg.Role == "prefill" && cfg.BootstrapPort >= 0 {
 		boot = bootstrap.NewServer()
 	}
-	if cfg.Role == "prefill" {
-		ecfg.Listener = roomLn
-	} else {
-		_ = roomLn.Close() // decode accepts no room peers
+	if cfg.Role == "decode" {
 		s.resolver = bootstrap.NewResolver(0, "")
 		// Its own connections, so Close leaves no idle ones behind.
 		s.resolver.Client.Transport = http.DefaultTransport.(*http.Transport).Clone()
-		ecfg.Resolve = s.resolver.Resolve
+		rcfg.Resolve = s.resolver.Resolve
 	}
-	s.mem, err = kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: ecfg.Name, Transport: tr, Listener: memLn,
-		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg, HostID: cfg.HostID,
-		StageChunk: cfg.StageChunk})
+	s.mem, err = kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: cfg.Role + "@" + cfg.Host, Transport: tr, Listener: lns.peer,
+		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg, HostID: cfg.HostID, StageChunk: cfg.StageChunk})
 	if err == nil {
-		if s.eng, err = kvtransfer.New(ecfg); err != nil {
+		rcfg.Memory = s.mem
+		if s.rooms, err = kvtransfer.NewRooms(rcfg); err != nil {
 			_ = s.mem.Close()
 		}
 	}
 	if err != nil {
-		_ = roomLn.Close()
-		_ = memLn.Close()
 		lns.close()
 		_ = tr.Close()
 		return nil, err
 	}
-	s.ctl = &control.Server{Engine: s.eng, Memory: s.mem, Log: log}
+	s.ctl = &control.Server{Rooms: s.rooms, Memory: s.mem, Log: log}
 	if boot != nil {
 		peerPort := lns.peer.Addr().(*net.TCPAddr).Port
-		s.ctl.OnRegister = func(p *kvtransfer.Pool) {
+		s.ctl.OnLayout = func(l kvtransfer.RoomLayout) {
 			boot.Register(bootstrap.RankInfo{
 				AttnTPSize: 1, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
-				RankIP: cfg.Host, RankPort: peerPort, PageSize: int(p.PageSize), KVCacheDtype: p.Dtype,
+				RankIP: cfg.Host, RankPort: peerPort, PageSize: int(l.PageSize), KVCacheDtype: l.Dtype,
 				LoadBalanceMethod: "follow_bootstrap_room",
 			})
 		}
@@ -178,7 +172,7 @@ func Start(cfg Config) (*Sidecar, error) {
 		_ = json.NewEncoder(w).Encode(s.mem.Paths())
 	})
 	mux.HandleFunc("/health", func(w http.ResponseWriter, _ *http.Request) {
-		fmt.Fprintf(w, "OK rooms_active=%d peers=%d pool_registered=%t\n", s.eng.ActiveRooms(), s.eng.Peers(), s.eng.Pool() != nil)
+		fmt.Fprintf(w, "OK rooms_active=%d peers=%d regions=%d layout_registered=%t\n", s.rooms.ActiveRooms(), s.mem.Links(), s.mem.Regions(), s.rooms.Layout() != nil)
 	})
 	s.addrs = Addrs{Control: cfg.Control, Metrics: lns.metrics.Addr().String(), Peer: lns.peer.Addr().String()}
 	s.serve(newHTTPServer(mux), lns.metrics)
@@ -325,18 +319,21 @@ func (s *Sidecar) Addrs() Addrs { return s.addrs }
 // TransportName is the transport's own name.
 func (s *Sidecar) TransportName() string { return s.tr.Name() }
 
-// Engine is its transfer engine.
-func (s *Sidecar) Engine() *kvtransfer.Engine { return s.eng }
+// Rooms is its room layer.
+func (s *Sidecar) Rooms() *kvtransfer.Rooms { return s.rooms }
+
+// Memory is its memory plane.
+func (s *Sidecar) Memory() *kvtransfer.MemoryPlane { return s.mem }
 
 // Done is closed when the sidecar stopped by itself (its transport broke or
 // a server failed); Close then says why.
 func (s *Sidecar) Done() <-chan struct{} { return s.stopped }
 
 // Close shuts down: the control socket and the HTTP servers first (the
-// engine's connections close, so their rooms are aborted), then the
-// transfer engine (no page moves any more), then the transport (pages
-// unregistered), and only then is the pool segment unmapped. It returns
-// why the sidecar stopped by itself, if it did.
+// engine's connections close, so their rooms are aborted and their memory
+// dropped), then the rooms and the memory plane (no byte moves any more),
+// then the transport. It returns why the sidecar stopped by itself, if it
+// did.
 func (s *Sidecar) Close() error {
 	s.closeOnce.Do(func() {
 		s.cancel()
@@ -344,10 +341,9 @@ func (s *Sidecar) Close() error {
 			_ = srv.Close()
 		}
 		s.wg.Wait()
+		_ = s.rooms.Close()
 		_ = s.mem.Close() // the engines' connections are gone, so are their regions
-		_ = s.eng.Close()
 		_ = s.tr.Close()
-		_ = s.ctl.Close()
 		if s.resolver != nil {
 			s.resolver.Client.CloseIdleConnections()
 		}

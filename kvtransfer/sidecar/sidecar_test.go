@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"go.uber.org/goleak"
 
@@ -78,7 +79,7 @@ func TestStartAndClose(t *testing.T) {
 				if s.TransportName() != transport {
 					t.Fatalf("transport %q, want %q", s.TransportName(), transport)
 				}
-				if got := get(t, "http://"+a.Metrics+"/health"); got != "OK rooms_active=0 peers=0 pool_registered=false\n" {
+				if got := get(t, "http://"+a.Metrics+"/health"); got != "OK rooms_active=0 peers=0 regions=0 layout_registered=false\n" {
 					t.Fatalf("/health: %q", got)
 				}
 				if m := get(t, "http://"+a.Metrics+"/metrics"); !strings.Contains(m, "kvproxy_peers 0") || !strings.Contains(m, "go_goroutines") {
@@ -164,7 +165,7 @@ const (
 )
 
 // engine is a fake inference engine on a sidecar's control socket: it
-// registers a pool of two KV buffers and maps the segment.
+// allocates a pool of two KV buffers and registers it and its layout.
 type engine struct {
 	cl  *control.Client
 	mem []byte
@@ -176,20 +177,24 @@ func connect(t *testing.T, s *Sidecar) *engine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := control.Layout{PageSize: 16, Dtype: "bf16", Regions: []control.RegionSpec{
-		{Kind: wire.KindKV, Offset: 0, Len: pages * item, ItemLen: item},
-		{Kind: wire.KindKV, Offset: pages * item, Len: pages * item, ItemLen: item},
-	}}
 	t.Cleanup(func() { _ = cl.Close() })
-	_, fd, err := cl.Register(context.Background(), l)
-	if err != nil {
-		t.Fatal(err)
-	}
-	seg, err := shm.Map(fd)
+	seg, err := shm.Create("engine", 2*pages*item)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = seg.Close() })
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(seg.Mem))))
+	l := control.RoomLayout{PageSize: 16, Dtype: "bf16", Bufs: []control.RoomBuf{
+		{Kind: wire.KindKV, Addr: base, ItemLen: item, Items: pages},
+		{Kind: wire.KindKV, Addr: base + pages*item, ItemLen: item, Items: pages},
+	}}
+	ctx := context.Background()
+	if err := cl.RegisterMemory(ctx, base, uint64(len(seg.Mem)), seg.Fd()); err != nil {
+		t.Fatal(err)
+	}
+	if err := cl.RoomLayout(ctx, l); err != nil {
+		t.Fatal(err)
+	}
 	return &engine{cl: cl, mem: seg.Mem}
 }
 
@@ -224,7 +229,7 @@ func TestTransferBetweenSidecars(t *testing.T) {
 				}
 			}
 		}
-		if h := get(t, "http://"+d.Addrs().Metrics+"/health"); h != "OK rooms_active=0 peers=1 pool_registered=true\n" {
+		if h := get(t, "http://"+d.Addrs().Metrics+"/health"); h != "OK rooms_active=0 peers=1 regions=1 layout_registered=true\n" {
 			t.Fatalf("decode /health: %q", h)
 		}
 		if m := get(t, "http://"+p.Addrs().Metrics+"/metrics"); !strings.Contains(m, `kvproxy_rooms_total{role="prefill",state="Success"} 1`) {
@@ -271,7 +276,7 @@ func TestCloseEndsOpenRooms(t *testing.T) {
 		if st, err := pe.cl.Wait(ctx, 5); err != nil || st.State != kvtransfer.Failed {
 			t.Fatalf("prefill room after its peer closed: %+v %v", st, err)
 		}
-		if n := p.Engine().ActiveRooms(); n != 0 {
+		if n := p.Rooms().ActiveRooms(); n != 0 {
 			t.Fatalf("%d rooms left on the prefill", n)
 		}
 	})

@@ -2,12 +2,13 @@
 // length-prefixed binary frames over one TCP connection per peer pair.
 //
 // Frame: magic "KV" (2 bytes), version (1), type (1), payload length (u32 LE),
-// payload. The decode side dials and sends HELLO; the prefill side answers
-// with its own HELLO. Then, per room, the decode side sends XFER_REQ (only
-// page indices travel); the prefill side moves the pages (UCX puts, or DATA
-// frames on this connection for the tcp transport) and sends DONE per chunk
-// after the data is complete at the target. ABORT goes either way; both sides
-// send HEARTBEAT every interval.
+// payload. A link opens with MEM_HELLO each way (memory.go: the region
+// tables). Rooms ride on the same link: per room the decode side sends
+// XFER_REQ (its buffer layout and page indices); the prefill side writes the
+// pages into the decode engine's registered memory as any engine-memory
+// write goes, then sends DONE per chunk once the data is complete at the
+// target. ABORT goes either way; while rooms use a link both sides send
+// HEARTBEAT every interval.
 package wire
 
 import (
@@ -15,7 +16,7 @@ import (
 )
 
 // Version is bumped on any incompatible change; peers must match exactly.
-const Version = 1
+const Version = 2
 
 const (
 	magic0    = 'K'
@@ -35,7 +36,7 @@ const (
 type Type uint8
 
 const (
-	THello Type = iota + 1
+	_ Type = iota + 1 // 1 was the pool protocol's HELLO
 	TXferReq
 	TData
 	TDone
@@ -51,8 +52,6 @@ const (
 
 func (t Type) String() string {
 	switch t {
-	case THello:
-		return "HELLO"
 	case TXferReq:
 		return "XFER_REQ"
 	case TData:
@@ -92,33 +91,26 @@ const (
 	KindAux
 )
 
-// Region describes one registered buffer of a peer: where it is, how big one
-// page (item) is, and the transport's packed remote key for it.
-type Region struct {
-	Kind    RegionKind
-	Base    uint64
-	Len     uint64
-	ItemLen uint32
-	RKey    []byte
-}
-
-// Hello is sent once per connection by each side: the whole metadata blob
-// (transport worker address, regions with packed rkeys, layout).
-type Hello struct {
-	Name       string
-	Transport  string
-	WorkerAddr []byte
-	PageSize   uint32
-	Dtype      string
-	Regions    []Region
-}
-
 // XferReq asks the prefill side to move a room's pages into DstPages (in
-// prompt order) and the aux item into AuxSlot (-1: none).
+// prompt order) and the aux item into AuxSlot (-1: none) of the decode
+// engine's buffers Bufs, in its registered memory: buffer i receives the
+// prefill's buffer i. PageSize and Dtype must match the prefill's.
 type XferReq struct {
 	Room     uint64
 	AuxSlot  int32
+	PageSize uint32
+	Dtype    string
+	Bufs     []RoomBuf
 	DstPages []uint32
+}
+
+// RoomBuf is one buffer of an engine's KV layout: Items items (pages, or
+// aux slots) of ItemLen bytes from engine address Addr.
+type RoomBuf struct {
+	Kind    RegionKind
+	Addr    uint64
+	ItemLen uint32
+	Items   uint32
 }
 
 // Data precedes N raw bytes destined for Region at Offset (tcp transport).
@@ -158,32 +150,24 @@ type Abort struct {
 // Heartbeat proves the peer is alive.
 type Heartbeat struct{ Seq uint64 }
 
-func (*Hello) Type() Type     { return THello }
 func (*XferReq) Type() Type   { return TXferReq }
 func (*Data) Type() Type      { return TData }
 func (*Done) Type() Type      { return TDone }
 func (*Abort) Type() Type     { return TAbort }
 func (*Heartbeat) Type() Type { return THeartbeat }
 
-func (m *Hello) encode(e *Enc) {
-	e.String(m.Name)
-	e.String(m.Transport)
-	e.Bytes(m.WorkerAddr)
-	e.U32(m.PageSize)
-	e.String(m.Dtype)
-	e.U32(uint32(len(m.Regions)))
-	for _, r := range m.Regions {
-		e.U8(uint8(r.Kind))
-		e.U64(r.Base)
-		e.U64(r.Len)
-		e.U32(r.ItemLen)
-		e.Bytes(r.RKey)
-	}
-}
-
 func (m *XferReq) encode(e *Enc) {
 	e.U64(m.Room)
 	e.I32(m.AuxSlot)
+	e.U32(m.PageSize)
+	e.String(m.Dtype)
+	e.U32(uint32(len(m.Bufs)))
+	for _, b := range m.Bufs {
+		e.U8(uint8(b.Kind))
+		e.U64(b.Addr)
+		e.U32(b.ItemLen)
+		e.U32(b.Items)
+	}
 	e.U32s(m.DstPages)
 }
 
@@ -214,28 +198,21 @@ func Decode(t Type, p []byte) (Msg, error) {
 	d := Dec{B: p}
 	var m Msg
 	switch t {
-	case THello:
-		h := &Hello{
-			Name:       d.String(),
-			Transport:  d.String(),
-			WorkerAddr: d.Bytes(),
-			PageSize:   d.U32(),
-			Dtype:      d.String(),
-		}
+	case TXferReq:
+		x := &XferReq{Room: d.U64(), AuxSlot: d.I32(), PageSize: d.U32(), Dtype: d.String()}
 		n := d.U32()
 		if n > maxRegions {
-			return nil, fmt.Errorf("%w: %d regions", ErrMalformed, n)
+			return nil, fmt.Errorf("%w: %d buffers", ErrMalformed, n)
 		}
 		for i := uint32(0); i < n && d.Err == nil; i++ {
-			r := Region{Kind: RegionKind(d.U8()), Base: d.U64(), Len: d.U64(), ItemLen: d.U32(), RKey: d.Bytes()}
-			if d.Err == nil && (r.Kind != KindKV && r.Kind != KindAux || r.ItemLen == 0) {
-				return nil, fmt.Errorf("%w: bad region %d", ErrMalformed, i)
+			b := RoomBuf{Kind: RegionKind(d.U8()), Addr: d.U64(), ItemLen: d.U32(), Items: d.U32()}
+			if d.Err == nil && (b.Kind != KindKV && b.Kind != KindAux || b.ItemLen == 0) {
+				return nil, fmt.Errorf("%w: bad buffer %d", ErrMalformed, i)
 			}
-			h.Regions = append(h.Regions, r)
+			x.Bufs = append(x.Bufs, b)
 		}
-		m = h
-	case TXferReq:
-		m = &XferReq{Room: d.U64(), AuxSlot: d.I32(), DstPages: d.U32s()}
+		x.DstPages = d.U32s()
+		m = x
 	case TDone:
 		dn := &Done{Room: d.U64(), Chunk: d.U32(), Last: d.Bool(), Status: Status(d.U8()), Pages: d.U32(), Bytes: d.U64(), Nanos: d.U64()}
 		if d.Err == nil && dn.Status > StatusFailed {
@@ -291,7 +268,7 @@ func ParseHeader(h []byte) (Type, uint32, error) {
 	t := Type(h[3])
 	n := uint32(h[4]) | uint32(h[5])<<8 | uint32(h[6])<<16 | uint32(h[7])<<24
 	switch {
-	case t < THello || t > lastType:
+	case t < TXferReq || t > lastType:
 		return 0, 0, fmt.Errorf("%w: unknown type %d", ErrMalformed, h[3])
 	case t == TData && (n < DataHeaderLen || n > DataHeaderLen+MaxDataLen):
 		return 0, 0, fmt.Errorf("%w: DATA length %d", ErrMalformed, n)

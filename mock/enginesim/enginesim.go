@@ -1,8 +1,9 @@
 // Package enginesim is the KV side of the mock engine: a KV pool laid out
 // like SGLang's (K of every layer, then V of every layer, one page = page
-// size tokens of one buffer, plus an aux buffer) in shared memory that the
-// kvproxy allocates and both processes map, and mockworker's KVTransfer seam implemented as a client of the
-// kvproxy control socket.
+// size tokens of one buffer, plus an aux buffer) in a memfd the engine
+// allocates and registers with its kvproxy, as SGLang's Mooncake backend
+// registers its buffers, and mockworker's KVTransfer seam implemented as a
+// client of the kvproxy control socket's room API.
 //
 // Prefill fills the prompt's pages with bytes derived from (prompt, room,
 // buffer, page) and sends them in chunks; decode allocates pages (waiting in
@@ -13,6 +14,7 @@ package enginesim
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"flag"
 	"fmt"
 	"hash/fnv"
@@ -23,9 +25,12 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/shm"
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
 
@@ -97,11 +102,14 @@ func (e statusError) HTTPStatus() int { return e.status }
 // next request connects again and registers the pool anew (see link).
 type Sim struct {
 	o      Options
-	layout control.Layout
+	layout control.RoomLayout
 	item   int // bytes per page per buffer
 	pages  int // pages per buffer
 	nbuf   int
-	size   int // pool bytes: KV buffers, then aux
+	size   int          // pool bytes: KV buffers, then aux
+	seg    *shm.Segment // the pool
+	bufs   [][]byte     // one per KV buffer
+	aux    []byte
 	linkState
 
 	mu      sync.Mutex
@@ -116,8 +124,8 @@ type waiter struct{ ready chan struct{} }
 
 var _ mockworker.KVTransfer = (*Sim)(nil)
 
-// New connects to the kvproxy, has it allocate and register the pool, and
-// maps the pool; it fails if the kvproxy is not there.
+// New allocates the pool, connects to the kvproxy and registers the pool
+// and its layout there; it fails if the kvproxy is not there.
 func New(ctx context.Context, o Options) (*Sim, error) {
 	if o.Layers <= 0 || o.BuffersPerLay <= 0 || o.BytesPerToken <= 0 || o.PageSize <= 0 || o.PoolTokens < o.PageSize || o.ChunkTokens < o.PageSize || o.AuxSlots <= 0 {
 		return nil, fmt.Errorf("bad KV layout %+v", o)
@@ -130,11 +138,19 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 	s.nbuf = o.Layers * o.BuffersPerLay
 	span := s.pages * s.item
 	s.size = s.nbuf*span + o.AuxSlots*auxItem
-	s.layout = control.Layout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
-	for b := 0; b < s.nbuf; b++ {
-		s.layout.Regions = append(s.layout.Regions, control.RegionSpec{Kind: control.KindKV, Offset: uint64(b * span), Len: uint64(span), ItemLen: uint32(s.item)})
+	seg, err := shm.Create("kvpool", s.size)
+	if err != nil {
+		return nil, fmt.Errorf("allocate the KV pool: %w", err)
 	}
-	s.layout.Regions = append(s.layout.Regions, control.RegionSpec{Kind: control.KindAux, Offset: uint64(s.nbuf * span), Len: uint64(o.AuxSlots * auxItem), ItemLen: auxItem})
+	s.seg = seg
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(seg.Mem))))
+	s.layout = control.RoomLayout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
+	for b := 0; b < s.nbuf; b++ {
+		s.bufs = append(s.bufs, seg.Mem[b*span:(b+1)*span])
+		s.layout.Bufs = append(s.layout.Bufs, wire.RoomBuf{Kind: wire.KindKV, Addr: base + uint64(b*span), ItemLen: uint32(s.item), Items: uint32(s.pages)})
+	}
+	s.aux = seg.Mem[s.nbuf*span : s.size]
+	s.layout.Bufs = append(s.layout.Bufs, wire.RoomBuf{Kind: wire.KindAux, Addr: base + uint64(s.nbuf*span), ItemLen: auxItem, Items: uint32(o.AuxSlots)})
 	for p := s.pages - 1; p >= 0; p-- {
 		s.free = append(s.free, uint32(p))
 	}
@@ -143,14 +159,15 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 	}
 	l, err := s.dial(ctx)
 	if err != nil {
-		return nil, err
+		return nil, errors.Join(err, seg.Close())
 	}
 	s.cur, s.links = l, 1
 	return s, nil
 }
 
-// Close disconnects from the kvproxy (which aborts open rooms) and unmaps
-// the pool; requests must have ended. Quarantined pages are released first.
+// Close disconnects from the kvproxy (which aborts open rooms and drops
+// the pool's registration) and unmaps the pool; requests must have ended.
+// Quarantined pages are released first.
 func (s *Sim) Close() error {
 	close(s.closing)
 	s.lmu.Lock()
@@ -159,10 +176,11 @@ func (s *Sim) Close() error {
 	idle := l != nil && l.users == 0 // else the last put closes it
 	s.lmu.Unlock()
 	s.wg.Wait()
-	if !idle {
-		return nil
+	var err error
+	if idle {
+		err = l.close()
 	}
-	return l.close()
+	return errors.Join(err, s.seg.Close())
 }
 
 // FreePages reports free pages (for tests: every request must give its pages back).
@@ -282,16 +300,16 @@ func (s *Sim) pageSeed(seed uint64, b, i int) uint64 {
 
 // fill writes page i of the prompt (stored at pool page p) of buffer b;
 // check compares instead.
-func (s *Sim) fill(l *link, seed uint64, b, i int, p uint32) {
-	dst := l.bufs[b][int(p)*s.item:][:s.item]
+func (s *Sim) fill(seed uint64, b, i int, p uint32) {
+	dst := s.bufs[b][int(p)*s.item:][:s.item]
 	x := s.pageSeed(seed, b, i)
 	for k := 0; k < len(dst); k += 8 {
 		binary.LittleEndian.PutUint64(dst[k:], x+uint64(k)*0x9E3779B97F4A7C15)
 	}
 }
 
-func (s *Sim) check(l *link, seed uint64, b, i int, p uint32) bool {
-	src := l.bufs[b][int(p)*s.item:][:s.item]
+func (s *Sim) check(seed uint64, b, i int, p uint32) bool {
+	src := s.bufs[b][int(p)*s.item:][:s.item]
 	x := s.pageSeed(seed, b, i)
 	for k := 0; k < len(src); k += 8 {
 		if binary.LittleEndian.Uint64(src[k:]) != x+uint64(k)*0x9E3779B97F4A7C15 {
@@ -301,7 +319,7 @@ func (s *Sim) check(l *link, seed uint64, b, i int, p uint32) bool {
 	return true
 }
 
-func auxSlot(l *link, a int32) []byte { return l.aux[int(a)*auxItem:][:auxItem] }
+func (s *Sim) auxSlot(a int32) []byte { return s.aux[int(a)*auxItem:][:auxItem] }
 
 func result(l *link, st kvtransfer.Status) *mockworker.KVResult {
 	return &mockworker.KVResult{Bytes: int64(st.Bytes), Pages: int64(st.Pages), Transport: l.transport,
@@ -340,16 +358,16 @@ func (s *Sim) Prefill(ctx context.Context, r mockworker.KVRequest) (*mockworker.
 // from the room's first call.
 func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, pages []uint32, aux int32) (st kvtransfer.Status, first bool, err error) {
 	seed := seedOf(r)
-	a := auxSlot(l, aux)
+	a := s.auxSlot(aux)
 	binary.LittleEndian.PutUint64(a, r.Room)
 	binary.LittleEndian.PutUint64(a[8:], uint64(len(pages)))
 	binary.LittleEndian.PutUint64(a[16:], seed)
 	chunk := s.o.ChunkTokens / s.o.PageSize
 	for start := 0; start < len(pages) || start == 0; start += chunk {
 		end := min(start+chunk, len(pages))
-		for b := range l.bufs {
+		for b := range s.bufs {
 			for i := start; i < end; i++ {
-				s.fill(l, seed, b, i, pages[i])
+				s.fill(seed, b, i, pages[i])
 			}
 		}
 		if err := l.cl.Send(ctx, r.Room, pages[start:end], end == len(pages), aux); err != nil {
@@ -397,7 +415,7 @@ func (s *Sim) expect(ctx context.Context, r mockworker.KVRequest, pages []uint32
 			s.release(pages, aux, false)
 			return nil, err
 		}
-		clear(auxSlot(l, aux))
+		clear(s.auxSlot(aux))
 		err = l.cl.Expect(ctx, r.Room, bootstrapAddr(r), pages, aux)
 		if err == nil {
 			return l, nil
@@ -434,16 +452,16 @@ func (s *Sim) Decode(ctx context.Context, r mockworker.KVRequest) (*mockworker.K
 		s.release(pages, aux, true)
 		return nil, err
 	}
-	defer s.put(l, nil) // after the check: put may unmap a replaced link's pool
+	defer s.put(l, nil)
 	defer s.release(pages, aux, false)
-	a := auxSlot(l, aux)
+	a := s.auxSlot(aux)
 	seed := seedOf(r)
 	if binary.LittleEndian.Uint64(a) != r.Room || binary.LittleEndian.Uint64(a[8:]) != uint64(n) || binary.LittleEndian.Uint64(a[16:]) != seed {
 		return nil, fmt.Errorf("KV checksum mismatch: aux slot does not match room %d", r.Room)
 	}
-	for b := range l.bufs {
+	for b := range s.bufs {
 		for i, p := range pages {
-			if !s.check(l, seed, b, i, p) {
+			if !s.check(seed, b, i, p) {
 				return nil, fmt.Errorf("KV checksum mismatch: room %d buffer %d page %d", r.Room, b, i)
 			}
 		}

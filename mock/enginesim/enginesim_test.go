@@ -40,14 +40,14 @@ func opts(sock string) Options {
 // sims is a prefill and a decode Sim on their kvproxies.
 type sims struct {
 	p, d   *Sim
-	pe, de *kvtransfer.Engine
+	pe, de *kvtransfer.Rooms
 	boot   *net.TCPAddr // the prefill kvproxy's bootstrap API
 }
 
 func pair(t *testing.T) *sims {
 	ps, ds := proxy(t, "prefill"), proxy(t, "decode")
 	c := connect(t, ps, ds)
-	c.pe, c.de = ps.Engine(), ds.Engine()
+	c.pe, c.de = ps.Rooms(), ds.Rooms()
 	return c
 }
 

@@ -6,35 +6,26 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 )
 
 // registerTimeout bounds one dial + register. While the kvproxy is down a
 // dial fails at once (no socket, or refused), so every request tries one.
-// It runs apart from the request's context: the kvproxy keeps a pool it
-// registered even if we stop waiting for the reply, and refuses a second.
 const registerTimeout = 10 * time.Second
 
-// link is one control connection and the pool segment registered on it. A
-// kvproxy that restarts knows nothing of the old pool, so a new link
-// registers the same layout again and maps the new segment; requests
-// already running keep the link they started on.
+// link is one control connection and the pool registered on it. A kvproxy
+// that restarts knows nothing of the pool, so a new link registers it and
+// its layout again; requests already running keep the link they started
+// on.
 type link struct {
 	cl        *control.Client
-	seg       *shm.Segment
 	transport string
-	bufs      [][]byte // one per KV buffer
-	aux       []byte
 	users     int // requests holding it (Sim.lmu)
 }
 
-func (l *link) close() error {
-	return errors.Join(l.cl.Close(), l.seg.Close())
-}
+func (l *link) close() error { return l.cl.Close() }
 
 func (l *link) broken() bool {
 	select {
@@ -49,37 +40,26 @@ func (l *link) broken() bool {
 // HTTPStatus 503 (retryable) for the mockworker to answer with.
 var ErrKVProxyDown error = statusError{http.StatusServiceUnavailable, "kvproxy unavailable"}
 
-// dial connects to the kvproxy, has it allocate and register the pool, and
-// maps the pool.
+// dial connects to the kvproxy and registers the pool (its memfd) and the
+// pool's layout, as SGLang registers its KV buffers with its transfer
+// engine.
 func (s *Sim) dial(ctx context.Context) (*link, error) {
 	cl, err := control.Dial(s.o.Control)
 	if err != nil {
 		return nil, err
 	}
-	// The kvproxy allocates the pool (so its transport can use memory it
-	// owns) and hands back the segment's fd; we map the same pages.
-	tr, fd, err := cl.Register(ctx, s.layout)
-	var seg *shm.Segment
+	_, tr, err := cl.Hello(ctx)
 	if err == nil {
-		seg, err = shm.Map(fd)
-		if err != nil {
-			syscall.Close(fd)
-		} else if len(seg.Mem) < s.size {
-			seg.Close()
-			err = fmt.Errorf("segment of %d bytes, layout needs %d", len(seg.Mem), s.size)
-		}
+		err = cl.RegisterMemory(ctx, s.layout.Bufs[0].Addr, uint64(s.size), s.seg.Fd())
+	}
+	if err == nil {
+		err = cl.RoomLayout(ctx, s.layout)
 	}
 	if err != nil {
 		cl.Close()
-		return nil, fmt.Errorf("register KV pool with kvproxy: %w", err)
+		return nil, fmt.Errorf("register the KV pool with kvproxy: %w", err)
 	}
-	l := &link{cl: cl, seg: seg, transport: tr}
-	span := s.pages * s.item
-	for b := 0; b < s.nbuf; b++ {
-		l.bufs = append(l.bufs, seg.Mem[b*span:(b+1)*span])
-	}
-	l.aux = seg.Mem[s.nbuf*span : s.size]
-	return l, nil
+	return &link{cl: cl, transport: tr}, nil
 }
 
 // acquire returns the live link for one request, connecting again when the

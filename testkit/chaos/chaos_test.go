@@ -163,8 +163,8 @@ func rssMiB(t *testing.T, pid int) float64 {
 }
 
 // Row 3: a HELLO flood on the peer port (MEM_HELLOs claiming 4 MiB, and
-// HELLOs of 200 KiB sent half-way) costs kvproxy at most 64 MiB, and it
-// keeps serving.
+// MEM_HELLOs of 200 KiB sent half-way) costs kvproxy at most 64 MiB, and
+// it keeps serving.
 func TestKVProxyHelloFlood(t *testing.T) {
 	dir := t.TempDir()
 	mport := testenv.FreePort(t)
@@ -175,14 +175,14 @@ func TestKVProxyHelloFlood(t *testing.T) {
 	peer := regexp.MustCompile(`peer=(\S+)`).FindStringSubmatch(p.Line)[1]
 	health := "http://127.0.0.1:" + strconv.Itoa(mport) + "/health"
 	before := rssMiB(t, p.Cmd.Process.Pid)
-	// Frame headers (wire format: "KV", version 1, type, length): MEM_HELLO
-	// is type 7, HELLO type 1.
+	// Frame headers (wire format: "KV", version 2, type, length): MEM_HELLO
+	// is type 7.
 	hello := func(typ byte, n uint32) []byte {
-		return []byte{'K', 'V', 1, typ, byte(n), byte(n >> 8), byte(n >> 16), byte(n >> 24)}
+		return []byte{'K', 'V', 2, typ, byte(n), byte(n >> 8), byte(n >> 16), byte(n >> 24)}
 	}
 	n := 300
 	claim := dialMany(t, peer, size(100, 300), string(hello(7, 4<<20))+strings.Repeat("x", 4<<20-1))
-	half := dialMany(t, peer, n, string(hello(1, 200<<10))+strings.Repeat("y", 100<<10))
+	half := dialMany(t, peer, n, string(hello(7, 200<<10))+strings.Repeat("y", 100<<10))
 	time.Sleep(time.Second)
 	peak := rssMiB(t, p.Cmd.Process.Pid)
 	if status(health) != 200 {

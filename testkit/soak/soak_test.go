@@ -121,15 +121,11 @@ var metricsClient = &http.Client{Timeout: 10 * time.Second}
 
 func get(t *testing.T, url string) []byte {
 	t.Helper()
-	resp, err := metricsClient.Get(url)
+	req, err := http.NewRequest(http.MethodGet, url, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, b := testenv.Do(t, metricsClient, req)
 	return b
 }
 

@@ -322,3 +322,22 @@ func WaitStatus(t testing.TB, url string, want int, d time.Duration) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// Do sends req with c (nil: http.DefaultClient) and returns the reply and
+// its whole body; a failed send or read fails the test.
+func Do(t testing.TB, c *http.Client, req *http.Request) (*http.Response, []byte) {
+	t.Helper()
+	if c == nil {
+		c = http.DefaultClient
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: reading the reply: %v", req.Method, req.URL, err)
+	}
+	return resp, b
+}

@@ -1,0 +1,53 @@
+package kvtransfer
+
+import (
+	"fmt"
+	"io"
+	"net"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// Before its MEM_HELLO is in, a connection to the peer port is anyone's:
+// its first frame must be a MEM_HELLO of at most maxHelloLen (the largest
+// region table is tens of KiB), arriving within the handshake deadline,
+// and at most maxHandshakes connections are read at once (more wait in the
+// backlog). A flood of silent, trickling or oversized connections so costs
+// a few MiB at most.
+const (
+	maxHelloLen   = 256 << 10
+	maxHandshakes = 64
+)
+
+// admitHello reads c's first frame header and refuses anything but a
+// MEM_HELLO of at most maxHelloLen; it returns c with the header put back
+// for the handshake to read.
+func admitHello(c net.Conn) (net.Conn, error) {
+	var h [wire.HeaderLen]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		return nil, err
+	}
+	t, n, err := wire.ParseHeader(h[:])
+	if err != nil {
+		return nil, err
+	}
+	if t != wire.TMemHello || n > maxHelloLen {
+		return nil, fmt.Errorf("%w: first frame %s of %d bytes", wire.ErrMalformed, t, n)
+	}
+	return &prefixConn{Conn: c, prefix: h[:]}, nil
+}
+
+// prefixConn replays the bytes admitHello read before the rest.
+type prefixConn struct {
+	net.Conn
+	prefix []byte
+}
+
+func (c *prefixConn) Read(b []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(b, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(b)
+}
