@@ -96,10 +96,5 @@ func selectionError(side string, total int) *apiError {
 // transportError answers what fasthttp could not read as a request.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	s.setRequestID(ctx)
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		writeError(ctx, &apiError{Status: 413, Code: "payload_too_large",
-			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.MaxPayloadSize)})
-		return
-	}
 	writeError(ctx, malformed(err))
 }

@@ -76,6 +76,7 @@ type Server struct {
 	cancelBase context.CancelFunc
 	background sync.WaitGroup // prefill legs that outlive their handler, engine aborts
 	aborts     engineAborts
+	large      largeBodies // hands large bodies' memory back (body.go)
 	pdm        *pdMetrics
 	trace      *tracer // nil: tracing off (trace.go)
 }
@@ -140,6 +141,8 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		Handler:                       s.handle,
 		Name:                          "pdrouter",
 		MaxRequestBodySize:            cfg.MaxPayloadSize,
+		StreamRequestBody:             true, // read by readBody, at its size
+		ExpectHandler:                 s.expectContinue,
 		ErrorHandler:                  s.transportError,
 		ReadBufferSize:                cfg.MaxHeaderSize, // the whole head must fit
 		ReadTimeout:                   cfg.HeaderReadTimeout,
@@ -232,6 +235,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.inflight.close()
 	s.background.Wait()
 	s.trace.shutdown()
+	s.large.stop()
 	s.manager.Stop()
 	s.infoCalls.CloseIdleConnections()
 	s.upstream.close()
@@ -282,6 +286,12 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if s.cors(ctx) {
+		return
+	}
+	if e := s.readBody(ctx); e != nil {
+		writeError(ctx, e)
+		ctx.SetConnectionClose() // the rest of the body is not read
+		s.metrics.observeHTTP(method, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 		return
 	}
 	var label string
