@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -11,14 +12,20 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// Request bodies. The server streams them (StreamRequestBody) and the
-// router reads each into one buffer of its exact size: fasthttp rounded a
-// Content-Length body up to a power of two and grew a chunked one by
-// copies, quadratic past 100 MB (a 500 MB chunked body peaked at 3.2 GB).
+// Request bodies. In regular mode the server streams them
+// (StreamRequestBody) and the router reads each into one buffer of its
+// exact size: fasthttp rounded a Content-Length body up to a power of two
+// and grew a chunked one by copies, quadratic past 100 MB (a 500 MB chunked
+// body peaked at 3.2 GB). PD mode leaves reading to fasthttp: a streamed
+// body pins the connection's read buffer (MaxHeaderSize) for the
+// connection's life, which a PD stream otherwise does not hold
+// (ReduceMemoryUsage), and holding it would cost every stream more than
+// large bodies cost now.
 
-// smallBody is the largest body read into a pooled buffer; a larger one
-// gets a buffer of its own, dropped when its response is written.
-const smallBody = 64 << 10
+// smallBody is the largest body left in fasthttp's pooled buffer (all of it
+// arrived with the head, fasthttp's prefetch); a larger one gets a buffer
+// of its own, dropped when its response is written.
+const smallBody = 8 << 10
 
 // largeBody is the size from which a finished body's memory is handed back
 // to the OS at once rather than at the next GC (largeBodies).
@@ -43,20 +50,20 @@ func (s *Server) readBody(ctx *fasthttp.RequestCtx) *apiError {
 	if n > s.cfg.MaxPayloadSize {
 		return s.tooLarge()
 	}
+	if n > 0 && n <= smallBody {
+		ctx.Request.Body() // reads the prefetched rest of the stream into fasthttp's pooled buffer
+		return nil
+	}
 	var body []byte
 	var err error
-	switch {
-	case n > smallBody:
+	if n > 0 {
 		body = make([]byte, n)
 		_, err = io.ReadFull(stream, body)
+	} else {
+		body, err = readChunked(stream, s.cfg.MaxPayloadSize)
+	}
+	if len(body) >= largeBody {
 		ctx.SetUserValue(bodyKey{}, &s.large)
-	case n > 0:
-		b := smallBodies.Get().(*[]byte)
-		body = (*b)[:n]
-		_, err = io.ReadFull(stream, body)
-		ctx.SetUserValue(bodyKey{}, pooledBody{b})
-	default: // chunked
-		body, err = readChunked(ctx, stream, s.cfg.MaxPayloadSize, &s.large)
 	}
 	switch {
 	case errors.Is(err, fasthttp.ErrBodyTooLarge):
@@ -70,25 +77,23 @@ func (s *Server) readBody(ctx *fasthttp.RequestCtx) *apiError {
 	return nil
 }
 
-// readChunked reads a body of unknown length: into a pooled buffer while
-// it is small, then into scratch memory that grows without copies
-// (bodyScratch), and last into one buffer of its size.
-func readChunked(ctx *fasthttp.RequestCtx, stream io.Reader, limit int, large *largeBodies) ([]byte, error) {
+// readChunked reads a body of unknown length into one buffer of its size:
+// a small one through a pooled buffer, a larger one through scratch memory
+// that grows without copies (bodyScratch).
+func readChunked(stream io.Reader, limit int) ([]byte, error) {
 	b := smallBodies.Get().(*[]byte)
+	defer smallBodies.Put(b)
 	small, err := readAtMost((*b)[:smallBody], stream)
 	if err != nil || len(small) < smallBody {
-		ctx.SetUserValue(bodyKey{}, pooledBody{b})
-		return small, err
+		return bytes.Clone(small), err
 	}
 	scratch := newBodyScratch(limit + 1)
 	defer scratch.free()
 	scratch.append(small)
-	smallBodies.Put(b)
 	for scratch.len() <= limit {
 		n, err := stream.Read(scratch.tail())
 		scratch.grow(n)
 		if err == io.EOF {
-			ctx.SetUserValue(bodyKey{}, large)
 			return scratch.copy(), nil
 		}
 		if err != nil {
@@ -107,17 +112,10 @@ func readAtMost(buf []byte, r io.Reader) ([]byte, error) {
 	return buf[:n], err
 }
 
-// bodyKey is the request user value that releases the body's buffer:
-// fasthttp closes user values when it resets the request.
+// bodyKey is the request user value that tells largeBodies a large body is
+// done with: fasthttp closes user values when it resets the request, after
+// the response.
 type bodyKey struct{}
-
-// pooledBody returns a small body's buffer to the pool.
-type pooledBody struct{ b *[]byte }
-
-func (p pooledBody) Close() error {
-	smallBodies.Put(p.b)
-	return nil
-}
 
 // largeBodies gives the memory of large bodies back to the OS once their
 // responses are written: a keep-alive connection otherwise left the

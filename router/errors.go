@@ -96,5 +96,9 @@ func selectionError(side string, total int) *apiError {
 // transportError answers what fasthttp could not read as a request.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	s.setRequestID(ctx)
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) { // PD mode: fasthttp reads the body
+		writeError(ctx, s.tooLarge())
+		return
+	}
 	writeError(ctx, malformed(err))
 }

@@ -141,7 +141,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		Handler:                       s.handle,
 		Name:                          "pdrouter",
 		MaxRequestBodySize:            cfg.MaxPayloadSize,
-		StreamRequestBody:             true, // read by readBody, at its size
+		StreamRequestBody:             !cfg.PDDisaggregation, // regular mode reads bodies at their size (body.go)
 		ExpectHandler:                 s.expectContinue,
 		ErrorHandler:                  s.transportError,
 		ReadBufferSize:                cfg.MaxHeaderSize, // the whole head must fit
