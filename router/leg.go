@@ -31,12 +31,17 @@ type leg struct {
 	rid    engineRID      // what the engine knows the request by (abort.go)
 	trace  *legSpan       // nil unless traced (trace.go)
 	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
+
+	lost   bool            // the send failed after the dial: the engine may hold the request
+	aborts *sync.WaitGroup // the request's: a retry waits for its engine aborts
 }
 
-// open binds the leg of a client request that has failed on failed to w
-// and takes w's load slot.
-func (l *leg) open(s *Server, w *balancer.Worker, failed *failedWorkers) {
-	*l = leg{s: s, w: w, failed: failed}
+// open binds a leg of r to w and takes w's load slot.
+func (l *leg) open(s *Server, w *balancer.Worker, r *request) {
+	*l = leg{s: s, w: w}
+	if r != nil {
+		l.failed, l.aborts = &r.failed, &r.aborts
+	}
 	w.IncLoad()
 }
 
@@ -101,6 +106,7 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 	if err != nil {
 		cause := sc.Cause()
 		l.blame = (cause == nil || errors.Is(cause, context.DeadlineExceeded)) && !outOfLocalResources(err)
+		l.lost = !errors.As(err, new(dialError))
 		return err
 	}
 	l.resp = resp

@@ -42,6 +42,10 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if !streaming {
 		a.releaseBody()
 	}
+	if fail != nil && !streaming { // a retry may follow: the prefill leg ends first
+		a.abandon()
+		r.prev = a
+	}
 	return fail, streaming
 }
 
@@ -124,7 +128,7 @@ func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
 	a := &attempt{done: make(chan struct{}), pd: r.rec.pd, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
-	a.prefill.open(s, pw, &r.failed)
+	a.prefill.open(s, pw, r)
 	a.prefill.trace = r.trace.leg()
 	a.prefill.rid = a.rid
 	a.prefill.guard = &a.guard
@@ -265,7 +269,7 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 // gone).
 func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	l := &r.leg
-	l.open(s, dw, &r.failed)
+	l.open(s, dw, r)
 	l.trace = r.trace.leg()
 	l.rid = a.rid
 	body := &a.body

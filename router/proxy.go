@@ -74,7 +74,9 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	var fail *apiError
 	attempts := s.cfg.Retry.Attempts()
 	for attempt := range attempts {
+		r.attempt = attempt
 		if attempt > 0 {
+			r.settle()
 			backoff := s.cfg.Retry.Backoff(attempt - 1)
 			for _, t := range s.sides() {
 				s.bm.Retry(t, endpoint, attempt, backoff)

@@ -27,7 +27,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 		splice.SetRank(&r.out, &at, splice.DataParallelRank, w.DPRank)
 	}
 	l := &r.leg
-	l.open(s, w, &r.failed)
+	l.open(s, w, r)
 	l.trace = r.trace.leg()
 	l.rid = s.setRID(r, &r.out, batchSize(r.route, r.body, &r.info))
 	if err := l.send(&r.scope, r.path, &r.out, header); err != nil {

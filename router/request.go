@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -41,6 +42,13 @@ type request struct {
 	rec    record        // what it did, emitted once when it ends (record.go)
 	failed failedWorkers // workers this request's legs failed on (leg.go)
 	trace  *reqTrace     // nil unless traced (trace.go)
+
+	// attempt counts the tries; each has its own rid (abort.go). A retry
+	// first waits for the failed try's prefill leg (prev) and the engine
+	// aborts its legs sent (aborts): settle.
+	attempt int
+	prev    *attempt
+	aborts  sync.WaitGroup
 
 	// out is what a regular-mode attempt sends: the client's body and the
 	// rid (PD attempts have their own, prefill may outlive an attempt).
@@ -91,6 +99,17 @@ func (r *request) cancel(cause error) { r.scope.cancel(cause) }
 func (r *request) clientLeft() { r.cancel(errClientGone) }
 
 func (r *request) clientGone() bool { return r.scope.Cause() == errClientGone }
+
+// settle returns once the legs of the failed attempt are closed and their
+// engines have answered the aborts (each bounded by --abort-timeout), so
+// that no abort of it can reach the next.
+func (r *request) settle() {
+	if r.prev != nil {
+		<-r.prev.done
+		r.prev = nil
+	}
+	r.aborts.Wait()
+}
 
 // observeFirstByte records the router-side time to first byte.
 func (r *request) observeFirstByte() {

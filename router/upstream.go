@@ -272,7 +272,7 @@ func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extr
 				if cause := sc.Cause(); cause != nil { // say why the dial was cut short
 					return nil, cause
 				}
-				return nil, err
+				return nil, dialError{err}
 			}
 			conn = &upConn{c: c, br: bufio.NewReaderSize(c, upReadBuffer), addr: addr}
 		}
@@ -285,6 +285,12 @@ func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extr
 		return resp, err
 	}
 }
+
+// dialError is a send that failed before a connection to the worker
+// existed: the engine never saw the request.
+type dialError struct{ error }
+
+func (e dialError) Unwrap() error { return e.error }
 
 func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
 	fail := func(err error) (*upstreamResponse, error) {
