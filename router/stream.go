@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -50,12 +51,14 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	copyHeaders(ctx, l.resp)
 	ctx.SetContentType("text/event-stream")
 	first := (*bufp)[:n]
+	sr := &streamRelay{r: r, leg: l, attempt: a, bufp: bufp, readErr: err, merge: merge}
+	sr.see(first)
 	if merge != nil {
 		first = merge.feed(first)
 	}
+	sr.pending = first
 	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
-	ctx.Response.SetBodyStream(&streamRelay{r: r, leg: l, attempt: a, bufp: bufp,
-		pending: first, readErr: err, merge: merge}, -1)
+	ctx.Response.SetBodyStream(sr, -1)
 	return nil, true
 }
 
@@ -86,6 +89,34 @@ type streamRelay struct {
 	ended   bool // the last bytes are pending: nothing more to read
 	closed  bool
 	first   [1]byte // WriteTo's wait for the next event reads its first byte here
+
+	tail  [16]byte // the last bytes the worker sent (see)
+	tailN int
+}
+
+// errUnframedEnd ends a stream without HTTP framing that the worker closed
+// before [DONE]: its close is then no end but a failure.
+var errUnframedEnd = errors.New("the worker closed its stream before [DONE]")
+
+// see keeps the last bytes of the worker's stream.
+func (sr *streamRelay) see(b []byte) {
+	if len(b) >= len(sr.tail) {
+		sr.tailN = copy(sr.tail[:], b[len(b)-len(sr.tail):])
+		return
+	}
+	keep := min(sr.tailN, len(sr.tail)-len(b))
+	copy(sr.tail[:keep], sr.tail[sr.tailN-keep:sr.tailN])
+	sr.tailN = keep + copy(sr.tail[keep:], b)
+}
+
+// cleanEnd reports whether the worker's body ending is the stream's end: a
+// framed body ended as its framing says, an unframed one (ended by the
+// connection's close, which a crash does too) after [DONE].
+func (sr *streamRelay) cleanEnd() bool {
+	if sr.leg.resp.Header.ContentLength() != -2 {
+		return true
+	}
+	return bytes.HasSuffix(bytes.TrimRight(sr.tail[:sr.tailN], " \r\n"), []byte("data: [DONE]"))
 }
 
 // WriteTo is how fasthttp writes the stream (fasthttp.BodyWriterTo, instead
@@ -152,6 +183,7 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 	}
 	sr.readErr = err
 	sr.attempt.scanDecode(buf[:n])
+	sr.see(buf[:n])
 	return buf[:n], bufp
 }
 
@@ -199,6 +231,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 			n, sr.readErr = sr.leg.resp.readBuffered(buf, n)
 		}
 		sr.attempt.scanDecode(buf[:n])
+		sr.see(buf[:n])
 		if n > 0 {
 			if sr.merge != nil {
 				return sr.merge.feed(buf[:n])
@@ -211,7 +244,10 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	}
 	sr.ended = true
 	if sr.readErr == io.EOF {
-		return nil
+		if sr.cleanEnd() {
+			return nil
+		}
+		sr.readErr = errUnframedEnd
 	}
 	sr.leg.bodyFailed()
 	if sr.readErr == errStreamIdle {

@@ -218,3 +218,14 @@ func heapInUse() int64 {
 	runtime.ReadMemStats(&m)
 	return int64(m.HeapInuse)
 }
+
+// Issue 26 item 9: a stream with no HTTP framing that the worker ends by
+// closing its connection before [DONE] reached the client as a clean end.
+// The client now gets an SSE error event instead.
+func TestUnframedStreamClosedEarlyIsAnError(t *testing.T) {
+	e := startLegEnv(t, legRegularConfig(legWorker(t, sseUnframed)))
+	status, body, err := e.post(t, t.Context(), `{"text":"x","stream":true}`)
+	if err != nil || status != 200 || !strings.Contains(body, `data: {"text":"a"}`) || !strings.Contains(body, `"code":"regular_stream_error"`) {
+		t.Fatalf("status %d err %v: %q; want the event, then an SSE error", status, err, body)
+	}
+}
