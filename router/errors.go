@@ -22,7 +22,14 @@ var (
 	errPrefillFailed = errors.New("prefill leg failed")
 	// errAttemptOver ends a PD attempt that is abandoned for another reason.
 	errAttemptOver = errors.New("attempt abandoned")
+	// errShuttingDown ends what is left when the shutdown grace period ends.
+	errShuttingDown = errors.New("the router is shutting down")
 )
+
+// shuttingDown is what a client cut off by the shutdown is told.
+func shuttingDown() *apiError {
+	return &apiError{Status: 503, Code: "server_shutting_down", Message: "the router is shutting down"}
+}
 
 // errUpstreamClosed is a keep-alive connection the worker had closed.
 var errUpstreamClosed = errors.New("worker closed the connection")

@@ -111,8 +111,11 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		r.rec.fail("client_disconnected")
 		return
 	}
-	if r.scope.Cause() == errRequestTimeout {
+	switch r.scope.Cause() {
+	case errRequestTimeout:
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
+	case errShuttingDown:
+		fail = shuttingDown()
 	}
 	if fail != nil {
 		r.rec.fail(fail.Code)

@@ -266,8 +266,11 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		e = &apiError{Status: 502, Code: sr.leg.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
 		// A cancelled read fails with the connection's deadline error; the
 		// request's scope says whether the request timeout was the reason.
-		if errors.Is(sr.r.scope.Cause(), context.DeadlineExceeded) {
+		switch cause := sr.r.scope.Cause(); {
+		case errors.Is(cause, context.DeadlineExceeded):
 			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
+		case cause == errShuttingDown:
+			e = shuttingDown()
 		}
 	}
 	return e.sseFrame()
