@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/valyala/fasthttp"
 
@@ -88,10 +89,32 @@ func badRequest(msg string) *apiError {
 	return &apiError{Status: 400, Code: "json_parse_error", Message: msg}
 }
 
-// upstreamError maps a worker's non-2xx reply (respond.Upstream).
+// upstreamError maps a worker's non-2xx reply (respond.Upstream). An
+// engine's failure (5xx) about the KV transfer is told as such and no
+// more: its words name the kvproxy's control socket and internal bootstrap
+// addresses, which are no business of the client's (the engine logs them).
 func upstreamError(side string, status int, body []byte) *apiError {
 	e := respond.Upstream(side, status, body)
+	if status >= 500 && aboutKVTransfer(e.Message) {
+		return &apiError{Status: e.Status, Code: "kv_transfer_failed",
+			Message: "KV transfer between prefill and decode failed (reported by " + side + ")"}
+	}
 	return &apiError{Status: e.Status, Code: e.Code, Message: e.Message}
+}
+
+// kvMarkers are what the engines' errors about the KV transfer say:
+// SGLang's ("KVTransferError", "bootstrap failed", "transfer failed"),
+// kvproxy's client's and the mock engine's.
+var kvMarkers = []string{"kv transfer", "kvtransfer", "kvproxy", "bootstrap", "transfer failed"}
+
+func aboutKVTransfer(msg string) bool {
+	msg = strings.ToLower(msg)
+	for _, m := range kvMarkers {
+		if strings.Contains(msg, m) {
+			return true
+		}
+	}
+	return false
 }
 
 // selectionError is the 503 for an empty or unavailable pool.
