@@ -15,6 +15,7 @@ import (
 // response body (streamRelay), which now owns the leg. a is nil in regular
 // mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
+	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
 	l.resp.awaitBody()
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
@@ -32,6 +33,10 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 		a.abandon()
 		if r.clientGone() {
 			return nil, false
+		}
+		if err == errStreamIdle { // not retried: the request ends, and both engines hear an abort
+			r.cancel(errStreamIdle)
+			return s.streamIdle(l), false
 		}
 		return &apiError{Status: 502, Code: l.w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
 	}
@@ -57,9 +62,14 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 		first = merge.feed(first)
 	}
 	sr.pending = first
-	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
 	ctx.Response.SetBodyStream(sr, -1)
 	return nil, true
+}
+
+// streamIdle is the error of a stream whose worker went silent.
+func (s *Server) streamIdle(l *leg) *apiError {
+	return &apiError{Status: 504, Code: "stream_idle_timeout", sse: true,
+		Message: "no data from the " + l.w.Type.String() + " worker for " + s.cfg.StreamIdleTimeout.String()}
 }
 
 // readSome reads until it gets at least one byte or an error.
@@ -254,8 +264,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		// The worker is blamed (bodyFailed, above); ending the request
 		// now cancels prefill too, and both engines hear an abort.
 		sr.r.cancel(errStreamIdle)
-		return (&apiError{Status: 504, Code: "stream_idle_timeout", Message: "no data from the " + sr.leg.w.Type.String() +
-			" worker for " + sr.r.s.cfg.StreamIdleTimeout.String()}).sseFrame()
+		return sr.r.s.streamIdle(sr.leg).sseFrame()
 	}
 	e := sr.attempt.failure()
 	if e == nil {

@@ -263,3 +263,24 @@ func TestStreamCutByShutdownSaysSo(t *testing.T) {
 		t.Fatalf("stream ended with %q; want an SSE error naming the shutdown", rest)
 	}
 }
+
+// Issue 26: the stream idle timeout did not cover the wait for the first
+// event, so a worker that sent its stream's head and then nothing held the
+// request until the request timeout. It now ends it at the idle timeout.
+func TestStreamIdleTimeoutCoversTheFirstEvent(t *testing.T) {
+	headOnly := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	}
+	cfg := legRegularConfig(legWorker(t, headOnly))
+	cfg.StreamIdleTimeout = 200 * time.Millisecond
+	e := startLegEnv(t, cfg)
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	status, body, err := e.post(t, ctx, `{"text":"x","stream":true}`)
+	if err != nil || status != 504 || !strings.Contains(body, `"code":"stream_idle_timeout"`) {
+		t.Fatalf("status %d err %v: %q; want a 504 stream_idle_timeout", status, err, body)
+	}
+}
