@@ -38,8 +38,20 @@ type engineRID struct {
 	batch int
 }
 
-// engineAborts counts the abort calls under way.
-type engineAborts struct{ inFlight atomic.Int32 }
+// engineAborts counts the abort calls under way. Once closed (the end of
+// Shutdown) none starts: it would outlive the Shutdown that waited for them.
+type engineAborts struct {
+	inFlight atomic.Int32
+	mu       sync.Mutex
+	closed   bool
+}
+
+// close stops new aborts; those under way are in s.background.
+func (a *engineAborts) close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.closed = true
+}
 
 // setRID gives b, the body a leg sends, the rid the engine will know the
 // request by: the client's (copied: the leg may outlive the handler), else a
@@ -90,6 +102,12 @@ func (l *leg) abortIfHeld() {
 // abortEngine sends w the aborts for rid on a goroutine of their own,
 // counted in sent (nil: not counted).
 func (s *Server) abortEngine(w *balancer.Worker, rid engineRID, sent *sync.WaitGroup) {
+	s.aborts.mu.Lock()
+	defer s.aborts.mu.Unlock()
+	if s.aborts.closed {
+		s.log.Warn("engine abort dropped: the router has shut down", zap.String("worker", w.URL))
+		return
+	}
 	if s.aborts.inFlight.Add(1) > maxAbortsInFlight {
 		s.aborts.inFlight.Add(-1)
 		s.log.Warn("engine abort shed: too many under way", zap.String("worker", w.URL))

@@ -67,6 +67,7 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	// from the inflight tracker, so the scope needs no parent.
 	r.conn = ctx.Conn()
 	r.refs.Store(1)
+	s.live.Add(1)
 	s.inflight.add(r)
 	r.trace = s.trace.start(ctx, r)
 	return r
@@ -79,6 +80,7 @@ func (r *request) release() {
 	if r.refs.Add(-1) == 0 {
 		r.s.inflight.remove(r)
 		r.cancel(context.Canceled)
+		r.s.live.Add(-1)
 	}
 }
 
