@@ -5,6 +5,8 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"strconv"
+	"sync"
 	"sync/atomic"
 
 	"go.uber.org/zap"
@@ -36,51 +38,94 @@ type engineRID struct {
 	batch int
 }
 
-// engineAborts counts the abort calls under way.
-type engineAborts struct{ inFlight atomic.Int32 }
+// engineAborts counts the abort calls under way. Once closed (the end of
+// Shutdown) none starts: it would outlive the Shutdown that waited for them.
+type engineAborts struct {
+	inFlight atomic.Int32
+	mu       sync.Mutex
+	closed   bool
+}
+
+// close stops new aborts; those under way are in s.background.
+func (a *engineAborts) close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.closed = true
+}
 
 // setRID gives b, the body a leg sends, the rid the engine will know the
 // request by: the client's (copied: the leg may outlive the handler), else a
-// fresh one set on b, which costs no copy of the body. With aborts off the
-// body is sent as it is.
+// fresh one set on b, which costs no copy of the body. With aborts off a
+// body without a rid is sent as it is.
+//
+// A retry sends the client's rid with "-retry<n>" appended: SGLang's
+// scheduler aborts every request whose rid starts with the one named, and
+// refuses a rid it still holds, so attempts must not share one. The first
+// keeps the client's as it is; its abort is sent before the retry is
+// (request.settle), so it cannot reach the retry's longer rid.
 func (s *Server) setRID(r *request, b *splice.Body, batch int) engineRID {
+	var val []byte
 	switch {
-	case s.cfg.AbortTimeout == 0:
-		return engineRID{}
 	case r.info.RID.OK():
-		return engineRID{bytes.Clone(r.body[r.info.RID.Start:r.info.RID.End]), batch}
+		val = r.body[r.info.RID.Start:r.info.RID.End]
+		if own := splice.SuffixRID(val, retrySuffix(r.attempt)); r.attempt > 0 && own != nil {
+			b.Set("rid", r.info.RID, own)
+			val = own
+		} else {
+			val = bytes.Clone(val)
+		}
+	case s.cfg.AbortTimeout > 0:
+		val = splice.SetNewRID(b)
 	}
-	return engineRID{splice.SetNewRID(b), batch}
+	if s.cfg.AbortTimeout == 0 {
+		return engineRID{}
+	}
+	return engineRID{val, batch}
 }
+
+func retrySuffix(attempt int) string { return "-retry" + strconv.Itoa(attempt) }
 
 // abortIfHeld is called as l closes: an engine that was sent the request
 // and has not finished answering it still holds it if the leg's scope was
-// cut short.
+// cut short, or if its send failed once the request may have reached it.
 func (l *leg) abortIfHeld() {
-	if l.rid.val == nil || l.sc == nil || l.sc.Cause() == nil {
+	if l.rid.val == nil || l.sc == nil || (l.sc.Cause() == nil && !l.lost) {
 		return
 	}
 	if l.resp != nil && (l.resp.eof || l.resp.StatusCode/100 != 2) {
 		return // the engine is done with it
 	}
 	// The rid may live in a body a retry is about to reuse.
-	l.s.abortEngine(l.w, engineRID{bytes.Clone(l.rid.val), l.rid.batch})
+	l.s.abortEngine(l.w, engineRID{bytes.Clone(l.rid.val), l.rid.batch}, l.aborts)
 }
 
-// abortEngine sends w the aborts for rid on a goroutine of their own.
-func (s *Server) abortEngine(w *balancer.Worker, rid engineRID) {
+// abortEngine sends w the aborts for rid on a goroutine of their own,
+// counted in sent (nil: not counted).
+func (s *Server) abortEngine(w *balancer.Worker, rid engineRID, sent *sync.WaitGroup) {
+	s.aborts.mu.Lock()
+	defer s.aborts.mu.Unlock()
+	if s.aborts.closed {
+		s.log.Warn("engine abort dropped: the router has shut down", zap.String("worker", w.URL))
+		return
+	}
 	if s.aborts.inFlight.Add(1) > maxAbortsInFlight {
 		s.aborts.inFlight.Add(-1)
 		s.log.Warn("engine abort shed: too many under way", zap.String("worker", w.URL))
 		return
 	}
 	s.background.Add(1)
-	go s.sendAborts(w.BaseURL, w.APIKey, rid)
+	if sent != nil {
+		sent.Add(1)
+	}
+	go s.sendAborts(w.BaseURL, w.APIKey, rid, sent)
 }
 
-func (s *Server) sendAborts(url, apiKey string, rid engineRID) {
+func (s *Server) sendAborts(url, apiKey string, rid engineRID, sent *sync.WaitGroup) {
 	defer s.background.Done()
 	defer s.aborts.inFlight.Add(-1)
+	if sent != nil {
+		defer sent.Done()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.AbortTimeout)
 	defer cancel()
 	splice.RIDs(rid.val, rid.batch, maxAbortsPerLeg, func(v []byte) {

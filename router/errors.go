@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/valyala/fasthttp"
 
@@ -22,7 +23,14 @@ var (
 	errPrefillFailed = errors.New("prefill leg failed")
 	// errAttemptOver ends a PD attempt that is abandoned for another reason.
 	errAttemptOver = errors.New("attempt abandoned")
+	// errShuttingDown ends what is left when the shutdown grace period ends.
+	errShuttingDown = errors.New("the router is shutting down")
 )
+
+// shuttingDown is what a client cut off by the shutdown is told.
+func shuttingDown() *apiError {
+	return &apiError{Status: 503, Code: "server_shutting_down", Message: "the router is shutting down"}
+}
 
 // errUpstreamClosed is a keep-alive connection the worker had closed.
 var errUpstreamClosed = errors.New("worker closed the connection")
@@ -81,10 +89,32 @@ func badRequest(msg string) *apiError {
 	return &apiError{Status: 400, Code: "json_parse_error", Message: msg}
 }
 
-// upstreamError maps a worker's non-2xx reply (respond.Upstream).
+// upstreamError maps a worker's non-2xx reply (respond.Upstream). An
+// engine's failure (5xx) about the KV transfer is told as such and no
+// more: its words name the kvproxy's control socket and internal bootstrap
+// addresses, which are no business of the client's (the engine logs them).
 func upstreamError(side string, status int, body []byte) *apiError {
 	e := respond.Upstream(side, status, body)
+	if status >= 500 && aboutKVTransfer(e.Message) {
+		return &apiError{Status: e.Status, Code: "kv_transfer_failed",
+			Message: "KV transfer between prefill and decode failed (reported by " + side + ")"}
+	}
 	return &apiError{Status: e.Status, Code: e.Code, Message: e.Message}
+}
+
+// kvMarkers are what the engines' errors about the KV transfer say:
+// SGLang's ("KVTransferError", "bootstrap failed", "transfer failed"),
+// kvproxy's client's and the mock engine's.
+var kvMarkers = []string{"kv transfer", "kvtransfer", "kvproxy", "bootstrap", "transfer failed"}
+
+func aboutKVTransfer(msg string) bool {
+	msg = strings.ToLower(msg)
+	for _, m := range kvMarkers {
+		if strings.Contains(msg, m) {
+			return true
+		}
+	}
+	return false
 }
 
 // selectionError is the 503 for an empty or unavailable pool.
@@ -96,9 +126,8 @@ func selectionError(side string, total int) *apiError {
 // transportError answers what fasthttp could not read as a request.
 func (s *Server) transportError(ctx *fasthttp.RequestCtx, err error) {
 	s.setRequestID(ctx)
-	if errors.Is(err, fasthttp.ErrBodyTooLarge) {
-		writeError(ctx, &apiError{Status: 413, Code: "payload_too_large",
-			Message: fmt.Sprintf("request body exceeds the limit of %d bytes", s.cfg.MaxPayloadSize)})
+	if errors.Is(err, fasthttp.ErrBodyTooLarge) { // PD mode: fasthttp reads the body
+		writeError(ctx, s.tooLarge())
 		return
 	}
 	writeError(ctx, malformed(err))

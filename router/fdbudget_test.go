@@ -10,13 +10,15 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pdrouter/pdrouter/internal/netutil"
 )
 
 // Clients with one worker connection each, the reserve and two workers'
 // idle pools fit the fd limit, with half the reserve left for prefill legs.
 func TestDescriptorBudgetFitsTheLimit(t *testing.T) {
 	for _, limit := range []uint64{256, 1024, 20000, 65536, 1 << 20} {
-		clients, idle, reserve := DefaultMaxConnections(limit), maxIdlePerWorker(limit), fdReserve(limit)
+		clients, idle, reserve := DefaultMaxConnections(limit, false), maxIdlePerWorker(limit), fdReserve(limit)
 		if used := 2*uint64(clients) + reserve; used > limit {
 			t.Errorf("limit %d: %d clients with a worker connection each and a reserve of %d take %d", limit, clients, reserve, used)
 		}
@@ -25,7 +27,7 @@ func TestDescriptorBudgetFitsTheLimit(t *testing.T) {
 		}
 	}
 	// The 9800-stream bench run (hard limit 20,000) fits under the default.
-	if n := DefaultMaxConnections(20000); n < 9800 || n >= 10000 {
+	if n := DefaultMaxConnections(20000, false); n < 9800 || n >= 10000 {
 		t.Errorf("DefaultMaxConnections(20000) = %d, want 9800..9999", n)
 	}
 	if maxIdlePerWorker(1<<20) != 500 {
@@ -120,5 +122,24 @@ func TestDialOutOfDescriptorsGivesUp(t *testing.T) {
 	}
 	if conns.acceptedCount() != 0 {
 		t.Errorf("%d connections reached the worker", conns.acceptedCount())
+	}
+}
+
+// Issue 26 item 7: a PD request holds two worker sockets (prefill and
+// decode) beside its client's, so the default connection limit of a PD
+// router leaves three descriptors per client; at the old default the
+// router ran out of descriptors and clients got resets instead of a 503.
+func TestDefaultMaxConnectionsCountsBothPDLegs(t *testing.T) {
+	soft, _, err := netutil.RaiseFileLimit()
+	if err != nil {
+		t.Skip("no fd limit here:", err)
+	}
+	for _, pd := range []bool{false, true} {
+		s := &Server{cfg: DefaultConfig()}
+		s.cfg.PDDisaggregation = pd
+		perClient := map[bool]uint64{false: 2, true: 3}[pd]
+		if n := uint64(s.maxConnections()); perClient*n+fdReserve(soft) > soft {
+			t.Errorf("pd %v: %d clients with %d descriptors each and a reserve of %d exceed the limit %d", pd, n, perClient, fdReserve(soft), soft)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package router
 
 import (
 	"container/list"
-	"context"
 	"sync"
 	"time"
 )
@@ -70,7 +69,7 @@ func (f *inflight) add(r *request) {
 	f.mu.Lock()
 	if f.closed {
 		f.mu.Unlock()
-		r.cancel(context.Canceled)
+		r.cancel(errShuttingDown)
 		return
 	}
 	f.young = append(f.young, r)
@@ -206,7 +205,7 @@ func (f *inflight) close() {
 	}
 	f.mu.Unlock()
 	for _, r := range all {
-		r.cancel(context.Canceled)
+		r.cancel(errShuttingDown)
 	}
 	close(f.stop)
 	<-f.done

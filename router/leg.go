@@ -31,12 +31,15 @@ type leg struct {
 	rid    engineRID      // what the engine knows the request by (abort.go)
 	trace  *legSpan       // nil unless traced (trace.go)
 	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
+
+	lost   bool            // the send failed after the dial: the engine may hold the request
+	aborts *sync.WaitGroup // the request's: a retry waits for its engine aborts
 }
 
 // open binds a leg of r, whose engine knows it by rid, to w and takes w's
 // load slot: the one leg set-up of both modes.
 func (l *leg) open(r *request, w *balancer.Worker, rid engineRID) {
-	*l = leg{s: r.s, w: w, failed: &r.failed, rid: rid, trace: r.trace.leg()}
+	*l = leg{s: r.s, w: w, failed: &r.failed, aborts: &r.aborts, rid: rid, trace: r.trace.leg()}
 	w.IncLoad()
 }
 
@@ -101,6 +104,7 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 	if err != nil {
 		cause := sc.Cause()
 		l.blame = (cause == nil || errors.Is(cause, context.DeadlineExceeded)) && !outOfLocalResources(err)
+		l.lost = !errors.As(err, new(dialError))
 		return err
 	}
 	l.resp = resp

@@ -212,6 +212,10 @@ var (
 	sseThenClose = rawThenClose(sseHead + "13\r\ndata: {\"text\":\"a\"}\n\n\r\n")
 	// headThenClose sends a 200 stream head, then closes before the first event.
 	headThenClose = rawThenClose(sseHead)
+	// sseUnframed is a stream with no HTTP framing, whose end is the
+	// connection's close: that end is clean only after [DONE].
+	sseUnframed     = rawThenClose("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: {\"text\":\"a\"}\n\n")
+	sseUnframedDone = rawThenClose("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: {\"text\":\"a\"}\n\ndata: [DONE]\n\n")
 )
 
 // legRequest is how a test request ends: its body, whether the client
@@ -264,6 +268,8 @@ func TestLegAccountingRegular(t *testing.T) {
 		{"body cut by the worker", cutBody, legRequest{status: 502}, legWant{failed: 1, errorType: "body"}},
 		{"stream cut by the worker", sseThenClose, legRequest{body: stream, status: 200}, legWant{failed: 1, errorType: "body"}},
 		{"stream cut before its first event", headThenClose, legRequest{body: stream, status: 502}, legWant{failed: 1, errorType: "body"}},
+		{"unframed stream closed before [DONE]", sseUnframed, legRequest{body: stream, status: 200}, legWant{failed: 1, errorType: "body"}},
+		{"unframed stream closed after [DONE]", sseUnframedDone, legRequest{body: stream, status: 200}, legWant{ok: 1}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			url := legWorker(t, c.worker)

@@ -73,24 +73,30 @@ func (s *Server) maxConnections() int {
 	if err != nil {
 		return 0
 	}
-	return DefaultMaxConnections(soft)
+	return DefaultMaxConnections(soft, s.cfg.PDDisaggregation)
 }
 
 // Descriptor budget. A client connection costs the router its own socket
-// and one worker socket while it has a request in flight (a PD stream's
-// decode leg); fdReserve is what is left beside those for everything else:
-// listeners and files, probes, the prefill legs of arriving PD streams and
-// the pooled idle worker connections. Half the limit for clients, as
+// and one worker socket per leg of the request it has in flight: one in
+// regular mode, two in PD mode (prefill and decode are open together
+// until prefill answers, the whole request for a non-stream); fdReserve
+// is what is left beside those for everything else: listeners and files,
+// probes and the pooled idle worker connections. Half the limit for clients, as
 // before, left nothing: 10,000 clients at a limit of 20,000 ran the router
 // out of descriptors while their prefill legs were open, and its dials
 // failed instead of the surplus clients getting a clean 503.
 func fdReserve(fdLimit uint64) uint64 { return min(max(fdLimit/64, 64), 4096) }
 
 // DefaultMaxConnections is the client connection limit for an fd limit:
-// every client with one worker connection, and fdReserve to spare.
-func DefaultMaxConnections(fdLimit uint64) int {
+// every client with its request's worker connections (two in PD mode),
+// and fdReserve to spare.
+func DefaultMaxConnections(fdLimit uint64, pd bool) int {
 	fdLimit = min(fdLimit, 1<<21)
-	return int(max((fdLimit-min(fdReserve(fdLimit), fdLimit))/2, 16))
+	perClient := uint64(2)
+	if pd {
+		perClient = 3
+	}
+	return int(max((fdLimit-min(fdReserve(fdLimit), fdLimit))/perClient, 16))
 }
 
 // maxIdlePerWorker bounds a worker's pool of idle connections (500, as

@@ -42,6 +42,10 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if !streaming {
 		a.releaseBody()
 	}
+	if fail != nil && !streaming { // a retry may follow: the prefill leg ends first
+		a.abandon()
+		r.prev = a
+	}
 	return fail, streaming
 }
 

@@ -74,7 +74,9 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	var fail *apiError
 	attempts := s.cfg.Retry.Attempts()
 	for attempt := range attempts {
+		r.attempt = attempt
 		if attempt > 0 {
+			r.settle()
 			backoff := s.cfg.Retry.Backoff(attempt - 1)
 			for _, t := range s.sides() {
 				s.bm.Retry(t, endpoint, attempt, backoff)
@@ -112,8 +114,11 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		r.rec.fail("client_disconnected")
 		return
 	}
-	if r.scope.Cause() == errRequestTimeout {
+	switch r.scope.Cause() {
+	case errRequestTimeout:
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
+	case errShuttingDown:
+		fail = shuttingDown()
 	}
 	if fail != nil {
 		r.rec.fail(fail.Code)

@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,6 +43,13 @@ type request struct {
 	failed failedWorkers // workers this request's legs failed on (leg.go)
 	trace  *reqTrace     // nil unless traced (trace.go)
 
+	// attempt counts the tries; each has its own rid (abort.go). A retry
+	// first waits for the failed try's prefill leg (prev) and the engine
+	// aborts its legs sent (aborts): settle.
+	attempt int
+	prev    *attempt
+	aborts  sync.WaitGroup
+
 	// out is what a regular-mode attempt sends: the client's body and the
 	// rid (PD attempts have their own, prefill may outlive an attempt).
 	out splice.Body
@@ -59,6 +67,7 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	// from the inflight tracker, so the scope needs no parent.
 	r.conn = ctx.Conn()
 	r.refs.Store(1)
+	s.live.Add(1)
 	s.inflight.add(r)
 	r.trace = s.trace.start(ctx, r)
 	return r
@@ -71,6 +80,7 @@ func (r *request) release() {
 	if r.refs.Add(-1) == 0 {
 		r.s.inflight.remove(r)
 		r.cancel(context.Canceled)
+		r.s.live.Add(-1)
 	}
 }
 
@@ -91,6 +101,17 @@ func (r *request) cancel(cause error) { r.scope.cancel(cause) }
 func (r *request) clientLeft() { r.cancel(errClientGone) }
 
 func (r *request) clientGone() bool { return r.scope.Cause() == errClientGone }
+
+// settle returns once the legs of the failed attempt are closed and their
+// engines have answered the aborts (each bounded by --abort-timeout), so
+// that no abort of it can reach the next.
+func (r *request) settle() {
+	if r.prev != nil {
+		<-r.prev.done
+		r.prev = nil
+	}
+	r.aborts.Wait()
+}
 
 // observeFirstByte records the router-side time to first byte.
 func (r *request) observeFirstByte() {

@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -76,6 +77,8 @@ type Server struct {
 	cancelBase context.CancelFunc
 	background sync.WaitGroup // prefill legs that outlive their handler, engine aborts
 	aborts     engineAborts
+	large      largeBodies  // hands large bodies' memory back (body.go)
+	live       atomic.Int64 // generation requests not yet released (request.go)
 	pdm        *pdMetrics
 	trace      *tracer // nil: tracing off (trace.go)
 }
@@ -143,6 +146,8 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		Handler:                       s.handle,
 		Name:                          "pdrouter",
 		MaxRequestBodySize:            cfg.MaxPayloadSize,
+		StreamRequestBody:             !cfg.PDDisaggregation, // regular mode reads bodies at their size (body.go)
+		ExpectHandler:                 s.expectContinue,
 		ErrorHandler:                  s.transportError,
 		ReadBufferSize:                cfg.MaxHeaderSize, // the whole head must fit
 		ReadTimeout:                   cfg.HeaderReadTimeout,
@@ -233,12 +238,26 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	err := s.srv.ShutdownWithContext(ctx)
 	s.cancelBase()
 	s.inflight.close()
+	s.awaitRequests(s.cfg.AbortTimeout + time.Second)
+	s.aborts.close()
 	s.background.Wait()
 	s.trace.shutdown()
+	s.large.stop()
 	s.manager.Stop()
 	s.infoCalls.CloseIdleConnections()
 	s.upstream.close()
 	return err
+}
+
+// awaitRequests gives the requests cancelled at shutdown up to d to end,
+// so that the engine aborts their legs send start before Shutdown stops
+// aborts. A stream blocked writing to a client that stopped reading may
+// outlast d (until --request-timeout-secs); its abort is then dropped.
+func (s *Server) awaitRequests(d time.Duration) {
+	deadline := time.Now().Add(d)
+	for s.live.Load() > 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // Registry exposes the worker registry (tests, admin).
@@ -285,6 +304,12 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		return
 	}
 	if s.cors(ctx) {
+		return
+	}
+	if e := s.readBody(ctx); e != nil {
+		writeError(ctx, e)
+		ctx.SetConnectionClose() // the rest of the body is not read
+		s.metrics.observeHTTP(method, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 		return
 	}
 	var label string

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -14,6 +15,7 @@ import (
 // response body (streamRelay), which now owns the leg. a is nil in regular
 // mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
+	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
 	l.resp.awaitBody()
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
@@ -31,6 +33,10 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 		a.abandon()
 		if r.clientGone() {
 			return nil, false
+		}
+		if err == errStreamIdle { // not retried: the request ends, and both engines hear an abort
+			r.cancel(errStreamIdle)
+			return s.streamIdle(l), false
 		}
 		return &apiError{Status: 502, Code: l.w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
 	}
@@ -50,13 +56,20 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	copyHeaders(ctx, l.resp)
 	ctx.SetContentType("text/event-stream")
 	first := (*bufp)[:n]
+	sr := &streamRelay{r: r, leg: l, attempt: a, bufp: bufp, readErr: err, merge: merge}
+	sr.see(first)
 	if merge != nil {
 		first = merge.feed(first)
 	}
-	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
-	ctx.Response.SetBodyStream(&streamRelay{r: r, leg: l, attempt: a, bufp: bufp,
-		pending: first, readErr: err, merge: merge}, -1)
+	sr.pending = first
+	ctx.Response.SetBodyStream(sr, -1)
 	return nil, true
+}
+
+// streamIdle is the error of a stream whose worker went silent.
+func (s *Server) streamIdle(l *leg) *apiError {
+	return &apiError{Status: 504, Code: "stream_idle_timeout", sse: true,
+		Message: "no data from the " + l.w.Type.String() + " worker for " + s.cfg.StreamIdleTimeout.String()}
 }
 
 // readSome reads until it gets at least one byte or an error.
@@ -86,6 +99,34 @@ type streamRelay struct {
 	ended   bool // the last bytes are pending: nothing more to read
 	closed  bool
 	first   [1]byte // WriteTo's wait for the next event reads its first byte here
+
+	tail  [16]byte // the last bytes the worker sent (see)
+	tailN int
+}
+
+// errUnframedEnd ends a stream without HTTP framing that the worker closed
+// before [DONE]: its close is then no end but a failure.
+var errUnframedEnd = errors.New("the worker closed its stream before [DONE]")
+
+// see keeps the last bytes of the worker's stream.
+func (sr *streamRelay) see(b []byte) {
+	if len(b) >= len(sr.tail) {
+		sr.tailN = copy(sr.tail[:], b[len(b)-len(sr.tail):])
+		return
+	}
+	keep := min(sr.tailN, len(sr.tail)-len(b))
+	copy(sr.tail[:keep], sr.tail[sr.tailN-keep:sr.tailN])
+	sr.tailN = keep + copy(sr.tail[keep:], b)
+}
+
+// cleanEnd reports whether the worker's body ending is the stream's end: a
+// framed body ended as its framing says, an unframed one (ended by the
+// connection's close, which a crash does too) after [DONE].
+func (sr *streamRelay) cleanEnd() bool {
+	if sr.leg.resp.Header.ContentLength() != -2 {
+		return true
+	}
+	return bytes.HasSuffix(bytes.TrimRight(sr.tail[:sr.tailN], " \r\n"), []byte("data: [DONE]"))
 }
 
 // WriteTo is how fasthttp writes the stream (fasthttp.BodyWriterTo, instead
@@ -152,6 +193,7 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 	}
 	sr.readErr = err
 	sr.attempt.scanDecode(buf[:n])
+	sr.see(buf[:n])
 	return buf[:n], bufp
 }
 
@@ -199,6 +241,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 			n, sr.readErr = sr.leg.resp.readBuffered(buf, n)
 		}
 		sr.attempt.scanDecode(buf[:n])
+		sr.see(buf[:n])
 		if n > 0 {
 			if sr.merge != nil {
 				return sr.merge.feed(buf[:n])
@@ -211,15 +254,17 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	}
 	sr.ended = true
 	if sr.readErr == io.EOF {
-		return nil
+		if sr.cleanEnd() {
+			return nil
+		}
+		sr.readErr = errUnframedEnd
 	}
 	sr.leg.bodyFailed()
 	if sr.readErr == errStreamIdle {
 		// The worker is blamed (bodyFailed, above); ending the request
 		// now cancels prefill too, and both engines hear an abort.
 		sr.r.cancel(errStreamIdle)
-		return (&apiError{Status: 504, Code: "stream_idle_timeout", Message: "no data from the " + sr.leg.w.Type.String() +
-			" worker for " + sr.r.s.cfg.StreamIdleTimeout.String()}).sseFrame()
+		return sr.r.s.streamIdle(sr.leg).sseFrame()
 	}
 	e := sr.attempt.failure()
 	if e == nil {
@@ -230,8 +275,11 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		e = &apiError{Status: 502, Code: sr.leg.w.Type.String() + "_stream_error", Message: "Upstream stream ended early: " + sr.readErr.Error()}
 		// A cancelled read fails with the connection's deadline error; the
 		// request's scope says whether the request timeout was the reason.
-		if errors.Is(sr.r.scope.Cause(), context.DeadlineExceeded) {
+		switch cause := sr.r.scope.Cause(); {
+		case errors.Is(cause, context.DeadlineExceeded):
 			e = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out while streaming"}
+		case cause == errShuttingDown:
+			e = shuttingDown()
 		}
 	}
 	return e.sseFrame()

@@ -2,6 +2,7 @@ package router
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -13,7 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
+	"go.uber.org/zap"
 )
 
 // rawChunk frames payload as one HTTP chunk.
@@ -217,4 +220,67 @@ func heapInUse() int64 {
 	var m runtime.MemStats
 	runtime.ReadMemStats(&m)
 	return int64(m.HeapInuse)
+}
+
+// Issue 26 item 9: a stream with no HTTP framing that the worker ends by
+// closing its connection before [DONE] reached the client as a clean end.
+// The client now gets an SSE error event instead.
+func TestUnframedStreamClosedEarlyIsAnError(t *testing.T) {
+	e := startLegEnv(t, legRegularConfig(legWorker(t, sseUnframed)))
+	status, body, err := e.post(t, t.Context(), `{"text":"x","stream":true}`)
+	if err != nil || status != 200 || !strings.Contains(body, `data: {"text":"a"}`) || !strings.Contains(body, `"code":"regular_stream_error"`) {
+		t.Fatalf("status %d err %v: %q; want the event, then an SSE error", status, err, body)
+	}
+}
+
+// Issue 26 item 9: a stream still open when the shutdown grace period ends
+// got an SSE error blaming the worker ("Upstream stream ended early:
+// context canceled"); it now says the router is shutting down.
+func TestStreamCutByShutdownSaysSo(t *testing.T) {
+	cfg := legRegularConfig(legWorker(t, sseThenHang))
+	cfg.Policy = "round_robin"
+	cfg.Manager.Health.Disabled = true
+	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := serveOnLoopback(t, srv)
+	waitFor(t, srv.manager.Ready)
+	resp, err := http.Post(base+"/generate", "application/json", strings.NewReader(`{"text":"x","stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	if _, err := br.ReadString('\n'); err != nil { // the first event
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	srv.Shutdown(ctx) //nolint:errcheck // the grace period ends with the stream open
+	rest, _ := io.ReadAll(br)
+	if !strings.Contains(string(rest), `"code":"server_shutting_down"`) || strings.Contains(string(rest), "stream_error") {
+		t.Fatalf("stream ended with %q; want an SSE error naming the shutdown", rest)
+	}
+}
+
+// Issue 26: the stream idle timeout did not cover the wait for the first
+// event, so a worker that sent its stream's head and then nothing held the
+// request until the request timeout. It now ends it at the idle timeout.
+func TestStreamIdleTimeoutCoversTheFirstEvent(t *testing.T) {
+	headOnly := func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+	}
+	cfg := legRegularConfig(legWorker(t, headOnly))
+	cfg.StreamIdleTimeout = 200 * time.Millisecond
+	e := startLegEnv(t, cfg)
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	status, body, err := e.post(t, ctx, `{"text":"x","stream":true}`)
+	if err != nil || status != 504 || !strings.Contains(body, `"code":"stream_idle_timeout"`) {
+		t.Fatalf("status %d err %v: %q; want a 504 stream_idle_timeout", status, err, body)
+	}
 }

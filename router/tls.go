@@ -3,10 +3,12 @@ package router
 import (
 	"crypto/tls"
 	"errors"
+	"io"
 	"net"
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -92,7 +94,7 @@ type tlsErrorLog struct {
 
 func (t *tlsErrorLog) RoundTrip(r *http.Request) (*http.Response, error) {
 	resp, err := t.base.RoundTrip(r)
-	if err != nil && isTLSError(err) && t.due(r.URL.Host) {
+	if err != nil && (isTLSError(err) || r.URL.Scheme == "https" && droppedHandshake(err)) && t.due(r.URL.Host) {
 		t.log.Error("worker TLS failed: check --ca-cert-paths, --client-cert-path and the worker's certificate",
 			zap.String("worker", r.URL.Scheme+"://"+r.URL.Host), zap.Error(err))
 	}
@@ -110,6 +112,12 @@ func (t *tlsErrorLog) due(host string) bool {
 	}
 	t.last[host] = time.Now()
 	return true
+}
+
+// droppedHandshake is a connection closed without a TLS alert before any
+// reply: an mTLS worker may drop a client that sent no certificate so.
+func droppedHandshake(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
 }
 
 func isTLSError(err error) bool {

@@ -53,12 +53,7 @@ func (c TraceConfig) validTrace() error {
 	if !c.Enabled {
 		return nil
 	}
-	hostPort := c.Endpoint
-	for _, scheme := range []string{"http://", "https://"} {
-		hostPort = strings.TrimPrefix(hostPort, scheme)
-	}
-	hostPort, _, _ = strings.Cut(hostPort, "/")
-	host, port, err := net.SplitHostPort(hostPort)
+	host, port, err := net.SplitHostPort(c.hostPort())
 	if err != nil || host == "" {
 		return invalid("otlp_traces_endpoint %q: expected <host>:<port>, e.g. otel-collector:4317", c.Endpoint)
 	}
@@ -66,6 +61,16 @@ func (c TraceConfig) validTrace() error {
 		return invalid("otlp_traces_endpoint %q: port must be a number between 1 and 65535", c.Endpoint)
 	}
 	return nil
+}
+
+// hostPort is the collector's address, without the URL's scheme or path.
+func (c TraceConfig) hostPort() string {
+	hostPort := c.Endpoint
+	for _, scheme := range []string{"http://", "https://"} {
+		hostPort = strings.TrimPrefix(hostPort, scheme)
+	}
+	hostPort, _, _ = strings.Cut(hostPort, "/")
+	return hostPort
 }
 
 // endpointURL is the endpoint as the gRPC exporter takes it: a bare
@@ -83,6 +88,9 @@ type tracer struct {
 	provider *sdktrace.TracerProvider
 	t        trace.Tracer
 	prop     propagation.TraceContext
+
+	exp       sdktrace.SpanExporter
+	collector string // host:port
 }
 
 // newTracer starts the OTLP exporter (it connects lazily: a collector that
@@ -101,17 +109,29 @@ func newTracer(cfg TraceConfig, log *zap.Logger) (*tracer, error) {
 		sdktrace.WithBatcher(exp, sdktrace.WithBatchTimeout(500*time.Millisecond), sdktrace.WithMaxExportBatchSize(64)),
 		sdktrace.WithResource(resource.NewSchemaless(semconv.ServiceName("pdrouter"))),
 	)
-	return &tracer{log: log, provider: provider, t: provider.Tracer("github.com/pdrouter/pdrouter/router")}, nil
+	return &tracer{log: log, provider: provider, t: provider.Tracer("github.com/pdrouter/pdrouter/router"),
+		exp: exp, collector: cfg.hostPort()}, nil
 }
 
 // shutdown exports what is buffered, within a bounded time (the shutdown's
-// own deadline may be spent by then); what it could not send is logged.
+// own deadline may be spent by then); what it could not send is logged. A
+// collector that does not take a connection gets no wait: the exporter
+// would spend all of it retrying (5 s added to every shutdown), so it is
+// shut first, which ends the export it is retrying.
 func (t *tracer) shutdown() {
 	if t == nil {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	if c, err := net.DialTimeout("tcp", t.collector, 250*time.Millisecond); err == nil {
+		c.Close()
+	} else {
+		// Past this the exporter cancels the exports under way.
+		stop, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		t.exp.Shutdown(stop) //nolint:errcheck // the provider's shutdown says what was lost
+	}
 	if err := t.provider.Shutdown(ctx); err != nil {
 		t.log.Warn("traces not exported at shutdown", zap.Error(err))
 	}

@@ -297,3 +297,34 @@ func TestWithoutTraceContext(t *testing.T) {
 		t.Errorf("got %q", got)
 	}
 }
+
+// Issue 26: an unreachable OTLP collector added up to 5 s to shutdown,
+// spent waiting to export spans that could not go anywhere.
+func TestUnreachableCollectorDoesNotDelayShutdown(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := ln.Addr().String()
+	ln.Close() // nothing listens there now
+	w := legWorker(t, answer(200))
+	cfg := legRegularConfig(w)
+	cfg.Trace = TraceConfig{Enabled: true, Endpoint: gone}
+	base, srv := serveInProcess(t, cfg)
+	for range 3 { // spans waiting for export
+		resp, err := http.Post(base+"/generate", "application/json", strings.NewReader(`{"text":"x"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	time.Sleep(time.Second) // a batch export has been tried
+	http.DefaultClient.CloseIdleConnections()
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	srv.Shutdown(ctx) //nolint:errcheck
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("shutdown took %v with the collector unreachable", took)
+	}
+}

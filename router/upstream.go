@@ -105,9 +105,14 @@ type upstreamResponse struct {
 	// long fails with errStreamIdle. idleUntil is the read deadline set.
 	idle      time.Duration
 	idleUntil time.Time
+	idleGone  bool // awaitBody's wait ran out: the next read fails with errStreamIdle
 }
 
 func (r *upstreamResponse) Read(p []byte) (int, error) {
+	if r.idleGone {
+		r.failed = true
+		return 0, errStreamIdle
+	}
 	if r.idle > 0 {
 		r.armIdle()
 	}
@@ -154,7 +159,11 @@ func (r *upstreamResponse) armIdle() {
 // is left to the read that follows, which meets it again.
 func (r *upstreamResponse) awaitBody() {
 	if cl := r.Header.ContentLength(); r.conn != nil && (cl == -1 || cl > 0) {
-		_, _ = r.conn.br.Peek(1)
+		if r.idle > 0 { // the idle timeout covers the wait for the first byte
+			r.armIdle()
+		}
+		_, err := r.conn.br.Peek(1)
+		r.idleGone = err != nil && r.idle > 0 && !time.Now().Before(r.idleUntil) && r.scope.Cause() == nil
 	}
 }
 
@@ -272,7 +281,7 @@ func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extr
 				if cause := sc.Cause(); cause != nil { // say why the dial was cut short
 					return nil, cause
 				}
-				return nil, err
+				return nil, dialError{err}
 			}
 			conn = &upConn{c: c, br: bufio.NewReaderSize(c, upReadBuffer), addr: addr}
 		}
@@ -285,6 +294,12 @@ func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extr
 		return resp, err
 	}
 }
+
+// dialError is a send that failed before a connection to the worker
+// existed: the engine never saw the request.
+type dialError struct{ error }
+
+func (e dialError) Unwrap() error { return e.error }
 
 func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
 	fail := func(err error) (*upstreamResponse, error) {

@@ -62,16 +62,16 @@ if [ "$RUST" = 1 ]; then
 fi
 declare -A KIND_LABEL=([pdrouter]=pdrouter [sglang]=sglang-router [smg]=smg)
 
-# Every stream holds a client socket and a decode socket in the router, so N streams need 2N file
-# descriptors there, plus a reserve for listeners, the prefill legs of arriving streams and pooled
-# idle sockets: pdrouter's default --max-connections is what the limit holds that way
-# ((limit - min(max(limit/64, 64), 4096)) / 2, router/limits.go). Take the hard limit, and run
+# Every PD request holds a client socket, a decode socket and, until prefill answers, a prefill
+# socket in the router, so N clients need 3N file descriptors there, plus a reserve for listeners,
+# probes and pooled idle sockets: pdrouter's default --max-connections is what the limit holds that
+# way ((limit - min(max(limit/64, 64), 4096)) / 3 in PD mode, router/limits.go). Take the hard limit, and run
 # that many big streams (in hundreds) if BIG_STREAMS do not fit (a process without
 # CAP_SYS_RESOURCE cannot raise it; the run says so).
 ulimit -n "$(ulimit -Hn)"
 FD_LIMIT=$(ulimit -n)
 FD_RESERVE=$((FD_LIMIT / 64 < 64 ? 64 : FD_LIMIT / 64 > 4096 ? 4096 : FD_LIMIT / 64))
-BIG_FIT=$(((FD_LIMIT - FD_RESERVE) / 2 / 100 * 100))
+BIG_FIT=$(((FD_LIMIT - FD_RESERVE) / 3 / 100 * 100))
 BIG_RUN=$BIG_STREAMS
 if ((BIG_STREAMS > BIG_FIT)); then
 	BIG_RUN=$BIG_FIT
@@ -497,7 +497,7 @@ if ((BIG_RUN < BIG_STREAMS)); then
 	targets+=" (${ST_PEAK_FDS[pdrouterbig]} for ${ST_PEAK[pdrouterbig]} open) and never fewer than 2 (client and decode sockets),"
 	targets+=" so this machine's hard open-file limit, $FD_LIMIT (not raisable without CAP_SYS_RESOURCE), holds at most"
 	targets+=" $(((FD_LIMIT - ${ST_IDLE_FDS[pdrouterbig]}) / 2)) streams through one router process, and its default --max-connections admits"
-	targets+=" $(((FD_LIMIT - FD_RESERVE) / 2)) clients, keeping $FD_RESERVE descriptors for prefill legs and pools;"
+	targets+=" $(((FD_LIMIT - FD_RESERVE) / 3)) clients, with a prefill socket each and $FD_RESERVE descriptors for pools;"
 	targets+=" at $(per_stream_kib pdrouterbig) KiB per stream, 10000 streams would take"
 	targets+=" $(awk -v i="${ST_IDLE[pdrouterbig]}" -v k="$(per_stream_kib pdrouterbig)" 'BEGIN {printf "%.0f", (i + 10000 * k) / 1024}') MiB)."
 else

@@ -7,8 +7,8 @@
 #   scripts/bench-streams.sh OLD_PDROUTER NEW_PDROUTER
 #
 # Knobs (environment): BIN (bin: mockworker, pdbench); COUNTS ("1000 N", N the most streams the
-# hard open-file limit holds through pdrouter's default --max-connections, in hundreds: 9800 at
-# 20,000); RATE for each count above 1000 (2000/s; 1000 and fewer open at once); TOKENS (256) per
+# hard open-file limit holds through pdrouter's default --max-connections, in hundreds: 6500 at
+# 20,000, three descriptors a PD client); RATE for each count above 1000 (2000/s; 1000 and fewer open at once); TOKENS (256) per
 # stream; TOKEN_DELAY (10ms for 1000 and fewer, BIG_TOKEN_DELAY 40ms above, so that all are open
 # together); above 1000 the first token comes after FIRST_TOKEN (twice the largest count's
 # arrivals + 5 s; as in bench-router.sh, so that the decode worker is not generating while they
@@ -22,7 +22,7 @@ BIN=${BIN:-bin}
 ulimit -n "$(ulimit -Hn)"
 FD_LIMIT=$(ulimit -n)
 FD_RESERVE=$((FD_LIMIT / 64 < 64 ? 64 : FD_LIMIT / 64 > 4096 ? 4096 : FD_LIMIT / 64))
-COUNTS=${COUNTS:-1000 $(((FD_LIMIT - FD_RESERVE) / 2 / 100 * 100))}
+COUNTS=${COUNTS:-1000 $(((FD_LIMIT - FD_RESERVE) / 3 / 100 * 100))}
 RATE=${RATE:-2000}
 TOKENS=${TOKENS:-256}
 TOKEN_DELAY=${TOKEN_DELAY:-10ms}

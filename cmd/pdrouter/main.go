@@ -79,7 +79,7 @@ func serve(cfg router.Config, discovery *discoveryOptions, log *zap.Logger) erro
 	} else {
 		max := cfg.MaxConnections
 		if max == 0 {
-			max = router.DefaultMaxConnections(soft)
+			max = router.DefaultMaxConnections(soft, cfg.PDDisaggregation)
 		}
 		log.Info("open-file limit", zap.Uint64("soft", soft), zap.Uint64("hard", hard), zap.Int("max_connections", max))
 	}

@@ -71,3 +71,42 @@ func RIDs(val []byte, batch, limit int, fn func(rid []byte)) {
 		}
 	}
 }
+
+// SuffixRID returns a rid value with suffix appended to the id it names: a
+// string gets it before its closing quote, an array on each string element
+// (escapes kept as they are). Any other value names no id: nil.
+func SuffixRID(val []byte, suffix string) []byte {
+	if len(val) < 2 {
+		return nil
+	}
+	switch val[0] {
+	case '"':
+		out := make([]byte, 0, len(val)+len(suffix))
+		out = append(out, val[:len(val)-1]...)
+		return append(append(out, suffix...), '"')
+	case '[':
+		out := make([]byte, 0, len(val)+8*len(suffix))
+		s := scanner{b: val, i: 1}
+		last := 0
+		for {
+			s.skipWS()
+			if s.i >= len(s.b) || s.b[s.i] == ']' {
+				return append(out, val[last:]...)
+			}
+			start := s.i
+			if s.value(1) != nil {
+				return nil
+			}
+			if s.b[start] == '"' {
+				out = append(out, val[last:s.i-1]...)
+				out = append(append(out, suffix...), '"')
+				last = s.i
+			}
+			s.skipWS()
+			if s.i < len(s.b) && s.b[s.i] == ',' {
+				s.i++
+			}
+		}
+	}
+	return nil
+}

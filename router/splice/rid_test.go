@@ -1,6 +1,7 @@
 package splice
 
 import (
+	"bytes"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -69,4 +70,42 @@ func TestInspectRecordsRID(t *testing.T) {
 	if got := string(body[info.RID.Start:info.RID.End]); got != `"r1"` {
 		t.Fatalf("rid span %q", got)
 	}
+}
+
+func TestSuffixRID(t *testing.T) {
+	for in, want := range map[string]string{
+		`"abc"`:           `"abc-retry1"`,
+		`"a\"b"`:          `"a\"b-retry1"`,
+		`["a", 7, "b\\"]`: `["a-retry1", 7, "b\\-retry1"]`,
+		`[]`:              `[]`,
+		`7`:               ``,
+		`{"x":1}`:         ``,
+		`["a",`:           `["a-retry1",`,
+	} {
+		if got := string(SuffixRID([]byte(in), "-retry1")); got != want {
+			t.Errorf("SuffixRID(%s) = %s, want %s", in, got, want)
+		}
+	}
+}
+
+func FuzzSuffixRID(f *testing.F) {
+	for _, s := range []string{`"abc"`, `["a","b"]`, `[1,{"a":"b"},"c"]`, `"`, `[`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, val []byte) {
+		out := SuffixRID(val, "-x")
+		if out == nil {
+			return
+		}
+		var names, suffixed int
+		RIDs(val, 1, 1<<20, func([]byte) { names++ })
+		RIDs(out, 1, 1<<20, func(r []byte) {
+			if bytes.HasSuffix(r, []byte(`-x"`)) {
+				suffixed++
+			}
+		})
+		if suffixed != names {
+			t.Fatalf("SuffixRID(%q) = %q: %d of %d ids suffixed", val, out, suffixed, names)
+		}
+	})
 }
