@@ -96,7 +96,11 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 	l.sc = sc
 	header = l.trace.start(l, path, header)
 	l.w.AwaitReply()
-	resp, err := l.s.upstream.post(sc, l.w.BaseURL, path, body, header, l.guard)
+	post := l.s.upstream.post
+	if l.w.HTTP2 {
+		post = l.s.upstream.postH2C
+	}
+	resp, err := post(sc, l.w.BaseURL, path, body, header, l.guard)
 	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
 	if err != nil {
 		cause := sc.Cause()

@@ -66,6 +66,10 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 // meanwhile. A body of known length 0 has nothing to wait for, and an error
 // is left to the read that follows, which meets it again.
 func awaitBody(resp *upstreamResponse) {
+	if resp.h2 != nil {
+		resp.h2.peek()
+		return
+	}
 	if cl := resp.Header.ContentLength(); resp.conn != nil && (cl == -1 || cl > 0) {
 		_, _ = resp.conn.br.Peek(1)
 	}
@@ -215,7 +219,7 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 	buf[0] = sr.first[0]
 	// The rest of the event is read only if it has arrived: a read of the
 	// one byte ends mid-chunk, where a read of what is buffered cannot wait.
-	if err == nil && resp.conn.br.Buffered() > 0 {
+	if err == nil && resp.buffered() > 0 {
 		var m int
 		m, err = resp.Read(buf[n:])
 		n += m

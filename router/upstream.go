@@ -43,6 +43,8 @@ type upstream struct {
 	idleTimeout time.Duration // a connection idle this long is closed
 	localWait   time.Duration // how long a dial out of local descriptors retries
 
+	h2c *h2c // for the workers that serve h2c (upstream_h2c.go)
+
 	// endpoints are the registered workers' base URLs split once
 	// (follow), not at every request.
 	endpoints atomic.Pointer[map[string]endpoint]
@@ -58,13 +60,15 @@ type upstream struct {
 // newUpstream pools up to 500 idle connections per worker (as smg), each
 // closed after idleTimeout unused.
 func newUpstream(idleTimeout time.Duration) *upstream {
-	return &upstream{
+	u := &upstream{
 		dialer:      net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second},
 		maxIdle:     500,
 		idleTimeout: idleTimeout,
 		localWait:   time.Second,
 		idle:        map[string][]*upConn{},
 	}
+	u.h2c = newH2C(u)
+	return u
 }
 
 type upConn struct {
@@ -100,6 +104,8 @@ type upstreamResponse struct {
 	eof        bool
 	failed     bool
 
+	h2 *h2cStream // an h2c reply's stream (conn is then nil)
+
 	// idle, once set (idleTimeout), bounds every read: a reply silent that
 	// long fails with errStreamIdle. idleUntil is the read deadline set.
 	idle      time.Duration
@@ -107,6 +113,9 @@ type upstreamResponse struct {
 }
 
 func (r *upstreamResponse) Read(p []byte) (int, error) {
+	if r.h2 != nil {
+		return r.readH2C(p)
+	}
 	if r.idle > 0 {
 		r.armIdle()
 	}
@@ -147,6 +156,9 @@ func (r *upstreamResponse) armIdle() {
 func (r *upstreamResponse) ContentType() string { return string(r.Header.ContentType()) }
 
 func (r *upstreamResponse) Close() error {
+	if r.h2 != nil {
+		return r.closeH2C()
+	}
 	if r.conn == nil {
 		return nil
 	}
@@ -450,6 +462,7 @@ func (u *upstream) close() {
 	}
 	u.mu.Unlock()
 	u.dropIdle()
+	u.h2c.close()
 }
 
 func closeAll(conns []*upConn) {
