@@ -424,3 +424,28 @@ func TestH2CIdleStreamEndsWithOneErrorEventAndResetsTheStream(t *testing.T) {
 	}
 	waitFor(t, func() bool { return w.gone.Load() == 1 }) // its stream was reset
 }
+
+// A body larger than HTTP/2's initial 64 KiB window is sent under flow
+// control, whole, to both legs.
+func TestH2CLargeBodyReachesBothLegs(t *testing.T) {
+	base, _, p, d := h2cPD(t, mockworker.Config{}, mockworker.Config{})
+	words := strings.Repeat("w ", 300<<10/2)
+	resp, err := http.Post(base+"/generate", "application/json",
+		strings.NewReader(`{"text":"`+words+`","sampling_params":{"max_new_tokens":2}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	// The mock's decode does not wait for prefill, which may still be reading.
+	waitFor(t, func() bool { return p.Stats().Completed == 1 })
+	for name, w := range map[string]*mockworker.Server{"prefill": p, "decode": d} {
+		rs := w.Requests()
+		if len(rs) != 1 || rs[0].Proto != "HTTP/2.0" || !strings.Contains(rs[0].Body, words) {
+			t.Errorf("%s: %d requests, proto %q, body of %d bytes", name, len(rs), rs[0].Proto, len(rs[0].Body))
+		}
+	}
+}
