@@ -49,7 +49,11 @@ func newH2C(u *upstream) *h2c {
 		DialContext: func(ctx context.Context, _, addr string) (net.Conn, error) {
 			return u.dial(ctx, addr, "")
 		},
-		IdleConnTimeout:    u.idleTimeout,
+		IdleConnTimeout: u.idleTimeout,
+		// For HTTP/2 this bounds dials in progress, not connections: a
+		// burst of streams waits for the one dial instead of opening a
+		// connection each, and a new one is dialed when those are full.
+		MaxConnsPerHost:    1,
 		DisableCompression: true, // bodies pass through as the engine sent them
 		HTTP2: &http.HTTP2Config{
 			MaxReceiveBufferPerStream: h2cStreamWindow,
