@@ -132,7 +132,7 @@ func (u *upstream) postH2C(sc *scope, baseURL, path string, body *splice.Body, e
 	req = req.WithContext(ctx)
 	hr, err := u.h2c.t.RoundTrip(req)
 	if err != nil {
-		return fail(fmt.Errorf("%w: %v", errUpstreamClosed, err))
+		return fail(fmt.Errorf("%w: %w", errUpstreamClosed, err)) // outOfLocalResources reads the cause
 	}
 	st.body = hr.Body
 	resp := fasthttp.AcquireResponse()
@@ -198,7 +198,9 @@ func (r *upstreamResponse) readH2C(p []byte) (int, error) {
 func (st *h2cStream) armIdle(idle time.Duration) {
 	st.idle = idle
 	st.lastRead.Store(time.Now().UnixNano())
-	st.timer = time.AfterFunc(idle, st.checkIdle)
+	// Armed once assigned: checkIdle reads st.timer.
+	st.timer = time.AfterFunc(time.Hour, st.checkIdle)
+	st.timer.Reset(idle)
 }
 
 func (st *h2cStream) checkIdle() {

@@ -3,6 +3,7 @@ package router
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -10,12 +11,14 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 
 	"github.com/pdrouter/pdrouter/internal/mockworker"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // h2cPD runs a PD router with --upstream-http2 over a prefill and a decode
@@ -493,5 +496,26 @@ func TestH2CBurstOpensFewConnections(t *testing.T) {
 	// not held to one at a time opened 36 to 182 here.
 	if len(w.written) != streams || len(w.conns) > 8 {
 		t.Errorf("%d streams, %d engine connections opened; want at most 8", len(w.written), len(w.conns))
+	}
+}
+
+// A failed h2c dial keeps its cause: leg.send reads it to tell the
+// router's own shortage of descriptors (not the worker's fault) from a
+// worker that is down.
+func TestH2CDialErrorKeepsItsCause(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now
+	u := newUpstream(time.Second)
+	defer u.close()
+	var sc scope
+	var body splice.Body
+	body.Reset([]byte(`{}`))
+	_, err = u.postH2C(&sc, "http://"+addr, "/generate", &body, nil, nil)
+	if !errors.Is(err, syscall.ECONNREFUSED) || !errors.Is(err, errUpstreamClosed) {
+		t.Fatalf("err %v: want ECONNREFUSED inside errUpstreamClosed", err)
 	}
 }
