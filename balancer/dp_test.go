@@ -270,3 +270,15 @@ func FuzzParseServerInfo(f *testing.F) {
 		}
 	})
 }
+
+func TestParseServerInfoEnableHTTP2(t *testing.T) {
+	for body, want := range map[string]bool{
+		`{"enable_http2":true}`: true, `{"enable_http2":false}`: false, `{}`: false,
+		`{"enable_http2":"true"}`: false, `{"enable_http2":1,"served_model_name":"m"}`: false,
+	} {
+		info, err := parseServerInfo([]byte(body))
+		if err != nil || info.http2 != want {
+			t.Errorf("%s: http2 %v, %v; want %v", body, info.http2, err, want)
+		}
+	}
+}

@@ -21,6 +21,7 @@ import (
 type ManagerConfig struct {
 	PD               bool          // readiness needs a prefill and a decode worker
 	DPAware          bool          // --dp-aware: one worker per DP rank of each engine (dp_size from /server_info)
+	UpstreamHTTP2    bool          // --upstream-http2: a plain-http worker whose /server_info says enable_http2 is sent h2c
 	StartupTimeout   time.Duration // --worker-startup-timeout-secs, per worker
 	StartupInterval  time.Duration // --worker-startup-check-interval: cap of the registration poll interval
 	LoadPollInterval time.Duration // > 0 polls /get_load; 0 polls every StartupInterval (spec) once a policy reading loads is attached
@@ -279,7 +280,7 @@ func (m *Manager) register(ctx context.Context, j *job) {
 	m.setStatus(j, JobProcessing, "waiting for "+m.cfg.Health.Endpoint)
 	err := m.awaitHealthy(ctx, w)
 	var info serverInfo
-	if err == nil && (w.ModelID == "unknown" || m.cfg.DPAware) {
+	if err == nil && (w.ModelID == "unknown" || m.cfg.DPAware || m.cfg.UpstreamHTTP2) {
 		info, err = m.discover(ctx, w)
 	}
 	m.mu.Lock()
@@ -293,6 +294,7 @@ func (m *Manager) register(ctx context.Context, j *job) {
 		if w.ModelID == "unknown" { // under mu: Get may be reading the pending worker
 			w.ModelID = cmp.Or(info.model, w.ModelID)
 		}
+		w.HTTP2 = m.cfg.UpstreamHTTP2 && info.http2 && strings.HasPrefix(w.BaseURL, "http://")
 		ws := m.ranks(w, info.dpSize)
 		for _, rw := range ws {
 			m.cfg.Metrics.instrument(rw) // series only for published workers: forget removes them
@@ -354,6 +356,7 @@ func (m *Manager) awaitHealthy(ctx context.Context, w *Worker) error {
 type serverInfo struct {
 	model  string // served_model_name, else model_path; "" if neither
 	dpSize int    // dp_size; 0 when not reported
+	http2  bool   // enable_http2: the engine serves h2c beside HTTP/1.1 (SGLang's --enable-http2)
 }
 
 // maxDPSize bounds the ranks one engine may expand into (a misreporting
@@ -368,11 +371,12 @@ func parseServerInfo(body []byte) (serverInfo, error) {
 		ServedModelName any    `json:"served_model_name"` // a string, or a list in some SGLang versions
 		ModelPath       string `json:"model_path"`
 		DPSize          any    `json:"dp_size"`
+		EnableHTTP2     any    `json:"enable_http2"` // read loosely: a wrong type only means no h2c
 	}
 	if err := json.Unmarshal(body, &raw); err != nil {
 		return serverInfo{}, err
 	}
-	info := serverInfo{model: raw.ModelPath}
+	info := serverInfo{model: raw.ModelPath, http2: raw.EnableHTTP2 == true}
 	switch n := raw.ServedModelName.(type) {
 	case string:
 		info.model = cmp.Or(n, info.model)

@@ -70,6 +70,9 @@ type Worker struct {
 	// DPSize > 0 marks one rank of a data-parallel engine (--dp-aware):
 	// requests carry DPRank, in [0, DPSize), for the engine to honour.
 	DPRank, DPSize int
+	// HTTP2: requests go to this worker over HTTP/2 cleartext (h2c),
+	// multiplexed on a few connections, instead of HTTP/1.1.
+	HTTP2 bool
 
 	st      *workerState
 	Breaker *Breaker

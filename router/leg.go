@@ -99,7 +99,13 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 	l.sc = sc
 	header = l.trace.start(l, path, header)
 	l.w.AwaitReply()
-	resp, err := l.s.upstream.post(sc, l.w.BaseURL, path, body, header, l.guard)
+	var resp *upstreamResponse
+	var err error
+	if l.w.HTTP2 {
+		resp, err = l.s.upstream.postH2C(sc, l.w.BaseURL, path, body, header, l.guard)
+	} else {
+		resp, err = l.s.upstream.post(sc, l.w.BaseURL, path, body, header, l.guard)
+	}
 	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
 	if err != nil {
 		cause := sc.Cause()

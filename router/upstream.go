@@ -44,6 +44,8 @@ type upstream struct {
 	idleTimeout time.Duration // a connection idle this long is closed
 	localWait   time.Duration // how long a dial out of local descriptors retries
 
+	h2c *h2c // for the workers that serve h2c (upstream_h2c.go)
+
 	// endpoints are the registered workers' base URLs split once
 	// (follow), not at every request.
 	endpoints atomic.Pointer[map[string]endpoint]
@@ -59,13 +61,15 @@ type upstream struct {
 // newUpstream pools up to 500 idle connections per worker (as smg), each
 // closed after idleTimeout unused.
 func newUpstream(idleTimeout time.Duration) *upstream {
-	return &upstream{
+	u := &upstream{
 		dialer:      net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second},
 		maxIdle:     500,
 		idleTimeout: idleTimeout,
 		localWait:   time.Second,
 		idle:        map[string][]*upConn{},
 	}
+	u.h2c = newH2C(u)
+	return u
 }
 
 type upConn struct {
@@ -101,6 +105,8 @@ type upstreamResponse struct {
 	eof        bool
 	failed     bool
 
+	h2 *h2cStream // an h2c reply's stream (conn is then nil)
+
 	// idle, once set (idleTimeout), bounds every read: a reply silent that
 	// long fails with errStreamIdle. idleUntil is the read deadline set.
 	idle      time.Duration
@@ -112,6 +118,9 @@ func (r *upstreamResponse) Read(p []byte) (int, error) {
 	if r.idleGone {
 		r.failed = true
 		return 0, errStreamIdle
+	}
+	if r.h2 != nil {
+		return r.readH2C(p)
 	}
 	if r.idle > 0 {
 		r.armIdle()
@@ -158,6 +167,10 @@ func (r *upstreamResponse) armIdle() {
 // meanwhile. A body of known length 0 has nothing to wait for, and an error
 // is left to the read that follows, which meets it again.
 func (r *upstreamResponse) awaitBody() {
+	if r.h2 != nil {
+		r.h2.peek()
+		return
+	}
 	if cl := r.Header.ContentLength(); r.conn != nil && (cl == -1 || cl > 0) {
 		if r.idle > 0 { // the idle timeout covers the wait for the first byte
 			r.armIdle()
@@ -168,8 +181,13 @@ func (r *upstreamResponse) awaitBody() {
 }
 
 // buffered reports whether r's connection holds bytes already received:
-// a read of them cannot wait for the network.
-func (r *upstreamResponse) buffered() bool { return r.conn != nil && r.conn.br.Buffered() > 0 }
+// a read of them cannot wait for the network. An h2c reply's body is read
+// from its stream's buffer, into which DATA frames arrive whole, so after
+// a byte of one the rest of it is there (a frame of one byte then makes
+// the next read wait, holding its buffer, which costs memory only).
+func (r *upstreamResponse) buffered() bool {
+	return r.h2 != nil || (r.conn != nil && r.conn.br.Buffered() > 0)
+}
 
 // readBuffered adds to buf[:n], which the last read of r filled short of
 // its end, the chunks that r's connection has already received, as long
@@ -236,6 +254,9 @@ func unhex(c byte) int {
 func (r *upstreamResponse) ContentType() string { return string(r.Header.ContentType()) }
 
 func (r *upstreamResponse) Close() error {
+	if r.h2 != nil {
+		return r.closeH2C()
+	}
 	if r.conn == nil {
 		return nil
 	}
@@ -545,6 +566,7 @@ func (u *upstream) close() {
 	}
 	u.mu.Unlock()
 	u.dropIdle()
+	u.h2c.close()
 }
 
 func closeAll(conns []*upConn) {

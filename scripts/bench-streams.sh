@@ -12,7 +12,9 @@
 # stream; TOKEN_DELAY (10ms for 1000 and fewer, BIG_TOKEN_DELAY 40ms above, so that all are open
 # together); above 1000 the first token comes after FIRST_TOKEN (twice the largest count's
 # arrivals + 5 s; as in bench-router.sh, so that the decode worker is not generating while they
-# arrive) and each stream may take TIMEOUT (300s); ROUNDS (1).
+# arrive) and each stream may take TIMEOUT (300s); ROUNDS (1); WORKER_FLAGS, given to every
+# mockworker (--enable-http2: they serve h2c too, for a NEW_PDROUTER run with --upstream-http2,
+# e.g. a script that execs pdrouter --upstream-http2 "$@").
 # Prints one line per run; per-stream figures are (peak − idle) / peak open streams.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +40,7 @@ worker() { # VAR ROLE [flags]
 	local var=$1 role=$2 port
 	shift 2
 	port=$(free_port)
-	"$BIN/mockworker" --role "$role" --port "$port" --record-requests -1 "$@" >"$T/mw-$port.log" 2>&1 &
+	"$BIN/mockworker" --role "$role" --port "$port" --record-requests -1 ${WORKER_FLAGS:-} "$@" >"$T/mw-$port.log" 2>&1 &
 	pids+=($!)
 	until http_ok "$port" /health; do sleep 0.1; done
 	printf -v "$var" %s "$port"

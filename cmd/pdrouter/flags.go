@@ -60,6 +60,7 @@ func newParser() (*cli.Parser, *options) {
 	p.String(r, "assignment-mode", &po.AssignmentMode, "How the manual policy assigns new routing keys", balancer.AssignmentModes()...)
 	p.Int(r, "max-payload-size", &c.MaxPayloadSize, "Maximum request body in bytes (larger is a 413)")
 	p.Bool(r, "dp-aware", &m.DPAware, "Route to each data-parallel rank of an engine as its own worker (dp_size from /server_info)")
+	p.Bool(r, "upstream-http2", &m.UpstreamHTTP2, "Send requests over HTTP/2 cleartext (h2c, multiplexed) to each plain-http worker whose /server_info reports enable_http2; HTTP/1.1 to the others")
 	p.Bool(r, "allow-requests-without-routing-key", &o.ignoredBool, "Allow keyless requests under consistent_hashing/manual").Ignored = true
 
 	p.Bool(pd, "mini-lb", &o.ignoredBool, "Use the Python MiniLB").Ignored = true

@@ -82,6 +82,10 @@ type Config struct {
 	ReportTransferMS float64
 
 	TLS *TLS // nil = plain HTTP
+	// HTTP2 serves HTTP/2 cleartext (prior knowledge) beside HTTP/1.1 on
+	// the same port and reports enable_http2 in /server_info, as SGLang's
+	// --enable-http2.
+	HTTP2 bool
 
 	// Exit is called for CrashOnRequest; nil = os.Exit. Tests replace it.
 	Exit func(code int)
@@ -215,6 +219,7 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs.IntVar(&c.Engine.DPSize, "dp-size", 0, "dp_size in /server_info, the DP ranks requests may name (default 1)")
 	fs.StringVar(&c.Engine.TransferBackend, "transfer-backend", "", "disaggregation_transfer_backend in /server_info (default mooncake)")
 	var tlsFlags TLS
+	fs.BoolVar(&c.HTTP2, "enable-http2", false, "serve h2c (HTTP/2 cleartext) beside HTTP/1.1 and report enable_http2 in /server_info")
 	fs.StringVar(&tlsFlags.CertFile, "tls-cert", "", "serve HTTPS with this PEM certificate (needs --tls-key)")
 	fs.StringVar(&tlsFlags.KeyFile, "tls-key", "", "PEM private key of --tls-cert")
 	fs.StringVar(&tlsFlags.ClientCAFile, "tls-client-ca", "", "require client certificates signed by this PEM CA (mTLS)")

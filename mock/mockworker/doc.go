@@ -41,6 +41,8 @@
 //	--no-server-info               GET /server_info answers 404 (/get_server_info only)
 //	--no-dp-size                   dp_size left out of both info replies
 //	--fail-dp-rank N               requests run on DP rank N answer 500 (-1: none)
+//	--enable-http2                 serve h2c beside HTTP/1.1 on the port (prior
+//	                               knowledge); /server_info reports enable_http2
 //	--tls-cert F --tls-key F       serve HTTPS (URL() is then https://)
 //	--tls-client-ca F              and require client certificates signed by F (mTLS)
 //

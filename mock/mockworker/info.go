@@ -81,6 +81,7 @@ func (s *Server) serverInfo(w http.ResponseWriter, _ *http.Request) {
 		"page_size":                       s.cfg.Engine.PageSize,
 		"kv_cache_dtype":                  s.cfg.Engine.KVCacheDtype,
 		"disaggregation_transfer_backend": s.cfg.Engine.TransferBackend,
+		"enable_http2":                    s.cfg.HTTP2,
 		"host":                            s.cfg.Host,
 		"port":                            s.ln.Addr().(*net.TCPAddr).Port,
 		"worker_id":                       s.workerID,

@@ -35,6 +35,10 @@ type RecordedRequest struct {
 	StartedUnixNano     int64           `json:"started_unix_nano"`
 	Finished            string          `json:"finished,omitempty"` // "" while in flight
 	FinishedUnixNano    int64           `json:"finished_unix_nano,omitempty"`
+	// Proto is HTTP/1.1 or HTTP/2.0; Remote the client's host:port, one
+	// per connection.
+	Proto  string `json:"proto"`
+	Remote string `json:"remote_addr"`
 }
 
 // Stats counts generation requests since start or the last Reset.
@@ -75,6 +79,8 @@ func (rc *recorder) start(r *http.Request) *RecordedRequest {
 	rec := &RecordedRequest{
 		Path:            r.URL.Path,
 		Method:          r.Method,
+		Proto:           r.Proto,
+		Remote:          r.RemoteAddr,
 		Headers:         make(map[string]string, len(r.Header)+1),
 		StartedUnixNano: time.Now().UnixNano(),
 	}

@@ -84,6 +84,12 @@ func Start(cfg Config) (*Server, error) {
 		ReadHeaderTimeout: 10 * time.Second,
 		BaseContext:       func(net.Listener) context.Context { return baseCtx },
 	}
+	if cfg.HTTP2 {
+		var p http.Protocols
+		p.SetHTTP1(true)
+		p.SetUnencryptedHTTP2(true)
+		s.srv.Protocols = &p
+	}
 	go func() {
 		defer close(s.done)
 		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
