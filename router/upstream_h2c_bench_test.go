@@ -6,8 +6,6 @@ import (
 	"net/http"
 	"strconv"
 	"testing"
-
-	"github.com/valyala/fasthttp"
 )
 
 // cannedH2CBackend is cannedBackend served by net/http with h2c beside
@@ -58,24 +56,7 @@ func benchH2C(b *testing.B, stream, http2 bool) {
 	base, srv := serveInProcess(b, cfg)
 	url := base + "/generate"
 	body := []byte(`{"text":"The quick brown fox jumps over the lazy dog","sampling_params":{"max_new_tokens":4},"stream":` + strconv.FormatBool(stream) + `}`)
-	c := &fasthttp.Client{}
-	b.ReportAllocs()
-	b.ResetTimer()
-	b.RunParallel(func(pb *testing.PB) {
-		req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-		defer fasthttp.ReleaseRequest(req)
-		defer fasthttp.ReleaseResponse(resp)
-		for pb.Next() {
-			req.SetRequestURI(url)
-			req.Header.SetMethod("POST")
-			req.SetBody(body)
-			if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
-				b.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
-			}
-		}
-	})
-	b.StopTimer()
-	_ = srv.Shutdown(b.Context())
+	benchPosts(b, srv, url, body)
 }
 
 // PD over the same net/http backends, HTTP/1.1 then h2c (client, router
