@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-vllm bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu chaos soak
+.PHONY: build test run bench bench-vllm bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu bench-nixl-gpu chaos soak
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -73,6 +73,13 @@ cuda-bundle:
 # scripts/bench-kv-gpu.sh there (results in $$OUT or bench/out/kv-gpu.json).
 bench-kv-gpu: cuda-bundle
 	@echo "bundle ready: run scripts/bench-kv-gpu.sh on the GPU machine with bin/cuda carried"
+
+# bench-nixl-gpu builds kvproxy with CUDA and a trimmed NIXL 1.5.1 (bin/nixl);
+# on the GPU machine run scripts/bench-nixl-gpu.sh carrying
+# bin/cuda/bin/kvproxy, bin/cuda/lib and bin/nixl.
+bench-nixl-gpu: cuda-bundle
+	@scripts/nixl-bundle.sh
+	@echo "bundles ready: run scripts/bench-nixl-gpu.sh on the GPU machine with bin/cuda/bin/kvproxy, bin/cuda/lib and bin/nixl carried"
 
 clean:
 	rm -rf $(BIN) bench/out
