@@ -97,7 +97,9 @@ def indices(v, what):
     a = np.asarray(v)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "ui"):
         raise DescError("%s: want a 1-D list of ints" % what)
-    return a.astype(np.int64)
+    # SGLang's int32 indices are used as they are: a copy of 32k tokens'
+    # indices costs as much as planning them.
+    return a if a.dtype in (np.int32, np.int64) else a.astype(np.int64)
 
 
 def plan(src, src_idx, dst, dst_idx):
@@ -146,18 +148,21 @@ def _rows(idx, dl):
     if not 0 <= first < dl.total:
         return None
     lo = first - first % count
-    inside = (idx >= lo) & (idx < lo + count)
-    width = len(idx) if inside.all() else int(np.argmin(inside))
+    d = idx - lo
+    # Unsigned, an index below lo is past the run too: one comparison.
+    outside = d.view("u%d" % d.itemsize) >= count
+    width = int(np.argmax(outside)) if outside.any() else len(idx)
     if len(idx) % width:
         return None
-    rows = idx.reshape(-1, width)
-    if not (rows - rows[:, :1] == rows[0] - first).all():
+    rows = d.reshape(-1, width)
+    pages = rows[0]
+    if not (rows == rows[:, :1] + (pages - pages[0])).all():
         return None
     # Each row starts at the same page of its run as the first: its run's first index.
-    base = rows[:, 0] - (first - lo)
+    base = idx[::width].astype(np.int64) - (first - lo)
     if base.min() < 0 or base.max() >= dl.total or (base % count).any():
         return None
-    return base // count, rows[0] - lo
+    return base // count, pages
 
 
 def frames(client, peer, writes):
