@@ -101,9 +101,19 @@ func (l *memLink) remotePlaces(host string) []Place {
 	return places
 }
 
-// pathTo is the path from local place src into the peer's place dst.
+// pathTo is the path from local place src into the peer's place dst: host
+// memory by the plane's host path, device memory by the transport's staged
+// path (where the peer lends no staging ring, ucx falls back to DATA
+// frames and says so in the log).
 func (l *memLink) pathTo(src, dst Place) (Path, error) {
-	return choosePath(string(l.p.hostPath), src, dst, l.p.cfg.GPUs.PeerAccess)
+	tr := string(l.p.hostPath)
+	if src.Kind != wire.MemHost || dst.Kind != wire.MemHost {
+		tr = l.p.cfg.Transport.Name()
+		if l.ustage.none.Load() {
+			tr = "tcp"
+		}
+	}
+	return choosePath(tr, src, dst, l.p.cfg.GPUs.PeerAccess)
 }
 
 func (l *memLink) status() LinkStatus {

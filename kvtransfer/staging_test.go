@@ -28,6 +28,9 @@ const (
 
 func newStagedPair(t *testing.T, transport string, size int, timeout time.Duration) *stagedPair {
 	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	if transport == "ucx" {
+		t.Setenv("UCX_TLS", "tcp") // the NIC-less stand-in for rc
+	}
 	gpus := newHostGPUs(t)
 	chunk := func(c *MemoryConfig) { c.StageChunk = testChunk }
 	sp := &stagedPair{gpus: gpus,
@@ -41,11 +44,50 @@ func newStagedPair(t *testing.T, transport string, size int, timeout time.Durati
 	return sp
 }
 
-// staged asserts every staging buffer of both planes is back in its pool.
+// allReturned asserts every staging buffer of both planes is back in its
+// pool (rings stay lent as long as their links).
 func (sp *stagedPair) allReturned(t *testing.T) {
 	t.Helper()
-	if a, b := sp.a.p.gpu.stagedOut(), sp.b.p.gpu.stagedOut(); a != 0 || b != 0 {
+	a, _ := sp.a.p.gpu.stagedOut()
+	b, _ := sp.b.p.gpu.stagedOut()
+	if a != 0 || b != 0 {
 		t.Fatalf("staging buffers out: %d writer, %d receiver", a, b)
+	}
+}
+
+// ringsReturned asserts no plane lends a ring any more (its links are gone).
+func (sp *stagedPair) ringsReturned(t *testing.T) {
+	t.Helper()
+	for _, m := range []*memSide{sp.a, sp.b} {
+		deadline := time.Now().Add(5 * time.Second)
+		for _, r := m.p.gpu.stagedOut(); r != 0; _, r = m.p.gpu.stagedOut() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d staging rings still lent", r)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+}
+
+// viaRing asserts how the GPU bytes crossed: over ucx by RMA into the
+// receiver's ring (no DATA frame staged by its reader), else as DATA
+// frames.
+func (sp *stagedPair) viaRing(t *testing.T, transport string) {
+	t.Helper()
+	_, rings := sp.b.p.gpu.stagedOut()
+	_, framed := sp.b.p.gpu.pools[1] // DATA frames for GPU 1 land in its pool
+	if ucx := transport == "ucx"; (rings == 1) != ucx || framed == ucx {
+		t.Fatalf("over %s: %d rings lent, DATA frames staged %t", transport, rings, framed)
+	}
+}
+
+// stagedTransports are the transports the staged path runs over.
+var stagedTransports = []string{"tcp", "shm", "ucx"}
+
+// eachTransport runs f as a subtest per transport in names.
+func eachTransport(t *testing.T, names []string, f func(t *testing.T, tr string)) {
+	for _, tr := range names {
+		t.Run(tr, func(t *testing.T) { f(t, tr) })
 	}
 }
 
@@ -60,7 +102,7 @@ func everyOther(n int, pg uint64) []Triple {
 }
 
 func TestStagedWriteAcrossHosts(t *testing.T) {
-	for _, tr := range []string{"tcp", "shm"} {
+	for _, tr := range stagedTransports {
 		t.Run(tr, func(t *testing.T) {
 			const size, pg = 4 << 20, 4096
 			sp := newStagedPair(t, tr, size, 5*time.Second)
@@ -94,6 +136,7 @@ func TestStagedWriteAcrossHosts(t *testing.T) {
 					t.Fatalf("every-other page %d wrong", i)
 				}
 			}
+			sp.viaRing(t, tr)
 			sp.allReturned(t)
 		})
 	}
@@ -102,7 +145,11 @@ func TestStagedWriteAcrossHosts(t *testing.T) {
 // Triples land in order: a later one over the same destination wins,
 // also when the two fall into different chunks.
 func TestStagedWriteKeepsOrder(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedWriteKeepsOrder)
+}
+
+func testStagedWriteKeepsOrder(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	ts := []Triple{
 		{Src: srcBase, Dst: dstBase, Len: 3 * testChunk / 2},
 		{Src: srcBase + 4*testChunk, Dst: dstBase + testChunk, Len: testChunk},
@@ -120,7 +167,7 @@ func TestStagedWriteKeepsOrder(t *testing.T) {
 // Host memory beside GPU memory: a host source into a remote GPU region,
 // and a GPU source into a remote host region.
 func TestStagedMixedKinds(t *testing.T) {
-	for _, tr := range []string{"tcp", "shm"} {
+	for _, tr := range stagedTransports {
 		t.Run(tr, func(t *testing.T) {
 			sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 			hostA, dupA := engineMemory(t, 1<<20)
@@ -141,6 +188,7 @@ func TestStagedMixedKinds(t *testing.T) {
 			if !bytes.Equal(hostB[8192:8192+300<<10], sp.src.mem[:300<<10]) {
 				t.Fatal("GPU to host: bytes differ")
 			}
+			sp.viaRing(t, tr)
 			sp.allReturned(t)
 		})
 	}
@@ -148,7 +196,11 @@ func TestStagedMixedKinds(t *testing.T) {
 
 // The write returns only once the receiver's last scatter is done.
 func TestStagedCompletesAfterLastScatter(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedCompletesAfterLastScatter)
+}
+
+func testStagedCompletesAfterLastScatter(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	entered, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	sp.gpus.onScatter = func(spans []Span) error {
@@ -181,7 +233,11 @@ func TestStagedCompletesAfterLastScatter(t *testing.T) {
 // A peer that goes away mid-transfer fails the write promptly and leaves
 // no staging buffer out on either side.
 func TestStagedPeerDiesMidTransfer(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 4<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedPeerDiesMidTransfer)
+}
+
+func testStagedPeerDiesMidTransfer(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 4<<20, 5*time.Second)
 	var once sync.Once
 	closed := make(chan error, 1)
 	sp.gpus.onGather = func([]Span) error {
@@ -198,12 +254,17 @@ func TestStagedPeerDiesMidTransfer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sp.allReturned(t)
+	sp.ringsReturned(t)
 }
 
 // A receiver stuck in a scatter times the write out; once it comes back,
 // every buffer is returned.
 func TestStagedWriteTimesOut(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 200*time.Millisecond)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedWriteTimesOut)
+}
+
+func testStagedWriteTimesOut(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 200*time.Millisecond)
 	release := make(chan struct{})
 	sp.gpus.onScatter = func([]Span) error { <-release; return nil }
 	start := time.Now()
@@ -219,12 +280,17 @@ func TestStagedWriteTimesOut(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	sp.allReturned(t)
+	sp.ringsReturned(t)
 }
 
 // A failed scatter or gather fails the write with its cause; the link
 // stays usable.
 func TestStagedCopyFailures(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedCopyFailures)
+}
+
+func testStagedCopyFailures(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	ts := []Triple{{Src: srcBase, Dst: dstBase, Len: 3 * testChunk}}
 	ctx := context.Background()
 	sp.gpus.onScatter = func([]Span) error { return errors.New("device lost") }
@@ -249,7 +315,11 @@ func TestStagedCopyFailures(t *testing.T) {
 // A destination that is not registered is dropped at the receiver and
 // reported at the fence.
 func TestStagedUnknownDestination(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedUnknownDestination)
+}
+
+func testStagedUnknownDestination(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	err := sp.a.s.Write(context.Background(), sp.b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase + 1<<20 - 4096, Len: 8192}})
 	if !errors.Is(err, ErrNotRegistered) {
 		t.Fatalf("write past the region: %v", err)

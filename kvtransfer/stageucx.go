@@ -1,0 +1,416 @@
+package kvtransfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+)
+
+// The staged path over ucx (place.go's PathStagedUCX). The receiver owns a
+// staging ring per link, pinned host memory registered with the transport
+// once when the writer first asks for it (MEM_STAGE_REQ, answered by
+// MEM_STAGE_RING with its address and key). Its slots are the writer's
+// credits. Per chunk the writer takes a free slot, puts the chunk into it
+// by RMA from a registered staging buffer of its own (gathered from GPU
+// memory while the previous chunk was on the wire) or straight from
+// registered host memory, and then names the slot's pieces in MEM_STAGED
+// on the peer link. The receiver scatters the slot into its regions in
+// link order and hands the slot back (MEM_STAGE_FREE). The write's fence
+// is answered after the last scatter, as on the tcp staged path.
+
+// stageSlots is how many slots a writer asks for: enough to keep a put, a
+// scatter and a MEM_STAGED in flight at once.
+const stageSlots = 4
+
+// maxStageSlots bounds what a receiver grants.
+const maxStageSlots = 8
+
+// stageLinkState is a link's ucx staging: the peer's ring it writes into
+// and the ring it lends the peer.
+type stageLinkState struct {
+	mu   sync.Mutex // serializes asking for the peer's ring
+	out  atomic.Pointer[peerRing]
+	none atomic.Bool // the peer has no ring to lend: DATA frames instead
+	in   *ownRing
+}
+
+// peerRing is the receiver's ring as the writer uses it.
+type peerRing struct {
+	addr    uint64
+	slotLen int
+	key     RemoteKey
+	free    chan uint32 // slots the receiver has scattered: credits
+}
+
+// ownRing is the ring this side lends its link's peer; touched only by the
+// link's reader (and by its scatterer through the batches).
+type ownRing struct {
+	pool    *stagePool
+	buf     []byte
+	reg     MemoryRegistration
+	slotLen int
+	slots   int
+}
+
+// stagedUCX reports whether writes with device memory on an end go by RMA
+// into the peer's staging ring (ucx) rather than as DATA frames.
+func (l *memLink) stagedUCX() bool {
+	return l.p.cfg.Transport.Name() == "ucx" && l.remote.WorkerAddr != nil
+}
+
+// peerRing returns the peer's ring for this link, asking for it once; nil
+// if the peer has none (the write then sends DATA frames).
+func (l *memLink) peerRing(ctx context.Context, ep MemoryEndpoint, chunk int) (*peerRing, error) {
+	st := &l.ustage
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if r := st.out.Load(); r != nil || st.none.Load() {
+		return r, nil
+	}
+	seq, ch, err := l.ask()
+	if err != nil {
+		return nil, err
+	}
+	if err := l.conn.Write(&wire.MemStageReq{Seq: seq, SlotLen: uint32(chunk), Slots: stageSlots}); err != nil {
+		l.close(err)
+		return nil, err
+	}
+	m, err := l.await(ctx, seq, ch)
+	if err != nil {
+		return nil, err
+	}
+	a, ok := m.(*wire.MemStageRing)
+	switch {
+	case !ok:
+		return nil, fmt.Errorf("%w: %s answered a staging request", wire.ErrMalformed, m.Type())
+	case a.Err != "":
+		st.none.Store(true)
+		l.p.log.Warn("peer lends no staging ring: GPU bytes to it go as DATA frames (staged-tcp)",
+			zap.String("peer", l.remote.Name), zap.String("why", a.Err))
+		return nil, nil
+	case a.Slots == 0 || a.Slots > maxStageSlots || a.SlotLen == 0 || a.SlotLen > wire.MaxDataLen || a.Addr == 0:
+		return nil, fmt.Errorf("%w: staging ring of %d slots of %d bytes", wire.ErrMalformed, a.Slots, a.SlotLen)
+	}
+	key, err := ep.Unpack(a.RKey)
+	if err != nil {
+		return nil, fmt.Errorf("unpack the peer's staging key: %w", err)
+	}
+	r := &peerRing{addr: a.Addr, slotLen: int(a.SlotLen), key: key, free: make(chan uint32, a.Slots)}
+	for i := range a.Slots {
+		r.free <- i
+	}
+	st.out.Store(r)
+	return r, nil
+}
+
+// slotFill is one slot's worth of a write: ops fill it from offset 0 on
+// (Remote is the offset in the slot until put adds the slot's address),
+// pieces say where its bytes go.
+type slotFill struct {
+	ops    []MemoryOp
+	pieces []wire.StagedPiece
+}
+
+// putSlot waits for a free slot, puts f into it and names its pieces.
+func (l *memLink) putSlot(ctx context.Context, ep MemoryEndpoint, r *peerRing, f slotFill) error {
+	var slot uint32
+	select {
+	case slot = <-r.free:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-l.gone:
+		return l.lost()
+	}
+	base := r.addr + uint64(slot)*uint64(r.slotLen)
+	for i := range f.ops {
+		f.ops[i].Key, f.ops[i].Remote = r.key, base+f.ops[i].Remote
+	}
+	if err := ep.Put(ctx, f.ops); err != nil {
+		return fmt.Errorf("put into the peer's staging slot: %w", err)
+	}
+	return l.conn.Write(&wire.MemStaged{Slot: slot, Pieces: f.pieces})
+}
+
+func (l *memLink) lost() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return fmt.Errorf("link lost: %w", l.err)
+}
+
+// sendStagedUCX is sendStaged over the peer's staging ring: gathered
+// chunks go by RMA from pool's registered buffers. Falls back to DATA
+// frames where the peer lends no ring.
+func (l *memLink) sendStagedUCX(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
+	ep, err := l.endpoint()
+	if err != nil {
+		return err
+	}
+	r, err := l.peerRing(ctx, ep, chunk)
+	if err != nil || r == nil {
+		if err == nil {
+			err = l.sendStaged(ctx, pool, chunk, runs)
+		}
+		return err
+	}
+	chunk = min(chunk, r.slotLen)
+	var gerr error
+	ack, err := l.fenced(ctx, func() error {
+		var serr error
+		serr, gerr = pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return l.putChunk(ctx, ep, r, pool, c) })
+		return serr
+	})
+	return stagedResult(ack, err, gerr)
+}
+
+// putChunk puts a gathered chunk from its registered buffer.
+func (l *memLink) putChunk(ctx context.Context, ep MemoryEndpoint, r *peerRing, pool *stagePool, c stagedChunk) error {
+	reg, err := pool.registration(l.p.mt, c.buf)
+	if err != nil {
+		return err
+	}
+	f := slotFill{pieces: make([]wire.StagedPiece, len(c.pieces))}
+	var n uint64
+	for i, p := range c.pieces {
+		f.pieces[i] = wire.StagedPiece{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}
+		n += uint64(len(p.Data))
+	}
+	f.ops = []MemoryOp{{Local: reg, Len: n}}
+	return l.putSlot(ctx, ep, r, f)
+}
+
+// putStagedHost moves host-memory runs into GPU regions of the peer over
+// its staging ring: each slot is filled by RMA straight from the runs'
+// registered memory, no copy on this side.
+func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
+	ep, err := l.endpoint()
+	if err != nil {
+		return err
+	}
+	r, err := l.peerRing(ctx, ep, l.p.cfg.StageChunk)
+	if err != nil || r == nil {
+		if err == nil {
+			err = l.putTCP(ctx, runs)
+		}
+		return err
+	}
+	ack, err := l.fenced(ctx, func() error {
+		var f slotFill
+		used := 0
+		for _, run := range runs {
+			for done := uint64(0); done < run.size; {
+				n := min(run.size-done, uint64(r.slotLen-used))
+				f.ops = append(f.ops, MemoryOp{Local: run.src.reg, LocalOff: run.srcOff + done, Remote: uint64(used), Len: n})
+				f.pieces = append(f.pieces, wire.StagedPiece{Region: run.dst.ID, Offset: run.dstOff + done, N: uint32(n)})
+				used += int(n)
+				done += n
+				if used == r.slotLen {
+					if err := l.putSlot(ctx, ep, r, f); err != nil {
+						return err
+					}
+					f, used = slotFill{}, 0
+				}
+			}
+		}
+		if used > 0 {
+			return l.putSlot(ctx, ep, r, f)
+		}
+		return nil
+	})
+	return stagedResult(ack, err, nil)
+}
+
+// stagedResult is a staged write's outcome from its fence's answer, the
+// send's error and the gather's.
+func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
+	switch {
+	case err != nil:
+		return err
+	case gerr != nil:
+		return fmt.Errorf("gather: %w", gerr)
+	case ack.Err != "":
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
+}
+
+// stageFreed takes a slot the peer handed back.
+func (l *memLink) stageFreed(slot uint32) error {
+	r := l.ustage.out.Load()
+	if r == nil || int(slot) >= cap(r.free) {
+		return fmt.Errorf("%w: MEM_STAGE_FREE of slot %d not lent", wire.ErrMalformed, slot)
+	}
+	select {
+	case r.free <- slot:
+		return nil
+	default:
+		return fmt.Errorf("%w: slot %d freed twice", wire.ErrMalformed, slot)
+	}
+}
+
+// lendRing answers a writer's MEM_STAGE_REQ with this link's ring, made
+// and registered on first request: pinned memory of the device engines'
+// allocations are opened on.
+func (l *memLink) lendRing(m *wire.MemStageReq) {
+	st := &l.ustage
+	if st.in == nil {
+		in, err := l.newRing(int(min(m.SlotLen, wire.MaxDataLen)), int(min(m.Slots, maxStageSlots)))
+		if err != nil {
+			l.conn.Post(&wire.MemStageRing{Seq: m.Seq, Err: err.Error()})
+			return
+		}
+		st.in = in
+	}
+	in := st.in
+	l.conn.Post(&wire.MemStageRing{Seq: m.Seq, Addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(in.buf)))),
+		SlotLen: uint32(in.slotLen), Slots: uint32(in.slots), RKey: in.reg.RKey()})
+}
+
+func (l *memLink) newRing(slotLen, slots int) (*ownRing, error) {
+	if slotLen <= 0 || slots <= 0 {
+		return nil, fmt.Errorf("a ring of %d slots of %d bytes", slots, slotLen)
+	}
+	g := &l.p.gpu
+	g.mu.Lock()
+	dev := g.dev
+	g.mu.Unlock()
+	if dev == nil {
+		return nil, errors.New("no GPU memory registered here")
+	}
+	pool := g.pool(dev)
+	buf, err := pool.getRing(slotLen * slots)
+	if err != nil {
+		return nil, err
+	}
+	reg, err := l.p.mt.RegisterMemory(buf, -1)
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("register the staging ring: %w", err), pool.putRing(buf))
+	}
+	return &ownRing{pool: pool, buf: buf, reg: reg, slotLen: slotLen, slots: slots}, nil
+}
+
+// releaseRing deregisters the ring lent on this link (its scatterer has
+// stopped); the memory goes back to its pool, not to the driver, so a put
+// of the dead link still in flight lands in memory nobody reads.
+func (l *memLink) releaseRing() {
+	in := l.ustage.in
+	if in == nil {
+		return
+	}
+	l.ustage.in = nil
+	if err := errors.Join(in.reg.Close(), in.pool.putRing(in.buf)); err != nil {
+		l.p.log.Warn("release a staging ring: " + err.Error())
+	}
+}
+
+// landStaged queues the scatter of a slot the writer filled: one batch per
+// stretch of pieces bound for one device (or for host memory), the last
+// handing the slot back once done. Pieces for a region that is gone are
+// dropped and reported at the fence.
+func (l *memLink) landStaged(m *wire.MemStaged) error {
+	in := l.ustage.in
+	if in == nil || int(m.Slot) >= in.slots {
+		return fmt.Errorf("%w: MEM_STAGED into slot %d not lent", wire.ErrMalformed, m.Slot)
+	}
+	slot := in.buf[int(m.Slot)*in.slotLen : (int(m.Slot)+1)*in.slotLen]
+	l.submit() // DATA frames read before this go first
+	var b *stagedBatch
+	flush := func() {
+		if b != nil && b.used > 0 {
+			l.submitBatch(b)
+		}
+		b = nil
+	}
+	off := 0
+	for _, pc := range m.Pieces {
+		n := int(pc.N)
+		if n > len(slot)-off {
+			flush()
+			return fmt.Errorf("%w: MEM_STAGED of more than the %d-byte slot", wire.ErrMalformed, len(slot))
+		}
+		gr, hr := l.stagedDest(pc)
+		var dev Device
+		if gr != nil {
+			dev = gr.dev
+		}
+		if gr == nil && hr == nil || b != nil && (b.dev != dev || b.used != off-b.from) {
+			flush()
+		}
+		if gr == nil && hr == nil {
+			off += n
+			continue
+		}
+		if b == nil {
+			b = &stagedBatch{dev: dev, buf: slot[off:], from: off}
+		}
+		if gr != nil {
+			b.spans = append(b.spans, Span{Addr: gr.ptr + pc.Offset, Len: uint64(n)})
+			b.held = appendHeld(b.held, gr)
+		} else {
+			b.host = append(b.host, hr.mem[pc.Offset:pc.Offset+uint64(n)])
+			if !containsRegion(b.heldHost, hr) {
+				b.heldHost = append(b.heldHost, hr)
+			} else {
+				hr.use.RUnlock()
+			}
+		}
+		b.used += n
+		off += n
+	}
+	flush()
+	l.submitBatch(&stagedBatch{freed: func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) }})
+	return nil
+}
+
+// stagedDest is the region a staged piece lands in, read-locked: a GPU or
+// a host region; neither if it is gone or the piece lies outside it (noted
+// for the fence).
+func (l *memLink) stagedDest(pc wire.StagedPiece) (*gpuRegion, *memRegion) {
+	p := l.p
+	p.mu.Lock()
+	hr := p.byID[pc.Region]
+	p.mu.Unlock()
+	if hr != nil {
+		hr.use.RLock()
+		if !hr.gone && pc.Offset <= uint64(len(hr.mem)) && uint64(pc.N) <= uint64(len(hr.mem))-pc.Offset {
+			return nil, hr
+		}
+		hr.use.RUnlock()
+	} else if gr := p.gpu.byID(pc.Region); gr != nil {
+		gr.use.RLock()
+		if !gr.gone && pc.Offset <= gr.n && uint64(pc.N) <= gr.n-pc.Offset {
+			return gr, nil
+		}
+		gr.use.RUnlock()
+	}
+	if l.dropped == "" {
+		l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", pc.Region, pc.Offset, pc.N)
+	}
+	return nil, nil
+}
+
+// appendHeld adds r, read-locked by the caller, to held once.
+func appendHeld(held []*gpuRegion, r *gpuRegion) []*gpuRegion {
+	for _, x := range held {
+		if x == r {
+			r.use.RUnlock()
+			return held
+		}
+	}
+	return append(held, r)
+}
+
+func containsRegion(rs []*memRegion, r *memRegion) bool {
+	for _, x := range rs {
+		if x == r {
+			return true
+		}
+	}
+	return false
+}

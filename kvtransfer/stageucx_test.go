@@ -1,0 +1,108 @@
+//go:build cgo
+
+package kvtransfer
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pdrouter/pdrouter/ucx"
+)
+
+// The receiver's slots are the writer's credits: with the receiver's
+// scatters stuck, the writer gathers only as far as the slots it holds
+// (plus the chunks already gathered), and once they move every slot comes
+// back.
+func TestStagedUCXSlotsAreCredits(t *testing.T) {
+	sp := newStagedPair(t, "ucx", 4<<20, 5*time.Second)
+	release := make(chan struct{})
+	var once sync.Once
+	sp.gpus.onScatter = func([]Span) error {
+		once.Do(func() { <-release })
+		return nil
+	}
+	const chunks = 32
+	done := make(chan error, 1)
+	go func() {
+		done <- sp.a.s.Write(context.Background(), sp.b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: chunks * testChunk}})
+	}()
+	// Gathers stop once the slots run out: stageSlots put, one waiting
+	// for a slot, one handed over, one gathered and waiting to be.
+	last, still := -1, 0
+	for still < 20 {
+		time.Sleep(5 * time.Millisecond)
+		sp.gpus.mu.Lock()
+		g := sp.gpus.gathers
+		sp.gpus.mu.Unlock()
+		if g == last {
+			still++
+		} else {
+			last, still = g, 0
+		}
+	}
+	if last > stageSlots+3 || last < stageSlots {
+		t.Fatalf("%d chunks gathered with the receiver stuck, want %d to %d", last, stageSlots, stageSlots+3)
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(sp.dst.mem[:chunks*testChunk], sp.src.mem[:chunks*testChunk]) {
+		t.Fatal("bytes differ")
+	}
+	var r *peerRing
+	sp.a.p.mu.Lock()
+	for l := range sp.a.p.links {
+		r = l.ustage.out.Load()
+	}
+	sp.a.p.mu.Unlock()
+	if r == nil || len(r.free) != cap(r.free) {
+		t.Fatalf("slots not all back: ring %+v", r)
+	}
+	sp.allReturned(t)
+}
+
+// Over ucx the staged path names itself staged-ucx, and once the planes
+// and transports close no UCX object (registration, key, endpoint) and no
+// staging buffer or ring is left.
+func TestStagedUCXReleasesEverything(t *testing.T) {
+	sp := newStagedPair(t, "ucx", 1<<20, 5*time.Second)
+	if err := sp.a.s.Write(context.Background(), sp.b.p.PeerAddr(), everyOther(100, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 100 {
+		if !bytes.Equal(sp.dst.mem[(2*i+1)*4096:(2*i+2)*4096], sp.src.mem[2*i*4096:(2*i+1)*4096]) {
+			t.Fatalf("page %d wrong", i)
+		}
+	}
+	st := sp.a.p.Paths()
+	found := false
+	for _, pp := range st.Links[0].Paths {
+		found = found || pp.Src == "cuda:0@host-a" && pp.Dst == "cuda:1@host-b" && pp.Path == PathStagedUCX
+	}
+	if !found {
+		t.Fatalf("paths %+v, want staged-ucx for cuda:0@host-a -> cuda:1@host-b", st.Links[0].Paths)
+	}
+	sp.viaRing(t, "ucx")
+	for _, m := range []*memSide{sp.a, sp.b} {
+		if err := m.p.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sp.ringsReturned(t)
+	for _, m := range []*memSide{sp.a, sp.b} {
+		if err := m.tr.Close(); err != nil {
+			t.Fatal(err)
+		}
+		m.tr = &TCP{}
+	}
+	if d, s, i := sp.gpus.open(); d != 0 || s != 0 || i != 0 {
+		t.Fatalf("left open: %d devices, %d staging buffers, %d IPC mappings", d, s, i)
+	}
+	if l := ucx.LiveObjects(); l != (ucx.Live{}) {
+		t.Fatalf("UCX objects leaked: %+v", l)
+	}
+}
