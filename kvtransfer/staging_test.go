@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
 // stagedPair is two planes on different hosts (host ids) sharing stand-in
@@ -325,4 +328,72 @@ func testStagedUnknownDestination(t *testing.T, tr string) {
 		t.Fatalf("write past the region: %v", err)
 	}
 	sp.allReturned(t)
+}
+
+// Two kvproxies of one host whose GPUs lack peer access: the writer copies
+// through its own staging buffers into the peer engine's device, in
+// chunks, and the receiver's reader stages nothing; a failed scatter fails
+// the write with its cause.
+func TestStagedLocalBetweenKVProxies(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	gpus := newHostGPUs(t)
+	gpus.noPeer = true
+	chunk := func(c *MemoryConfig) { c.StageChunk = testChunk }
+	a := newMemSide(t, "tcp", 5*time.Second, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "h1" }, chunk)
+	b := newMemSide(t, "tcp", 5*time.Second, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "h1" }, chunk)
+	src, dst := gpus.alloc(0, 1<<20), gpus.alloc(1, 1<<20)
+	fill(src.mem, 4)
+	a.registerGPU(t, srcBase, src)
+	b.registerGPU(t, dstBase, dst)
+	ctx := context.Background()
+	if err := a.s.Write(ctx, b.p.PeerAddr(), everyOther(64, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 64 {
+		if !bytes.Equal(dst.mem[(2*i+1)*4096:(2*i+2)*4096], src.mem[2*i*4096:(2*i+1)*4096]) {
+			t.Fatalf("page %d wrong", i)
+		}
+	}
+	if gpus.gathers != 64*4096/testChunk || gpus.maxGather != testChunk {
+		t.Fatalf("%d gathers of at most %d bytes, want %d of %d", gpus.gathers, gpus.maxGather, 64*4096/testChunk, testChunk)
+	}
+	if len(b.p.gpu.pools) != 0 {
+		t.Fatal("the receiver staged bytes: they crossed the link")
+	}
+	gpus.onScatter = func([]Span) error { return errors.New("device lost") }
+	if err := a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: 3 * testChunk}}); err == nil || !strings.Contains(err.Error(), "device lost") {
+		t.Fatalf("failed scatter: %v", err)
+	}
+	gpus.onScatter = nil
+	if out, _ := a.p.gpu.stagedOut(); out != 0 {
+		t.Fatalf("%d staging buffers out", out)
+	}
+	if p := a.p.Paths().Links[0].Paths; !slices.ContainsFunc(p, func(pp PairPath) bool {
+		return pp.Src == "cuda:0@h1" && pp.Dst == "cuda:1@h1" && pp.Path == PathStagedLocal
+	}) {
+		t.Fatalf("paths %+v, want staged-local", p)
+	}
+}
+
+// A receiver without GPU memory lends no ring and says why; a MEM_STAGED
+// or MEM_STAGE_FREE for a slot never lent is a broken peer: the link goes.
+func TestStagingProtocolViolations(t *testing.T) {
+	b := newMemSide(t, "tcp", 2*time.Second)
+	for _, bad := range []wire.Msg{&wire.MemStaged{Slot: 0, Pieces: []wire.StagedPiece{{Region: 1, N: 8}}}, &wire.MemStageFree{Slot: 2}} {
+		ours, peer, l := pipeLink(t, b)
+		_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
+		go func() { _ = peer.Write(&wire.MemStageReq{Seq: 1, SlotLen: 1 << 20, Slots: 4}) }()
+		m, err := peer.Read()
+		if a, ok := m.(*wire.MemStageRing); err != nil || !ok || a.Seq != 1 || !strings.Contains(a.Err, "no GPU memory") {
+			t.Fatalf("ring request: %#v %v", m, err)
+		}
+		go func() { _ = peer.Write(bad) }()
+		if m, err := peer.Read(); err == nil {
+			t.Fatalf("%s: link kept, read %s", bad.Type(), m.Type())
+		}
+		<-l.gone
+		if !strings.Contains(l.err.Error(), "not lent") {
+			t.Fatalf("%s: link closed by %v", bad.Type(), l.err)
+		}
+	}
 }
