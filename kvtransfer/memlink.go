@@ -255,6 +255,12 @@ func (l *memLink) readLoop() {
 }
 
 func (l *memLink) handle(m wire.Msg) error {
+	if l.stage.inline != nil { // staging.go
+		if d, ok := m.(*wire.Data); ok {
+			return l.landInline(d)
+		}
+		return fmt.Errorf("%w: %s after an inline MEM_STAGED", wire.ErrMalformed, m.Type())
+	}
 	switch m := m.(type) {
 	case *wire.Data:
 		return l.land(m)

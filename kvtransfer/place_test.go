@@ -58,7 +58,7 @@ func gpuSide(t *testing.T, gpus *hostGPUs, transport, host string, timeout time.
 }
 
 // registerGPU registers a's memory from engine address addr.
-func (m *memSide) registerGPU(t *testing.T, addr uint64, a *hostAlloc) {
+func (m *memSide) registerGPU(t testing.TB, addr uint64, a *hostAlloc) {
 	t.Helper()
 	if err := m.s.RegisterCUDA(addr, uint64(len(a.mem)), a.handle[:], 0); err != nil {
 		t.Fatal(err)

@@ -109,7 +109,9 @@ func (g *gpuPlane) copyStagedLocal(ctx context.Context, l *memLink, pool *stageP
 		}
 		dsts[r.dst] = localTarget{ptr, dev}
 	}
-	serr, gerr := pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return scatterLocal(c, dsts) })
+	serr, gerr := pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error {
+		return errors.Join(scatterLocal(c, dsts), pool.put(c.buf))
+	})
 	switch {
 	case serr != nil:
 		return fmt.Errorf("scatter into GPU memory: %w", serr)

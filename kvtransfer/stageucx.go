@@ -118,24 +118,94 @@ type slotFill struct {
 	pieces []wire.StagedPiece
 }
 
-// putSlot waits for a free slot, puts f into it and names its pieces.
-func (l *memLink) putSlot(ctx context.Context, ep MemoryEndpoint, r *peerRing, f slotFill) error {
+// flights are a write's puts in flight, one per slot, as many as the
+// peer lends slots: each slot's MEM_STAGED goes out once its put is
+// complete, in the order the puts were posted (the receiver scatters in
+// that order, so a later triple still wins).
+type flights struct {
+	l      *memLink
+	ctx    context.Context
+	ep     MemoryEndpoint
+	r      *peerRing
+	queue  chan flight
+	done   chan struct{}
+	failed atomic.Bool
+	err    error // the first failure; the runner's until done is closed
+}
+
+type flight struct {
+	slot    uint32
+	pieces  []wire.StagedPiece
+	res     chan error
+	release func() error
+}
+
+var errFlightFailed = errors.New("an earlier put of the write failed")
+
+func (l *memLink) startFlights(ctx context.Context, ep MemoryEndpoint, r *peerRing) *flights {
+	fs := &flights{l: l, ctx: ctx, ep: ep, r: r, queue: make(chan flight, cap(r.free)), done: make(chan struct{})}
+	go fs.run()
+	return fs
+}
+
+func (fs *flights) run() {
+	defer close(fs.done)
+	for f := range fs.queue {
+		err := <-f.res
+		if f.release != nil {
+			err = errors.Join(err, f.release())
+		}
+		if err == nil && fs.err == nil {
+			err = fs.l.conn.Write(&wire.MemStaged{Slot: f.slot, Pieces: f.pieces})
+		}
+		if err != nil && fs.err == nil {
+			fs.err = err
+			fs.failed.Store(true)
+		}
+	}
+}
+
+// post waits for a free slot and starts putting f into it; release (if
+// any) runs once the put is over.
+func (fs *flights) post(f slotFill, release func() error) error {
+	fail := func(err error) error {
+		if release != nil {
+			err = errors.Join(err, release())
+		}
+		return err
+	}
+	if fs.failed.Load() {
+		return fail(errFlightFailed)
+	}
 	var slot uint32
 	select {
-	case slot = <-r.free:
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-l.gone:
-		return l.lost()
+	case slot = <-fs.r.free:
+	case <-fs.ctx.Done():
+		return fail(fs.ctx.Err())
+	case <-fs.l.gone:
+		return fail(fs.l.lost())
 	}
-	base := r.addr + uint64(slot)*uint64(r.slotLen)
+	base := fs.r.addr + uint64(slot)*uint64(fs.r.slotLen)
 	for i := range f.ops {
-		f.ops[i].Key, f.ops[i].Remote = r.key, base+f.ops[i].Remote
+		f.ops[i].Key, f.ops[i].Remote = fs.r.key, base+f.ops[i].Remote
 	}
-	if err := ep.Put(ctx, f.ops); err != nil {
-		return fmt.Errorf("put into the peer's staging slot: %w", err)
-	}
-	return l.conn.Write(&wire.MemStaged{Slot: slot, Pieces: f.pieces})
+	res := make(chan error, 1)
+	go func() {
+		if err := fs.ep.Put(fs.ctx, f.ops); err != nil {
+			res <- fmt.Errorf("put into the peer's staging slot: %w", err)
+			return
+		}
+		res <- nil
+	}()
+	fs.queue <- flight{slot: slot, pieces: f.pieces, res: res, release: release}
+	return nil
+}
+
+// wait returns once every put is over and its MEM_STAGED sent.
+func (fs *flights) wait() error {
+	close(fs.queue)
+	<-fs.done
+	return fs.err
 }
 
 func (l *memLink) lost() error {
@@ -162,18 +232,20 @@ func (l *memLink) sendStagedUCX(ctx context.Context, pool *stagePool, chunk int,
 	chunk = min(chunk, r.slotLen)
 	var gerr error
 	ack, err := l.fenced(ctx, func() error {
-		var serr error
-		serr, gerr = pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return l.putChunk(ctx, ep, r, pool, c) })
-		return serr
+		fs := l.startFlights(ctx, ep, r)
+		serr, g := pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return l.putChunk(fs, pool, c) })
+		gerr = g
+		return errors.Join(serr, fs.wait())
 	})
 	return stagedResult(ack, err, gerr)
 }
 
-// putChunk puts a gathered chunk from its registered buffer.
-func (l *memLink) putChunk(ctx context.Context, ep MemoryEndpoint, r *peerRing, pool *stagePool, c stagedChunk) error {
+// putChunk puts a gathered chunk from its registered buffer, which goes
+// back to pool once the put is complete.
+func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 	reg, err := pool.registration(l.p.mt, c.buf)
 	if err != nil {
-		return err
+		return errors.Join(err, pool.put(c.buf))
 	}
 	f := slotFill{pieces: make([]wire.StagedPiece, len(c.pieces))}
 	var n uint64
@@ -182,7 +254,7 @@ func (l *memLink) putChunk(ctx context.Context, ep MemoryEndpoint, r *peerRing, 
 		n += uint64(len(p.Data))
 	}
 	f.ops = []MemoryOp{{Local: reg, Len: n}}
-	return l.putSlot(ctx, ep, r, f)
+	return fs.post(f, func() error { return pool.put(c.buf) })
 }
 
 // putStagedHost moves host-memory runs into GPU regions of the peer over
@@ -201,6 +273,7 @@ func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 		return err
 	}
 	ack, err := l.fenced(ctx, func() error {
+		fs := l.startFlights(ctx, ep, r)
 		var f slotFill
 		used := 0
 		for _, run := range runs {
@@ -211,17 +284,18 @@ func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 				used += int(n)
 				done += n
 				if used == r.slotLen {
-					if err := l.putSlot(ctx, ep, r, f); err != nil {
-						return err
+					if err := fs.post(f, nil); err != nil {
+						return errors.Join(err, fs.wait())
 					}
 					f, used = slotFill{}, 0
 				}
 			}
 		}
+		var err error
 		if used > 0 {
-			return l.putSlot(ctx, ep, r, f)
+			err = fs.post(f, nil)
 		}
-		return nil
+		return errors.Join(err, fs.wait())
 	})
 	return stagedResult(ack, err, nil)
 }
@@ -309,16 +383,26 @@ func (l *memLink) releaseRing() {
 	}
 }
 
-// landStaged queues the scatter of a slot the writer filled: one batch per
-// stretch of pieces bound for one device (or for host memory), the last
-// handing the slot back once done. Pieces for a region that is gone are
-// dropped and reported at the fence.
+// landStaged queues the scatter of a slot the writer filled, which goes
+// back to the writer once done (or, inline, notes the chunk to come).
 func (l *memLink) landStaged(m *wire.MemStaged) error {
+	if m.Slot == wire.InlineSlot {
+		l.stage.inline = m // landInline takes it with the next frame
+		return nil
+	}
 	in := l.ustage.in
 	if in == nil || int(m.Slot) >= in.slots {
 		return fmt.Errorf("%w: MEM_STAGED into slot %d not lent", wire.ErrMalformed, m.Slot)
 	}
 	slot := in.buf[int(m.Slot)*in.slotLen : (int(m.Slot)+1)*in.slotLen]
+	return l.scatterPieces(slot, m.Pieces, func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) })
+}
+
+// scatterPieces queues the scatter of buf, holding pieces back to back:
+// one batch per stretch of pieces bound for one device (or for host
+// memory), then release once they are done. Pieces for a region that is
+// gone are dropped and reported at the fence.
+func (l *memLink) scatterPieces(buf []byte, pieces []wire.StagedPiece, release func()) error {
 	l.submit() // DATA frames read before this go first
 	var b *stagedBatch
 	flush := func() {
@@ -327,45 +411,96 @@ func (l *memLink) landStaged(m *wire.MemStaged) error {
 		}
 		b = nil
 	}
+	defer func() {
+		flush()
+		l.submitBatch(&stagedBatch{freed: release})
+	}()
 	off := 0
-	for _, pc := range m.Pieces {
+	for _, pc := range pieces {
 		n := int(pc.N)
-		if n > len(slot)-off {
-			flush()
-			return fmt.Errorf("%w: MEM_STAGED of more than the %d-byte slot", wire.ErrMalformed, len(slot))
+		if n > len(buf)-off {
+			return fmt.Errorf("%w: staged pieces of more than %d bytes", wire.ErrMalformed, len(buf))
 		}
-		gr, hr := l.stagedDest(pc)
-		var dev Device
-		if gr != nil {
-			dev = gr.dev
+		// A region the batch holds is read-locked already: locking it again
+		// on this goroutine could deadlock behind a waiting unregister.
+		gr, hr, held := b.holding(pc.Region)
+		if held && b.used != off-b.from {
+			flush() // a gap: the next batch locks it anew
+			gr, hr, held = nil, nil, false
 		}
-		if gr == nil && hr == nil || b != nil && (b.dev != dev || b.used != off-b.from) {
-			flush()
+		if held && !pieceFits(pc, gr, hr) {
+			l.dropPiece(pc)
+			gr, hr = nil, nil
+		} else if !held {
+			gr, hr = l.stagedDest(pc)
 		}
 		if gr == nil && hr == nil {
 			off += n
 			continue
 		}
+		var dev Device
+		if gr != nil {
+			dev = gr.dev
+		}
+		if b != nil && (b.dev != dev || b.used != off-b.from) {
+			flush() // never when held: b holds only regions of b.dev and is contiguous here
+		}
 		if b == nil {
-			b = &stagedBatch{dev: dev, buf: slot[off:], from: off}
+			b = &stagedBatch{dev: dev, buf: buf[off:], from: off}
 		}
 		if gr != nil {
 			b.spans = append(b.spans, Span{Addr: gr.ptr + pc.Offset, Len: uint64(n)})
-			b.held = appendHeld(b.held, gr)
+			if !held {
+				b.held = append(b.held, gr)
+			}
 		} else {
 			b.host = append(b.host, hr.mem[pc.Offset:pc.Offset+uint64(n)])
-			if !containsRegion(b.heldHost, hr) {
+			if !held {
 				b.heldHost = append(b.heldHost, hr)
-			} else {
-				hr.use.RUnlock()
 			}
 		}
 		b.used += n
 		off += n
 	}
-	flush()
-	l.submitBatch(&stagedBatch{freed: func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) }})
 	return nil
+}
+
+// holding returns the region with id if the batch holds it.
+func (b *stagedBatch) holding(id uint32) (*gpuRegion, *memRegion, bool) {
+	if b == nil {
+		return nil, nil, false
+	}
+	for _, r := range b.held {
+		if r.id == id {
+			return r, nil, true
+		}
+	}
+	for _, r := range b.heldHost {
+		if r.id == id {
+			return nil, r, true
+		}
+	}
+	return nil, nil, false
+}
+
+// pieceFits reports whether pc lies inside its region (gr or hr).
+func pieceFits(pc wire.StagedPiece, gr *gpuRegion, hr *memRegion) bool {
+	size := gr.sizeOr(hr)
+	return pc.Offset <= size && uint64(pc.N) <= size-pc.Offset
+}
+
+func (r *gpuRegion) sizeOr(hr *memRegion) uint64 {
+	if r != nil {
+		return r.n
+	}
+	return uint64(len(hr.mem))
+}
+
+// dropPiece notes a piece whose region is gone, for the fence.
+func (l *memLink) dropPiece(pc wire.StagedPiece) {
+	if l.dropped == "" {
+		l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", pc.Region, pc.Offset, pc.N)
+	}
 }
 
 // stagedDest is the region a staged piece lands in, read-locked: a GPU or
@@ -378,39 +513,17 @@ func (l *memLink) stagedDest(pc wire.StagedPiece) (*gpuRegion, *memRegion) {
 	p.mu.Unlock()
 	if hr != nil {
 		hr.use.RLock()
-		if !hr.gone && pc.Offset <= uint64(len(hr.mem)) && uint64(pc.N) <= uint64(len(hr.mem))-pc.Offset {
+		if !hr.gone && pieceFits(pc, nil, hr) {
 			return nil, hr
 		}
 		hr.use.RUnlock()
 	} else if gr := p.gpu.byID(pc.Region); gr != nil {
 		gr.use.RLock()
-		if !gr.gone && pc.Offset <= gr.n && uint64(pc.N) <= gr.n-pc.Offset {
+		if !gr.gone && pieceFits(pc, gr, nil) {
 			return gr, nil
 		}
 		gr.use.RUnlock()
 	}
-	if l.dropped == "" {
-		l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", pc.Region, pc.Offset, pc.N)
-	}
+	l.dropPiece(pc)
 	return nil, nil
-}
-
-// appendHeld adds r, read-locked by the caller, to held once.
-func appendHeld(held []*gpuRegion, r *gpuRegion) []*gpuRegion {
-	for _, x := range held {
-		if x == r {
-			r.use.RUnlock()
-			return held
-		}
-	}
-	return append(held, r)
-}
-
-func containsRegion(rs []*memRegion, r *memRegion) bool {
-	for _, x := range rs {
-		if x == r {
-			return true
-		}
-	}
-	return false
 }

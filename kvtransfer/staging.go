@@ -287,16 +287,36 @@ func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, ru
 		// A gather that failed part way: the frames sent so far still get
 		// their fence, so the link stays in step.
 		var serr error
-		serr, gerr = pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return l.conn.WriteDataBatch(c.pieces) })
+		serr, gerr = pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error {
+			return errors.Join(l.sendInline(c), pool.put(c.buf))
+		})
 		return serr
 	})
 	return stagedResult(ack, err, gerr)
 }
 
+// sendInline sends a gathered chunk as one frame: MEM_STAGED names its
+// pieces, one DATA frame carries them back to back (a DATA frame per piece
+// cost the receiver two reads each: every other 32 KiB page ran at half
+// the rate of contiguous pages, BenchmarkStagedPages).
+func (l *memLink) sendInline(c stagedChunk) error {
+	pieces := make([]wire.StagedPiece, len(c.pieces))
+	n := 0
+	for i, p := range c.pieces {
+		pieces[i] = wire.StagedPiece{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}
+		n += len(p.Data)
+	}
+	if err := l.conn.Write(&wire.MemStaged{Slot: wire.InlineSlot, Pieces: pieces}); err != nil {
+		return err
+	}
+	return l.conn.WriteData(0, 0, c.buf[:n])
+}
+
 // pipeline gathers runs into pool's buffers, chunk bytes at most each, on
-// one goroutine while this one hands the previous chunk to emit. The first
-// error of emit stops the gathering; every buffer is back in the pool when
-// it returns. It returns emit's error and the gather's.
+// one goroutine while this one hands the previous chunk to emit, which
+// returns its buffer to the pool (at once or once done with it). The first
+// error of emit stops the gathering. It returns emit's error and the
+// gather's.
 func pipeline(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun, emit func(stagedChunk) error) (serr, gerr error) {
 	gctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -306,12 +326,11 @@ func pipeline(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun,
 		gerr = gatherChunks(gctx, pool, chunk, runs, filled)
 	}()
 	for c := range filled {
-		if serr == nil {
-			if serr = emit(c); serr != nil {
-				cancel() // the gatherer stops; the rest is drained
-			}
+		if serr != nil {
+			serr = errors.Join(serr, pool.put(c.buf))
+		} else if serr = emit(c); serr != nil {
+			cancel() // the gatherer stops; the rest is drained
 		}
-		serr = errors.Join(serr, pool.put(c.buf))
 	}
 	return serr, gerr
 }
@@ -384,6 +403,8 @@ type stageIn struct {
 	work chan *stagedBatch
 	done chan struct{}
 	err  string // the first scatter failure since the last fence; the scatterer's until a barrier returns
+	// inline is an inline MEM_STAGED whose DATA frame comes next.
+	inline *wire.MemStaged
 }
 
 // stagedBatch is bytes to scatter: a staging buffer's frames (pool set:
@@ -408,17 +429,24 @@ type stagedBatch struct {
 // landGPU reads a DATA frame for GPU region r into the current batch.
 func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 	st := &l.stage
-	r.use.RLock()
-	if r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
-		r.use.RUnlock()
+	pool := l.p.gpu.pool(r.dev)
+	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
+		l.submit()
+	}
+	// A region the batch holds is read-locked already: locking it again on
+	// this goroutine could deadlock behind a waiting unregister.
+	held := st.cur != nil && slices.Contains(st.cur.held, r)
+	if !held {
+		r.use.RLock()
+	}
+	if !held && r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
+		if !held {
+			r.use.RUnlock()
+		}
 		if l.dropped == "" {
 			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
 		}
 		return l.conn.DiscardData()
-	}
-	pool := l.p.gpu.pool(r.dev)
-	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
-		l.submit()
 	}
 	if st.cur == nil {
 		buf, err := pool.get()
@@ -429,9 +457,7 @@ func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 		st.cur = &stagedBatch{pool: pool, dev: pool.dev, buf: buf}
 	}
 	b := st.cur
-	if slices.Contains(b.held, r) {
-		r.use.RUnlock() // the batch holds it already
-	} else {
+	if !held {
 		b.held = append(b.held, r)
 	}
 	if err := l.conn.SetReadTimeout(l.p.cfg.WriteTimeout); err != nil {
@@ -446,6 +472,68 @@ func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 		l.submit()
 	}
 	return l.conn.SetReadTimeout(0)
+}
+
+// landInline reads the chunk an inline MEM_STAGED announced (d, its DATA
+// frame) into a staging buffer in one read and queues its scatter.
+func (l *memLink) landInline(d *wire.Data) error {
+	m := l.stage.inline
+	l.stage.inline = nil
+	var total uint64
+	for _, pc := range m.Pieces {
+		total += uint64(pc.N)
+	}
+	if d.Region != 0 || uint64(d.N) != total {
+		return fmt.Errorf("%w: DATA of region %d, %d bytes, after an inline MEM_STAGED of %d", wire.ErrMalformed, d.Region, d.N, total)
+	}
+	buf, release, err := l.inlineBuf(m.Pieces)
+	if err != nil {
+		return err
+	}
+	err = l.conn.SetReadTimeout(l.p.cfg.WriteTimeout)
+	if err == nil {
+		err = l.conn.ReadData(buf[:total])
+	}
+	if err == nil {
+		err = l.conn.SetReadTimeout(0)
+	}
+	if err != nil {
+		release()
+		return err
+	}
+	return l.scatterPieces(buf[:total], m.Pieces, release)
+}
+
+// inlineBuf is a buffer for an inline chunk: from the staging pool of the
+// device its first GPU piece goes to (or of the plane's first device),
+// plain memory where the plane has no GPU.
+func (l *memLink) inlineBuf(pieces []wire.StagedPiece) ([]byte, func(), error) {
+	g := &l.p.gpu
+	var dev Device
+	for _, pc := range pieces {
+		if r := g.byID(pc.Region); r != nil {
+			dev = r.dev
+			break
+		}
+	}
+	if dev == nil {
+		g.mu.Lock()
+		dev = g.dev
+		g.mu.Unlock()
+	}
+	if dev == nil {
+		return make([]byte, stageBytes), func() {}, nil
+	}
+	pool := g.pool(dev)
+	buf, err := pool.get()
+	if err != nil {
+		return nil, nil, err
+	}
+	return buf, func() {
+		if err := pool.put(buf); err != nil {
+			l.p.log.Warn("free a staging buffer: " + err.Error())
+		}
+	}, nil
 }
 
 // submit hands the current batch to the scatterer.

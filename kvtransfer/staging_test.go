@@ -397,3 +397,27 @@ func TestStagingProtocolViolations(t *testing.T) {
 		}
 	}
 }
+
+// An inline MEM_STAGED must be followed by its DATA frame, of exactly its
+// pieces' length: anything else is a broken peer and the link goes.
+func TestStagedInlineNeedsItsData(t *testing.T) {
+	b := newMemSide(t, "tcp", 2*time.Second)
+	staged := &wire.MemStaged{Slot: wire.InlineSlot, Pieces: []wire.StagedPiece{{Region: 1, N: 8}, {Region: 1, Offset: 64, N: 8}}}
+	for _, next := range []func(c *wire.Conn) error{
+		func(c *wire.Conn) error { return c.Write(&wire.MemFence{Seq: 1}) },
+		func(c *wire.Conn) error { return c.WriteData(0, 0, make([]byte, 8)) },
+		func(c *wire.Conn) error { return c.WriteData(7, 0, make([]byte, 16)) },
+	} {
+		ours, peer, l := pipeLink(t, b)
+		_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
+		go func() {
+			if peer.Write(staged) == nil {
+				_ = next(peer)
+			}
+		}()
+		<-l.gone
+		if !errors.Is(l.err, wire.ErrMalformed) {
+			t.Fatalf("link closed by %v, want a malformed stream", l.err)
+		}
+	}
+}

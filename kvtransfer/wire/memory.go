@@ -19,7 +19,9 @@ import "fmt"
 //	MEM_STAGE_RING   the answer: the receiver's registered staging ring for
 //	                 this link (Slots slots of SlotLen bytes from Addr, RKey)
 //	MEM_STAGED       the writer put a chunk into a slot by RMA: scatter its
-//	                 pieces, back to back, into their regions
+//	                 pieces, back to back, into their regions. With Slot
+//	                 InlineSlot (tcp: no ring) the chunk follows as the next
+//	                 frame, one DATA frame of Region 0 (no region's ID)
 //	MEM_STAGE_FREE   the receiver scattered a slot: the writer may reuse it
 //
 // MEM_STAGED and DATA frames of one write share the same fence: its answer
@@ -113,6 +115,9 @@ type StagedPiece struct {
 	Offset uint64
 	N      uint32
 }
+
+// InlineSlot: the MEM_STAGED's bytes follow in the next frame.
+const InlineSlot = ^uint32(0)
 
 // MemStaged says slot Slot of the receiver's ring holds Pieces back to back.
 type MemStaged struct {
