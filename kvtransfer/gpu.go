@@ -312,7 +312,7 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	opened := g.dev != nil
 	g.mu.Unlock()
 	if !opened {
-		return nil
+		return g.closePools() // host staging memory (staging.go)
 	}
 	err := g.dropSession(p, nil, false)
 	g.pmu.Lock()

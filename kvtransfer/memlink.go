@@ -558,9 +558,10 @@ func (l *memLink) put(ctx context.Context, runs []memRun) error {
 	// GPU destinations take the staged path (the peer scatters into device
 	// memory): by RMA into the peer's staging ring over ucx, else as DATA
 	// frames on the link, as does all host memory where the transport's
-	// puts are not zero-copy.
+	// puts are not zero-copy. Host memory UCX could not register goes by
+	// the ring too.
 	toGPU := slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA })
-	if toGPU && l.stagedUCX() {
+	if l.stagedUCX() && (toGPU || l.p.hostPath != PathTCP && slices.ContainsFunc(runs, needsRing)) {
 		return l.putStagedHost(ctx, runs)
 	}
 	if l.p.hostPath == PathTCP || toGPU {

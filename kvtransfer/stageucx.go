@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -257,9 +258,11 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 	return fs.post(f, func() error { return pool.put(c.buf) })
 }
 
-// putStagedHost moves host-memory runs into GPU regions of the peer over
-// its staging ring: each slot is filled by RMA straight from the runs'
-// registered memory, no copy on this side.
+// putStagedHost moves host-memory runs over the peer's staging ring: into
+// its GPU regions, or into host regions a side could not register with
+// UCX. A slot is filled by RMA straight from the runs' registered memory;
+// a slot with a source UCX refused is first copied into a registered
+// staging buffer of host memory.
 func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 	ep, err := l.endpoint()
 	if err != nil {
@@ -275,29 +278,84 @@ func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 	ack, err := l.fenced(ctx, func() error {
 		fs := l.startFlights(ctx, ep, r)
 		var f slotFill
+		var from []memRun // each piece's source: srcOff and size are the piece's
 		used := 0
 		for _, run := range runs {
 			for done := uint64(0); done < run.size; {
 				n := min(run.size-done, uint64(r.slotLen-used))
 				f.ops = append(f.ops, MemoryOp{Local: run.src.reg, LocalOff: run.srcOff + done, Remote: uint64(used), Len: n})
 				f.pieces = append(f.pieces, wire.StagedPiece{Region: run.dst.ID, Offset: run.dstOff + done, N: uint32(n)})
+				from = append(from, memRun{src: run.src, srcOff: run.srcOff + done, size: n})
 				used += int(n)
 				done += n
 				if used == r.slotLen {
-					if err := fs.post(f, nil); err != nil {
+					if err := l.postHost(fs, f, from); err != nil {
 						return errors.Join(err, fs.wait())
 					}
-					f, used = slotFill{}, 0
+					f, from, used = slotFill{}, nil, 0
 				}
 			}
 		}
 		var err error
 		if used > 0 {
-			err = fs.post(f, nil)
+			err = l.postHost(fs, f, from)
 		}
 		return errors.Join(err, fs.wait())
 	})
 	return stagedResult(ack, err, nil)
+}
+
+// postHost posts a slot of host pieces (from: their sources), through a
+// staging buffer if UCX refused one of the sources.
+func (l *memLink) postHost(fs *flights, f slotFill, from []memRun) error {
+	if !slices.ContainsFunc(from, func(r memRun) bool { return !registered(r.src.reg) }) {
+		return fs.post(f, nil)
+	}
+	pool := l.p.gpu.hostPool()
+	buf, err := pool.get()
+	if err != nil {
+		return err
+	}
+	off := 0
+	for _, r := range from {
+		off += copy(buf[off:], r.src.mem[r.srcOff:r.srcOff+r.size])
+	}
+	reg, err := pool.registration(l.p.mt, buf)
+	if err != nil {
+		return errors.Join(err, pool.put(buf))
+	}
+	f.ops = []MemoryOp{{Local: reg, Len: uint64(off)}}
+	return fs.post(f, func() error { return pool.put(buf) })
+}
+
+// needsRing reports whether host run r cannot go by a direct put: UCX
+// refused its source or the peer's destination.
+func needsRing(r memRun) bool { return !registered(r.src.reg) || len(r.dst.RKey) == 0 }
+
+// unregistered stands in for a registration UCX refused (UCX 1.13's
+// shared-memory transports cannot map memory another process mapped): the
+// region moves through the staging rings instead of by direct puts.
+type unregistered struct{}
+
+func (unregistered) RKey() []byte { return nil }
+func (unregistered) Close() error { return nil }
+
+func registered(r MemoryRegistration) bool {
+	_, no := r.(unregistered)
+	return !no
+}
+
+// registerHost registers engine memory with the transport. Memory ucx
+// refuses stays registered with the plane, unregistered with UCX: it
+// moves by the staged path, and the log says so.
+func (p *MemoryPlane) registerHost(mem []byte, fd int) (MemoryRegistration, error) {
+	reg, err := p.mt.RegisterMemory(mem, fd)
+	if err == nil || p.cfg.Transport.Name() != "ucx" {
+		return reg, err
+	}
+	p.log.Warn("ucx cannot register engine memory: it moves through staging buffers (staged-ucx)",
+		zap.Int("bytes", len(mem)), zap.Error(err))
+	return unregistered{}, nil
 }
 
 // stagedResult is a staged write's outcome from its fence's answer, the
@@ -330,7 +388,7 @@ func (l *memLink) stageFreed(slot uint32) error {
 
 // lendRing answers a writer's MEM_STAGE_REQ with this link's ring, made
 // and registered on first request: pinned memory of the device engines'
-// allocations are opened on.
+// allocations are opened on (host memory on a plane without GPUs).
 func (l *memLink) lendRing(m *wire.MemStageReq) {
 	st := &l.ustage
 	if st.in == nil {
@@ -354,10 +412,10 @@ func (l *memLink) newRing(slotLen, slots int) (*ownRing, error) {
 	g.mu.Lock()
 	dev := g.dev
 	g.mu.Unlock()
-	if dev == nil {
-		return nil, errors.New("no GPU memory registered here")
+	pool := g.hostPool() // no GPU here: host regions only
+	if dev != nil {
+		pool = g.pool(dev)
 	}
-	pool := g.pool(dev)
 	buf, err := pool.getRing(slotLen * slots)
 	if err != nil {
 		return nil, err

@@ -5,6 +5,7 @@ package kvtransfer
 import (
 	"bytes"
 	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -104,5 +105,55 @@ func TestStagedUCXReleasesEverything(t *testing.T) {
 	}
 	if l := ucx.LiveObjects(); l != (ucx.Live{}) {
 		t.Fatalf("UCX objects leaked: %+v", l)
+	}
+}
+
+func init() {
+	transports["ucx-noreg"] = func() (Transport, error) {
+		u, err := NewUCX()
+		if err != nil {
+			return nil, err
+		}
+		return &noRegUCX{u}, nil
+	}
+}
+
+// noRegUCX is UCX refusing engine memory (a memfd mapping), as UCX 1.13's
+// shared-memory transports refuse memory another process mapped, while
+// kvproxy's own staging memory registers.
+type noRegUCX struct{ *UCX }
+
+func (n *noRegUCX) RegisterMemory(b []byte, fd int) (MemoryRegistration, error) {
+	if fd >= 0 {
+		return nil, errors.New("ucp_mem_map: unsupported operation")
+	}
+	return n.UCX.RegisterMemory(b, fd)
+}
+
+// Host engine memory UCX cannot register still registers, and writes into
+// and out of it go through the staging rings: here both ends, GPU-less
+// planes, so the receiver lends a ring of host memory.
+func TestStagedUCXUnregisteredHostMemory(t *testing.T) {
+	t.Setenv("UCX_TLS", "tcp")
+	a := newMemSide(t, "ucx-noreg", 5*time.Second, withPuts(true))
+	b := newMemSide(t, "ucx-noreg", 5*time.Second, withPuts(true))
+	const size = 3<<20 + 4096 // more than one 1 MiB slot, not a whole number of them
+	src, srcFd := engineMemory(t, size)
+	dst, dstFd := engineMemory(t, size)
+	fill(src, 6)
+	a.register(t, src, srcFd)
+	b.register(t, dst, dstFd)
+	ts := []Triple{{Src: addrOf(src), Dst: addrOf(dst) + 4096, Len: size - 8192}, {Src: addrOf(src) + size - 4096, Dst: addrOf(dst), Len: 4096}}
+	if err := a.s.Write(context.Background(), b.p.PeerAddr(), ts); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst[4096:size-4096], src[:size-8192]) || !bytes.Equal(dst[:4096], src[size-4096:]) {
+		t.Fatal("bytes differ")
+	}
+	if bufs, rings := b.p.gpu.stagedOut(); rings != 1 || bufs != 0 {
+		t.Fatalf("receiver: %d rings lent, %d buffers out; want the one ring", rings, bufs)
+	}
+	if bufs, _ := a.p.gpu.stagedOut(); bufs != 0 {
+		t.Fatalf("writer: %d staging buffers out", bufs)
 	}
 }

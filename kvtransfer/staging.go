@@ -8,6 +8,8 @@ import (
 	"sync"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -33,11 +35,12 @@ const defaultStageChunk = 1 << 20
 const stageKeep = 8
 
 // stagePool hands out one device's staging buffers, and the rings
-// (stageucx.go) lent to peers.
+// (stageucx.go) lent to peers; with no device (hostPool), plain host
+// memory.
 type stagePool struct {
 	dev  Device
 	mu   sync.Mutex
-	free [][]byte
+	idle [][]byte
 	out  int // handed out and not returned
 	lent int // rings lent to links and not returned
 	// regs are the buffers' transport registrations, made on a buffer's
@@ -49,13 +52,13 @@ type stagePool struct {
 func (sp *stagePool) get() ([]byte, error) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	if n := len(sp.free); n > 0 {
-		b := sp.free[n-1]
-		sp.free = sp.free[:n-1]
+	if n := len(sp.idle); n > 0 {
+		b := sp.idle[n-1]
+		sp.idle = sp.idle[:n-1]
 		sp.out++
 		return b, nil
 	}
-	b, err := sp.dev.AllocStage(stageBytes)
+	b, err := sp.alloc(stageBytes)
 	if err != nil {
 		return nil, fmt.Errorf("allocate a staging buffer: %w", err)
 	}
@@ -63,16 +66,40 @@ func (sp *stagePool) get() ([]byte, error) {
 	return b, nil
 }
 
+// alloc and free take a device's pinned memory, or anonymous mappings
+// without one: never Go memory, which a put of a link gone could still
+// reach after the collector reused it.
+func (sp *stagePool) alloc(n int) ([]byte, error) {
+	if sp.dev == nil {
+		return unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	}
+	return sp.dev.AllocStage(n)
+}
+
+func (sp *stagePool) free(b []byte) error {
+	if sp.dev == nil {
+		return unix.Munmap(b)
+	}
+	return sp.dev.FreeStage(b)
+}
+
+func (sp *stagePool) name() string {
+	if sp.dev == nil {
+		return "host memory"
+	}
+	return fmt.Sprintf("GPU %d", sp.dev.Ordinal())
+}
+
 func (sp *stagePool) put(b []byte) error {
 	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
 	sp.out--
-	if len(sp.free) < stageKeep {
-		sp.free = append(sp.free, b)
+	if len(sp.idle) < stageKeep {
+		sp.idle = append(sp.idle, b)
 		return nil
 	}
-	return errors.Join(sp.unregisterLocked(b), sp.dev.FreeStage(b))
+	return errors.Join(sp.unregisterLocked(b), sp.free(b))
 }
 
 // registration is b's registration with mt, made once per buffer.
@@ -115,7 +142,7 @@ func (sp *stagePool) getRing(n int) ([]byte, error) {
 			return b, nil
 		}
 	}
-	b, err := sp.dev.AllocStage(n)
+	b, err := sp.alloc(n)
 	if err != nil {
 		return nil, fmt.Errorf("allocate a staging ring: %w", err)
 	}
@@ -144,15 +171,15 @@ func (sp *stagePool) close() error {
 	defer sp.mu.Unlock()
 	var err error
 	if sp.out != 0 || sp.lent != 0 {
-		err = fmt.Errorf("%d staging buffers and %d rings of GPU %d never came back", sp.out, sp.lent, sp.dev.Ordinal())
+		err = fmt.Errorf("%d staging buffers and %d rings of %s never came back", sp.out, sp.lent, sp.name())
 	}
-	for _, b := range sp.free {
-		err = errors.Join(err, sp.unregisterLocked(b), sp.dev.FreeStage(b))
+	for _, b := range sp.idle {
+		err = errors.Join(err, sp.unregisterLocked(b), sp.free(b))
 	}
 	for _, b := range sp.rings {
-		err = errors.Join(err, sp.dev.FreeStage(b))
+		err = errors.Join(err, sp.free(b))
 	}
-	sp.free, sp.rings = nil, nil
+	sp.idle, sp.rings = nil, nil
 	return err
 }
 
@@ -167,6 +194,22 @@ func (g *gpuPlane) pool(dev Device) *stagePool {
 	if sp == nil {
 		sp = &stagePool{dev: dev}
 		g.pools[dev.Ordinal()] = sp
+	}
+	return sp
+}
+
+// hostPool is the staging pool of plain host memory (key -1), for planes
+// and memory without a device.
+func (g *gpuPlane) hostPool() *stagePool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.pools == nil {
+		g.pools = map[int]*stagePool{}
+	}
+	sp := g.pools[-1]
+	if sp == nil {
+		sp = &stagePool{}
+		g.pools[-1] = sp
 	}
 	return sp
 }
@@ -505,8 +548,8 @@ func (l *memLink) landInline(d *wire.Data) error {
 }
 
 // inlineBuf is a buffer for an inline chunk: from the staging pool of the
-// device its first GPU piece goes to (or of the plane's first device),
-// plain memory where the plane has no GPU.
+// device its first GPU piece goes to (or of the plane's first device), of
+// host memory where the plane has no GPU.
 func (l *memLink) inlineBuf(pieces []wire.StagedPiece) ([]byte, func(), error) {
 	g := &l.p.gpu
 	var dev Device
@@ -521,10 +564,10 @@ func (l *memLink) inlineBuf(pieces []wire.StagedPiece) ([]byte, func(), error) {
 		dev = g.dev
 		g.mu.Unlock()
 	}
-	if dev == nil {
-		return make([]byte, stageBytes), func() {}, nil
+	pool := g.hostPool()
+	if dev != nil {
+		pool = g.pool(dev)
 	}
-	pool := g.pool(dev)
 	buf, err := pool.get()
 	if err != nil {
 		return nil, nil, err
