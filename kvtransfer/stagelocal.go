@@ -40,9 +40,9 @@ func (l *memLink) regionByID(id uint32) (wire.MemRegion, bool) {
 }
 
 // localPeer is peer region r opened in the context of the device its
-// memory is on: its address there and that device. Call with pmu
-// read-held.
-func (g *gpuPlane) localPeer(l *memLink, r wire.MemRegion) (uint64, Device, error) {
+// memory is on (one src cannot reach): its address there and that device.
+// Call with pmu read-held.
+func (g *gpuPlane) localPeer(l *memLink, r wire.MemRegion, src Device) (uint64, Device, error) {
 	h, off, _, host, err := parseGPUKey(r.RKey)
 	if err != nil {
 		return 0, nil, err
@@ -52,6 +52,9 @@ func (g *gpuPlane) localPeer(l *memLink, r wire.MemRegion) (uint64, Device, erro
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if pr, ok := g.localEntryLocked(l, r.ID, src); ok {
+		return pr.ptr, pr.imp.dev, nil
+	}
 	imp, err := g.importLocked(g.dev, h)
 	if err != nil {
 		return 0, nil, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
@@ -82,6 +85,28 @@ func (g *gpuPlane) localPeer(l *memLink, r wire.MemRegion) (uint64, Device, erro
 	return imp.ptr + off, imp.dev, nil
 }
 
+// stagedLocally reports whether peer region id (behind l) is already
+// opened for the local staged path from dev: on a device dev cannot
+// reach. Without it every write would first try, and fail, to open the
+// region in dev's context.
+func (g *gpuPlane) stagedLocally(l *memLink, id uint32, dev Device) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	_, ok := g.localEntryLocked(l, id, dev)
+	return ok
+}
+
+// localEntryLocked is peer region id opened by localPeer for writes from
+// dev: the one mapping of it on a device dev cannot reach.
+func (g *gpuPlane) localEntryLocked(l *memLink, id uint32, dev Device) (gpuPeer, bool) {
+	for k, pr := range g.peers {
+		if k.l == l && k.id == id && k.dev != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), k.dev) {
+			return pr, true
+		}
+	}
+	return gpuPeer{}, false
+}
+
 // localTarget is a destination region opened here.
 type localTarget struct {
 	ptr uint64
@@ -103,7 +128,7 @@ func (g *gpuPlane) copyStagedLocal(ctx context.Context, l *memLink, pool *stageP
 		if !ok {
 			return fmt.Errorf("peer region %d: %w at the peer", r.dst, ErrNotRegistered)
 		}
-		ptr, dev, err := g.localPeer(l, pr)
+		ptr, dev, err := g.localPeer(l, pr, pool.dev)
 		if err != nil {
 			return err
 		}

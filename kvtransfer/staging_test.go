@@ -360,6 +360,14 @@ func TestStagedLocalBetweenKVProxies(t *testing.T) {
 	if len(b.p.gpu.pools) != 0 {
 		t.Fatal("the receiver staged bytes: they crossed the link")
 	}
+	// The destination stays mapped: the next write opens nothing.
+	opened := gpus.opened
+	if err := a.s.Write(ctx, b.p.PeerAddr(), everyOther(4, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	if gpus.opened != opened {
+		t.Fatalf("a second write opened %d IPC mappings", gpus.opened-opened)
+	}
 	gpus.onScatter = func([]Span) error { return errors.New("device lost") }
 	if err := a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: 3 * testChunk}}); err == nil || !strings.Contains(err.Error(), "device lost") {
 		t.Fatalf("failed scatter: %v", err)
