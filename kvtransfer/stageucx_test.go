@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
+
 	"github.com/pdrouter/pdrouter/ucx"
 )
 
@@ -134,6 +136,7 @@ func (n *noRegUCX) RegisterMemory(b []byte, fd int) (MemoryRegistration, error) 
 // and out of it go through the staging rings: here both ends, GPU-less
 // planes, so the receiver lends a ring of host memory.
 func TestStagedUCXUnregisteredHostMemory(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
 	t.Setenv("UCX_TLS", "tcp")
 	a := newMemSide(t, "ucx-noreg", 5*time.Second, withPuts(true))
 	b := newMemSide(t, "ucx-noreg", 5*time.Second, withPuts(true))
