@@ -102,15 +102,15 @@ func (l *memLink) remotePlaces(host string) []Place {
 }
 
 // pathTo is the path from local place src into the peer's place dst: host
-// memory by the plane's host path, device memory by the transport's staged
-// path (where the peer lends no staging ring, ucx falls back to DATA
-// frames and says so in the log).
+// memory by the plane's host path, device memory staged by RMA into the
+// peer's ring where stagedUCX says so (and the peer lends one), else as
+// DATA frames.
 func (l *memLink) pathTo(src, dst Place) (Path, error) {
 	tr := string(l.p.hostPath)
 	if src.Kind != wire.MemHost || dst.Kind != wire.MemHost {
-		tr = l.p.cfg.Transport.Name()
-		if l.ustage.none.Load() {
-			tr = "tcp"
+		tr = "tcp"
+		if l.stagedUCX() && !l.ustage.none.Load() {
+			tr = "ucx"
 		}
 	}
 	return choosePath(tr, src, dst, l.p.cfg.GPUs.PeerAccess)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -61,10 +62,17 @@ type ownRing struct {
 }
 
 // stagedUCX reports whether writes with device memory on an end go by RMA
-// into the peer's staging ring (ucx) rather than as DATA frames.
+// into the peer's staging ring rather than as DATA frames: over ucx where
+// its puts are zero-copy (rc, dc), as for host memory. Over UCX's tcp its
+// puts are emulated and slower than DATA frames on the same socket (93
+// against 428 MB/s, bench/RESULTS.md), so the staged path stays staged-tcp
+// there unless MemoryConfig.TransportPuts or PDROUTER_STAGE_PUTS=1 (for
+// measurements) asks for puts.
 func (l *memLink) stagedUCX() bool {
-	return l.p.cfg.Transport.Name() == "ucx" && l.remote.WorkerAddr != nil
+	return l.p.cfg.Transport.Name() == "ucx" && l.remote.WorkerAddr != nil && (l.p.hostPath == PathUCX || stagePuts)
 }
+
+var stagePuts = os.Getenv("PDROUTER_STAGE_PUTS") == "1"
 
 // peerRing returns the peer's ring for this link, asking for it once; nil
 // if the peer has none (the write then sends DATA frames).

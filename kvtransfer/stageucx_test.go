@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -158,5 +159,36 @@ func TestStagedUCXUnregisteredHostMemory(t *testing.T) {
 	}
 	if bufs, _ := a.p.gpu.stagedOut(); bufs != 0 {
 		t.Fatalf("writer: %d staging buffers out", bufs)
+	}
+}
+
+// Over UCX's tcp lanes alone (no rc or dc, no puts asked for) UCX's puts
+// are emulations slower than DATA frames on the link: GPU bytes go as
+// frames, no ring is lent, and the link says staged-tcp.
+func TestStagedUCXWithoutRMAUsesFrames(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	t.Setenv("UCX_TLS", "tcp")
+	gpus := newHostGPUs(t)
+	a := gpuSide(t, gpus, "ucx", "host-a", 5*time.Second)
+	b := gpuSide(t, gpus, "ucx", "host-b", 5*time.Second)
+	src, dst := gpus.alloc(0, 1<<20), gpus.alloc(1, 1<<20)
+	fill(src.mem, 8)
+	a.registerGPU(t, srcBase, src)
+	b.registerGPU(t, dstBase, dst)
+	if err := a.s.Write(context.Background(), b.p.PeerAddr(), everyOther(50, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 50 {
+		if !bytes.Equal(dst.mem[(2*i+1)*4096:(2*i+2)*4096], src.mem[2*i*4096:(2*i+1)*4096]) {
+			t.Fatalf("page %d wrong", i)
+		}
+	}
+	if _, rings := b.p.gpu.stagedOut(); rings != 0 {
+		t.Fatalf("%d rings lent without puts", rings)
+	}
+	if p := a.p.Paths().Links[0].Paths; !slices.ContainsFunc(p, func(pp PairPath) bool {
+		return pp.Src == "cuda:0@host-a" && pp.Dst == "cuda:1@host-b" && pp.Path == PathStagedTCP
+	}) {
+		t.Fatalf("paths %+v, want staged-tcp", p)
 	}
 }

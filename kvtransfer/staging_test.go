@@ -32,10 +32,10 @@ const (
 func newStagedPair(t *testing.T, transport string, size int, timeout time.Duration) *stagedPair {
 	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
 	if transport == "ucx" {
-		t.Setenv("UCX_TLS", "tcp") // the NIC-less stand-in for rc
+		t.Setenv("UCX_TLS", "tcp") // the NIC-less stand-in for rc: puts asked for
 	}
 	gpus := newHostGPUs(t)
-	chunk := func(c *MemoryConfig) { c.StageChunk = testChunk }
+	chunk := func(c *MemoryConfig) { c.StageChunk, c.TransportPuts = testChunk, transport == "ucx" }
 	sp := &stagedPair{gpus: gpus,
 		a: newMemSide(t, transport, timeout, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "host-a" }, chunk),
 		b: newMemSide(t, transport, timeout, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "host-b" }, chunk),

@@ -5,8 +5,9 @@
 # the KV transfer benchmark between two engine processes through their
 # kvproxies (scripts/kv_gpu_bench.py) on the same-host path and, with two
 # host ids, on the staged cross-host path over tcp (staged-tcp) and over
-# ucx (staged-ucx: RMA into the receiver's staging ring; UCX_TLS=tcp, the
-# machine has no RDMA NIC), and in the same call the ceilings:
+# ucx (staged-ucx: RMA into the receiver's staging ring; UCX_TLS=tcp and
+# PDROUTER_STAGE_PUTS=1, the machine has no RDMA NIC), and in the same call
+# the ceilings:
 # ucx_perftest -m cuda,cuda (with ucxbench) at the per-run message sizes
 # over cuda_ipc, UCX's own staging of CUDA memory over tcp (tcp,cuda_copy,
 # ucx_perftest run directly: see perf_cuda_tcp), host memory over UCX's tcp,
@@ -81,8 +82,10 @@ perf_cuda_tcp() {
 	want staged && run python3 "$sc/kv_gpu_bench.py" --kvproxy "$b/bin/kvproxy" --transport tcp "${staged[@]}" \
 		--out "$out/kv-gpu-staged.json"
 	# The same over ucx: each 1 MiB chunk by one put from the writer's
-	# registered staging buffer into a slot of the receiver's ring.
-	want staged-ucx && run env UCX_TLS=tcp timeout 240 python3 "$sc/kv_gpu_bench.py" --kvproxy "$b/bin/kvproxy" --transport ucx "${staged[@]}" \
+	# registered staging buffer into a slot of the receiver's ring. Without
+	# an RDMA lane kvproxy would pick DATA frames (staged-tcp), UCX's tcp
+	# puts being emulations: PDROUTER_STAGE_PUTS=1 asks for the puts.
+	want staged-ucx && run env UCX_TLS=tcp PDROUTER_STAGE_PUTS=1 timeout 240 python3 "$sc/kv_gpu_bench.py" --kvproxy "$b/bin/kvproxy" --transport ucx "${staged[@]}" \
 		--out "$out/kv-gpu-staged-ucx.json"
 	if want ceilings; then
 		# The wire under both: 64 MiB of host memory over our tcp link, and
