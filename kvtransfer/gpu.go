@@ -312,7 +312,7 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	opened := g.dev != nil
 	g.mu.Unlock()
 	if !opened {
-		return nil
+		return g.closePools() // host staging memory (staging.go)
 	}
 	err := g.dropSession(p, nil, false)
 	g.pmu.Lock()
@@ -354,6 +354,9 @@ func (g *gpuPlane) route(ctx context.Context, l *memLink, t Triple) (Device, boo
 	}
 	if err := g.prune(l); err != nil {
 		l.p.log.Warn("close peer GPU mappings: " + err.Error())
+	}
+	if g.stagedLocally(l, dst.ID, src.dev) { // stagelocal.go: no import attempt per write
+		return src.dev, true, nil
 	}
 	g.pmu.RLock()
 	_, err = g.peerPtr(l, dst, src.dev)

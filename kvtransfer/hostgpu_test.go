@@ -22,6 +22,7 @@ type hostGPUs struct {
 	devices int  // open now
 	stages  int  // staging buffers not yet freed
 	ipc     int  // IPC mappings not yet closed
+	opened  int  // IPC mappings opened so far
 	// onGather and onScatter, if set, run before each gather or scatter
 	// (outside mu) and may fail it.
 	onGather, onScatter func(spans []Span) error
@@ -106,6 +107,7 @@ func (d *hostDevice) OpenIPC(hd cuda.Handle) (uint64, error) {
 	for _, a := range d.h.allocs {
 		if a.handle == hd {
 			d.h.ipc++
+			d.h.opened++
 			return a.base, nil
 		}
 	}

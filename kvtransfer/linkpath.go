@@ -101,9 +101,19 @@ func (l *memLink) remotePlaces(host string) []Place {
 	return places
 }
 
-// pathTo is the path from local place src into the peer's place dst.
+// pathTo is the path from local place src into the peer's place dst: host
+// memory by the plane's host path, device memory staged by RMA into the
+// peer's ring where stagedUCX says so (and the peer lends one), else as
+// DATA frames.
 func (l *memLink) pathTo(src, dst Place) (Path, error) {
-	return choosePath(string(l.p.hostPath), src, dst, l.p.cfg.GPUs.PeerAccess)
+	tr := string(l.p.hostPath)
+	if src.Kind != wire.MemHost || dst.Kind != wire.MemHost {
+		tr = "tcp"
+		if l.stagedUCX() && !l.ustage.none.Load() {
+			tr = "ucx"
+		}
+	}
+	return choosePath(tr, src, dst, l.p.cfg.GPUs.PeerAccess)
 }
 
 func (l *memLink) status() LinkStatus {

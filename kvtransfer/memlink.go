@@ -49,6 +49,8 @@ type memLink struct {
 	// touched only by the reader, as is stage.
 	dropped string
 	stage   stageIn
+	// ustage is the ucx staged path's state (stageucx.go).
+	ustage stageLinkState
 
 	// lastRead is when the reader last got a frame (unix nanos): rooms
 	// tell a silent peer by it (roomlink.go).
@@ -253,6 +255,12 @@ func (l *memLink) readLoop() {
 }
 
 func (l *memLink) handle(m wire.Msg) error {
+	if l.stage.inline != nil { // staging.go
+		if d, ok := m.(*wire.Data); ok {
+			return l.landInline(d)
+		}
+		return fmt.Errorf("%w: %s after an inline MEM_STAGED", wire.ErrMalformed, m.Type())
+	}
 	switch m := m.(type) {
 	case *wire.Data:
 		return l.land(m)
@@ -277,6 +285,14 @@ func (l *memLink) handle(m wire.Msg) error {
 		l.dropped = ""
 	case *wire.MemFenceAck:
 		l.deliver(m.Seq, m)
+	case *wire.MemStageReq:
+		l.lendRing(m)
+	case *wire.MemStageRing:
+		l.deliver(m.Seq, m)
+	case *wire.MemStaged:
+		return l.landStaged(m)
+	case *wire.MemStageFree:
+		return l.stageFreed(m.Slot)
 	case *wire.XferReq, *wire.Done, *wire.Abort, *wire.Heartbeat:
 		return l.p.roomMsg(l, m)
 	default:
@@ -539,10 +555,16 @@ func (p *MemoryPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]m
 }
 
 func (l *memLink) put(ctx context.Context, runs []memRun) error {
-	// GPU destinations take DATA frames on the link (the staged path: the
-	// peer scatters them into device memory), as does all host memory
-	// where the transport's puts are not zero-copy.
-	if l.p.hostPath == PathTCP || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
+	// GPU destinations take the staged path (the peer scatters into device
+	// memory): by RMA into the peer's staging ring over ucx, else as DATA
+	// frames on the link, as does all host memory where the transport's
+	// puts are not zero-copy. Host memory UCX could not register goes by
+	// the ring too.
+	toGPU := slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA })
+	if l.stagedUCX() && (toGPU || l.p.hostPath != PathTCP && slices.ContainsFunc(runs, needsRing)) {
+		return l.putStagedHost(ctx, runs)
+	}
+	if l.p.hostPath == PathTCP || toGPU {
 		return l.putTCP(ctx, runs)
 	}
 	ep, err := l.endpoint()

@@ -391,7 +391,7 @@ func (s *MemorySession) Register(kind wire.MemKind, addr, length uint64, fd int)
 		p.mu.Unlock()
 		return errors.Join(ErrClosed, unmap(mem))
 	}
-	reg, err := p.mt.RegisterMemory(mem, fd)
+	reg, err := p.registerHost(mem, fd) // stageucx.go
 	if err != nil {
 		p.mu.Unlock()
 		return errors.Join(fmt.Errorf("register memory with %s: %w", p.cfg.Transport.Name(), err), unmap(mem))

@@ -49,11 +49,19 @@ const (
 	PathSameGPU Path = "same-gpu"
 	// PathP2P: two devices of one host with peer access, device to device.
 	PathP2P Path = "p2p"
-	// PathStagedTCP: device memory on at least one end, across hosts,
-	// beside host memory or between devices without peer access: gathered
-	// into pinned host staging buffers, sent as DATA frames on the peer
-	// link (whatever the transport), scattered at the far end.
+	// PathStagedLocal: two devices of one host without peer access: the
+	// writing kvproxy gathers into its pinned host staging buffers and
+	// scatters from them into the destination device itself, no socket.
+	PathStagedLocal Path = "staged-local"
+	// PathStagedTCP: device memory on at least one end, across hosts or
+	// beside host memory: gathered into pinned host staging buffers, sent
+	// as DATA frames on the peer link (tcp and shm), scattered at the far
+	// end.
 	PathStagedTCP Path = "staged-tcp"
+	// PathStagedUCX: as PathStagedTCP, but each chunk goes by one RMA put
+	// from the writer's registered staging buffer into a slot of the
+	// receiver's registered staging ring (stageucx.go).
+	PathStagedUCX Path = "staged-ucx"
 	PathSHM       Path = "shm"
 	PathTCP       Path = "tcp"
 	PathUCX       Path = "ucx"
@@ -102,9 +110,14 @@ func choosePath(transport string, src, dst Place, access PeerAccess) (Path, erro
 		case access != nil && access(src.Device, dst.Device):
 			return PathP2P, nil
 		}
+		return PathStagedLocal, nil
 	}
 	// Device memory across hosts, or beside host memory: bytes travel as
-	// host bytes on the peer link with a device copy on the ends that need
-	// one. shm has no socket of its own for them, but the link has.
+	// host bytes with a device copy on the ends that need one: by RMA into
+	// the receiver's staging ring over ucx, as DATA frames on the peer link
+	// otherwise (shm has no socket of its own for them, but the link has).
+	if transport == "ucx" {
+		return PathStagedUCX, nil
+	}
 	return PathStagedTCP, nil
 }

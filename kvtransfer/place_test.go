@@ -27,9 +27,12 @@ func TestChoosePath(t *testing.T) {
 		{"rdma", HostPlace("a"), HostPlace("a"), "", "unknown transport"},
 		{"tcp", gpu(0, "a"), gpu(0, "a"), PathSameGPU, ""},
 		{"shm", gpu(1, "a"), gpu(2, "a"), PathP2P, ""},
-		{"tcp", gpu(1, "a"), gpu(5, "a"), PathStagedTCP, ""},
+		{"tcp", gpu(1, "a"), gpu(5, "a"), PathStagedLocal, ""},
+		{"ucx", gpu(1, "a"), gpu(5, "a"), PathStagedLocal, ""},
+		{"ucx", gpu(0, "a"), gpu(0, "b"), PathStagedUCX, ""},
+		{"ucx", HostPlace("a"), gpu(0, "b"), PathStagedUCX, ""},
 		{"tcp", gpu(0, "a"), gpu(0, "b"), PathStagedTCP, ""},
-		{"ucx", gpu(0, "a"), HostPlace("b"), PathStagedTCP, ""},
+		{"ucx", gpu(0, "a"), HostPlace("b"), PathStagedUCX, ""},
 		{"shm", HostPlace("a"), gpu(3, "a"), PathStagedTCP, ""},
 		// An unknown host is never the same host.
 		{"tcp", gpu(0, ""), gpu(0, ""), PathStagedTCP, ""},
@@ -44,7 +47,7 @@ func TestChoosePath(t *testing.T) {
 		}
 	}
 	// Without peer access information two devices never go direct.
-	if got, _ := choosePath("tcp", gpu(0, "a"), gpu(1, "a"), nil); got != PathStagedTCP {
+	if got, _ := choosePath("tcp", gpu(0, "a"), gpu(1, "a"), nil); got != PathStagedLocal {
 		t.Errorf("nil access: %q", got)
 	}
 }
@@ -55,7 +58,7 @@ func gpuSide(t *testing.T, gpus *hostGPUs, transport, host string, timeout time.
 }
 
 // registerGPU registers a's memory from engine address addr.
-func (m *memSide) registerGPU(t *testing.T, addr uint64, a *hostAlloc) {
+func (m *memSide) registerGPU(t testing.TB, addr uint64, a *hostAlloc) {
 	t.Helper()
 	if err := m.s.RegisterCUDA(addr, uint64(len(a.mem)), a.handle[:], 0); err != nil {
 		t.Fatal(err)
@@ -97,7 +100,7 @@ func TestLinkPathsNameEachPair(t *testing.T) {
 		{"other host", "h2", false, 0, PathStagedTCP, PathTCP},
 		{"same gpu", "h1", false, 0, PathSameGPU, PathTCP},
 		{"peer access", "h1", false, 1, PathP2P, PathTCP},
-		{"no peer access", "h1", true, 1, PathStagedTCP, PathTCP},
+		{"no peer access", "h1", true, 1, PathStagedLocal, PathTCP},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			gpus := newHostGPUs(t)
@@ -168,7 +171,12 @@ func TestOneKVProxyPerNode(t *testing.T) {
 			if staged := gpus.gathers > 0; staged != noPeer {
 				t.Fatalf("staged %t (%d gathers), want %t", staged, gpus.gathers, noPeer)
 			}
-			want := map[bool]Path{false: PathP2P, true: PathStagedTCP}[noPeer]
+			// Staged locally: only the writer's device lent staging
+			// buffers; none went to a link reader landing DATA frames.
+			if _, landed := node.p.gpu.pools[1]; landed {
+				t.Fatal("bytes for GPU 1 were staged by a link reader, not copied locally")
+			}
+			want := map[bool]Path{false: PathP2P, true: PathStagedLocal}[noPeer]
 			found := false
 			for _, l := range node.p.Paths().Links {
 				for _, pp := range l.Paths {

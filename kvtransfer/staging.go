@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
@@ -31,24 +34,31 @@ const defaultStageChunk = 1 << 20
 // buffer another link holds could stall both ends) and freed on return.
 const stageKeep = 8
 
-// stagePool hands out one device's staging buffers.
+// stagePool hands out one device's staging buffers, and the rings
+// (stageucx.go) lent to peers; with no device (hostPool), plain host
+// memory.
 type stagePool struct {
 	dev  Device
 	mu   sync.Mutex
-	free [][]byte
+	idle [][]byte
 	out  int // handed out and not returned
+	lent int // rings lent to links and not returned
+	// regs are the buffers' transport registrations, made on a buffer's
+	// first RMA and kept as long as the buffer.
+	regs  map[*byte]MemoryRegistration
+	rings [][]byte // rings returned, kept for the next link until close
 }
 
 func (sp *stagePool) get() ([]byte, error) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	if n := len(sp.free); n > 0 {
-		b := sp.free[n-1]
-		sp.free = sp.free[:n-1]
+	if n := len(sp.idle); n > 0 {
+		b := sp.idle[n-1]
+		sp.idle = sp.idle[:n-1]
 		sp.out++
 		return b, nil
 	}
-	b, err := sp.dev.AllocStage(stageBytes)
+	b, err := sp.alloc(stageBytes)
 	if err != nil {
 		return nil, fmt.Errorf("allocate a staging buffer: %w", err)
 	}
@@ -56,23 +66,103 @@ func (sp *stagePool) get() ([]byte, error) {
 	return b, nil
 }
 
+// alloc and free take a device's pinned memory, or anonymous mappings
+// without one: never Go memory, which a put of a link gone could still
+// reach after the collector reused it.
+func (sp *stagePool) alloc(n int) ([]byte, error) {
+	if sp.dev == nil {
+		return unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	}
+	return sp.dev.AllocStage(n)
+}
+
+func (sp *stagePool) free(b []byte) error {
+	if sp.dev == nil {
+		return unix.Munmap(b)
+	}
+	return sp.dev.FreeStage(b)
+}
+
+func (sp *stagePool) name() string {
+	if sp.dev == nil {
+		return "host memory"
+	}
+	return fmt.Sprintf("GPU %d", sp.dev.Ordinal())
+}
+
 func (sp *stagePool) put(b []byte) error {
 	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
 	sp.out--
-	if len(sp.free) < stageKeep {
-		sp.free = append(sp.free, b)
+	if len(sp.idle) < stageKeep {
+		sp.idle = append(sp.idle, b)
 		return nil
 	}
-	return sp.dev.FreeStage(b)
+	return errors.Join(sp.unregisterLocked(b), sp.free(b))
 }
 
-// outstanding counts buffers handed out and not yet returned.
-func (sp *stagePool) outstanding() int {
+// registration is b's registration with mt, made once per buffer.
+func (sp *stagePool) registration(mt MemoryTransport, b []byte) (MemoryRegistration, error) {
+	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	return sp.out
+	if r := sp.regs[unsafe.SliceData(b)]; r != nil {
+		return r, nil
+	}
+	r, err := mt.RegisterMemory(b, -1)
+	if err != nil {
+		return nil, fmt.Errorf("register a staging buffer: %w", err)
+	}
+	if sp.regs == nil {
+		sp.regs = map[*byte]MemoryRegistration{}
+	}
+	sp.regs[unsafe.SliceData(b)] = r
+	return r, nil
+}
+
+func (sp *stagePool) unregisterLocked(b []byte) error {
+	r := sp.regs[unsafe.SliceData(b)]
+	if r == nil {
+		return nil
+	}
+	delete(sp.regs, unsafe.SliceData(b))
+	return r.Close()
+}
+
+// getRing returns n bytes for a ring: a returned ring of that size, or a
+// new one.
+func (sp *stagePool) getRing(n int) ([]byte, error) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	for i, b := range sp.rings {
+		if len(b) == n {
+			sp.rings = slices.Delete(sp.rings, i, i+1)
+			sp.lent++
+			return b, nil
+		}
+	}
+	b, err := sp.alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("allocate a staging ring: %w", err)
+	}
+	sp.lent++
+	return b, nil
+}
+
+func (sp *stagePool) putRing(b []byte) error {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	sp.lent--
+	sp.rings = append(sp.rings, b)
+	return nil
+}
+
+// outstanding counts buffers and rings handed out and not yet returned.
+func (sp *stagePool) outstanding() (bufs, rings int) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	return sp.out, sp.lent
 }
 
 // close frees the pool's buffers; every one must have come back.
@@ -80,13 +170,16 @@ func (sp *stagePool) close() error {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
 	var err error
-	if sp.out != 0 {
-		err = fmt.Errorf("%d staging buffers of GPU %d never came back", sp.out, sp.dev.Ordinal())
+	if sp.out != 0 || sp.lent != 0 {
+		err = fmt.Errorf("%d staging buffers and %d rings of %s never came back", sp.out, sp.lent, sp.name())
 	}
-	for _, b := range sp.free {
-		err = errors.Join(err, sp.dev.FreeStage(b))
+	for _, b := range sp.idle {
+		err = errors.Join(err, sp.unregisterLocked(b), sp.free(b))
 	}
-	sp.free = nil
+	for _, b := range sp.rings {
+		err = errors.Join(err, sp.free(b))
+	}
+	sp.idle, sp.rings = nil, nil
 	return err
 }
 
@@ -105,19 +198,36 @@ func (g *gpuPlane) pool(dev Device) *stagePool {
 	return sp
 }
 
-// stagedOut is the number of staging buffers handed out on every device.
-func (g *gpuPlane) stagedOut() int {
+// hostPool is the staging pool of plain host memory (key -1), for planes
+// and memory without a device.
+func (g *gpuPlane) hostPool() *stagePool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.pools == nil {
+		g.pools = map[int]*stagePool{}
+	}
+	sp := g.pools[-1]
+	if sp == nil {
+		sp = &stagePool{}
+		g.pools[-1] = sp
+	}
+	return sp
+}
+
+// stagedOut is the number of staging buffers (and rings) handed out on
+// every device.
+func (g *gpuPlane) stagedOut() (bufs, rings int) {
 	g.mu.Lock()
 	pools := make([]*stagePool, 0, len(g.pools))
 	for _, sp := range g.pools {
 		pools = append(pools, sp)
 	}
 	g.mu.Unlock()
-	n := 0
 	for _, sp := range pools {
-		n += sp.outstanding()
+		b, r := sp.outstanding()
+		bufs, rings = bufs+b, rings+r
 	}
-	return n
+	return bufs, rings
 }
 
 func (g *gpuPlane) closePools() error {
@@ -188,7 +298,16 @@ func (g *gpuPlane) writeStaged(ctx context.Context, p *MemoryPlane, l *memLink, 
 	if err != nil || len(runs) == 0 {
 		return err
 	}
-	if err := l.sendStaged(ctx, g.pool(dev), p.cfg.StageChunk, runs); err != nil {
+	pool := g.pool(dev)
+	switch {
+	case g.localDest(l, runs[0].dst):
+		err = g.copyStagedLocal(ctx, l, pool, p.cfg.StageChunk, runs)
+	case l.stagedUCX():
+		err = l.sendStagedUCX(ctx, pool, p.cfg.StageChunk, runs)
+	default:
+		err = l.sendStaged(ctx, pool, p.cfg.StageChunk, runs)
+	}
+	if err != nil {
 		return err
 	}
 	p.m.written.Add(float64(total))
@@ -202,41 +321,61 @@ type stagedChunk struct {
 }
 
 // sendStaged gathers runs chunk by chunk (at most chunk bytes each) into
-// pool's buffers on one goroutine while this one sends the previous chunk
-// as DATA frames, then fences and waits for the peer to confirm every byte
-// is in place. Every buffer is back in the pool when it returns.
+// pool's buffers while the previous chunk goes out as DATA frames, then
+// fences and waits for the peer to confirm every byte is in place. Every
+// buffer is back in the pool when it returns.
 func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
 	var gerr error
 	ack, err := l.fenced(ctx, func() error {
-		gctx, cancel := context.WithCancel(ctx)
-		defer cancel()
-		filled := make(chan stagedChunk, 1)
-		go func() {
-			defer close(filled)
-			gerr = gatherChunks(gctx, pool, chunk, runs, filled)
-		}()
-		var serr error
-		for c := range filled {
-			if serr == nil {
-				if serr = l.conn.WriteDataBatch(c.pieces); serr != nil {
-					cancel() // the gatherer stops; the rest is drained
-				}
-			}
-			serr = errors.Join(serr, pool.put(c.buf))
-		}
 		// A gather that failed part way: the frames sent so far still get
 		// their fence, so the link stays in step.
+		var serr error
+		serr, gerr = pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error {
+			return errors.Join(l.sendInline(c), pool.put(c.buf))
+		})
 		return serr
 	})
-	switch {
-	case err != nil:
-		return err
-	case gerr != nil:
-		return fmt.Errorf("gather: %w", gerr)
-	case ack.Err != "":
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	return stagedResult(ack, err, gerr)
+}
+
+// sendInline sends a gathered chunk as one frame: MEM_STAGED names its
+// pieces, one DATA frame carries them back to back (a DATA frame per piece
+// cost the receiver two reads each: every other 32 KiB page ran at half
+// the rate of contiguous pages, BenchmarkStagedPages).
+func (l *memLink) sendInline(c stagedChunk) error {
+	pieces := make([]wire.StagedPiece, len(c.pieces))
+	n := 0
+	for i, p := range c.pieces {
+		pieces[i] = wire.StagedPiece{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}
+		n += len(p.Data)
 	}
-	return nil
+	if err := l.conn.Write(&wire.MemStaged{Slot: wire.InlineSlot, Pieces: pieces}); err != nil {
+		return err
+	}
+	return l.conn.WriteData(0, 0, c.buf[:n])
+}
+
+// pipeline gathers runs into pool's buffers, chunk bytes at most each, on
+// one goroutine while this one hands the previous chunk to emit, which
+// returns its buffer to the pool (at once or once done with it). The first
+// error of emit stops the gathering. It returns emit's error and the
+// gather's.
+func pipeline(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun, emit func(stagedChunk) error) (serr, gerr error) {
+	gctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	filled := make(chan stagedChunk, 1)
+	go func() {
+		defer close(filled)
+		gerr = gatherChunks(gctx, pool, chunk, runs, filled)
+	}()
+	for c := range filled {
+		if serr != nil {
+			serr = errors.Join(serr, pool.put(c.buf))
+		} else if serr = emit(c); serr != nil {
+			cancel() // the gatherer stops; the rest is drained
+		}
+	}
+	return serr, gerr
 }
 
 // gatherChunks fills buffers from pool with runs, chunk bytes at most
@@ -307,33 +446,50 @@ type stageIn struct {
 	work chan *stagedBatch
 	done chan struct{}
 	err  string // the first scatter failure since the last fence; the scatterer's until a barrier returns
+	// inline is an inline MEM_STAGED whose DATA frame comes next.
+	inline *wire.MemStaged
 }
 
-// stagedBatch is one staging buffer's frames, or (barrier set) a marker
-// the scatterer closes once everything before it is done.
+// stagedBatch is bytes to scatter: a staging buffer's frames (pool set:
+// the buffer goes back to it), or a stretch of a ring slot (from: its
+// offset in the slot) bound for one device or (dev nil) host regions. Or
+// it is a marker: barrier, closed once everything before it is done;
+// freed, run once everything before it is done.
 type stagedBatch struct {
-	pool    *stagePool
-	buf     []byte
-	used    int
-	spans   []Span
-	held    []*gpuRegion // read-locked until their bytes are scattered
-	barrier chan struct{}
+	pool     *stagePool
+	dev      Device
+	buf      []byte
+	from     int
+	used     int
+	spans    []Span
+	host     [][]byte     // host destinations, back to back in buf
+	held     []*gpuRegion // read-locked until their bytes are scattered
+	heldHost []*memRegion
+	barrier  chan struct{}
+	freed    func()
 }
 
 // landGPU reads a DATA frame for GPU region r into the current batch.
 func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 	st := &l.stage
-	r.use.RLock()
-	if r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
-		r.use.RUnlock()
+	pool := l.p.gpu.pool(r.dev)
+	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
+		l.submit()
+	}
+	// A region the batch holds is read-locked already: locking it again on
+	// this goroutine could deadlock behind a waiting unregister.
+	held := st.cur != nil && slices.Contains(st.cur.held, r)
+	if !held {
+		r.use.RLock()
+	}
+	if !held && r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
+		if !held {
+			r.use.RUnlock()
+		}
 		if l.dropped == "" {
 			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
 		}
 		return l.conn.DiscardData()
-	}
-	pool := l.p.gpu.pool(r.dev)
-	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
-		l.submit()
 	}
 	if st.cur == nil {
 		buf, err := pool.get()
@@ -341,12 +497,10 @@ func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 			r.use.RUnlock()
 			return err
 		}
-		st.cur = &stagedBatch{pool: pool, buf: buf}
+		st.cur = &stagedBatch{pool: pool, dev: pool.dev, buf: buf}
 	}
 	b := st.cur
-	if slices.Contains(b.held, r) {
-		r.use.RUnlock() // the batch holds it already
-	} else {
+	if !held {
 		b.held = append(b.held, r)
 	}
 	if err := l.conn.SetReadTimeout(l.p.cfg.WriteTimeout); err != nil {
@@ -363,18 +517,86 @@ func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 	return l.conn.SetReadTimeout(0)
 }
 
+// landInline reads the chunk an inline MEM_STAGED announced (d, its DATA
+// frame) into a staging buffer in one read and queues its scatter.
+func (l *memLink) landInline(d *wire.Data) error {
+	m := l.stage.inline
+	l.stage.inline = nil
+	var total uint64
+	for _, pc := range m.Pieces {
+		total += uint64(pc.N)
+	}
+	if d.Region != 0 || uint64(d.N) != total {
+		return fmt.Errorf("%w: DATA of region %d, %d bytes, after an inline MEM_STAGED of %d", wire.ErrMalformed, d.Region, d.N, total)
+	}
+	buf, release, err := l.inlineBuf(m.Pieces)
+	if err != nil {
+		return err
+	}
+	err = l.conn.SetReadTimeout(l.p.cfg.WriteTimeout)
+	if err == nil {
+		err = l.conn.ReadData(buf[:total])
+	}
+	if err == nil {
+		err = l.conn.SetReadTimeout(0)
+	}
+	if err != nil {
+		release()
+		return err
+	}
+	return l.scatterPieces(buf[:total], m.Pieces, release)
+}
+
+// inlineBuf is a buffer for an inline chunk: from the staging pool of the
+// device its first GPU piece goes to (or of the plane's first device), of
+// host memory where the plane has no GPU.
+func (l *memLink) inlineBuf(pieces []wire.StagedPiece) ([]byte, func(), error) {
+	g := &l.p.gpu
+	var dev Device
+	for _, pc := range pieces {
+		if r := g.byID(pc.Region); r != nil {
+			dev = r.dev
+			break
+		}
+	}
+	if dev == nil {
+		g.mu.Lock()
+		dev = g.dev
+		g.mu.Unlock()
+	}
+	pool := g.hostPool()
+	if dev != nil {
+		pool = g.pool(dev)
+	}
+	buf, err := pool.get()
+	if err != nil {
+		return nil, nil, err
+	}
+	return buf, func() {
+		if err := pool.put(buf); err != nil {
+			l.p.log.Warn("free a staging buffer: " + err.Error())
+		}
+	}, nil
+}
+
 // submit hands the current batch to the scatterer.
 func (l *memLink) submit() {
 	st := &l.stage
 	if st.cur == nil {
 		return
 	}
+	l.submitBatch(st.cur)
+	st.cur = nil
+}
+
+// submitBatch queues b for the scatterer, starting it on first use.
+func (l *memLink) submitBatch(b *stagedBatch) {
+	st := &l.stage
 	if st.work == nil {
 		st.work, st.done = make(chan *stagedBatch, 1), make(chan struct{})
 		go l.scatterer(st.work, st.done)
 	}
-	st.work <- st.cur
-	st.cur = nil
+	st.work <- b
 }
 
 // drain submits the current batch and waits until every batch is in
@@ -394,8 +616,8 @@ func (l *memLink) drain() string {
 	return err
 }
 
-// endStage scatters what is left and stops the scatterer (the reader is
-// ending).
+// endStage scatters what is left, stops the scatterer and releases the
+// ring lent to the peer (the reader is ending).
 func (l *memLink) endStage() {
 	st := &l.stage
 	l.submit()
@@ -403,6 +625,7 @@ func (l *memLink) endStage() {
 		close(st.work)
 		<-st.done
 	}
+	l.releaseRing()
 }
 
 // scatterer moves batches into device memory in order, then returns each
@@ -410,17 +633,32 @@ func (l *memLink) endStage() {
 func (l *memLink) scatterer(work <-chan *stagedBatch, done chan<- struct{}) {
 	defer close(done)
 	for b := range work {
-		if b.barrier != nil {
+		switch {
+		case b.barrier != nil:
 			close(b.barrier)
 			continue
+		case b.freed != nil:
+			b.freed()
+			continue
+		case b.dev != nil:
+			if err := b.dev.Scatter(b.spans, b.buf[:b.used]); err != nil && l.stage.err == "" {
+				l.stage.err = "scatter into GPU memory: " + err.Error()
+			}
+		default:
+			off := 0
+			for _, d := range b.host {
+				off += copy(d, b.buf[off:])
+			}
 		}
-		if err := b.pool.dev.Scatter(b.spans, b.buf[:b.used]); err != nil && l.stage.err == "" {
-			l.stage.err = "scatter into GPU memory: " + err.Error()
-		}
-		if err := b.pool.put(b.buf); err != nil {
-			l.p.log.Warn("free a staging buffer: " + err.Error())
+		if b.pool != nil {
+			if err := b.pool.put(b.buf); err != nil {
+				l.p.log.Warn("free a staging buffer: " + err.Error())
+			}
 		}
 		for _, r := range b.held {
+			r.use.RUnlock()
+		}
+		for _, r := range b.heldHost {
 			r.use.RUnlock()
 		}
 	}

@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
 // stagedPair is two planes on different hosts (host ids) sharing stand-in
@@ -28,8 +31,11 @@ const (
 
 func newStagedPair(t *testing.T, transport string, size int, timeout time.Duration) *stagedPair {
 	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	if transport == "ucx" {
+		t.Setenv("UCX_TLS", "tcp") // the NIC-less stand-in for rc: puts asked for
+	}
 	gpus := newHostGPUs(t)
-	chunk := func(c *MemoryConfig) { c.StageChunk = testChunk }
+	chunk := func(c *MemoryConfig) { c.StageChunk, c.TransportPuts = testChunk, transport == "ucx" }
 	sp := &stagedPair{gpus: gpus,
 		a: newMemSide(t, transport, timeout, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "host-a" }, chunk),
 		b: newMemSide(t, transport, timeout, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "host-b" }, chunk),
@@ -41,11 +47,50 @@ func newStagedPair(t *testing.T, transport string, size int, timeout time.Durati
 	return sp
 }
 
-// staged asserts every staging buffer of both planes is back in its pool.
+// allReturned asserts every staging buffer of both planes is back in its
+// pool (rings stay lent as long as their links).
 func (sp *stagedPair) allReturned(t *testing.T) {
 	t.Helper()
-	if a, b := sp.a.p.gpu.stagedOut(), sp.b.p.gpu.stagedOut(); a != 0 || b != 0 {
+	a, _ := sp.a.p.gpu.stagedOut()
+	b, _ := sp.b.p.gpu.stagedOut()
+	if a != 0 || b != 0 {
 		t.Fatalf("staging buffers out: %d writer, %d receiver", a, b)
+	}
+}
+
+// ringsReturned asserts no plane lends a ring any more (its links are gone).
+func (sp *stagedPair) ringsReturned(t *testing.T) {
+	t.Helper()
+	for _, m := range []*memSide{sp.a, sp.b} {
+		deadline := time.Now().Add(5 * time.Second)
+		for _, r := m.p.gpu.stagedOut(); r != 0; _, r = m.p.gpu.stagedOut() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d staging rings still lent", r)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+}
+
+// viaRing asserts how the GPU bytes crossed: over ucx by RMA into the
+// receiver's ring (no DATA frame staged by its reader), else as DATA
+// frames.
+func (sp *stagedPair) viaRing(t *testing.T, transport string) {
+	t.Helper()
+	_, rings := sp.b.p.gpu.stagedOut()
+	_, framed := sp.b.p.gpu.pools[1] // DATA frames for GPU 1 land in its pool
+	if ucx := transport == "ucx"; (rings == 1) != ucx || framed == ucx {
+		t.Fatalf("over %s: %d rings lent, DATA frames staged %t", transport, rings, framed)
+	}
+}
+
+// stagedTransports are the transports the staged path runs over.
+var stagedTransports = []string{"tcp", "shm", "ucx"}
+
+// eachTransport runs f as a subtest per transport in names.
+func eachTransport(t *testing.T, names []string, f func(t *testing.T, tr string)) {
+	for _, tr := range names {
+		t.Run(tr, func(t *testing.T) { f(t, tr) })
 	}
 }
 
@@ -60,7 +105,7 @@ func everyOther(n int, pg uint64) []Triple {
 }
 
 func TestStagedWriteAcrossHosts(t *testing.T) {
-	for _, tr := range []string{"tcp", "shm"} {
+	for _, tr := range stagedTransports {
 		t.Run(tr, func(t *testing.T) {
 			const size, pg = 4 << 20, 4096
 			sp := newStagedPair(t, tr, size, 5*time.Second)
@@ -94,6 +139,7 @@ func TestStagedWriteAcrossHosts(t *testing.T) {
 					t.Fatalf("every-other page %d wrong", i)
 				}
 			}
+			sp.viaRing(t, tr)
 			sp.allReturned(t)
 		})
 	}
@@ -102,7 +148,11 @@ func TestStagedWriteAcrossHosts(t *testing.T) {
 // Triples land in order: a later one over the same destination wins,
 // also when the two fall into different chunks.
 func TestStagedWriteKeepsOrder(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedWriteKeepsOrder)
+}
+
+func testStagedWriteKeepsOrder(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	ts := []Triple{
 		{Src: srcBase, Dst: dstBase, Len: 3 * testChunk / 2},
 		{Src: srcBase + 4*testChunk, Dst: dstBase + testChunk, Len: testChunk},
@@ -120,7 +170,7 @@ func TestStagedWriteKeepsOrder(t *testing.T) {
 // Host memory beside GPU memory: a host source into a remote GPU region,
 // and a GPU source into a remote host region.
 func TestStagedMixedKinds(t *testing.T) {
-	for _, tr := range []string{"tcp", "shm"} {
+	for _, tr := range stagedTransports {
 		t.Run(tr, func(t *testing.T) {
 			sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 			hostA, dupA := engineMemory(t, 1<<20)
@@ -141,6 +191,7 @@ func TestStagedMixedKinds(t *testing.T) {
 			if !bytes.Equal(hostB[8192:8192+300<<10], sp.src.mem[:300<<10]) {
 				t.Fatal("GPU to host: bytes differ")
 			}
+			sp.viaRing(t, tr)
 			sp.allReturned(t)
 		})
 	}
@@ -148,7 +199,11 @@ func TestStagedMixedKinds(t *testing.T) {
 
 // The write returns only once the receiver's last scatter is done.
 func TestStagedCompletesAfterLastScatter(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedCompletesAfterLastScatter)
+}
+
+func testStagedCompletesAfterLastScatter(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	entered, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	sp.gpus.onScatter = func(spans []Span) error {
@@ -181,7 +236,11 @@ func TestStagedCompletesAfterLastScatter(t *testing.T) {
 // A peer that goes away mid-transfer fails the write promptly and leaves
 // no staging buffer out on either side.
 func TestStagedPeerDiesMidTransfer(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 4<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedPeerDiesMidTransfer)
+}
+
+func testStagedPeerDiesMidTransfer(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 4<<20, 5*time.Second)
 	var once sync.Once
 	closed := make(chan error, 1)
 	sp.gpus.onGather = func([]Span) error {
@@ -198,12 +257,17 @@ func TestStagedPeerDiesMidTransfer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sp.allReturned(t)
+	sp.ringsReturned(t)
 }
 
 // A receiver stuck in a scatter times the write out; once it comes back,
 // every buffer is returned.
 func TestStagedWriteTimesOut(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 200*time.Millisecond)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedWriteTimesOut)
+}
+
+func testStagedWriteTimesOut(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 200*time.Millisecond)
 	release := make(chan struct{})
 	sp.gpus.onScatter = func([]Span) error { <-release; return nil }
 	start := time.Now()
@@ -219,12 +283,17 @@ func TestStagedWriteTimesOut(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	sp.allReturned(t)
+	sp.ringsReturned(t)
 }
 
 // A failed scatter or gather fails the write with its cause; the link
 // stays usable.
 func TestStagedCopyFailures(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedCopyFailures)
+}
+
+func testStagedCopyFailures(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	ts := []Triple{{Src: srcBase, Dst: dstBase, Len: 3 * testChunk}}
 	ctx := context.Background()
 	sp.gpus.onScatter = func([]Span) error { return errors.New("device lost") }
@@ -249,10 +318,117 @@ func TestStagedCopyFailures(t *testing.T) {
 // A destination that is not registered is dropped at the receiver and
 // reported at the fence.
 func TestStagedUnknownDestination(t *testing.T) {
-	sp := newStagedPair(t, "tcp", 1<<20, 5*time.Second)
+	eachTransport(t, []string{"tcp", "ucx"}, testStagedUnknownDestination)
+}
+
+func testStagedUnknownDestination(t *testing.T, tr string) {
+	sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
 	err := sp.a.s.Write(context.Background(), sp.b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase + 1<<20 - 4096, Len: 8192}})
 	if !errors.Is(err, ErrNotRegistered) {
 		t.Fatalf("write past the region: %v", err)
 	}
 	sp.allReturned(t)
+}
+
+// Two kvproxies of one host whose GPUs lack peer access: the writer copies
+// through its own staging buffers into the peer engine's device, in
+// chunks, and the receiver's reader stages nothing; a failed scatter fails
+// the write with its cause.
+func TestStagedLocalBetweenKVProxies(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	gpus := newHostGPUs(t)
+	gpus.noPeer = true
+	chunk := func(c *MemoryConfig) { c.StageChunk = testChunk }
+	a := newMemSide(t, "tcp", 5*time.Second, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "h1" }, chunk)
+	b := newMemSide(t, "tcp", 5*time.Second, func(c *MemoryConfig) { c.GPUs, c.HostID = gpus, "h1" }, chunk)
+	src, dst := gpus.alloc(0, 1<<20), gpus.alloc(1, 1<<20)
+	fill(src.mem, 4)
+	a.registerGPU(t, srcBase, src)
+	b.registerGPU(t, dstBase, dst)
+	ctx := context.Background()
+	if err := a.s.Write(ctx, b.p.PeerAddr(), everyOther(64, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 64 {
+		if !bytes.Equal(dst.mem[(2*i+1)*4096:(2*i+2)*4096], src.mem[2*i*4096:(2*i+1)*4096]) {
+			t.Fatalf("page %d wrong", i)
+		}
+	}
+	if gpus.gathers != 64*4096/testChunk || gpus.maxGather != testChunk {
+		t.Fatalf("%d gathers of at most %d bytes, want %d of %d", gpus.gathers, gpus.maxGather, 64*4096/testChunk, testChunk)
+	}
+	if len(b.p.gpu.pools) != 0 {
+		t.Fatal("the receiver staged bytes: they crossed the link")
+	}
+	// The destination stays mapped: the next write opens nothing.
+	opened := gpus.opened
+	if err := a.s.Write(ctx, b.p.PeerAddr(), everyOther(4, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	if gpus.opened != opened {
+		t.Fatalf("a second write opened %d IPC mappings", gpus.opened-opened)
+	}
+	gpus.onScatter = func([]Span) error { return errors.New("device lost") }
+	if err := a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: 3 * testChunk}}); err == nil || !strings.Contains(err.Error(), "device lost") {
+		t.Fatalf("failed scatter: %v", err)
+	}
+	gpus.onScatter = nil
+	if out, _ := a.p.gpu.stagedOut(); out != 0 {
+		t.Fatalf("%d staging buffers out", out)
+	}
+	if p := a.p.Paths().Links[0].Paths; !slices.ContainsFunc(p, func(pp PairPath) bool {
+		return pp.Src == "cuda:0@h1" && pp.Dst == "cuda:1@h1" && pp.Path == PathStagedLocal
+	}) {
+		t.Fatalf("paths %+v, want staged-local", p)
+	}
+}
+
+// A receiver without GPU memory lends a ring of host memory; a MEM_STAGED
+// or MEM_STAGE_FREE for a slot never lent is a broken peer: the link goes.
+func TestStagingProtocolViolations(t *testing.T) {
+	b := newMemSide(t, "tcp", 2*time.Second)
+	for _, bad := range []wire.Msg{&wire.MemStaged{Slot: 4, Pieces: []wire.StagedPiece{{Region: 1, N: 8}}}, &wire.MemStageFree{Slot: 2}} {
+		ours, peer, l := pipeLink(t, b)
+		_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
+		go func() { _ = peer.Write(&wire.MemStageReq{Seq: 1, SlotLen: 1 << 20, Slots: 4}) }()
+		m, err := peer.Read()
+		if a, ok := m.(*wire.MemStageRing); err != nil || !ok || a.Seq != 1 || a.Err != "" || a.Slots != 4 || a.SlotLen != 1<<20 {
+			t.Fatalf("ring request: %#v %v", m, err)
+		}
+		go func() { _ = peer.Write(bad) }()
+		if m, err := peer.Read(); err == nil {
+			t.Fatalf("%s: link kept, read %s", bad.Type(), m.Type())
+		}
+		<-l.gone
+		if !strings.Contains(l.err.Error(), "not lent") {
+			t.Fatalf("%s: link closed by %v", bad.Type(), l.err)
+		}
+	}
+	for _, l := b.p.gpu.stagedOut(); l != 0; _, l = b.p.gpu.stagedOut() {
+		time.Sleep(time.Millisecond) // the readers end, the rings come back
+	}
+}
+
+// An inline MEM_STAGED must be followed by its DATA frame, of exactly its
+// pieces' length: anything else is a broken peer and the link goes.
+func TestStagedInlineNeedsItsData(t *testing.T) {
+	b := newMemSide(t, "tcp", 2*time.Second)
+	staged := &wire.MemStaged{Slot: wire.InlineSlot, Pieces: []wire.StagedPiece{{Region: 1, N: 8}, {Region: 1, Offset: 64, N: 8}}}
+	for _, next := range []func(c *wire.Conn) error{
+		func(c *wire.Conn) error { return c.Write(&wire.MemFence{Seq: 1}) },
+		func(c *wire.Conn) error { return c.WriteData(0, 0, make([]byte, 8)) },
+		func(c *wire.Conn) error { return c.WriteData(7, 0, make([]byte, 16)) },
+	} {
+		ours, peer, l := pipeLink(t, b)
+		_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
+		go func() {
+			if peer.Write(staged) == nil {
+				_ = next(peer)
+			}
+		}()
+		<-l.gone
+		if !errors.Is(l.err, wire.ErrMalformed) {
+			t.Fatalf("link closed by %v, want a malformed stream", l.err)
+		}
+	}
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# make cuda-bundle: kvproxy, ucxbench and the GPU test binaries built against
-# UCX 1.22 with CUDA from PyPI's libucx-cu13 wheel (Debian's UCX 1.13 stays
-# the default build), plus the trimmed UCX libraries they run with, in
+# make cuda-bundle: kvproxy, ucxbench and the GPU test binaries (cuda, ucx,
+# kvtransfer) built against UCX 1.22 with CUDA from PyPI's libucx-cu13 wheel
+# (Debian's UCX 1.13 stays the default build), plus the trimmed UCX libraries they run with, in
 # bin/cuda (under 64 MiB: what the device tool carries). No CUDA toolkit is
 # needed: UCX's CUDA transports and cuda load the driver at run time.
 # Run there with: bin/cuda/env.sh <command> (sets LD_LIBRARY_PATH and PATH).
@@ -37,6 +37,7 @@ go build -ldflags '-s -w' -o "$out/bin/kvproxy" ./cmd/kvproxy
 go build -ldflags '-s -w' -o "$out/bin/ucxbench" ./cmd/ucxbench
 go test -c -ldflags '-s -w' -o "$out/bin/ucx.test" ./ucx
 go test -c -ldflags '-s -w' -o "$out/bin/cuda.test" ./cuda
+go test -c -ldflags '-s -w' -o "$out/bin/kvtransfer.test" ./kvtransfer
 
 # The libraries that run: UCP and its dependencies, the CUDA and CMA
 # transport modules, and ucx_perftest with its CUDA memory module. Debug

@@ -14,6 +14,18 @@ import "fmt"
 //	MEM_FENCE        tcp transport: after a write's DATA frames
 //	MEM_FENCE_ACK    every DATA frame before the fence is in memory (or Err
 //	                 says why some were dropped)
+//	MEM_STAGE_REQ    a writer (ucx) asks for staging slots of its own at the
+//	                 receiver, once per link
+//	MEM_STAGE_RING   the answer: the receiver's registered staging ring for
+//	                 this link (Slots slots of SlotLen bytes from Addr, RKey)
+//	MEM_STAGED       the writer put a chunk into a slot by RMA: scatter its
+//	                 pieces, back to back, into their regions. With Slot
+//	                 InlineSlot (tcp: no ring) the chunk follows as the next
+//	                 frame, one DATA frame of Region 0 (no region's ID)
+//	MEM_STAGE_FREE   the receiver scattered a slot: the writer may reuse it
+//
+// MEM_STAGED and DATA frames of one write share the same fence: its answer
+// comes once every slot before it is scattered.
 //
 // DATA frames on such a link address a region by its ID (Data.Region) and an
 // offset inside it; IDs are never reused, so a stale ID fails instead of
@@ -78,11 +90,53 @@ type MemFenceAck struct {
 	Err string
 }
 
+// MemStageReq asks the peer for a staging ring on this link: Slots slots
+// of SlotLen bytes (the peer may grant fewer or smaller).
+type MemStageReq struct {
+	Seq     uint64
+	SlotLen uint32
+	Slots   uint32
+}
+
+// MemStageRing answers a MemStageReq: the ring is registered with the
+// transport under RKey (Err non-empty: there is none).
+type MemStageRing struct {
+	Seq     uint64
+	Addr    uint64
+	SlotLen uint32
+	Slots   uint32
+	RKey    []byte
+	Err     string
+}
+
+// StagedPiece is N bytes of a slot bound for Region at Offset.
+type StagedPiece struct {
+	Region uint32
+	Offset uint64
+	N      uint32
+}
+
+// InlineSlot: the MEM_STAGED's bytes follow in the next frame.
+const InlineSlot = ^uint32(0)
+
+// MemStaged says slot Slot of the receiver's ring holds Pieces back to back.
+type MemStaged struct {
+	Slot   uint32
+	Pieces []StagedPiece
+}
+
+// MemStageFree returns slot Slot to the writer.
+type MemStageFree struct{ Slot uint32 }
+
 func (*MemHello) Type() Type      { return TMemHello }
 func (*MemRegionsReq) Type() Type { return TMemRegionsReq }
 func (*MemRegions) Type() Type    { return TMemRegions }
 func (*MemFence) Type() Type      { return TMemFence }
 func (*MemFenceAck) Type() Type   { return TMemFenceAck }
+func (*MemStageReq) Type() Type   { return TMemStageReq }
+func (*MemStageRing) Type() Type  { return TMemStageRing }
+func (*MemStaged) Type() Type     { return TMemStaged }
+func (*MemStageFree) Type() Type  { return TMemStageFree }
 
 func encodeMemRegions(e *Enc, rs []MemRegion) {
 	e.U32(uint32(len(rs)))
@@ -134,6 +188,37 @@ func (m *MemFenceAck) encode(e *Enc) {
 	e.Text(m.Err)
 }
 
+func (m *MemStageReq) encode(e *Enc) {
+	e.U64(m.Seq)
+	e.U32(m.SlotLen)
+	e.U32(m.Slots)
+}
+
+func (m *MemStageRing) encode(e *Enc) {
+	e.U64(m.Seq)
+	e.U64(m.Addr)
+	e.U32(m.SlotLen)
+	e.U32(m.Slots)
+	e.Bytes(m.RKey)
+	e.Text(m.Err)
+}
+
+func (m *MemStaged) encode(e *Enc) {
+	e.U32(m.Slot)
+	e.U32(uint32(len(m.Pieces)))
+	for _, p := range m.Pieces {
+		e.U32(p.Region)
+		e.U64(p.Offset)
+		e.U32(p.N)
+	}
+}
+
+func (m *MemStageFree) encode(e *Enc) { e.U32(m.Slot) }
+
+// maxStagedPieces bounds a MEM_STAGED: a slot holds at most MaxDataLen
+// bytes, and pieces under 512 bytes are not worth staging one by one.
+const maxStagedPieces = MaxDataLen / 512
+
 // decodeMem parses the engine-memory payloads (see Decode).
 func decodeMem(t Type, d *Dec) (Msg, error) {
 	switch t {
@@ -157,6 +242,22 @@ func decodeMem(t Type, d *Dec) (Msg, error) {
 		return &MemFence{Seq: d.U64()}, nil
 	case TMemFenceAck:
 		return &MemFenceAck{Seq: d.U64(), Err: d.String()}, nil
+	case TMemStageReq:
+		return &MemStageReq{Seq: d.U64(), SlotLen: d.U32(), Slots: d.U32()}, nil
+	case TMemStageRing:
+		return &MemStageRing{Seq: d.U64(), Addr: d.U64(), SlotLen: d.U32(), Slots: d.U32(), RKey: d.Bytes(), Err: d.String()}, nil
+	case TMemStaged:
+		m := &MemStaged{Slot: d.U32()}
+		n := d.U32()
+		if n > maxStagedPieces {
+			return nil, fmt.Errorf("%w: %d staged pieces", ErrMalformed, n)
+		}
+		for i := uint32(0); i < n && d.Err == nil; i++ {
+			m.Pieces = append(m.Pieces, StagedPiece{Region: d.U32(), Offset: d.U64(), N: d.U32()})
+		}
+		return m, nil
+	case TMemStageFree:
+		return &MemStageFree{Slot: d.U32()}, nil
 	}
 	return nil, fmt.Errorf("%w: type %s has no control payload", ErrMalformed, t)
 }

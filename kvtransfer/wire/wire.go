@@ -47,7 +47,11 @@ const (
 	TMemRegions
 	TMemFence
 	TMemFenceAck
-	lastType = TMemFenceAck
+	TMemStageReq
+	TMemStageRing
+	TMemStaged
+	TMemStageFree
+	lastType = TMemStageFree
 )
 
 func (t Type) String() string {
@@ -72,6 +76,14 @@ func (t Type) String() string {
 		return "MEM_FENCE"
 	case TMemFenceAck:
 		return "MEM_FENCE_ACK"
+	case TMemStageReq:
+		return "MEM_STAGE_REQ"
+	case TMemStageRing:
+		return "MEM_STAGE_RING"
+	case TMemStaged:
+		return "MEM_STAGED"
+	case TMemStageFree:
+		return "MEM_STAGE_FREE"
 	}
 	return fmt.Sprintf("Type(%d)", uint8(t))
 }

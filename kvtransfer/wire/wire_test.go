@@ -29,6 +29,11 @@ func sample() []Msg {
 		&MemRegions{Seq: 6},
 		&MemFence{Seq: 9},
 		&MemFenceAck{Seq: 9, Err: "region 3 unregistered"},
+		&MemStageReq{Seq: 10, SlotLen: 1 << 20, Slots: 4},
+		&MemStageRing{Seq: 10, Addr: 0x7f0000000000, SlotLen: 1 << 20, Slots: 4, RKey: []byte{9, 8}},
+		&MemStageRing{Seq: 11, Err: "no GPU here"},
+		&MemStaged{Slot: 3, Pieces: []StagedPiece{{Region: 2, Offset: 4096, N: 8192}, {Region: 5, N: 1}}},
+		&MemStageFree{Slot: 3},
 	}
 }
 
@@ -63,6 +68,12 @@ func normalize(m Msg) Msg {
 	case *MemRegions:
 		c := *v
 		c.Regions = normalizeMem(v.Regions)
+		return &c
+	case *MemStageRing:
+		c := *v
+		if len(c.RKey) == 0 {
+			c.RKey = nil
+		}
 		return &c
 	}
 	return m
@@ -298,9 +309,21 @@ func TestPostDoesNotWaitForTheWriteLock(t *testing.T) {
 // TestTypeNumbers: frame types are the wire format; a renumbering breaks
 // every peer of another build (1 was the retired pool HELLO).
 func TestTypeNumbers(t *testing.T) {
-	for typ, want := range map[Type]uint8{TXferReq: 2, TData: 3, TDone: 4, TAbort: 5, THeartbeat: 6, TMemHello: 7, TMemRegionsReq: 8, TMemRegions: 9, TMemFence: 10, TMemFenceAck: 11} {
+	for typ, want := range map[Type]uint8{TXferReq: 2, TData: 3, TDone: 4, TAbort: 5, THeartbeat: 6, TMemHello: 7, TMemRegionsReq: 8, TMemRegions: 9, TMemFence: 10, TMemFenceAck: 11,
+		TMemStageReq: 12, TMemStageRing: 13, TMemStaged: 14, TMemStageFree: 15} {
 		if uint8(typ) != want {
 			t.Errorf("%s is %d, want %d", typ, uint8(typ), want)
 		}
+	}
+}
+
+// A MEM_STAGED naming more pieces than a slot can hold is refused before
+// anything is allocated for them.
+func TestStagedPiecesBounded(t *testing.T) {
+	e := Enc{}
+	e.U32(0)
+	e.U32(maxStagedPieces + 1)
+	if _, err := Decode(TMemStaged, e.B); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("%d pieces: %v", maxStagedPieces+1, err)
 	}
 }
