@@ -51,7 +51,7 @@ type memLink struct {
 	stage   stageIn
 
 	// lastRead is when the reader last got a frame (unix nanos): rooms
-	// tell a silent peer by it (roomlink.go).
+	// tell a silent peer by it (rooms/link.go).
 	lastRead atomic.Int64
 }
 

@@ -37,6 +37,7 @@ type Triple struct{ Src, Dst, Len uint64 }
 var (
 	ErrCUDAUnsupported = errors.New("cuda memory is not supported in this build")
 	ErrNotRegistered   = errors.New("address range not registered")
+	ErrClosed          = errors.New("closed")
 )
 
 // MemoryConfig configures a MemoryPlane. Zero values take the defaults.
@@ -105,7 +106,7 @@ type MemoryPlane struct {
 
 	gpu gpuPlane // GPU regions (gpu.go)
 
-	rooms atomic.Pointer[Rooms] // the room layer on top, if any (rooms.go)
+	rooms atomic.Pointer[roomHandler] // the room layer on top, if any (peerlink.go)
 }
 
 // memRegion is one registered region.

@@ -15,8 +15,8 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
@@ -214,10 +214,10 @@ func TestTransferBetweenSidecars(t *testing.T) {
 		if err := pe.cl.Send(ctx, room, []uint32{1, 2, 3}, true, -1); err != nil {
 			t.Fatal(err)
 		}
-		if st, err := de.cl.Wait(ctx, room); err != nil || st.State != kvtransfer.Success || st.Pages != 3 {
+		if st, err := de.cl.Wait(ctx, room); err != nil || st.State != rooms.Success || st.Pages != 3 {
 			t.Fatalf("decode: %+v %v", st, err)
 		}
-		if st, err := pe.cl.Wait(ctx, room); err != nil || st.State != kvtransfer.Success {
+		if st, err := pe.cl.Wait(ctx, room); err != nil || st.State != rooms.Success {
 			t.Fatalf("prefill: %+v %v", st, err)
 		}
 		for b := 0; b < 2; b++ {
@@ -252,7 +252,7 @@ func TestCloseEndsOpenRooms(t *testing.T) {
 		}
 		for {
 			st, err := pe.cl.Poll(ctx, 5)
-			if err == nil && st.State == kvtransfer.WaitingForInput {
+			if err == nil && st.State == rooms.WaitingForInput {
 				break
 			}
 			if ctx.Err() != nil {
@@ -273,7 +273,7 @@ func TestCloseEndsOpenRooms(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("the engine's Wait hangs after Close")
 		}
-		if st, err := pe.cl.Wait(ctx, 5); err != nil || st.State != kvtransfer.Failed {
+		if st, err := pe.cl.Wait(ctx, 5); err != nil || st.State != rooms.Failed {
 			t.Fatalf("prefill room after its peer closed: %+v %v", st, err)
 		}
 		if n := p.Rooms().ActiveRooms(); n != 0 {

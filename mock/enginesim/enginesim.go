@@ -27,8 +27,8 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 	"github.com/pdrouter/pdrouter/mock/mockworker"
@@ -321,7 +321,7 @@ func (s *Sim) check(seed uint64, b, i int, p uint32) bool {
 
 func (s *Sim) auxSlot(a int32) []byte { return s.aux[int(a)*auxItem:][:auxItem] }
 
-func result(l *link, st kvtransfer.Status) *mockworker.KVResult {
+func result(l *link, st rooms.Status) *mockworker.KVResult {
 	return &mockworker.KVResult{Bytes: int64(st.Bytes), Pages: int64(st.Pages), Transport: l.transport,
 		ChecksumOK: true, TransferMS: float64(st.Transfer.Microseconds()) / 1000}
 }
@@ -356,7 +356,7 @@ func (s *Sim) Prefill(ctx context.Context, r mockworker.KVRequest) (*mockworker.
 
 // prefill fills and sends the room's pages on l; first reports an error
 // from the room's first call.
-func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, pages []uint32, aux int32) (st kvtransfer.Status, first bool, err error) {
+func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, pages []uint32, aux int32) (st rooms.Status, first bool, err error) {
 	seed := seedOf(r)
 	a := s.auxSlot(aux)
 	binary.LittleEndian.PutUint64(a, r.Room)
@@ -384,7 +384,7 @@ func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, page
 
 // wait waits for the room's end; if ctx ends first (the client went away),
 // the room is aborted on both sides.
-func wait(ctx context.Context, l *link, room uint64) (kvtransfer.Status, error) {
+func wait(ctx context.Context, l *link, room uint64) (rooms.Status, error) {
 	st, err := l.cl.Wait(ctx, room)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -392,7 +392,7 @@ func wait(ctx context.Context, l *link, room uint64) (kvtransfer.Status, error) 
 		}
 		return st, err
 	}
-	if st.State != kvtransfer.Success {
+	if st.State != rooms.Success {
 		return st, fmt.Errorf("KV transfer %v: %s", st.State, st.Reason)
 	}
 	return st, nil
