@@ -3,27 +3,16 @@ package kvtransfer
 import (
 	"testing"
 
+	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
 	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// newTransport starts the transport called name; an optional one not
-// built in (ucx without cgo) or not usable here skips the test.
-func newTransport(t testing.TB, name string) Transport {
-	if name == "tcp" {
-		return &TCP{}
-	}
-	f, ok := transports[name]
-	if !ok {
-		t.Skipf("transport %s not built in", name)
-	}
-	tr, err := f()
-	if err != nil {
-		t.Skipf("transport %s: %v", name, err)
-	}
-	return tr
-}
+func newTransport(t testing.TB, name string) Transport { return kvtest.Start(t, name, transports) }
 
-// transports lists the optional transports built in (ucx with cgo).
-var transports = map[string]func() (Transport, error){}
+// transports lists the transports built in (ucx with cgo, shm in
+// memory_test.go).
+var transports = map[string]func() (Transport, error){
+	"tcp": func() (Transport, error) { return &TCP{}, nil },
+}

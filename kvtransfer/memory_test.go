@@ -62,6 +62,18 @@ func newMemSide(t testing.TB, transport string, timeout time.Duration, opts ...f
 	return m
 }
 
+// newMemPair is two kvproxies, each with an engine that registered size
+// bytes: src on a, filled from seed (0: left zero), and dst on b.
+func newMemPair(t testing.TB, transport string, timeout time.Duration, size int, seed byte, opts ...func(*MemoryConfig)) (a, b *memSide, src, dst []byte) {
+	t.Helper()
+	a, b = newMemSide(t, transport, timeout, opts...), newMemSide(t, transport, timeout, opts...)
+	src, dst = a.memory(t, size), b.memory(t, size)
+	if seed != 0 {
+		fill(src, seed)
+	}
+	return a, b, src, dst
+}
+
 // memory is size bytes of engine memory registered on m.
 func (m *memSide) memory(t testing.TB, size int) []byte {
 	t.Helper()
@@ -125,13 +137,10 @@ func TestMemoryWrite(t *testing.T) {
 			if tc.tls != "" {
 				t.Setenv("UCX_TLS", tc.tls)
 			}
-			a, b := newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts)), newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts))
+			a, b, src, dst := newMemPair(t, tc.name, 5*time.Second, 64*page, 1, withPuts(tc.puts))
 			if want := map[bool]Path{false: PathTCP, true: PathUCX}[tc.puts]; tc.name == "ucx" && a.p.hostPath != want {
 				t.Fatalf("host path %q, want %q", a.p.hostPath, want)
 			}
-			src := a.memory(t, 64*page)
-			fill(src, 1)
-			dst := b.memory(t, 64*page)
 			ctx := context.Background()
 			// Pages 0..7 to 10..17 (one merged run), then scattered pages.
 			var ts []Triple
@@ -171,9 +180,7 @@ func TestMemoryWrite(t *testing.T) {
 }
 
 func TestMemoryWriteMergesRuns(t *testing.T) {
-	a, b := newMemSide(t, "tcp", 5*time.Second), newMemSide(t, "tcp", 5*time.Second)
-	src := a.memory(t, 16*page)
-	dst := b.memory(t, 16*page)
+	a, b, src, dst := newMemPair(t, "tcp", 5*time.Second, 16*page, 0)
 	ctx := context.Background()
 	l, err := a.p.link(ctx, b.p.PeerAddr())
 	if err != nil {
@@ -199,10 +206,7 @@ func TestMemoryWriteMergesRuns(t *testing.T) {
 }
 
 func TestMemoryWriteRejectsUnregistered(t *testing.T) {
-	a, b := newMemSide(t, "tcp", 2*time.Second), newMemSide(t, "tcp", 2*time.Second)
-	src := a.memory(t, 8*page)
-	fill(src, 3)
-	dst := b.memory(t, 8*page)
+	a, b, src, dst := newMemPair(t, "tcp", 2*time.Second, 8*page, 3)
 	ctx := context.Background()
 	peer := b.p.PeerAddr()
 	good := Triple{Src: addrOf(src), Dst: addrOf(dst), Len: page}
@@ -366,10 +370,7 @@ func memfdMappings(t testing.TB) int {
 // memfd; once the peer drops that region, the writer's mapping goes too
 // (else a departed engine's memory would live as long as the link).
 func TestSHMForgetsDroppedRegions(t *testing.T) {
-	a, b := newMemSide(t, "shm", 2*time.Second), newMemSide(t, "shm", 2*time.Second)
-	src := a.memory(t, 4*page)
-	fill(src, 9)
-	dst := b.memory(t, 4*page)
+	a, b, src, dst := newMemPair(t, "shm", 2*time.Second, 4*page, 9)
 	base := memfdMappings(t) // the engines' two and each kvproxy's one
 	if err := a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 4 * page}}); err != nil {
 		t.Fatal(err)

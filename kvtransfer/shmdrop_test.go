@@ -12,10 +12,7 @@ import (
 // mapping, which the engine no longer reads: it must fail, as tcp's does,
 // not report the bytes delivered.
 func TestSHMWriteIntoADroppedRegionFails(t *testing.T) {
-	a, b := newMemSide(t, "shm", 2*time.Second), newMemSide(t, "shm", 2*time.Second)
-	src := a.memory(t, 4*page)
-	fill(src, 9)
-	dst := b.memory(t, 4*page)
+	a, b, src, dst := newMemPair(t, "shm", 2*time.Second, 4*page, 9)
 	ctx := context.Background()
 	write := func() error {
 		return a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 4 * page}})

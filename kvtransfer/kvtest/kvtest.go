@@ -5,6 +5,7 @@ package kvtest
 
 import (
 	"net"
+	"sync"
 	"testing"
 	"unsafe"
 
@@ -44,10 +45,26 @@ func Addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceDa
 // one region at 1<<30) and then acknowledges nothing; with drain it keeps
 // reading what arrives, else it reads nothing more.
 func SilentPeer(t testing.TB, drain bool) (addr string, stop func()) {
+	hello := &wire.MemHello{Transport: "tcp", Regions: []wire.MemRegion{{ID: 1, Base: 1 << 30, Len: 1 << 20}}}
+	return Peer(t, hello, func(c *wire.Conn, quit <-chan struct{}) {
+		if drain {
+			Drain(c)
+		}
+		<-quit
+	})
+}
+
+// Peer is a fake kvproxy: it accepts one link, answers its MEM_HELLO with
+// hello (ListenAddr filled in if empty), then runs serve until serve
+// returns, which closes the link. stop closes quit and waits for that.
+func Peer(t testing.TB, hello *wire.MemHello, serve func(c *wire.Conn, quit <-chan struct{})) (addr string, stop func()) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
+	}
+	if hello.ListenAddr == "" {
+		hello.ListenAddr = ln.Addr().String()
 	}
 	quit, done := make(chan struct{}), make(chan struct{})
 	go func() {
@@ -58,19 +75,39 @@ func SilentPeer(t testing.TB, drain bool) (addr string, stop func()) {
 		}
 		defer nc.Close()
 		c := wire.NewConn(nc)
-		if _, err := c.Read(); err == nil {
-			_ = c.Write(&wire.MemHello{Transport: "tcp", Regions: []wire.MemRegion{{ID: 1, Base: 1 << 30, Len: 1 << 20}}})
+		if _, err := c.Read(); err != nil || c.Write(hello) != nil {
+			return
 		}
-		for drain {
-			m, err := c.Read()
-			if err != nil {
-				return
-			}
-			if _, ok := m.(*wire.Data); ok {
-				_ = c.DiscardData()
-			}
-		}
-		<-quit
+		serve(c, quit)
 	}()
-	return ln.Addr().String(), func() { close(quit); ln.Close(); <-done }
+	var once sync.Once
+	return ln.Addr().String(), func() { once.Do(func() { close(quit); ln.Close(); <-done }) }
+}
+
+// Drain reads and drops what arrives on c until it fails.
+func Drain(c *wire.Conn) {
+	for {
+		m, err := c.Read()
+		if err != nil {
+			return
+		}
+		if _, ok := m.(*wire.Data); ok {
+			_ = c.DiscardData()
+		}
+	}
+}
+
+// Start returns what the maker called name makes (a transport); one not
+// built in (ucx without cgo) or not usable here skips the test.
+func Start[T any](t testing.TB, name string, makers map[string]func() (T, error)) T {
+	t.Helper()
+	f, ok := makers[name]
+	if !ok {
+		t.Skipf("transport %s not built in", name)
+	}
+	v, err := f()
+	if err != nil {
+		t.Skipf("transport %s: %v", name, err)
+	}
+	return v
 }

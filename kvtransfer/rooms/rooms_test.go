@@ -129,25 +129,14 @@ type pair struct {
 }
 
 func newTransport(t testing.TB, name string) kvtransfer.Transport {
-	switch name {
-	case "tcp":
-		return &kvtransfer.TCP{}
-	case "shm":
-		return &kvtransfer.SHM{}
-	}
-	f, ok := transports[name]
-	if !ok {
-		t.Skipf("transport %s not built in", name)
-	}
-	tr, err := f()
-	if err != nil {
-		t.Skipf("transport %s: %v", name, err)
-	}
-	return tr
+	return kvtest.Start(t, name, transports)
 }
 
-// transports lists the optional transports built in (ucx with cgo).
-var transports = map[string]func() (kvtransfer.Transport, error){}
+// transports lists the transports built in (ucx with cgo).
+var transports = map[string]func() (kvtransfer.Transport, error){
+	"tcp": func() (kvtransfer.Transport, error) { return &kvtransfer.TCP{}, nil },
+	"shm": func() (kvtransfer.Transport, error) { return &kvtransfer.SHM{}, nil },
+}
 
 // newPair starts a prefill and a decode kvproxy; the decode resolves
 // bootstrap address "boot:1" to the prefill.
@@ -577,35 +566,9 @@ func TestTransferSHM(t *testing.T) { testTransfer(t, "shm") }
 // heartbeat meanwhile (its frames queue behind the stream); its rooms must
 // live on, and fail only once it sends nothing at all.
 func TestDataFramesProveAPeerAlive(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	quiet := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		nc, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer nc.Close()
-		c := wire.NewConn(nc)
-		if _, err := c.Read(); err != nil {
-			return
-		}
-		_ = c.Write(&wire.MemHello{Name: "busy", Transport: "tcp", ListenAddr: ln.Addr().String()})
-		go func() { // drain what the decode sends
-			for {
-				m, err := c.Read()
-				if err != nil {
-					return
-				}
-				if _, ok := m.(*wire.Data); ok {
-					_ = c.DiscardData()
-				}
-			}
-		}()
+	addr, stop := kvtest.Peer(t, &wire.MemHello{Name: "busy", Transport: "tcp"}, func(c *wire.Conn, quit <-chan struct{}) {
+		go kvtest.Drain(c) // what the decode sends
 		for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
 			// For a region the decode does not have: read and dropped.
 			if c.WriteData(99, 0, make([]byte, 4096)) != nil {
@@ -613,12 +576,15 @@ func TestDataFramesProveAPeerAlive(t *testing.T) {
 			}
 		}
 		close(quiet)
-		<-time.After(3 * time.Second)
-	}()
-	t.Cleanup(func() { ln.Close(); <-done })
+		select {
+		case <-time.After(3 * time.Second):
+		case <-quit:
+		}
+	})
+	t.Cleanup(stop)
 	const hb = 250 * time.Millisecond
 	d := newSide(t, "D", "tcp", nil, 0, Config{Heartbeat: hb,
-		Resolve: func(context.Context, string) (string, error) { return ln.Addr().String(), nil }})
+		Resolve: func(context.Context, string) (string, error) { return addr, nil }})
 	if err := d.R.Expect(1, "x", []uint32{1}, -1); err != nil {
 		t.Fatal(err)
 	}

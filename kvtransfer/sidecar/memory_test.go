@@ -9,12 +9,10 @@ import (
 	"strings"
 	"testing"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
 )
 
 // TestEngineOwnedMemory: two kvproxies as cmd/kvproxy runs them; each
@@ -109,26 +107,15 @@ func engineMemory(t *testing.T, ctx context.Context, s *Sidecar, size int) (*con
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cl.Close() })
-	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fd)
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Munmap(mem) })
-	if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
+	seg := kvtest.EngineMemory(t, size)
+	mem := seg.Mem
+	if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), seg.Fd()); err != nil {
 		t.Fatal(err)
 	}
 	return cl, mem
 }
 
-func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+var addr = kvtest.Addr
 
 // TestPrefillWithoutBootstrap: with SGLang serving its own bootstrap API, a
 // prefill kvproxy started with a negative bootstrap port binds none, so the
