@@ -134,10 +134,15 @@ type quarantined struct {
 	until time.Time
 }
 
+// memMetrics are the plane's series, with the names the dashboard reads:
+// built with the plane, registered on its registry (none: kept unexported).
 type memMetrics struct {
 	regions, bytes, peers prometheus.Gauge
 	writes                *prometheus.CounterVec
 	written               prometheus.Counter
+	// Where a GPU write's time goes: resolving triples into runs (CPU) and
+	// the GPU copy including its launch and wait.
+	gpuResolve, gpuCopy prometheus.Counter
 }
 
 func newMemMetrics(reg prometheus.Registerer) memMetrics {
@@ -149,9 +154,13 @@ func newMemMetrics(reg prometheus.Registerer) memMetrics {
 			Name: "kvproxy_memory_writes_total", Help: "Engine-memory writes by result.",
 		}, []string{"result"}),
 		written: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_memory_write_bytes_total", Help: "Bytes written into peer engines' memory."}),
+		gpuResolve: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_resolve_seconds_total",
+			Help: "Time GPU writes spent turning triples into merged runs."}),
+		gpuCopy: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_copy_seconds_total",
+			Help: "Time GPU writes spent in the GPU copy (launch to completion)."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.regions, m.bytes, m.peers, m.writes, m.written)
+		reg.MustRegister(m.regions, m.bytes, m.peers, m.writes, m.written, m.gpuResolve, m.gpuCopy)
 	}
 	return m
 }

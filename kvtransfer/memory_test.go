@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
@@ -103,7 +102,25 @@ func (m *memSide) gauge() float64 {
 	return -1
 }
 
-var _ = dto.Metric{}
+// metric reads an unlabelled gauge or counter of m's registry; one not
+// exported fails the test.
+func (m *memSide) metric(t testing.TB, name string) float64 {
+	t.Helper()
+	mfs, err := m.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
+			if g := mf.GetMetric()[0].GetGauge(); g != nil {
+				return g.GetValue()
+			}
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("%s is not exported", name)
+	return 0
+}
 
 const page = 4096
 

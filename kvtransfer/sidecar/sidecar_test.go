@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -232,10 +234,31 @@ func TestTransferBetweenSidecars(t *testing.T) {
 		if h := get(t, "http://"+d.Addrs().Metrics+"/health"); h != "OK rooms_active=0 peers=1 regions=1 layout_registered=true\n" {
 			t.Fatalf("decode /health: %q", h)
 		}
-		if m := get(t, "http://"+p.Addrs().Metrics+"/metrics"); !strings.Contains(m, `kvproxy_rooms_total{role="prefill",state="Success"} 1`) {
+		m := get(t, "http://"+p.Addrs().Metrics+"/metrics")
+		if !strings.Contains(m, `kvproxy_rooms_total{role="prefill",state="Success"} 1`) {
 			t.Fatalf("prefill metrics lack the room:\n%s", m)
 		}
+		for _, name := range dashboardSeries(t) {
+			if !strings.Contains(m, "\n"+name) {
+				t.Errorf("/metrics lacks %s, which the Grafana dashboard reads", name)
+			}
+		}
 	})
+}
+
+// dashboardSeries lists the kvproxy series deploy/'s Grafana dashboard
+// queries.
+func dashboardSeries(t *testing.T) []string {
+	b, err := os.ReadFile("../../deploy/grafana/pdrouter.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := regexp.MustCompile(`kvproxy_[a-z_]+`).FindAllString(string(b), -1)
+	if len(names) == 0 {
+		t.Fatal("the dashboard queries no kvproxy series")
+	}
+	slices.Sort(names)
+	return slices.Compact(names)
 }
 
 // TestCloseEndsOpenRooms: closing a sidecar with an engine connected and a
