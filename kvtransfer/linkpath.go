@@ -81,6 +81,9 @@ func (l *memLink) peerHost() string {
 	if l.p.cfg.Transport.Name() == "shm" {
 		return string(l.remote.WorkerAddr)
 	}
+	if h, ok := l.p.mt.(interface{ PeerHost([]byte) string }); ok {
+		return h.PeerHost(l.remote.WorkerAddr)
+	}
 	return ""
 }
 
@@ -103,7 +106,7 @@ func (l *memLink) remotePlaces(host string) []Place {
 
 // pathTo is the path from local place src into the peer's place dst.
 func (l *memLink) pathTo(src, dst Place) (Path, error) {
-	return choosePath(string(l.p.hostPath), src, dst, l.p.cfg.GPUs.PeerAccess)
+	return choosePath(string(l.hostPath()), src, dst, l.p.cfg.GPUs.PeerAccess)
 }
 
 func (l *memLink) status() LinkStatus {

@@ -542,7 +542,7 @@ func (l *memLink) put(ctx context.Context, runs []memRun) error {
 	// GPU destinations take DATA frames on the link (the staged path: the
 	// peer scatters them into device memory), as does all host memory
 	// where the transport's puts are not zero-copy.
-	if l.p.hostPath == PathTCP || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
+	if l.hostPath() == PathTCP || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA }) {
 		return l.putTCP(ctx, runs)
 	}
 	ep, err := l.endpoint()

@@ -126,6 +126,18 @@ type memRegion struct {
 
 func (r *memRegion) end() uint64 { return r.base + uint64(len(r.mem)) }
 
+// hostPath is how host memory moves to l's peer: the plane's host path,
+// unless the transport picks per peer (UCXLocalSHM: shm to a kvproxy of
+// the same host).
+func (l *memLink) hostPath() Path {
+	if pp, ok := l.p.mt.(interface{ PeerPath([]byte) Path }); ok {
+		if path := pp.PeerPath(l.remote.WorkerAddr); path != "" {
+			return path
+		}
+	}
+	return l.p.hostPath
+}
+
 // place is where r's memory lives.
 func (p *MemoryPlane) place(*memRegion) Place { return HostPlace(p.host) }
 
