@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make cuda-bundle: kvproxy, ucxbench and the GPU test binaries built against
+# make cuda-bundle: kvproxy, ucxbench, mockworker and the GPU test binaries built against
 # UCX 1.22 with CUDA from PyPI's libucx-cu13 wheel (Debian's UCX 1.13 stays
 # the default build), plus the trimmed UCX libraries they run with, in
 # bin/cuda (under 64 MiB: what the device tool carries). No CUDA toolkit is
@@ -35,6 +35,7 @@ rm -rf "$out" && mkdir -p "$out/bin" "$out/lib/ucx"
 export CGO_LDFLAGS='-Wl,-rpath,$ORIGIN/../lib'
 go build -ldflags '-s -w' -o "$out/bin/kvproxy" ./cmd/kvproxy
 go build -ldflags '-s -w' -o "$out/bin/ucxbench" ./cmd/ucxbench
+go build -ldflags '-s -w' -o "$out/bin/mockworker" ./cmd/mockworker
 go test -c -ldflags '-s -w' -o "$out/bin/ucx.test" ./ucx
 go test -c -ldflags '-s -w' -o "$out/bin/cuda.test" ./cuda
 
