@@ -138,9 +138,6 @@ func (l *memLink) hostPath() Path {
 	return l.p.hostPath
 }
 
-// place is where r's memory lives.
-func (p *MemoryPlane) place(*memRegion) Place { return HostPlace(p.host) }
-
 type quarantined struct {
 	mem   []byte
 	until time.Time

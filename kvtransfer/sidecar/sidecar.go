@@ -323,9 +323,6 @@ func (s *Sidecar) TransportName() string { return s.tr.Name() }
 // Rooms is its room layer.
 func (s *Sidecar) Rooms() *rooms.Rooms { return s.rooms }
 
-// Memory is its memory plane.
-func (s *Sidecar) Memory() *kvtransfer.MemoryPlane { return s.mem }
-
 // Done is closed when the sidecar stopped by itself (its transport broke or
 // a server failed); Close then says why.
 func (s *Sidecar) Done() <-chan struct{} { return s.stopped }
