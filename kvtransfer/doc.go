@@ -6,7 +6,9 @@
 //   - Transports, in this package for now: transport.go (the interfaces),
 //     tcp.go (DATA frames on the peer link), samehost.go (shm: a memcpy
 //     into the peer engine's memfd mapped here), ucx.go (UCX RMA puts, cgo
-//     binding in ucx/); device.go and staging.go for GPU memory.
+//     binding in ucx/), ucxlocal.go (kvproxy's ucx: shm's memcpy to a peer
+//     of the same host id, UCX to the others); device.go and staging.go for
+//     GPU memory.
 //   - The memory plane, this package: memory.go (regions an engine
 //     registered from its own memfd), memlink.go (one link per peer
 //     kvproxy: region tables, DATA frames, fences), pagewrite.go (SGLang's
@@ -24,6 +26,6 @@
 //
 // Beside them: wire/ (the peer protocol, one for both layers), control/
 // (the engine's Unix-socket API), bootstrap/ (SGLang's bootstrap HTTP API),
-// shm/ (a memfd segment), sidecar/ (kvproxy as a value), kvtest/ (what the
-// tests share) and e2e/ (the binaries end to end).
+// shm/ (a memfd segment), sidecar/ (kvproxy as a value) and e2e/ (the
+// binaries end to end); what the KV tests share is testkit/kvtest.
 package kvtransfer

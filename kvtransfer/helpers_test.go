@@ -3,7 +3,7 @@ package kvtransfer
 import (
 	"testing"
 
-	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 	"go.uber.org/goleak"
 )
 

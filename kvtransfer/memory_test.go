@@ -13,8 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // engineMemory is memory an engine owns (kvtest.EngineMemory) and a

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
-	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // memProxy is a kvproxy serving only engine-owned memory, and an engine

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
-	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // memEngine is an engine owning its memory (a memfd mapping in the test

@@ -15,8 +15,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
-	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -13,7 +13,7 @@ import (
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
-	"github.com/pdrouter/pdrouter/kvtransfer/kvtest"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // TestEngineOwnedMemory: two kvproxies as cmd/kvproxy runs them; each
