@@ -139,9 +139,17 @@ func (rl *roomLink) heartbeat() {
 	}
 }
 
-// RoomMsg hands a room message a link read to its room (the memory
-// plane's RoomHandler).
-func (e *Rooms) RoomMsg(l kvtransfer.Link, m wire.Msg) error {
+// planeHook is what the memory plane calls: the room messages its links
+// read and the links it lost.
+type planeHook struct{ e *Rooms }
+
+var _ kvtransfer.RoomHandler = planeHook{}
+
+func (h planeHook) RoomMsg(l kvtransfer.Link, m wire.Msg) error { return h.e.roomMsg(l, m) }
+func (h planeHook) LinkLost(l kvtransfer.Link, cause error)     { h.e.linkLost(l, cause) }
+
+// roomMsg hands a room message a link read to its room.
+func (e *Rooms) roomMsg(l kvtransfer.Link, m wire.Msg) error {
 	e.mu.Lock()
 	rl := e.roomLinkLocked(l)
 	e.mu.Unlock()
@@ -159,8 +167,8 @@ func (e *Rooms) RoomMsg(l kvtransfer.Link, m wire.Msg) error {
 	return nil
 }
 
-// LinkLost fails every room matched over l, which closed.
-func (e *Rooms) LinkLost(l kvtransfer.Link, cause error) {
+// linkLost fails every room matched over l, which closed.
+func (e *Rooms) linkLost(l kvtransfer.Link, cause error) {
 	e.mu.Lock()
 	rl := e.links[l]
 	if rl != nil {

@@ -177,7 +177,7 @@ func New(cfg Config) (*Rooms, error) {
 		prefills: map[uint64]*prefillRoom{}, decodes: map[uint64]*decodeRoom{}, tombs: map[uint64]tomb{},
 		links: map[kvtransfer.Link]*roomLink{},
 	}
-	if err := cfg.Memory.SetRoomHandler(r); err != nil {
+	if err := cfg.Memory.SetRoomHandler(planeHook{r}); err != nil {
 		cancel()
 		return nil, err
 	}
@@ -251,7 +251,7 @@ func (e *Rooms) Close() error {
 	}
 	e.cancel()
 	e.wg.Wait()
-	e.p.ClearRoomHandler(e)
+	e.p.ClearRoomHandler(planeHook{e})
 	return nil
 }
 
