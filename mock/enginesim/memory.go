@@ -132,13 +132,21 @@ func (d *deviceBuffers) addr(b int, p uint32) uint64 {
 }
 
 func (d *deviceBuffers) write(b int, pages []uint32, fill func(int, []byte)) error {
-	return runs(pages, func(i, j int) error {
+	err := runs(pages, func(i, j int) error {
 		stage := make([]byte, (j-i)*d.item)
 		for k := i; k < j; k++ {
 			fill(k, stage[(k-i)*d.item:][:d.item])
 		}
 		return d.dev.CopyFromHost(d.addr(b, pages[i]), stage)
 	})
+	if err != nil || len(pages) == 0 {
+		return err
+	}
+	// A copy from pageable memory may return before its DMA lands; a copy
+	// back on the same stream waits for it, so the kvproxy (another
+	// process) reads the pages whole.
+	var fence [1]byte
+	return d.dev.CopyToHost(fence[:], d.addr(b, pages[len(pages)-1]))
 }
 
 func (d *deviceBuffers) read(b int, pages []uint32, check func(int, []byte) bool) (bool, error) {

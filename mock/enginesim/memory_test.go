@@ -93,8 +93,8 @@ func TestDevicePagesRoundTrip(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if g.copies != 2*3 {
-		t.Fatalf("%d copies for 3 runs in 2 buffers, want 6", g.copies)
+	if g.copies != 2*(3+1) {
+		t.Fatalf("%d copies for 3 runs in 2 buffers, want 8 (a fence each)", g.copies)
 	}
 	if got := g.at(d.addr(1, 9), item); got[0] != pattern(1, 3) {
 		t.Fatalf("buffer 1 page 9 holds %d, want %d", got[0], pattern(1, 3))
