@@ -1,30 +1,31 @@
 // Package kvtransfer moves KV-cache bytes between engines' registered
 // memory, from one kvproxy to its peer.
 //
-// Three layers, bottom up:
+// Where each layer lives, bottom up:
 //
-//   - Transports (transport.go: tcp.go, samehost.go for shm, ucx.go) move
-//     bytes between mappings: DATA frames on the peer link, a memcpy into
-//     the peer engine's memfd mapped here, or UCX RMA puts.
-//   - The memory plane (memory.go, memlink.go, pagewrite.go; GPU memory in
-//     gpu.go and staging.go, the path for a pair of places in place.go) is
-//     what SGLang's Mooncake-style TransferEngine drives through python/:
-//     an engine registers memory it allocated itself (a memfd, or CUDA
-//     memory by IPC handle), and writes name source and destination by
-//     engine addresses. One link per peer kvproxy carries the region
-//     tables, tcp's DATA frames and fences, and the rooms' messages.
-//   - Rooms (rooms.go, room.go, roomlink.go) are SGLang's high-level API on
-//     top: an engine that registered its memory describes its KV layout
-//     once (RoomLayout), then the decode side calls Expect (it finds the
-//     prefill's kvproxy through the bootstrap API and sends XFER_REQ with
-//     its layout and page indices) and the prefill side calls Send per
-//     chunk; the prefill kvproxy moves each chunk with the same page write
-//     an engine-memory write makes, over the same link, then sends DONE.
-//     Rooms climb SGLang's KVPoll ladder and every room ends (Success,
-//     Failed, abort, bootstrap or waiting timeout, a peer silent for two
-//     heartbeats), then lingers as a small tombstone.
+//   - Transports, in this package for now: transport.go (the interfaces),
+//     tcp.go (DATA frames on the peer link), samehost.go (shm: a memcpy
+//     into the peer engine's memfd mapped here), ucx.go (UCX RMA puts, cgo
+//     binding in ucx/), ucxlocal.go (kvproxy's ucx: shm's memcpy to a peer
+//     of the same host id, UCX to the others); device.go and staging.go for
+//     GPU memory.
+//   - The memory plane, this package: memory.go (regions an engine
+//     registered from its own memfd), memlink.go (one link per peer
+//     kvproxy: region tables, DATA frames, fences), pagewrite.go (SGLang's
+//     page writes), gpu.go (CUDA memory by IPC handle), place.go and
+//     linkpath.go (which path a pair of places takes). This is what
+//     SGLang's Mooncake-style TransferEngine drives through python/.
+//     peerlink.go is the seam for the layer above: a Link handle, the
+//     RoomHandler that gets the room messages each link reads, and
+//     WriteOver, the page write a room's chunk takes.
+//   - Rooms, in rooms/: SGLang's high-level API (Expect/Send/Poll/Abort by
+//     room, the KVPoll ladder, bootstrap and waiting timeouts, heartbeats)
+//     for an engine that registered its memory here and described its KV
+//     layout; each chunk moves by the same page write and over the same
+//     link an engine's own write takes.
 //
-// Subpackages: wire (the peer protocol), control (the engine's Unix-socket
-// API), bootstrap (SGLang's bootstrap HTTP API), sidecar (kvproxy as a
-// value) and e2e (the binaries end to end).
+// Beside them: wire/ (the peer protocol, one for both layers), control/
+// (the engine's Unix-socket API), bootstrap/ (SGLang's bootstrap HTTP API),
+// shm/ (a memfd segment), sidecar/ (kvproxy as a value) and e2e/ (the
+// binaries end to end); what the KV tests share is testkit/kvtest.
 package kvtransfer

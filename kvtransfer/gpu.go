@@ -11,8 +11,6 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/pdrouter/pdrouter/cuda"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
@@ -41,9 +39,6 @@ type gpuPlane struct {
 	dev  Device // where engines' allocations are opened (device 0)
 	err  error
 	host string // the plane's host id: peers' handles open only on the same host
-	// Where a write's time goes: resolving triples into runs (CPU) and the
-	// GPU copy including its launch and wait.
-	resolveSec, copySec prometheus.Counter
 
 	mu      sync.Mutex
 	closed  bool         // set by close: no device opens, no region joins
@@ -106,17 +101,7 @@ func (g *gpuPlane) place(r *gpuRegion) Place {
 }
 
 func (g *gpuPlane) open(p *MemoryPlane) error {
-	reg := p.cfg.Registry
 	g.init.Do(func() {
-		g.resolveSec = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_resolve_seconds_total",
-			Help: "Time GPU writes spent turning triples into merged runs."})
-		g.copySec = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_copy_seconds_total",
-			Help: "Time GPU writes spent in the GPU copy (launch to completion)."})
-		if reg != nil {
-			if g.err = errors.Join(reg.Register(g.resolveSec), reg.Register(g.copySec)); g.err != nil {
-				return
-			}
-		}
 		g.devs.gpus = p.cfg.GPUs
 		if g.dev, g.err = g.devs.get(0); g.err != nil {
 			return
@@ -613,14 +598,14 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Dev
 		err = ctx.Err()
 	}
 	listed := time.Now()
-	g.resolveSec.Add(listed.Sub(start).Seconds())
+	p.m.gpuResolve.Add(listed.Sub(start).Seconds())
 	var cerr error
 	if parts {
 		cerr = b.Wait() // also after an error: nothing may be in flight on return
 	} else if err == nil {
 		cerr = dev.Copy(*all, gpuCopyMode)
 	}
-	g.copySec.Add(time.Since(listed).Seconds())
+	p.m.gpuCopy.Add(time.Since(listed).Seconds())
 	if err != nil {
 		return err
 	}

@@ -219,3 +219,37 @@ func FuzzParseGPUKey(f *testing.F) {
 		}
 	})
 }
+
+// TestGPUMetricsOnThePlaneRegistry: the GPU write counters are the plane's
+// metrics, built with it and registered on its registry under the names
+// they always had; two planes in one process each have their own, and a
+// plane without a registry keeps them unexported.
+func TestGPUMetricsOnThePlaneRegistry(t *testing.T) {
+	gpus := newHostGPUs(t)
+	a := gpuSide(t, gpus, "tcp", "h1", 2*time.Second)
+	b := gpuSide(t, gpus, "tcp", "h1", 2*time.Second)
+	quiet := newMemSide(t, "tcp", 2*time.Second, func(c *MemoryConfig) { c.GPUs, c.HostID, c.Registry = gpus, "h1", nil })
+	gpuSeries := []string{"kvproxy_gpu_write_resolve_seconds_total", "kvproxy_gpu_write_copy_seconds_total"}
+	for _, m := range []*memSide{a, b} {
+		for _, name := range append(gpuSeries, "kvproxy_registered_regions", "kvproxy_registered_bytes", "kvproxy_peers", "kvproxy_memory_write_bytes_total") {
+			if v := m.metric(t, name); v != 0 {
+				t.Fatalf("%s = %v before any write, want exported at 0", name, v)
+			}
+		}
+	}
+	src, dst := gpus.alloc(0, 1<<20), gpus.alloc(0, 1<<20)
+	a.registerGPU(t, 0x10000000, src)
+	b.registerGPU(t, 0x20000000, dst)
+	quiet.registerGPU(t, 0x30000000, gpus.alloc(0, 1<<20))
+	for w, from := range map[*memSide]uint64{a: 0x10000000, quiet: 0x30000000} {
+		if err := w.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: from, Dst: 0x20000000, Len: 4096}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if a.metric(t, gpuSeries[0])+a.metric(t, gpuSeries[1]) <= 0 {
+		t.Fatal("the writer's GPU time counters did not move")
+	}
+	if b.metric(t, gpuSeries[0]) != 0 || b.metric(t, gpuSeries[1]) != 0 {
+		t.Fatal("the receiver's counters moved with the writer's")
+	}
+}

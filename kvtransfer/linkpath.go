@@ -81,6 +81,9 @@ func (l *memLink) peerHost() string {
 	if l.p.cfg.Transport.Name() == "shm" {
 		return string(l.remote.WorkerAddr)
 	}
+	if h, ok := l.p.mt.(interface{ PeerHost([]byte) string }); ok {
+		return h.PeerHost(l.remote.WorkerAddr)
+	}
 	return ""
 }
 
@@ -106,7 +109,7 @@ func (l *memLink) remotePlaces(host string) []Place {
 // peer's ring where stagedUCX says so (and the peer lends one), else as
 // DATA frames.
 func (l *memLink) pathTo(src, dst Place) (Path, error) {
-	tr := string(l.p.hostPath)
+	tr := string(l.hostPath())
 	if src.Kind != wire.MemHost || dst.Kind != wire.MemHost {
 		tr = "tcp"
 		if l.stagedUCX() && !l.ustage.none.Load() {

@@ -53,7 +53,7 @@ type memLink struct {
 	ustage stageLinkState
 
 	// lastRead is when the reader last got a frame (unix nanos): rooms
-	// tell a silent peer by it (roomlink.go).
+	// tell a silent peer by it (rooms/link.go).
 	lastRead atomic.Int64
 }
 
@@ -561,10 +561,10 @@ func (l *memLink) put(ctx context.Context, runs []memRun) error {
 	// puts are not zero-copy. Host memory UCX could not register goes by
 	// the ring too.
 	toGPU := slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemCUDA })
-	if l.stagedUCX() && (toGPU || l.p.hostPath != PathTCP && slices.ContainsFunc(runs, needsRing)) {
+	if l.stagedUCX() && (toGPU || l.hostPath() != PathTCP && slices.ContainsFunc(runs, needsRing)) {
 		return l.putStagedHost(ctx, runs)
 	}
-	if l.p.hostPath == PathTCP || toGPU {
+	if l.hostPath() == PathTCP || toGPU {
 		return l.putTCP(ctx, runs)
 	}
 	ep, err := l.endpoint()

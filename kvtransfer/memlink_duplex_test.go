@@ -15,12 +15,9 @@ import (
 func TestTCPDuplexBulkWritesDoNotStall(t *testing.T) {
 	const half = 16 << 20
 	a, b := newMemSide(t, "tcp", time.Minute), newMemSide(t, "tcp", time.Minute)
-	am, amFd := engineMemory(t, 2*half)
-	bm, bmFd := engineMemory(t, 2*half)
+	am, bm := a.memory(t, 2*half), b.memory(t, 2*half)
 	fill(am[:half], 1)
 	fill(bm[:half], 2)
-	a.register(t, am, amFd)
-	b.register(t, bm, bmFd)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	// a dials the link; b's writes then go over the one a dialed.

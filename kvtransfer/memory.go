@@ -37,6 +37,7 @@ type Triple struct{ Src, Dst, Len uint64 }
 var (
 	ErrCUDAUnsupported = errors.New("cuda memory is not supported in this build")
 	ErrNotRegistered   = errors.New("address range not registered")
+	ErrClosed          = errors.New("closed")
 )
 
 // MemoryConfig configures a MemoryPlane. Zero values take the defaults.
@@ -105,7 +106,7 @@ type MemoryPlane struct {
 
 	gpu gpuPlane // GPU regions (gpu.go)
 
-	rooms atomic.Pointer[Rooms] // the room layer on top, if any (rooms.go)
+	rooms atomic.Pointer[roomHandler] // the room layer on top, if any (peerlink.go)
 }
 
 // memRegion is one registered region.
@@ -125,18 +126,32 @@ type memRegion struct {
 
 func (r *memRegion) end() uint64 { return r.base + uint64(len(r.mem)) }
 
-// place is where r's memory lives.
-func (p *MemoryPlane) place(*memRegion) Place { return HostPlace(p.host) }
+// hostPath is how host memory moves to l's peer: the plane's host path,
+// unless the transport picks per peer (UCXLocalSHM: shm to a kvproxy of
+// the same host).
+func (l *memLink) hostPath() Path {
+	if pp, ok := l.p.mt.(interface{ PeerPath([]byte) Path }); ok {
+		if path := pp.PeerPath(l.remote.WorkerAddr); path != "" {
+			return path
+		}
+	}
+	return l.p.hostPath
+}
 
 type quarantined struct {
 	mem   []byte
 	until time.Time
 }
 
+// memMetrics are the plane's series, with the names the dashboard reads:
+// built with the plane, registered on its registry (none: kept unexported).
 type memMetrics struct {
 	regions, bytes, peers prometheus.Gauge
 	writes                *prometheus.CounterVec
 	written               prometheus.Counter
+	// Where a GPU write's time goes: resolving triples into runs (CPU) and
+	// the GPU copy including its launch and wait.
+	gpuResolve, gpuCopy prometheus.Counter
 }
 
 func newMemMetrics(reg prometheus.Registerer) memMetrics {
@@ -148,9 +163,13 @@ func newMemMetrics(reg prometheus.Registerer) memMetrics {
 			Name: "kvproxy_memory_writes_total", Help: "Engine-memory writes by result.",
 		}, []string{"result"}),
 		written: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_memory_write_bytes_total", Help: "Bytes written into peer engines' memory."}),
+		gpuResolve: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_resolve_seconds_total",
+			Help: "Time GPU writes spent turning triples into merged runs."}),
+		gpuCopy: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_copy_seconds_total",
+			Help: "Time GPU writes spent in the GPU copy (launch to completion)."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.regions, m.bytes, m.peers, m.writes, m.written)
+		reg.MustRegister(m.regions, m.bytes, m.peers, m.writes, m.written, m.gpuResolve, m.gpuCopy)
 	}
 	return m
 }

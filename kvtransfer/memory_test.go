@@ -10,46 +10,21 @@ import (
 	"strings"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
-	"golang.org/x/sys/unix"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
-// engineMemory is what an engine owns: a shared mapping of a fresh memfd
-// (as the Python client leaves a tensor after its in-place remap). It
-// returns the mapping and an fd for each registration to hand over.
+// engineMemory is memory an engine owns (kvtest.EngineMemory) and a
+// function that returns an fd of it for each registration to take.
 func engineMemory(t testing.TB, size int) ([]byte, func() int) {
-	t.Helper()
-	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = unix.Munmap(mem)
-		_ = unix.Close(fd)
-	})
-	dup := func() int {
-		d, err := unix.Dup(fd)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return d
-	}
-	return mem, dup
+	seg := kvtest.EngineMemory(t, size)
+	return seg.Mem, func() int { return kvtest.Dup(t, seg.Fd()) }
 }
 
-func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+var addrOf = kvtest.Addr
 
 type memSide struct {
 	p   *MemoryPlane
@@ -86,6 +61,26 @@ func newMemSide(t testing.TB, transport string, timeout time.Duration, opts ...f
 	return m
 }
 
+// newMemPair is two kvproxies, each with an engine that registered size
+// bytes: src on a, filled from seed (0: left zero), and dst on b.
+func newMemPair(t testing.TB, transport string, timeout time.Duration, size int, seed byte, opts ...func(*MemoryConfig)) (a, b *memSide, src, dst []byte) {
+	t.Helper()
+	a, b = newMemSide(t, transport, timeout, opts...), newMemSide(t, transport, timeout, opts...)
+	src, dst = a.memory(t, size), b.memory(t, size)
+	if seed != 0 {
+		fill(src, seed)
+	}
+	return a, b, src, dst
+}
+
+// memory is size bytes of engine memory registered on m.
+func (m *memSide) memory(t testing.TB, size int) []byte {
+	t.Helper()
+	mem, dup := engineMemory(t, size)
+	m.register(t, mem, dup)
+	return mem
+}
+
 func (m *memSide) register(t testing.TB, mem []byte, dup func() int) {
 	t.Helper()
 	if err := m.s.Register(wire.MemHost, addrOf(mem), uint64(len(mem)), dup()); err != nil {
@@ -107,7 +102,25 @@ func (m *memSide) gauge() float64 {
 	return -1
 }
 
-var _ = dto.Metric{}
+// metric reads an unlabelled gauge or counter of m's registry; one not
+// exported fails the test.
+func (m *memSide) metric(t testing.TB, name string) float64 {
+	t.Helper()
+	mfs, err := m.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name && len(mf.GetMetric()) == 1 {
+			if g := mf.GetMetric()[0].GetGauge(); g != nil {
+				return g.GetValue()
+			}
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("%s is not exported", name)
+	return 0
+}
 
 const page = 4096
 
@@ -141,15 +154,10 @@ func TestMemoryWrite(t *testing.T) {
 			if tc.tls != "" {
 				t.Setenv("UCX_TLS", tc.tls)
 			}
-			a, b := newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts)), newMemSide(t, tc.name, 5*time.Second, withPuts(tc.puts))
+			a, b, src, dst := newMemPair(t, tc.name, 5*time.Second, 64*page, 1, withPuts(tc.puts))
 			if want := map[bool]Path{false: PathTCP, true: PathUCX}[tc.puts]; tc.name == "ucx" && a.p.hostPath != want {
 				t.Fatalf("host path %q, want %q", a.p.hostPath, want)
 			}
-			src, srcFd := engineMemory(t, 64*page)
-			fill(src, 1)
-			a.register(t, src, srcFd)
-			dst, dstFd := engineMemory(t, 64*page)
-			b.register(t, dst, dstFd)
 			ctx := context.Background()
 			// Pages 0..7 to 10..17 (one merged run), then scattered pages.
 			var ts []Triple
@@ -171,8 +179,7 @@ func TestMemoryWrite(t *testing.T) {
 				t.Fatal("bytes outside the triples changed")
 			}
 			// Memory registered after the link came up: found by a refresh.
-			late, lateFd := engineMemory(t, 4*page)
-			b.register(t, late, lateFd)
+			late := b.memory(t, 4*page)
 			if err := a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: addrOf(src) + 5*page, Dst: addrOf(late), Len: 4 * page}}); err != nil {
 				t.Fatal(err)
 			}
@@ -190,11 +197,7 @@ func TestMemoryWrite(t *testing.T) {
 }
 
 func TestMemoryWriteMergesRuns(t *testing.T) {
-	a, b := newMemSide(t, "tcp", 5*time.Second), newMemSide(t, "tcp", 5*time.Second)
-	src, srcFd := engineMemory(t, 16*page)
-	a.register(t, src, srcFd)
-	dst, dstFd := engineMemory(t, 16*page)
-	b.register(t, dst, dstFd)
+	a, b, src, dst := newMemPair(t, "tcp", 5*time.Second, 16*page, 0)
 	ctx := context.Background()
 	l, err := a.p.link(ctx, b.p.PeerAddr())
 	if err != nil {
@@ -220,12 +223,7 @@ func TestMemoryWriteMergesRuns(t *testing.T) {
 }
 
 func TestMemoryWriteRejectsUnregistered(t *testing.T) {
-	a, b := newMemSide(t, "tcp", 2*time.Second), newMemSide(t, "tcp", 2*time.Second)
-	src, srcFd := engineMemory(t, 8*page)
-	fill(src, 3)
-	a.register(t, src, srcFd)
-	dst, dstFd := engineMemory(t, 8*page)
-	b.register(t, dst, dstFd)
+	a, b, src, dst := newMemPair(t, "tcp", 2*time.Second, 8*page, 3)
 	ctx := context.Background()
 	peer := b.p.PeerAddr()
 	good := Triple{Src: addrOf(src), Dst: addrOf(dst), Len: page}
@@ -321,9 +319,8 @@ func TestMemoryRegisterChecks(t *testing.T) {
 func TestMemoryDeadPeerBounded(t *testing.T) {
 	const timeout = 700 * time.Millisecond
 	a := newMemSide(t, "tcp", timeout)
-	src, srcFd := engineMemory(t, 4*page)
-	a.register(t, src, srcFd)
-	peer, stopPeer := silentMemPeer(t, false)
+	src := a.memory(t, 4*page)
+	peer, stopPeer := kvtest.SilentPeer(t, false)
 	t0 := time.Now()
 	err := a.s.Write(context.Background(), peer, []Triple{{Src: addrOf(src), Dst: 1 << 30, Len: page}})
 	if err == nil || time.Since(t0) > 3*timeout {
@@ -335,8 +332,7 @@ func TestMemoryDeadPeerBounded(t *testing.T) {
 	}
 
 	b := newMemSide(t, "tcp", timeout)
-	dst, dstFd := engineMemory(t, 4*page)
-	b.register(t, dst, dstFd)
+	dst := b.memory(t, 4*page)
 	good := []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: page}}
 	if err := a.s.Write(context.Background(), b.p.PeerAddr(), good); err != nil {
 		t.Fatal(err)
@@ -355,9 +351,8 @@ func TestMemoryDeadPeerBounded(t *testing.T) {
 // write in flight promptly and drops its regions.
 func TestMemorySessionCloseFailsWrites(t *testing.T) {
 	a := newMemSide(t, "tcp", 5*time.Second)
-	src, srcFd := engineMemory(t, 4*page)
-	a.register(t, src, srcFd)
-	peer, stopPeer := silentMemPeer(t, true)
+	src := a.memory(t, 4*page)
+	peer, stopPeer := kvtest.SilentPeer(t, true)
 	defer stopPeer()
 	errc := make(chan error, 1)
 	go func() {
@@ -379,40 +374,6 @@ func TestMemorySessionCloseFailsWrites(t *testing.T) {
 	}
 }
 
-// silentMemPeer is a kvproxy that completes the link handshake (advertising one
-// region at 1<<30) and then acknowledges nothing; with drain it keeps
-// reading what arrives, else it reads nothing more.
-func silentMemPeer(t *testing.T, drain bool) (addr string, stop func()) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	quit, done := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(done)
-		nc, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer nc.Close()
-		c := wire.NewConn(nc)
-		if _, err := c.Read(); err == nil {
-			_ = c.Write(&wire.MemHello{Transport: "tcp", Regions: []wire.MemRegion{{ID: 1, Base: 1 << 30, Len: 1 << 20}}})
-		}
-		for drain {
-			m, err := c.Read()
-			if err != nil {
-				return
-			}
-			if _, ok := m.(*wire.Data); ok {
-				_ = c.DiscardData()
-			}
-		}
-		<-quit
-	}()
-	return ln.Addr().String(), func() { close(quit); ln.Close(); <-done }
-}
-
 // memfdMappings counts this process's mappings of engine memfds.
 func memfdMappings(t testing.TB) int {
 	b, err := os.ReadFile("/proc/self/maps")
@@ -426,12 +387,7 @@ func memfdMappings(t testing.TB) int {
 // memfd; once the peer drops that region, the writer's mapping goes too
 // (else a departed engine's memory would live as long as the link).
 func TestSHMForgetsDroppedRegions(t *testing.T) {
-	a, b := newMemSide(t, "shm", 2*time.Second), newMemSide(t, "shm", 2*time.Second)
-	src, srcFd := engineMemory(t, 4*page)
-	fill(src, 9)
-	a.register(t, src, srcFd)
-	dst, dstFd := engineMemory(t, 4*page)
-	b.register(t, dst, dstFd)
+	a, b, src, dst := newMemPair(t, "shm", 2*time.Second, 4*page, 9)
 	base := memfdMappings(t) // the engines' two and each kvproxy's one
 	if err := a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 4 * page}}); err != nil {
 		t.Fatal(err)
@@ -460,8 +416,7 @@ func TestSHMForgetsDroppedRegions(t *testing.T) {
 // mapping of the dropped region: the push went to no link).
 func TestLinkAcceptedAcrossATablePushGetsTheTable(t *testing.T) {
 	b := newMemSide(t, "tcp", 2*time.Second)
-	dst, dstFd := engineMemory(t, 4*page)
-	b.register(t, dst, dstFd)
+	dst := b.memory(t, 4*page)
 	ours, theirs := net.Pipe()
 	defer ours.Close()
 	_ = ours.SetDeadline(time.Now().Add(5 * time.Second))
@@ -680,8 +635,7 @@ func (e *gatedEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
 // the writer's mapping of the departed engine's memory lives on).
 func TestKeyUnpackedAcrossATablePushIsNotKept(t *testing.T) {
 	b := newMemSide(t, "shm", 5*time.Second)
-	dst, dstFd := engineMemory(t, 4*page)
-	b.register(t, dst, dstFd)
+	dst := b.memory(t, 4*page)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

@@ -20,12 +20,10 @@ func TestMemoryUCXPeerLoss(t *testing.T) {
 			t.Setenv("UCX_TLS", tls)
 			const timeout = time.Second
 			a := newMemSide(t, "ucx", timeout, withPuts(true))
-			src, srcFd := engineMemory(t, 16*page)
+			src := a.memory(t, 16*page)
 			fill(src, 5)
-			a.register(t, src, srcFd)
 			b := newMemSide(t, "ucx", timeout, withPuts(true))
-			dst, dstFd := engineMemory(t, 16*page)
-			b.register(t, dst, dstFd)
+			dst := b.memory(t, 16*page)
 			ts := []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 16 * page}}
 			ctx := context.Background()
 			if err := a.s.Write(ctx, b.p.PeerAddr(), ts); err != nil {
@@ -55,8 +53,7 @@ func TestMemoryUCXPeerLoss(t *testing.T) {
 				t.Fatalf("write to a closed peer: %v after %s", err, time.Since(t0))
 			}
 			c := newMemSide(t, "ucx", timeout, withPuts(true))
-			dst2, dst2Fd := engineMemory(t, 16*page)
-			c.register(t, dst2, dst2Fd)
+			dst2 := c.memory(t, 16*page)
 			if err := a.s.Write(ctx, c.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst2), Len: 16 * page}}); err != nil {
 				t.Fatal(err)
 			}

@@ -136,3 +136,28 @@ func BenchmarkGPUPageRuns(b *testing.B) {
 		}
 	}
 }
+
+func TestMergedTriples(t *testing.T) {
+	w := PageWrite{Bufs: []PageBuf{{Src: 0x1000, Dst: 0x9000, PageLen: 256}, {Src: 0x2000, Dst: 0xa000, PageLen: 256}},
+		Pairs: []PagePair{{1, 10}, {2, 11}, {3, 12}, {7, 13}, {8, 14}}}
+	ts := w.mergedTriples()
+	// Two merged runs ([1..3]→[10..12], [7..8]→[13..14]) × 2 buffers.
+	want := []Triple{
+		{Src: 0x1000 + 256, Dst: 0x9000 + 10*256, Len: 3 * 256}, {Src: 0x1000 + 7*256, Dst: 0x9000 + 13*256, Len: 2 * 256},
+		{Src: 0x2000 + 256, Dst: 0xa000 + 10*256, Len: 3 * 256}, {Src: 0x2000 + 7*256, Dst: 0xa000 + 13*256, Len: 2 * 256},
+	}
+	if !slices.Equal(ts, want) {
+		t.Fatalf("got %+v\nwant %+v", ts, want)
+	}
+	// The same bytes as the expanded list.
+	var a, b uint64
+	for _, x := range ts {
+		a += x.Len
+	}
+	for _, x := range w.Triples() {
+		b += x.Len
+	}
+	if a != b {
+		t.Fatalf("merged %d bytes, expanded %d", a, b)
+	}
+}

@@ -12,12 +12,7 @@ import (
 // mapping, which the engine no longer reads: it must fail, as tcp's does,
 // not report the bytes delivered.
 func TestSHMWriteIntoADroppedRegionFails(t *testing.T) {
-	a, b := newMemSide(t, "shm", 2*time.Second), newMemSide(t, "shm", 2*time.Second)
-	src, srcFd := engineMemory(t, 4*page)
-	fill(src, 9)
-	a.register(t, src, srcFd)
-	dst, dstFd := engineMemory(t, 4*page)
-	b.register(t, dst, dstFd)
+	a, b, src, dst := newMemPair(t, "shm", 2*time.Second, 4*page, 9)
 	ctx := context.Background()
 	write := func() error {
 		return a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 4 * page}})
@@ -39,8 +34,7 @@ func TestSHMWriteIntoADroppedRegionFails(t *testing.T) {
 		t.Fatal("a write into a region the peer dropped reported success")
 	}
 	// Registered again, it is written again.
-	dst2, dst2Fd := engineMemory(t, 4*page)
-	b.register(t, dst2, dst2Fd)
+	dst2 := b.memory(t, 4*page)
 	if err := a.s.Write(ctx, b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst2), Len: 4 * page}}); err != nil {
 		t.Fatal(err)
 	}

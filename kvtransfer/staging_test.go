@@ -173,11 +173,8 @@ func TestStagedMixedKinds(t *testing.T) {
 	for _, tr := range stagedTransports {
 		t.Run(tr, func(t *testing.T) {
 			sp := newStagedPair(t, tr, 1<<20, 5*time.Second)
-			hostA, dupA := engineMemory(t, 1<<20)
-			hostB, dupB := engineMemory(t, 1<<20)
+			hostA, hostB := sp.a.memory(t, 1<<20), sp.b.memory(t, 1<<20)
 			fill(hostA, 9)
-			sp.a.register(t, hostA, dupA)
-			sp.b.register(t, hostB, dupB)
 			ctx := context.Background()
 			if err := sp.a.s.Write(ctx, sp.b.p.PeerAddr(), []Triple{{Src: addrOf(hostA), Dst: dstBase + 4096, Len: 200 << 10}}); err != nil {
 				t.Fatal(err)

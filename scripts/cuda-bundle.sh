@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# make cuda-bundle: kvproxy, ucxbench and the GPU test binaries (cuda, ucx,
-# kvtransfer) built against UCX 1.22 with CUDA from PyPI's libucx-cu13 wheel
-# (Debian's UCX 1.13 stays the default build), plus the trimmed UCX libraries they run with, in
+# make cuda-bundle: kvproxy, ucxbench, mockworker and the GPU test binaries
+# (cuda, ucx, kvtransfer) built against UCX 1.22 with CUDA from PyPI's
+# libucx-cu13 wheel (Debian's UCX 1.13 stays the default build), plus the
+# trimmed UCX libraries they run with, in
 # bin/cuda (under 64 MiB: what the device tool carries). No CUDA toolkit is
 # needed: UCX's CUDA transports and cuda load the driver at run time.
 # Run there with: bin/cuda/env.sh <command> (sets LD_LIBRARY_PATH and PATH).
@@ -35,6 +36,7 @@ rm -rf "$out" && mkdir -p "$out/bin" "$out/lib/ucx"
 export CGO_LDFLAGS='-Wl,-rpath,$ORIGIN/../lib'
 go build -ldflags '-s -w' -o "$out/bin/kvproxy" ./cmd/kvproxy
 go build -ldflags '-s -w' -o "$out/bin/ucxbench" ./cmd/ucxbench
+go build -ldflags '-s -w' -o "$out/bin/mockworker" ./cmd/mockworker
 go test -c -ldflags '-s -w' -o "$out/bin/ucx.test" ./ucx
 go test -c -ldflags '-s -w' -o "$out/bin/cuda.test" ./cuda
 go test -c -ldflags '-s -w' -o "$out/bin/kvtransfer.test" ./kvtransfer

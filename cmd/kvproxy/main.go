@@ -53,7 +53,7 @@ func main() {
 func flags(fs *flag.FlagSet) (*sidecar.Config, *string) {
 	cfg := sidecar.DefaultConfig()
 	fs.StringVar(&cfg.Role, "role", cfg.Role, "prefill or decode")
-	fs.StringVar(&cfg.Transport, "transport", cfg.Transport, "ucx, tcp or shm (UCX_TLS passes through to ucx; shm: engine memory between kvproxies of one host)")
+	fs.StringVar(&cfg.Transport, "transport", cfg.Transport, "ucx, tcp or shm (UCX_TLS passes through to ucx, which copies as shm does to a kvproxy of the same host id; shm: engine memory between kvproxies of one host)")
 	fs.StringVar(&cfg.Control, "control", cfg.Control, "Unix socket the engine connects to")
 	fs.StringVar(&cfg.Host, "host", cfg.Host, "address to listen on and advertise to peers")
 	fs.IntVar(&cfg.BootstrapPort, "bootstrap-port", cfg.BootstrapPort, "prefill: bootstrap HTTP API port (0: any; negative: none, when SGLang serves its own)")

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -170,22 +171,22 @@ func (c *Client) Send(ctx context.Context, room uint64, pages []uint32, last boo
 }
 
 // Poll returns the room's status now.
-func (c *Client) Poll(ctx context.Context, room uint64) (kvtransfer.Status, error) {
+func (c *Client) Poll(ctx context.Context, room uint64) (rooms.Status, error) {
 	return c.poll(ctx, room, false)
 }
 
 // Wait blocks until the room ends (or ctx does) and returns its status.
-func (c *Client) Wait(ctx context.Context, room uint64) (kvtransfer.Status, error) {
+func (c *Client) Wait(ctx context.Context, room uint64) (rooms.Status, error) {
 	return c.poll(ctx, room, true)
 }
 
-func (c *Client) poll(ctx context.Context, room uint64, wait bool) (kvtransfer.Status, error) {
+func (c *Client) poll(ctx context.Context, room uint64, wait bool) (rooms.Status, error) {
 	r, err := c.call(ctx, &Request{Op: OpPoll, Room: room, Wait: wait})
 	if err != nil {
-		return kvtransfer.Status{}, err
+		return rooms.Status{}, err
 	}
-	return kvtransfer.Status{
-		State: kvtransfer.State(r.State), Reason: r.Reason, Pages: r.Pages, Bytes: r.Bytes,
+	return rooms.Status{
+		State: rooms.State(r.State), Reason: r.Reason, Pages: r.Pages, Bytes: r.Bytes,
 		Transfer: time.Duration(r.TransferNs), Wall: time.Duration(r.WallNs),
 	}, nil
 }

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
@@ -61,7 +62,7 @@ func (p *pool) attach(cl *Client) error {
 }
 
 type side struct {
-	rooms *kvtransfer.Rooms
+	rooms *rooms.Rooms
 	srv   *Server
 	cl    *Client
 	pool  *pool
@@ -78,7 +79,7 @@ func startSide(t *testing.T, name string, resolve func(context.Context, string) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	rooms, err := kvtransfer.NewRooms(kvtransfer.RoomConfig{Memory: plane, Resolve: resolve, Heartbeat: time.Second, WaitingTimeout: 2 * time.Second})
+	rs, err := rooms.New(rooms.Config{Memory: plane, Resolve: resolve, Heartbeat: time.Second, WaitingTimeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,7 +88,7 @@ func startSide(t *testing.T, name string, resolve func(context.Context, string) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &side{rooms: rooms, srv: &Server{Rooms: rooms, Memory: plane}, sock: sock, pool: newPool(t)}
+	s := &side{rooms: rs, srv: &Server{Rooms: rs, Memory: plane}, sock: sock, pool: newPool(t)}
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- s.srv.Serve(ctx, ln) }()
@@ -103,7 +104,7 @@ func startSide(t *testing.T, name string, resolve func(context.Context, string) 
 		if err := <-served; err != nil {
 			t.Error(err)
 		}
-		rooms.Close()
+		rs.Close()
 		plane.Close()
 	})
 	return s
@@ -135,7 +136,7 @@ func TestTransferIntoEngineMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	st, err := d.cl.Wait(ctx, 42)
-	if err != nil || st.State != kvtransfer.Success || st.Pages != 2 || st.Bytes != 4*item+8 {
+	if err != nil || st.State != rooms.Success || st.Pages != 2 || st.Bytes != 4*item+8 {
 		t.Fatalf("decode: %+v %v", st, err)
 	}
 	for b, base := range []int{0, pages * item} {
@@ -149,7 +150,7 @@ func TestTransferIntoEngineMemory(t *testing.T) {
 	}
 	// The prefill side reaches Success after it has sent DONE, which can be
 	// a moment after decode saw it: wait rather than poll once.
-	if st, err := p.cl.Wait(ctx, 42); err != nil || st.State != kvtransfer.Success {
+	if st, err := p.cl.Wait(ctx, 42); err != nil || st.State != rooms.Success {
 		t.Fatalf("prefill: %+v %v", st, err)
 	}
 	if err := p.cl.Send(ctx, 42, nil, true, -1); err == nil || !strings.Contains(err.Error(), "finished") {
@@ -172,7 +173,7 @@ func TestClientDisconnectAbortsItsRooms(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	st, err := p.rooms.Poll(7)
-	if err != nil || st.State != kvtransfer.Failed || !strings.Contains(st.Reason, "disconnected") {
+	if err != nil || st.State != rooms.Failed || !strings.Contains(st.Reason, "disconnected") {
 		t.Fatalf("prefill room after decode engine left: %+v %v", st, err)
 	}
 	if _, err := d.cl.Poll(ctx, 7); err == nil {
@@ -218,7 +219,7 @@ func TestRoomLayoutRefused(t *testing.T) {
 	if err := p.cl.Send(ctx, 3, []uint32{2}, true, -1); err != nil {
 		t.Fatal(err)
 	}
-	if st, err := d.cl.Wait(ctx, 3); err != nil || st.State != kvtransfer.Success {
+	if st, err := d.cl.Wait(ctx, 3); err != nil || st.State != rooms.Success {
 		t.Fatalf("after refused layouts: %+v %v", st, err)
 	}
 }
@@ -262,7 +263,7 @@ func TestRestartedEngineRegistersAgain(t *testing.T) {
 	if err := p.cl.Send(ctx, 9, []uint32{5}, true, -1); err != nil {
 		t.Fatal(err)
 	}
-	if st, err := back.Wait(ctx, 9); err != nil || st.State != kvtransfer.Success {
+	if st, err := back.Wait(ctx, 9); err != nil || st.State != rooms.Success {
 		t.Fatalf("transfer into the restarted engine: %+v %v", st, err)
 	}
 	if !bytes.Equal(fresh.seg.Mem[2*item:3*item], p.pool.seg.Mem[5*item:6*item]) {
@@ -372,7 +373,7 @@ func TestLongAbortReason(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if st.State != kvtransfer.Bootstrapping {
+		if st.State != rooms.Bootstrapping {
 			break // matched: aborting it sends the prefill an ABORT
 		}
 		if time.Now().After(deadline) {
@@ -382,13 +383,13 @@ func TestLongAbortReason(t *testing.T) {
 	if err := d.cl.Abort(ctx, 1, strings.Repeat("r", 4096)); err != nil {
 		t.Fatal(err)
 	}
-	if st, err := d.cl.Poll(ctx, 1); err != nil || st.State != kvtransfer.Failed || !strings.Contains(st.Reason, "rrrr") {
+	if st, err := d.cl.Poll(ctx, 1); err != nil || st.State != rooms.Failed || !strings.Contains(st.Reason, "rrrr") {
 		t.Fatalf("aborted room: %+v %v", st.State, err)
 	}
 	if err := p.cl.Send(ctx, 2, []uint32{3}, true, -1); err != nil {
 		t.Fatal(err)
 	}
-	if st, err := d.cl.Wait(ctx, 2); err != nil || st.State != kvtransfer.Success {
+	if st, err := d.cl.Wait(ctx, 2); err != nil || st.State != rooms.Success {
 		t.Fatalf("the other room on the link: %v %q %v", st.State, st.Reason, err)
 	}
 }

@@ -9,11 +9,9 @@ import (
 	"strings"
 	"testing"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // memProxy is a kvproxy serving only engine-owned memory, and an engine
@@ -67,23 +65,11 @@ func startMemProxy(t testing.TB, transport string) *memProxy {
 // engineMem is engine memory as the Python client leaves it: a shared
 // mapping of a memfd at the engine's own addresses.
 func engineMem(t testing.TB, size int) ([]byte, int) {
-	t.Helper()
-	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Munmap(mem); _ = unix.Close(fd) })
-	return mem, fd
+	seg := kvtest.EngineMemory(t, size)
+	return seg.Mem, seg.Fd()
 }
 
-func vaddr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+var vaddr = kvtest.Addr
 
 // memfds counts this process's fds and mappings of engine memfds: the
 // test's own plus whatever the kvproxy side still holds.

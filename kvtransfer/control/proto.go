@@ -28,6 +28,7 @@ import (
 	"fmt"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -72,8 +73,8 @@ type Triple = kvtransfer.Triple
 // cudaHandleLen is the size of a cudaIpcMemHandle_t.
 const cudaHandleLen = 64
 
-// RoomLayout is where the engine's KV buffers lie (see kvtransfer.RoomLayout).
-type RoomLayout = kvtransfer.RoomLayout
+// RoomLayout is where the engine's KV buffers lie (see rooms.Layout).
+type RoomLayout = rooms.Layout
 
 // RoomBuf is one buffer of a RoomLayout.
 type RoomBuf = wire.RoomBuf

@@ -16,6 +16,7 @@ import (
 
 	"github.com/pdrouter/pdrouter/internal/netutil"
 	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -24,11 +25,11 @@ type Server struct {
 	// Memory serves the engine-memory API.
 	Memory *kvtransfer.MemoryPlane
 	// Rooms serves the room API on top (nil: not offered).
-	Rooms *kvtransfer.Rooms
+	Rooms *rooms.Rooms
 	Log   *zap.Logger
 	// OnLayout runs after an engine registered its room layout (the
 	// prefill kvproxy then announces itself on its bootstrap server).
-	OnLayout func(kvtransfer.RoomLayout)
+	OnLayout func(rooms.Layout)
 	// MaxConns caps the connections served at once (0: 256); more are
 	// closed as they arrive.
 	MaxConns int
@@ -308,7 +309,7 @@ func (c *conn) handle(ctx context.Context, req *Request, fd int) *Reply {
 			c.track(req.Room)
 		}
 	case OpPoll:
-		var st kvtransfer.Status
+		var st rooms.Status
 		if req.Wait {
 			st, err = e.Wait(ctx, req.Room)
 		} else {

@@ -96,7 +96,7 @@ func TestBenchKV(t *testing.T) {
 		})
 	}
 	var empty string
-	if b, err := exec.Command("go", "test", "-run", "^$", "-bench", "EmptyRoom", "-benchtime", "3000x", "../").CombinedOutput(); err == nil {
+	if b, err := exec.Command("go", "test", "-run", "^$", "-bench", "EmptyRoom", "-benchtime", "3000x", "../rooms/").CombinedOutput(); err == nil {
 		empty = string(b)
 	} else {
 		t.Fatalf("empty-room benchmark: %v\n%s", err, b)

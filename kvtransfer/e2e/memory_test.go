@@ -8,11 +8,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // memEngine is an engine owning its memory (a memfd mapping in the test
@@ -53,19 +51,8 @@ func startMemProxy(t *testing.T, role, transport, tls string) (*proxyProc, func(
 
 func newMemEngine(t *testing.T, proxy *proxyProc, size int) *memEngine {
 	t.Helper()
-	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fd)
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	seg := kvtest.EngineMemory(t, size)
+	mem, fd := seg.Mem, seg.Fd()
 	cl, err := control.Dial(proxy.control)
 	if err != nil {
 		t.Fatal(err)
@@ -77,7 +64,7 @@ func newMemEngine(t *testing.T, proxy *proxyProc, size int) *memEngine {
 	return &memEngine{cl: cl, mem: mem}
 }
 
-func vaddr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+var vaddr = kvtest.Addr
 
 // TestEngineMemoryAcrossProcesses: two kvproxy processes move an engine's
 // memory into another's, SGLang-shaped (per-page triples, merged where

@@ -6,15 +6,14 @@ import (
 	"encoding/json"
 	"net"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 // TestEngineOwnedMemory: two kvproxies as cmd/kvproxy runs them; each
@@ -61,8 +60,8 @@ func TestEngineOwnedMemory(t *testing.T) {
 			t.Fatal(err)
 		}
 		want := kvtransfer.Path(transport)
-		if transport == "ucx" { // UCX_TLS has no rc or dc lane: its puts would be emulated
-			want = kvtransfer.PathTCP
+		if transport == "ucx" { // one host: UCX cannot register the memfd for shared memory
+			want = kvtransfer.PathSHM
 		}
 		if len(st.Links) == 0 || len(st.Links[0].Paths) == 0 || st.Links[0].Paths[0].Path != want {
 			t.Fatalf("/status: %+v", st)
@@ -83,6 +82,48 @@ func TestEngineOwnedMemory(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestUCXAcrossHostIDs: ucx kvproxies with different host ids are on two
+// hosts as far as they know: no shm between them, host memory goes by DATA
+// frames on the link (UCX_TLS has no rc or dc lane, so UCX's puts would be
+// emulated), and the link says so.
+func TestUCXAcrossHostIDs(t *testing.T) {
+	if !ucxBuilt {
+		t.Skip("ucx needs a cgo build")
+	}
+	t.Setenv("UCX_TLS", "posix,cma,tcp")
+	t.Setenv("UCX_NET_DEVICES", "lo")
+	for _, hosts := range [][2]string{{"node-a", "node-b"}, {"node-a", "node-a"}} {
+		t.Run(hosts[0]+"-"+hosts[1], func(t *testing.T) {
+			p := start(t, "prefill", "ucx", func(c *Config) { c.HostID = hosts[0] })
+			d := start(t, "decode", "ucx", func(c *Config) { c.HostID = hosts[1] })
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			pcl, src := engineMemory(t, ctx, p, 1<<16)
+			_, dst := engineMemory(t, ctx, d, 1<<16)
+			for i := range src {
+				src[i] = byte(i*13 + 1)
+			}
+			if err := pcl.Write(ctx, d.Addrs().Peer, []control.Triple{{Src: addr(src), Dst: addr(dst), Len: 1 << 16}}); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(src, dst) {
+				t.Fatal("the write did not land")
+			}
+			want := kvtransfer.PairPath{Src: "host@" + hosts[0], Dst: "host@" + hosts[1], Path: kvtransfer.PathTCP}
+			if hosts[0] == hosts[1] {
+				want.Path = kvtransfer.PathSHM
+			}
+			var st kvtransfer.PlaneStatus
+			if err := json.Unmarshal([]byte(get(t, "http://"+p.Addrs().Metrics+"/status")), &st); err != nil {
+				t.Fatal(err)
+			}
+			if len(st.Links) != 1 || st.Links[0].PeerHost != hosts[1] || !slices.Contains(st.Links[0].Paths, want) {
+				t.Fatalf("/status %+v, want a link to %s with %+v", st, hosts[1], want)
+			}
+		})
+	}
 }
 
 // Two kvproxies of one host with different host ids are remote to each
@@ -109,26 +150,15 @@ func engineMemory(t *testing.T, ctx context.Context, s *Sidecar, size int) (*con
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cl.Close() })
-	fd, err := unix.MemfdCreate("engine", unix.MFD_CLOEXEC)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(fd)
-	if err := unix.Ftruncate(fd, int64(size)); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Munmap(mem) })
-	if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), fd); err != nil {
+	seg := kvtest.EngineMemory(t, size)
+	mem := seg.Mem
+	if err := cl.RegisterMemory(ctx, addr(mem), uint64(size), seg.Fd()); err != nil {
 		t.Fatal(err)
 	}
 	return cl, mem
 }
 
-func addr(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+var addr = kvtest.Addr
 
 // TestPrefillWithoutBootstrap: with SGLang serving its own bootstrap API, a
 // prefill kvproxy started with a negative bootstrap port binds none, so the

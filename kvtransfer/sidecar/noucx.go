@@ -10,4 +10,4 @@ import (
 
 const ucxBuilt = false
 
-func newUCX() (kvtransfer.Transport, error) { return nil, errors.New("ucx needs a cgo build") }
+func newUCX(string) (kvtransfer.Transport, error) { return nil, errors.New("ucx needs a cgo build") }

@@ -31,6 +31,7 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/bootstrap"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 )
 
 // Config is one sidecar. Zero ports mean any free port; zero durations the
@@ -91,7 +92,7 @@ type Sidecar struct {
 	cfg      Config
 	addrs    Addrs
 	tr       kvtransfer.Transport
-	rooms    *kvtransfer.Rooms
+	rooms    *rooms.Rooms
 	mem      *kvtransfer.MemoryPlane
 	ctl      *control.Server
 	resolver *bootstrap.Resolver // decode
@@ -127,7 +128,7 @@ func Start(cfg Config) (*Sidecar, error) {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	rcfg := kvtransfer.RoomConfig{
+	rcfg := rooms.Config{
 		Logger: log, Registry: reg,
 		BootstrapTimeout: cfg.BootstrapTimeout, WaitingTimeout: cfg.WaitingTimeout, Heartbeat: cfg.Heartbeat,
 	}
@@ -145,7 +146,7 @@ func Start(cfg Config) (*Sidecar, error) {
 		WriteTimeout: cfg.WriteTimeout, Logger: log, Registry: reg, HostID: cfg.HostID, StageChunk: cfg.StageChunk})
 	if err == nil {
 		rcfg.Memory = s.mem
-		if s.rooms, err = kvtransfer.NewRooms(rcfg); err != nil {
+		if s.rooms, err = rooms.New(rcfg); err != nil {
 			_ = s.mem.Close()
 		}
 	}
@@ -157,7 +158,7 @@ func Start(cfg Config) (*Sidecar, error) {
 	s.ctl = &control.Server{Rooms: s.rooms, Memory: s.mem, Log: log}
 	if boot != nil {
 		peerPort := lns.peer.Addr().(*net.TCPAddr).Port
-		s.ctl.OnLayout = func(l kvtransfer.RoomLayout) {
+		s.ctl.OnLayout = func(l rooms.Layout) {
 			boot.Register(bootstrap.RankInfo{
 				AttnTPSize: 1, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
 				RankIP: cfg.Host, RankPort: peerPort, PageSize: int(l.PageSize), KVCacheDtype: l.Dtype,
@@ -320,10 +321,7 @@ func (s *Sidecar) Addrs() Addrs { return s.addrs }
 func (s *Sidecar) TransportName() string { return s.tr.Name() }
 
 // Rooms is its room layer.
-func (s *Sidecar) Rooms() *kvtransfer.Rooms { return s.rooms }
-
-// Memory is its memory plane.
-func (s *Sidecar) Memory() *kvtransfer.MemoryPlane { return s.mem }
+func (s *Sidecar) Rooms() *rooms.Rooms { return s.rooms }
 
 // Done is closed when the sidecar stopped by itself (its transport broke or
 // a server failed); Close then says why.

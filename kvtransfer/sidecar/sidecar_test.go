@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -15,8 +17,8 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
@@ -214,10 +216,10 @@ func TestTransferBetweenSidecars(t *testing.T) {
 		if err := pe.cl.Send(ctx, room, []uint32{1, 2, 3}, true, -1); err != nil {
 			t.Fatal(err)
 		}
-		if st, err := de.cl.Wait(ctx, room); err != nil || st.State != kvtransfer.Success || st.Pages != 3 {
+		if st, err := de.cl.Wait(ctx, room); err != nil || st.State != rooms.Success || st.Pages != 3 {
 			t.Fatalf("decode: %+v %v", st, err)
 		}
-		if st, err := pe.cl.Wait(ctx, room); err != nil || st.State != kvtransfer.Success {
+		if st, err := pe.cl.Wait(ctx, room); err != nil || st.State != rooms.Success {
 			t.Fatalf("prefill: %+v %v", st, err)
 		}
 		for b := 0; b < 2; b++ {
@@ -232,10 +234,31 @@ func TestTransferBetweenSidecars(t *testing.T) {
 		if h := get(t, "http://"+d.Addrs().Metrics+"/health"); h != "OK rooms_active=0 peers=1 regions=1 layout_registered=true\n" {
 			t.Fatalf("decode /health: %q", h)
 		}
-		if m := get(t, "http://"+p.Addrs().Metrics+"/metrics"); !strings.Contains(m, `kvproxy_rooms_total{role="prefill",state="Success"} 1`) {
+		m := get(t, "http://"+p.Addrs().Metrics+"/metrics")
+		if !strings.Contains(m, `kvproxy_rooms_total{role="prefill",state="Success"} 1`) {
 			t.Fatalf("prefill metrics lack the room:\n%s", m)
 		}
+		for _, name := range dashboardSeries(t) {
+			if !strings.Contains(m, "\n"+name) {
+				t.Errorf("/metrics lacks %s, which the Grafana dashboard reads", name)
+			}
+		}
 	})
+}
+
+// dashboardSeries lists the kvproxy series deploy/'s Grafana dashboard
+// queries.
+func dashboardSeries(t *testing.T) []string {
+	b, err := os.ReadFile("../../deploy/grafana/pdrouter.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := regexp.MustCompile(`kvproxy_[a-z_]+`).FindAllString(string(b), -1)
+	if len(names) == 0 {
+		t.Fatal("the dashboard queries no kvproxy series")
+	}
+	slices.Sort(names)
+	return slices.Compact(names)
 }
 
 // TestCloseEndsOpenRooms: closing a sidecar with an engine connected and a
@@ -252,7 +275,7 @@ func TestCloseEndsOpenRooms(t *testing.T) {
 		}
 		for {
 			st, err := pe.cl.Poll(ctx, 5)
-			if err == nil && st.State == kvtransfer.WaitingForInput {
+			if err == nil && st.State == rooms.WaitingForInput {
 				break
 			}
 			if ctx.Err() != nil {
@@ -273,7 +296,7 @@ func TestCloseEndsOpenRooms(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("the engine's Wait hangs after Close")
 		}
-		if st, err := pe.cl.Wait(ctx, 5); err != nil || st.State != kvtransfer.Failed {
+		if st, err := pe.cl.Wait(ctx, 5); err != nil || st.State != rooms.Failed {
 			t.Fatalf("prefill room after its peer closed: %+v %v", st, err)
 		}
 		if n := p.Rooms().ActiveRooms(); n != 0 {

@@ -7,8 +7,8 @@ import (
 )
 
 // Transports names the transports this build offers: tcp, shm (engine
-// memory copied between kvproxies of one host; pools as tcp), and ucx in
-// cgo builds (it needs libucp).
+// memory copied between kvproxies of one host), and ucx in cgo builds (it
+// needs libucp; to a kvproxy of the same host id it copies as shm does).
 func Transports() []string {
 	if ucxBuilt {
 		return []string{"tcp", "shm", "ucx"}
@@ -23,7 +23,7 @@ func newTransport(name, hostID string) (kvtransfer.Transport, error) {
 	case name == "shm":
 		return &kvtransfer.SHM{HostID: hostID}, nil
 	case name == "ucx" && ucxBuilt:
-		tr, err := newUCX()
+		tr, err := newUCX(hostID)
 		if err != nil {
 			return nil, fmt.Errorf("transport ucx: %w", err)
 		}

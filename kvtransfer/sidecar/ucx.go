@@ -6,4 +6,5 @@ import "github.com/pdrouter/pdrouter/kvtransfer"
 
 const ucxBuilt = true
 
-func newUCX() (kvtransfer.Transport, error) { return kvtransfer.NewUCX() }
+// newUCX is UCX between hosts and shm between kvproxies of one host id.
+func newUCX(hostID string) (kvtransfer.Transport, error) { return kvtransfer.NewUCXLocalSHM(hostID) }

@@ -1,9 +1,10 @@
 // Package enginesim is the KV side of the mock engine: a KV pool laid out
 // like SGLang's (K of every layer, then V of every layer, one page = page
-// size tokens of one buffer, plus an aux buffer) in a memfd the engine
+// size tokens of one buffer, plus an aux buffer) in memory the engine
 // allocates and registers with its kvproxy, as SGLang's Mooncake backend
-// registers its buffers, and mockworker's KVTransfer seam implemented as a
-// client of the kvproxy control socket's room API.
+// registers its buffers (a memfd, or GPU memory by IPC handle: memory.go),
+// and mockworker's KVTransfer seam implemented as a client of the kvproxy
+// control socket's room API.
 //
 // Prefill fills the prompt's pages with bytes derived from (prompt, room,
 // buffer, page) and sends them in chunks; decode allocates pages (waiting in
@@ -27,8 +28,8 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/control"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/shm"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 	"github.com/pdrouter/pdrouter/mock/mockworker"
@@ -52,6 +53,9 @@ type Options struct {
 	ChunkTokens   int           // prefill sends this many tokens per chunk
 	AuxSlots      int           // concurrent requests the aux buffer holds
 	QueueTimeout  time.Duration // wait this long for free pages, then 503
+	Memory        string        // where the KV buffers live: host or cuda:N
+
+	openGPU func(ordinal int) (gpu, error) // nil: the CUDA driver
 }
 
 // RegisterFlags adds the --kvproxy and --kv-* flags to fs.
@@ -65,6 +69,7 @@ func (o *Options) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&o.ChunkTokens, "kv-chunk-tokens", 8192, "prefill chunk size in tokens")
 	fs.IntVar(&o.AuxSlots, "kv-aux-slots", 1024, "aux slots (concurrent requests)")
 	fs.DurationVar(&o.QueueTimeout, "kv-queue-timeout", 30*time.Second, "wait for free KV pages this long, then answer 503")
+	fs.StringVar(&o.Memory, "kv-memory", "host", "where the KV buffers live: host (a memfd) or cuda:N (GPU N's memory, registered by IPC handle)")
 }
 
 // SplitArgs separates --kvproxy / --kv-* flags (which all take a value)
@@ -106,9 +111,9 @@ type Sim struct {
 	item   int // bytes per page per buffer
 	pages  int // pages per buffer
 	nbuf   int
-	size   int          // pool bytes: KV buffers, then aux
-	seg    *shm.Segment // the pool
-	bufs   [][]byte     // one per KV buffer
+	size   int          // bytes of seg: KV buffers (host memory), then aux
+	seg    *shm.Segment // the memfd: the pool in host memory, else the aux buffer
+	kv     kvBuffers
 	aux    []byte
 	linkState
 
@@ -134,23 +139,52 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 		return nil, fmt.Errorf("--kv-bytes-per-token %d must be a multiple of 8", o.BytesPerToken)
 	}
 	s := &Sim{o: o, item: o.BytesPerToken * o.PageSize, closing: make(chan struct{})}
+	mem, err := parseMemory(o.Memory)
+	if err != nil {
+		return nil, err
+	}
 	s.pages = o.PoolTokens / o.PageSize
 	s.nbuf = o.Layers * o.BuffersPerLay
 	span := s.pages * s.item
-	s.size = s.nbuf*span + o.AuxSlots*auxItem
+	kvHost := 0 // KV bytes in the memfd
+	if mem.device < 0 {
+		kvHost = s.nbuf * span
+	}
+	s.size = kvHost + o.AuxSlots*auxItem
 	seg, err := shm.Create("kvpool", s.size)
 	if err != nil {
 		return nil, fmt.Errorf("allocate the KV pool: %w", err)
 	}
 	s.seg = seg
-	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(seg.Mem))))
+	base := addrOf(seg.Mem)
+	kvBase := base
+	if mem.device < 0 {
+		h := &hostBuffers{item: s.item}
+		for b := 0; b < s.nbuf; b++ {
+			h.bufs = append(h.bufs, seg.Mem[b*span:(b+1)*span])
+		}
+		s.kv = h
+	} else {
+		open := o.openGPU
+		if open == nil {
+			open = openCUDA
+		}
+		dev, err := open(mem.device)
+		if err != nil {
+			return nil, errors.Join(fmt.Errorf("--kv-memory %s: %w", o.Memory, err), seg.Close())
+		}
+		d, err := newDeviceBuffers(dev, s.nbuf, span, s.item)
+		if err != nil {
+			return nil, errors.Join(err, seg.Close())
+		}
+		s.kv, kvBase = d, d.base
+	}
 	s.layout = control.RoomLayout{PageSize: uint32(o.PageSize), Dtype: "bf16"}
 	for b := 0; b < s.nbuf; b++ {
-		s.bufs = append(s.bufs, seg.Mem[b*span:(b+1)*span])
-		s.layout.Bufs = append(s.layout.Bufs, wire.RoomBuf{Kind: wire.KindKV, Addr: base + uint64(b*span), ItemLen: uint32(s.item), Items: uint32(s.pages)})
+		s.layout.Bufs = append(s.layout.Bufs, wire.RoomBuf{Kind: wire.KindKV, Addr: kvBase + uint64(b*span), ItemLen: uint32(s.item), Items: uint32(s.pages)})
 	}
-	s.aux = seg.Mem[s.nbuf*span : s.size]
-	s.layout.Bufs = append(s.layout.Bufs, wire.RoomBuf{Kind: wire.KindAux, Addr: base + uint64(s.nbuf*span), ItemLen: auxItem, Items: uint32(o.AuxSlots)})
+	s.aux = seg.Mem[kvHost:s.size]
+	s.layout.Bufs = append(s.layout.Bufs, wire.RoomBuf{Kind: wire.KindAux, Addr: base + uint64(kvHost), ItemLen: auxItem, Items: uint32(o.AuxSlots)})
 	for p := s.pages - 1; p >= 0; p-- {
 		s.free = append(s.free, uint32(p))
 	}
@@ -159,7 +193,7 @@ func New(ctx context.Context, o Options) (*Sim, error) {
 	}
 	l, err := s.dial(ctx)
 	if err != nil {
-		return nil, errors.Join(err, seg.Close())
+		return nil, errors.Join(err, s.kv.close(), seg.Close())
 	}
 	s.cur, s.links = l, 1
 	return s, nil
@@ -180,7 +214,7 @@ func (s *Sim) Close() error {
 	if idle {
 		err = l.close()
 	}
-	return errors.Join(err, s.seg.Close())
+	return errors.Join(err, s.kv.close(), s.seg.Close())
 }
 
 // FreePages reports free pages (for tests: every request must give its pages back).
@@ -280,6 +314,8 @@ func (s *Sim) release(pages []uint32, aux int32, failed bool) {
 	}()
 }
 
+func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
 func (s *Sim) pagesFor(tokens int) int { return (tokens + s.o.PageSize - 1) / s.o.PageSize }
 
 func bootstrapAddr(r mockworker.KVRequest) string {
@@ -298,30 +334,51 @@ func (s *Sim) pageSeed(seed uint64, b, i int) uint64 {
 	return mockworker.Mix(seed ^ uint64(b)<<40 ^ uint64(i))
 }
 
-// fill writes page i of the prompt (stored at pool page p) of buffer b;
-// check compares instead.
-func (s *Sim) fill(seed uint64, b, i int, p uint32) {
-	dst := s.bufs[b][int(p)*s.item:][:s.item]
-	x := s.pageSeed(seed, b, i)
-	for k := 0; k < len(dst); k += 8 {
-		binary.LittleEndian.PutUint64(dst[k:], x+uint64(k)*0x9E3779B97F4A7C15)
-	}
-}
-
-func (s *Sim) check(seed uint64, b, i int, p uint32) bool {
-	src := s.bufs[b][int(p)*s.item:][:s.item]
-	x := s.pageSeed(seed, b, i)
-	for k := 0; k < len(src); k += 8 {
-		if binary.LittleEndian.Uint64(src[k:]) != x+uint64(k)*0x9E3779B97F4A7C15 {
-			return false
+// fill writes pages[i], page first+i of the prompt, of every buffer; check
+// compares instead.
+func (s *Sim) fill(seed uint64, first int, pages []uint32) error {
+	for b := 0; b < s.nbuf; b++ {
+		err := s.kv.write(b, pages, func(i int, dst []byte) {
+			x := s.pageSeed(seed, b, first+i)
+			for k := 0; k < len(dst); k += 8 {
+				binary.LittleEndian.PutUint64(dst[k:], x+uint64(k)*0x9E3779B97F4A7C15)
+			}
+		})
+		if err != nil {
+			return fmt.Errorf("fill the KV pages: %w", err)
 		}
 	}
-	return true
+	return nil
+}
+
+// check reports the first buffer and page of the prompt that does not
+// hold what fill wrote (-1, -1: none).
+func (s *Sim) check(seed uint64, pages []uint32) (buf, page int, err error) {
+	for b := 0; b < s.nbuf; b++ {
+		bad := -1
+		ok, err := s.kv.read(b, pages, func(i int, src []byte) bool {
+			x := s.pageSeed(seed, b, i)
+			for k := 0; k < len(src); k += 8 {
+				if binary.LittleEndian.Uint64(src[k:]) != x+uint64(k)*0x9E3779B97F4A7C15 {
+					bad = i
+					return false
+				}
+			}
+			return true
+		})
+		if err != nil {
+			return 0, 0, fmt.Errorf("read the KV pages: %w", err)
+		}
+		if !ok {
+			return b, bad, nil
+		}
+	}
+	return -1, -1, nil
 }
 
 func (s *Sim) auxSlot(a int32) []byte { return s.aux[int(a)*auxItem:][:auxItem] }
 
-func result(l *link, st kvtransfer.Status) *mockworker.KVResult {
+func result(l *link, st rooms.Status) *mockworker.KVResult {
 	return &mockworker.KVResult{Bytes: int64(st.Bytes), Pages: int64(st.Pages), Transport: l.transport,
 		ChecksumOK: true, TransferMS: float64(st.Transfer.Microseconds()) / 1000}
 }
@@ -356,7 +413,7 @@ func (s *Sim) Prefill(ctx context.Context, r mockworker.KVRequest) (*mockworker.
 
 // prefill fills and sends the room's pages on l; first reports an error
 // from the room's first call.
-func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, pages []uint32, aux int32) (st kvtransfer.Status, first bool, err error) {
+func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, pages []uint32, aux int32) (st rooms.Status, first bool, err error) {
 	seed := seedOf(r)
 	a := s.auxSlot(aux)
 	binary.LittleEndian.PutUint64(a, r.Room)
@@ -365,10 +422,9 @@ func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, page
 	chunk := s.o.ChunkTokens / s.o.PageSize
 	for start := 0; start < len(pages) || start == 0; start += chunk {
 		end := min(start+chunk, len(pages))
-		for b := range s.bufs {
-			for i := start; i < end; i++ {
-				s.fill(seed, b, i, pages[i])
-			}
+		if err := s.fill(seed, start, pages[start:end]); err != nil {
+			abort(l, r.Room, "fill failed")
+			return st, start == 0, err
 		}
 		if err := l.cl.Send(ctx, r.Room, pages[start:end], end == len(pages), aux); err != nil {
 			abort(l, r.Room, "send failed")
@@ -384,7 +440,7 @@ func (s *Sim) prefill(ctx context.Context, l *link, r mockworker.KVRequest, page
 
 // wait waits for the room's end; if ctx ends first (the client went away),
 // the room is aborted on both sides.
-func wait(ctx context.Context, l *link, room uint64) (kvtransfer.Status, error) {
+func wait(ctx context.Context, l *link, room uint64) (rooms.Status, error) {
 	st, err := l.cl.Wait(ctx, room)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -392,7 +448,7 @@ func wait(ctx context.Context, l *link, room uint64) (kvtransfer.Status, error) 
 		}
 		return st, err
 	}
-	if st.State != kvtransfer.Success {
+	if st.State != rooms.Success {
 		return st, fmt.Errorf("KV transfer %v: %s", st.State, st.Reason)
 	}
 	return st, nil
@@ -459,12 +515,12 @@ func (s *Sim) Decode(ctx context.Context, r mockworker.KVRequest) (*mockworker.K
 	if binary.LittleEndian.Uint64(a) != r.Room || binary.LittleEndian.Uint64(a[8:]) != uint64(n) || binary.LittleEndian.Uint64(a[16:]) != seed {
 		return nil, fmt.Errorf("KV checksum mismatch: aux slot does not match room %d", r.Room)
 	}
-	for b := range s.bufs {
-		for i, p := range pages {
-			if !s.check(seed, b, i, p) {
-				return nil, fmt.Errorf("KV checksum mismatch: room %d buffer %d page %d", r.Room, b, i)
-			}
-		}
+	b, i, err := s.check(seed, pages)
+	if err != nil {
+		return nil, err
+	}
+	if b >= 0 {
+		return nil, fmt.Errorf("KV checksum mismatch: room %d buffer %d page %d", r.Room, b, i)
 	}
 	return result(l, st), nil
 }

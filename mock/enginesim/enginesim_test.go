@@ -13,7 +13,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/pdrouter/pdrouter/kvtransfer"
+	"github.com/pdrouter/pdrouter/kvtransfer/rooms"
 	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
 	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
@@ -40,7 +40,7 @@ func opts(sock string) Options {
 // sims is a prefill and a decode Sim on their kvproxies.
 type sims struct {
 	p, d   *Sim
-	pe, de *kvtransfer.Rooms
+	pe, de *rooms.Rooms
 	boot   *net.TCPAddr // the prefill kvproxy's bootstrap API
 }
 

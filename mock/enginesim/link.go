@@ -40,9 +40,9 @@ func (l *link) broken() bool {
 // HTTPStatus 503 (retryable) for the mockworker to answer with.
 var ErrKVProxyDown error = statusError{http.StatusServiceUnavailable, "kvproxy unavailable"}
 
-// dial connects to the kvproxy and registers the pool (its memfd) and the
-// pool's layout, as SGLang registers its KV buffers with its transfer
-// engine.
+// dial connects to the kvproxy and registers the pool (its memfd, and its
+// GPU memory if there) and the pool's layout, as SGLang registers its KV
+// buffers with its transfer engine.
 func (s *Sim) dial(ctx context.Context) (*link, error) {
 	cl, err := control.Dial(s.o.Control)
 	if err != nil {
@@ -50,7 +50,10 @@ func (s *Sim) dial(ctx context.Context) (*link, error) {
 	}
 	_, tr, err := cl.Hello(ctx)
 	if err == nil {
-		err = cl.RegisterMemory(ctx, s.layout.Bufs[0].Addr, uint64(s.size), s.seg.Fd())
+		err = cl.RegisterMemory(ctx, addrOf(s.seg.Mem), uint64(s.size), s.seg.Fd())
+	}
+	if err == nil {
+		err = s.kv.register(ctx, cl)
 	}
 	if err == nil {
 		err = cl.RoomLayout(ctx, s.layout)

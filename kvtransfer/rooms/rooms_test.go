@@ -1,4 +1,4 @@
-package kvtransfer
+package rooms
 
 import (
 	"bytes"
@@ -11,13 +11,12 @@ import (
 	"sync"
 	"testing"
 	"time"
-	"unsafe"
 
 	"go.uber.org/goleak"
-	"golang.org/x/sys/unix"
 
-	"github.com/pdrouter/pdrouter/kvtransfer/shm"
+	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
+	"github.com/pdrouter/pdrouter/testkit/kvtest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -34,25 +33,17 @@ const (
 // pattern unique to (buffer, page) when fill is set.
 type testMem struct {
 	bufs   [][]byte // 4 KV buffers, then aux
-	layout RoomLayout
+	layout Layout
 }
 
-func newTestMem(t testing.TB, s *MemorySession, fill byte) *testMem {
+func newTestMem(t testing.TB, s *kvtransfer.MemorySession, fill byte) *testMem {
 	t.Helper()
-	seg, err := shm.Create("test", 4*testPages*testItem+testAux*testAuxItem)
-	if err != nil {
+	seg := kvtest.EngineMemory(t, 4*testPages*testItem+testAux*testAuxItem)
+	base := kvtest.Addr(seg.Mem)
+	if err := s.Register(wire.MemHost, base, uint64(len(seg.Mem)), kvtest.Dup(t, seg.Fd())); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = seg.Close() })
-	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(seg.Mem))))
-	fd, err := unix.Dup(seg.Fd())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Register(wire.MemHost, base, uint64(len(seg.Mem)), fd); err != nil {
-		t.Fatal(err)
-	}
-	m := &testMem{layout: RoomLayout{PageSize: 16, Dtype: "bf16"}}
+	m := &testMem{layout: Layout{PageSize: 16, Dtype: "bf16"}}
 	for b := 0; b < 4; b++ {
 		off := b * testPages * testItem
 		mem := seg.Mem[off : off+testPages*testItem]
@@ -80,9 +71,9 @@ func newTestMem(t testing.TB, s *MemorySession, fill byte) *testMem {
 // the engine's session holding its registered memory and layout.
 type side struct {
 	R    *Rooms
-	P    *MemoryPlane
-	S    *MemorySession
-	T    Transport
+	P    *kvtransfer.MemoryPlane
+	S    *kvtransfer.MemorySession
+	T    kvtransfer.Transport
 	Mem  *testMem
 	Addr string // peer address
 
@@ -101,7 +92,7 @@ func (sd *side) close() error {
 
 // newSide starts a kvproxy listening on ln (nil: a fresh port) with a
 // registered engine pool filled with fill.
-func newSide(t testing.TB, name, transport string, ln net.Listener, fill byte, cfg RoomConfig) *side {
+func newSide(t testing.TB, name, transport string, ln net.Listener, fill byte, cfg Config) *side {
 	t.Helper()
 	if ln == nil {
 		var err error
@@ -110,7 +101,7 @@ func newSide(t testing.TB, name, transport string, ln net.Listener, fill byte, c
 		}
 	}
 	tr := newTransport(t, transport)
-	p, err := NewMemoryPlane(MemoryConfig{Name: name, Transport: tr, Listener: ln})
+	p, err := kvtransfer.NewMemoryPlane(kvtransfer.MemoryConfig{Name: name, Transport: tr, Listener: ln})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +109,7 @@ func newSide(t testing.TB, name, transport string, ln net.Listener, fill byte, c
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = 500 * time.Millisecond
 	}
-	r, err := NewRooms(cfg)
+	r, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,34 +128,26 @@ type pair struct {
 	PPool, DPool *testMem
 }
 
-func newTransport(t testing.TB, name string) Transport {
-	if name == "tcp" {
-		return &TCP{}
-	}
-	f, ok := transports[name]
-	if !ok {
-		t.Skipf("transport %s not built in", name)
-	}
-	tr, err := f()
-	if err != nil {
-		t.Skipf("transport %s: %v", name, err)
-	}
-	return tr
+func newTransport(t testing.TB, name string) kvtransfer.Transport {
+	return kvtest.Start(t, name, transports)
 }
 
-// transports lists the optional transports built in (ucx with cgo).
-var transports = map[string]func() (Transport, error){}
+// transports lists the transports built in (ucx with cgo).
+var transports = map[string]func() (kvtransfer.Transport, error){
+	"tcp": func() (kvtransfer.Transport, error) { return &kvtransfer.TCP{}, nil },
+	"shm": func() (kvtransfer.Transport, error) { return &kvtransfer.SHM{}, nil },
+}
 
 // newPair starts a prefill and a decode kvproxy; the decode resolves
 // bootstrap address "boot:1" to the prefill.
-func newPair(t testing.TB, transport string, tweak func(*RoomConfig)) *pair {
+func newPair(t testing.TB, transport string, tweak func(*Config)) *pair {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfgP := RoomConfig{}
-	cfgD := RoomConfig{Resolve: func(_ context.Context, boot string) (string, error) {
+	cfgP := Config{}
+	cfgD := Config{Resolve: func(_ context.Context, boot string) (string, error) {
 		if boot != "boot:1" {
 			return "", fmt.Errorf("no bootstrap server at %s", boot)
 		}
@@ -276,31 +259,6 @@ func testTransfer(t *testing.T, transport string) {
 	}
 }
 
-func TestMergedTriples(t *testing.T) {
-	w := PageWrite{Bufs: []PageBuf{{Src: 0x1000, Dst: 0x9000, PageLen: testItem}, {Src: 0x2000, Dst: 0xa000, PageLen: testItem}},
-		Pairs: []PagePair{{1, 10}, {2, 11}, {3, 12}, {7, 13}, {8, 14}}}
-	ts := w.mergedTriples()
-	// Two merged runs ([1..3]→[10..12], [7..8]→[13..14]) × 2 buffers.
-	want := []Triple{
-		{Src: 0x1000 + testItem, Dst: 0x9000 + 10*testItem, Len: 3 * testItem}, {Src: 0x1000 + 7*testItem, Dst: 0x9000 + 13*testItem, Len: 2 * testItem},
-		{Src: 0x2000 + testItem, Dst: 0xa000 + 10*testItem, Len: 3 * testItem}, {Src: 0x2000 + 7*testItem, Dst: 0xa000 + 13*testItem, Len: 2 * testItem},
-	}
-	if !slices.Equal(ts, want) {
-		t.Fatalf("got %+v\nwant %+v", ts, want)
-	}
-	// The same bytes as the expanded list.
-	var a, b uint64
-	for _, x := range ts {
-		a += x.Len
-	}
-	for _, x := range w.Triples() {
-		b += x.Len
-	}
-	if a != b {
-		t.Fatalf("merged %d bytes, expanded %d", a, b)
-	}
-}
-
 func TestManyRoomsConcurrently(t *testing.T) {
 	pr := newPair(t, "tcp", nil)
 	const n = 32
@@ -336,7 +294,7 @@ func TestEmptyTransfer(t *testing.T) {
 }
 
 func TestPrefillOnlyBootstrapTimeout(t *testing.T) {
-	pr := newPair(t, "tcp", func(c *RoomConfig) { c.BootstrapTimeout = 150 * time.Millisecond })
+	pr := newPair(t, "tcp", func(c *Config) { c.BootstrapTimeout = 150 * time.Millisecond })
 	if err := pr.P.Send(7, []uint32{1, 2}, true, -1); err != nil {
 		t.Fatal(err)
 	}
@@ -355,7 +313,7 @@ func TestPrefillOnlyBootstrapTimeout(t *testing.T) {
 }
 
 func TestDecodeOnlyWaitingTimeout(t *testing.T) {
-	pr := newPair(t, "tcp", func(c *RoomConfig) { c.WaitingTimeout = 200 * time.Millisecond })
+	pr := newPair(t, "tcp", func(c *Config) { c.WaitingTimeout = 200 * time.Millisecond })
 	start := time.Now()
 	if err := pr.D.Expect(8, "boot:1", []uint32{1}, -1); err != nil {
 		t.Fatal(err)
@@ -433,12 +391,12 @@ func TestBadInputs(t *testing.T) {
 		t.Fatalf("Poll unknown: %v", err)
 	}
 	// Rooms before the engine described its layout.
-	bare, err := NewRooms(RoomConfig{Memory: pr.DS.P})
+	bare, err := New(Config{Memory: pr.DS.P})
 	if err == nil {
 		t.Fatal("a second room layer on one memory plane")
 	}
 	_ = pr.D.Close()
-	if bare, err = NewRooms(RoomConfig{Memory: pr.DS.P}); err != nil {
+	if bare, err = New(Config{Memory: pr.DS.P}); err != nil {
 		t.Fatal(err)
 	}
 	defer bare.Close()
@@ -456,10 +414,10 @@ func TestBadInputs(t *testing.T) {
 }
 
 func TestSilentPeerFailsRoomsWithinTwoHeartbeats(t *testing.T) {
-	addr, stop := silentMemPeer(t, false)
+	addr, stop := kvtest.SilentPeer(t, false)
 	defer stop()
 	const hb = 100 * time.Millisecond
-	d := newSide(t, "D", "tcp", nil, 0, RoomConfig{Heartbeat: hb,
+	d := newSide(t, "D", "tcp", nil, 0, Config{Heartbeat: hb,
 		Resolve: func(context.Context, string) (string, error) { return addr, nil }})
 	e := d.R
 	start := time.Now()
@@ -578,7 +536,7 @@ func TestCloseFailsRooms(t *testing.T) {
 	if st, err := pr.P.Poll(9); err != nil || st.State != Failed {
 		t.Fatalf("after Close: %+v %v", st, err)
 	}
-	if err := pr.P.Send(10, nil, true, -1); !errors.Is(err, ErrClosed) {
+	if err := pr.P.Send(10, nil, true, -1); !errors.Is(err, kvtransfer.ErrClosed) {
 		t.Fatalf("Send after Close: %v", err)
 	}
 }
@@ -594,7 +552,7 @@ func TestRoomMatchedOverAClosedPeerFails(t *testing.T) {
 	}
 	eventually(t, "P's room link", func() bool { return pr.P.Peers() == 1 })
 	rl := onlyLink(pr.P)
-	rl.l.close(errors.New("write: connection reset"))
+	rl.l.Close(errors.New("write: connection reset"))
 	pr.P.onXferReq(rl, xferReq(pr, 2, []uint32{1}))
 	if st, err := pr.P.Poll(2); err != nil || st.State != Failed {
 		t.Fatalf("room matched over a closed peer: %+v %v, want Failed", st, err)
@@ -608,35 +566,9 @@ func TestTransferSHM(t *testing.T) { testTransfer(t, "shm") }
 // heartbeat meanwhile (its frames queue behind the stream); its rooms must
 // live on, and fail only once it sends nothing at all.
 func TestDataFramesProveAPeerAlive(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	quiet := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		nc, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer nc.Close()
-		c := wire.NewConn(nc)
-		if _, err := c.Read(); err != nil {
-			return
-		}
-		_ = c.Write(&wire.MemHello{Name: "busy", Transport: "tcp", ListenAddr: ln.Addr().String()})
-		go func() { // drain what the decode sends
-			for {
-				m, err := c.Read()
-				if err != nil {
-					return
-				}
-				if _, ok := m.(*wire.Data); ok {
-					_ = c.DiscardData()
-				}
-			}
-		}()
+	addr, stop := kvtest.Peer(t, &wire.MemHello{Name: "busy", Transport: "tcp"}, func(c *wire.Conn, quit <-chan struct{}) {
+		go kvtest.Drain(c) // what the decode sends
 		for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
 			// For a region the decode does not have: read and dropped.
 			if c.WriteData(99, 0, make([]byte, 4096)) != nil {
@@ -644,12 +576,15 @@ func TestDataFramesProveAPeerAlive(t *testing.T) {
 			}
 		}
 		close(quiet)
-		<-time.After(3 * time.Second)
-	}()
-	t.Cleanup(func() { ln.Close(); <-done })
+		select {
+		case <-time.After(3 * time.Second):
+		case <-quit:
+		}
+	})
+	t.Cleanup(stop)
 	const hb = 250 * time.Millisecond
-	d := newSide(t, "D", "tcp", nil, 0, RoomConfig{Heartbeat: hb,
-		Resolve: func(context.Context, string) (string, error) { return ln.Addr().String(), nil }})
+	d := newSide(t, "D", "tcp", nil, 0, Config{Heartbeat: hb,
+		Resolve: func(context.Context, string) (string, error) { return addr, nil }})
 	if err := d.R.Expect(1, "x", []uint32{1}, -1); err != nil {
 		t.Fatal(err)
 	}

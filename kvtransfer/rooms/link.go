@@ -1,4 +1,4 @@
-package kvtransfer
+package rooms
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -17,7 +18,7 @@ import (
 // peer fails all its rooms at once).
 type roomLink struct {
 	e *Rooms
-	l *memLink
+	l kvtransfer.Link
 
 	rooms map[uint64]*room // matched over this link; guarded by e.mu
 	lost  bool             // its rooms were failed; guarded by e.mu
@@ -44,11 +45,11 @@ type item struct {
 
 // roomLinkLocked returns l's roomLink, starting it on first use; nil once
 // rooms are closed.
-func (e *Rooms) roomLinkLocked(l *memLink) *roomLink {
+func (e *Rooms) roomLinkLocked(l kvtransfer.Link) *roomLink {
 	if rl := e.links[l]; rl != nil {
 		return rl
 	}
-	if e.closed || l.isClosed() {
+	if e.closed || l.Closed() {
 		return nil
 	}
 	ctx, cancel := context.WithCancel(e.ctx)
@@ -96,13 +97,13 @@ func (rl *roomLink) send() {
 			if it.job != nil {
 				err = it.job.run(rl)
 			} else {
-				err = rl.l.conn.Write(it.msg)
+				err = rl.l.Send(it.msg)
 			}
 			if it.sent != nil {
 				close(it.sent)
 			}
 			if err != nil {
-				rl.l.close(err)
+				rl.l.Close(err)
 				return
 			}
 		}
@@ -122,31 +123,33 @@ func (rl *roomLink) heartbeat() {
 		case <-t.C:
 		}
 		// Any frame counts: a long DATA stream holds up the peer's heartbeats.
-		last := time.Unix(0, rl.l.lastRead.Load())
+		last := rl.l.LastRead()
 		if last.Before(rl.since) {
 			last = rl.since
 		}
 		if silent := time.Since(last); silent > 2*hb {
-			rl.l.close(fmt.Errorf("peer silent for %v", silent.Round(time.Millisecond)))
+			rl.l.Close(fmt.Errorf("peer silent for %v", silent.Round(time.Millisecond)))
 			return
 		}
 		seq++
-		if err := rl.l.conn.Write(&wire.Heartbeat{Seq: seq}); err != nil {
-			rl.l.close(err)
+		if err := rl.l.Send(&wire.Heartbeat{Seq: seq}); err != nil {
+			rl.l.Close(err)
 			return
 		}
 	}
 }
 
-// roomMsg hands a room message the link l read to the room layer.
-func (p *MemoryPlane) roomMsg(l *memLink, m wire.Msg) error {
-	e := p.rooms.Load()
-	if e == nil {
-		if _, ok := m.(*wire.Heartbeat); ok {
-			return nil
-		}
-		return fmt.Errorf("%w: %s, and this kvproxy serves no rooms", wire.ErrMalformed, m.Type())
-	}
+// planeHook is what the memory plane calls: the room messages its links
+// read and the links it lost.
+type planeHook struct{ e *Rooms }
+
+var _ kvtransfer.RoomHandler = planeHook{}
+
+func (h planeHook) RoomMsg(l kvtransfer.Link, m wire.Msg) error { return h.e.roomMsg(l, m) }
+func (h planeHook) LinkLost(l kvtransfer.Link, cause error)     { h.e.linkLost(l, cause) }
+
+// roomMsg hands a room message a link read to its room.
+func (e *Rooms) roomMsg(l kvtransfer.Link, m wire.Msg) error {
 	e.mu.Lock()
 	rl := e.roomLinkLocked(l)
 	e.mu.Unlock()
@@ -164,12 +167,8 @@ func (p *MemoryPlane) roomMsg(l *memLink, m wire.Msg) error {
 	return nil
 }
 
-// roomLinkLost fails every room matched over l, which closed.
-func (p *MemoryPlane) roomLinkLost(l *memLink, cause error) {
-	e := p.rooms.Load()
-	if e == nil {
-		return
-	}
+// linkLost fails every room matched over l, which closed.
+func (e *Rooms) linkLost(l kvtransfer.Link, cause error) {
 	e.mu.Lock()
 	rl := e.links[l]
 	if rl != nil {
@@ -183,24 +182,4 @@ func (p *MemoryPlane) roomLinkLost(l *memLink, cause error) {
 	if rl != nil {
 		rl.stop()
 	}
-}
-
-// writeRoom moves a room's chunk from s's memory into the engine behind l:
-// the page write (on a GPU, without expanding it), then the aux ranges.
-func (s *MemorySession) writeRoom(ctx context.Context, l *memLink, w *PageWrite, aux []Triple) error {
-	if err := w.Check(); err != nil {
-		return err
-	}
-	peer := l.remote.ListenAddr
-	deadline := writeDeadline(s.p.cfg.WriteTimeout, []Triple{{Len: w.Bytes()}})
-	return s.write(ctx, peer, deadline, func(ctx context.Context) error {
-		ts := w.mergedTriples()
-		if len(ts) > 0 && s.p.gpu.holds(ts[:1]) {
-			if err := s.p.gpu.writePages(ctx, s.p, l, w); err != nil {
-				return err
-			}
-			ts = nil
-		}
-		return s.p.writeLink(ctx, l, append(ts, aux...))
-	})
 }

@@ -1,4 +1,4 @@
-package kvtransfer
+package rooms
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pdrouter/pdrouter/kvtransfer"
 )
 
 func TestRoomTransitions(t *testing.T) {
@@ -113,13 +115,13 @@ func TestEveryRoomEnds(t *testing.T) {
 		{"timeout", false, func(*Rooms, uint64) {}, "timeout"},
 		{"peer-lost", true, func(e *Rooms, _ uint64) {
 			e.mu.Lock()
-			var links []*memLink
+			var links []kvtransfer.Link
 			for l := range e.links {
 				links = append(links, l)
 			}
 			e.mu.Unlock()
 			for _, l := range links {
-				l.close(errors.New("connection cut"))
+				l.Close(errors.New("connection cut"))
 			}
 		}, "peer lost: connection cut"},
 		{"rooms-closed", false, func(e *Rooms, _ uint64) { _ = e.Close() }, "kvproxy closing"},
@@ -133,7 +135,7 @@ func TestEveryRoomEnds(t *testing.T) {
 				t.Run(su.name+"/"+side+"/"+en.name, func(t *testing.T) {
 					const id = 42
 					var pr *pair
-					pr = newPair(t, "tcp", func(c *RoomConfig) {
+					pr = newPair(t, "tcp", func(c *Config) {
 						if en.name == "timeout" {
 							c.BootstrapTimeout, c.WaitingTimeout = short, short
 						}

@@ -1,4 +1,15 @@
-package kvtransfer
+// Package rooms is SGLang's high-level KV-transfer API on top of the
+// memory plane (kvtransfer): an engine registers its own memory there,
+// describes its KV layout once (Layout), then the decode side calls Expect
+// (it finds the prefill's kvproxy through the bootstrap API and sends
+// XFER_REQ with its layout and page indices) and the prefill side Send per
+// chunk; the prefill kvproxy moves each chunk with the page write an
+// engine-memory write makes (MemorySession.WriteOver), over the plane's one
+// link to that peer, then sends DONE. Rooms climb SGLang's KVPoll ladder
+// (room.go) and every room ends (Success, Failed, abort, bootstrap or
+// waiting timeout, a peer silent for two heartbeats: link.go), then
+// lingers as a small tombstone.
+package rooms
 
 import (
 	"context"
@@ -10,20 +21,19 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// Errors of the room API.
-var (
-	ErrNoLayout = errors.New("no room layout registered")
-	ErrClosed   = errors.New("closed")
-)
+// ErrNoLayout: the engine described no room layout (or left with its
+// memory).
+var ErrNoLayout = errors.New("no room layout registered")
 
-// RoomLayout is an engine's KV as rooms see it: buffers in memory it
+// Layout is an engine's KV as rooms see it: buffers in memory it
 // registered (SGLang's kv_data_ptrs, kv_item_lens and aux buffers). Every
 // KV buffer holds the same number of pages, every aux buffer the same
 // number of slots; page i of a room moves in every KV buffer.
-type RoomLayout struct {
+type Layout struct {
 	PageSize uint32 // tokens per page; must match the peer's
 	Dtype    string // KV dtype tag; must match the peer's
 	Bufs     []wire.RoomBuf
@@ -33,12 +43,12 @@ type RoomLayout struct {
 const maxLayoutBufs = 4096
 
 // Pages is the number of pages of every KV buffer.
-func (l *RoomLayout) Pages() int { return int(l.items(wire.KindKV)) }
+func (l *Layout) Pages() int { return int(l.items(wire.KindKV)) }
 
 // AuxSlots is the number of slots of every aux buffer.
-func (l *RoomLayout) AuxSlots() int { return int(l.items(wire.KindAux)) }
+func (l *Layout) AuxSlots() int { return int(l.items(wire.KindAux)) }
 
-func (l *RoomLayout) items(k wire.RegionKind) uint32 {
+func (l *Layout) items(k wire.RegionKind) uint32 {
 	for _, b := range l.Bufs {
 		if b.Kind == k {
 			return b.Items
@@ -48,7 +58,7 @@ func (l *RoomLayout) items(k wire.RegionKind) uint32 {
 }
 
 // Validate checks the invariants rooms rely on.
-func (l *RoomLayout) Validate() error {
+func (l *Layout) Validate() error {
 	if len(l.Bufs) > maxLayoutBufs {
 		return fmt.Errorf("room layout: %d buffers, at most %d", len(l.Bufs), maxLayoutBufs)
 	}
@@ -73,7 +83,7 @@ func (l *RoomLayout) Validate() error {
 // compatible checks that a decode's layout (from XFER_REQ) pairs with
 // ours buffer by buffer: SGLang checks page size and dtype; mapping page
 // indices 1:1 needs the same buffers too.
-func (l *RoomLayout) compatible(m *wire.XferReq) error {
+func (l *Layout) compatible(m *wire.XferReq) error {
 	switch {
 	case m.PageSize != l.PageSize:
 		return fmt.Errorf("decode page size %d, ours %d", m.PageSize, l.PageSize)
@@ -82,7 +92,7 @@ func (l *RoomLayout) compatible(m *wire.XferReq) error {
 	case len(m.Bufs) != len(l.Bufs):
 		return fmt.Errorf("decode has %d buffers, we have %d", len(m.Bufs), len(l.Bufs))
 	}
-	peer := RoomLayout{PageSize: m.PageSize, Dtype: m.Dtype, Bufs: m.Bufs}
+	peer := Layout{PageSize: m.PageSize, Dtype: m.Dtype, Bufs: m.Bufs}
 	if err := peer.Validate(); err != nil {
 		return fmt.Errorf("decode's %w", err)
 	}
@@ -95,7 +105,7 @@ func (l *RoomLayout) compatible(m *wire.XferReq) error {
 }
 
 // checkPages refuses page indexes or an aux slot outside l.
-func checkPages(l *RoomLayout, pages []uint32, aux int32) error {
+func checkPages(l *Layout, pages []uint32, aux int32) error {
 	n := l.items(wire.KindKV)
 	for _, p := range pages {
 		if p >= n {
@@ -108,9 +118,9 @@ func checkPages(l *RoomLayout, pages []uint32, aux int32) error {
 	return nil
 }
 
-// RoomConfig configures Rooms. Zero durations take the defaults.
-type RoomConfig struct {
-	Memory *MemoryPlane
+// Config configures Rooms. Zero durations take the defaults.
+type Config struct {
+	Memory *kvtransfer.MemoryPlane
 	// Resolve maps a bootstrap address (host:port) to the prefill
 	// kvproxy's peer address (decode side; nil: Expect is refused).
 	Resolve          func(ctx context.Context, bootstrapAddr string) (string, error)
@@ -125,8 +135,8 @@ type RoomConfig struct {
 // Rooms is the room layer of one kvproxy's memory plane. Safe for
 // concurrent use.
 type Rooms struct {
-	cfg    RoomConfig
-	p      *MemoryPlane
+	cfg    Config
+	p      *kvtransfer.MemoryPlane
 	log    *zap.Logger
 	m      roomMetrics
 	ctx    context.Context
@@ -134,20 +144,20 @@ type Rooms struct {
 	wg     sync.WaitGroup
 
 	mu     sync.Mutex
-	layout *RoomLayout
-	owner  *MemorySession // whose memory layout lies in; its writes move our chunks
+	layout *Layout
+	owner  *kvtransfer.MemorySession // whose memory layout lies in; its writes move our chunks
 	// Rooms by role (room.go); a room id is in at most one of them.
 	prefills map[uint64]*prefillRoom
 	decodes  map[uint64]*decodeRoom
 	tombs    map[uint64]tomb
-	links    map[*memLink]*roomLink
+	links    map[kvtransfer.Link]*roomLink
 	closed   bool
 }
 
-// NewRooms puts the room layer on cfg.Memory (one per plane).
-func NewRooms(cfg RoomConfig) (*Rooms, error) {
+// New puts the room layer on cfg.Memory (one per plane).
+func New(cfg Config) (*Rooms, error) {
 	if cfg.Memory == nil {
-		return nil, errors.New("kvtransfer: rooms need a memory plane")
+		return nil, errors.New("rooms: need a memory plane")
 	}
 	def := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {
@@ -165,11 +175,11 @@ func NewRooms(cfg RoomConfig) (*Rooms, error) {
 	r := &Rooms{
 		cfg: cfg, p: cfg.Memory, log: cfg.Logger, m: newRoomMetrics(cfg.Registry), ctx: ctx, cancel: cancel,
 		prefills: map[uint64]*prefillRoom{}, decodes: map[uint64]*decodeRoom{}, tombs: map[uint64]tomb{},
-		links: map[*memLink]*roomLink{},
+		links: map[kvtransfer.Link]*roomLink{},
 	}
-	if !cfg.Memory.rooms.CompareAndSwap(nil, r) {
+	if err := cfg.Memory.SetRoomHandler(planeHook{r}); err != nil {
 		cancel()
-		return nil, errors.New("kvtransfer: the memory plane has rooms already")
+		return nil, err
 	}
 	r.wg.Add(1)
 	go r.sweep()
@@ -179,21 +189,21 @@ func NewRooms(cfg RoomConfig) (*Rooms, error) {
 // SetLayout registers the layout of s's engine: every buffer must lie in
 // memory s registered. A layout set by an engine still connected is
 // replaced only by that engine.
-func (e *Rooms) SetLayout(s *MemorySession, l RoomLayout) error {
+func (e *Rooms) SetLayout(s *kvtransfer.MemorySession, l Layout) error {
 	if err := l.Validate(); err != nil {
 		return err
 	}
 	for i, b := range l.Bufs {
-		if !e.p.owns(s, b.Addr, uint64(b.ItemLen)*uint64(b.Items)) {
-			return fmt.Errorf("room layout: buffer %d [%#x,+%d): %w by this engine", i, b.Addr, uint64(b.ItemLen)*uint64(b.Items), ErrNotRegistered)
+		if !e.p.Owns(s, b.Addr, uint64(b.ItemLen)*uint64(b.Items)) {
+			return fmt.Errorf("room layout: buffer %d [%#x,+%d): %w by this engine", i, b.Addr, uint64(b.ItemLen)*uint64(b.Items), kvtransfer.ErrNotRegistered)
 		}
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
-		return ErrClosed
+		return kvtransfer.ErrClosed
 	}
-	if e.owner != nil && e.owner != s && e.owner.ctx.Err() == nil {
+	if e.owner != nil && e.owner != s && !e.owner.Gone() {
 		return errors.New("room layout: another connected engine registered one")
 	}
 	e.layout, e.owner = &l, s
@@ -201,24 +211,10 @@ func (e *Rooms) SetLayout(s *MemorySession, l RoomLayout) error {
 }
 
 // Layout is the registered layout (nil before SetLayout).
-func (e *Rooms) Layout() *RoomLayout {
+func (e *Rooms) Layout() *Layout {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.layout
-}
-
-// owns reports whether s registered [addr, addr+n) (host or GPU memory).
-func (p *MemoryPlane) owns(s *MemorySession, addr, n uint64) bool {
-	p.mu.Lock()
-	r := p.findLocked(addr, n)
-	p.mu.Unlock()
-	if r != nil {
-		return r.owner == s
-	}
-	p.gpu.mu.Lock()
-	defer p.gpu.mu.Unlock()
-	g := p.gpu.findLocked(addr, n)
-	return g != nil && g.owner == s
 }
 
 // ActiveRooms counts rooms not finished yet.
@@ -255,7 +251,7 @@ func (e *Rooms) Close() error {
 	}
 	e.cancel()
 	e.wg.Wait()
-	e.p.rooms.CompareAndSwap(e, nil)
+	e.p.ClearRoomHandler(planeHook{e})
 	return nil
 }
 

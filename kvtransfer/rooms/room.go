@@ -1,4 +1,4 @@
-package kvtransfer
+package rooms
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pdrouter/pdrouter/kvtransfer"
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
@@ -149,7 +150,7 @@ type prefillRoom struct {
 type decodeRoom struct {
 	room
 	boot   string // bootstrap address of the prefill engine
-	layout *RoomLayout
+	layout *Layout
 	pages  []uint32
 	aux    int32  // aux slot (-1: none)
 	expect uint32 // next chunk whose DONE is due
@@ -180,7 +181,7 @@ func (e *Rooms) roomLocked(id uint64) *room {
 // admitLocked checks that a new room id may start.
 func (e *Rooms) admitLocked(id uint64) error {
 	if e.closed {
-		return ErrClosed
+		return kvtransfer.ErrClosed
 	}
 	if e.roomLocked(id) != nil {
 		return ErrRoomExists
@@ -291,9 +292,9 @@ func (e *Rooms) failLocked(r *room, reason string, notify bool) {
 // checkLocked refuses pages or an aux slot outside our layout.
 func (e *Rooms) checkLocked(pages []uint32, aux int32) error {
 	if e.closed {
-		return ErrClosed
+		return kvtransfer.ErrClosed
 	}
-	if e.layout == nil || e.owner.ctx.Err() != nil {
+	if e.layout == nil || e.owner.Gone() {
 		return ErrNoLayout // none, or its engine left with its memory
 	}
 	return checkPages(e.layout, pages, aux)
@@ -304,7 +305,7 @@ func (e *Rooms) checkLocked(pages []uint32, aux int32) error {
 // behind bootstrapAddr.
 func (e *Rooms) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot int32) error {
 	if e.cfg.Resolve == nil {
-		return errors.New("kvtransfer: no bootstrap resolver configured")
+		return errors.New("rooms: no bootstrap resolver configured")
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -344,7 +345,7 @@ func (e *Rooms) bootstrap(r *decodeRoom) {
 	}
 	rl := e.roomLinkLocked(l)
 	if rl == nil {
-		e.failLocked(&r.room, "bootstrap: "+ErrClosed.Error(), false)
+		e.failLocked(&r.room, "bootstrap: "+kvtransfer.ErrClosed.Error(), false)
 		return
 	}
 	if e.matchLocked(&r.room, rl) {
@@ -354,12 +355,12 @@ func (e *Rooms) bootstrap(r *decodeRoom) {
 }
 
 // linkFor returns the link to the kvproxy behind a bootstrap address.
-func (e *Rooms) linkFor(ctx context.Context, bootstrapAddr string) (*memLink, error) {
+func (e *Rooms) linkFor(ctx context.Context, bootstrapAddr string) (kvtransfer.Link, error) {
 	addr, err := e.cfg.Resolve(ctx, bootstrapAddr)
 	if err != nil {
-		return nil, err
+		return kvtransfer.Link{}, err
 	}
-	return e.p.link(ctx, addr)
+	return e.p.Link(ctx, addr)
 }
 
 // Send (prefill) queues one chunk of room's pages; last marks the final
@@ -455,14 +456,14 @@ func (e *Rooms) dispatchLocked(r *prefillRoom, c chunk) {
 		d := r.dstBufs[i]
 		switch {
 		case b.Kind == wire.KindKV:
-			j.w.Bufs = append(j.w.Bufs, PageBuf{Src: b.Addr, Dst: d.Addr, PageLen: uint64(b.ItemLen)})
+			j.w.Bufs = append(j.w.Bufs, kvtransfer.PageBuf{Src: b.Addr, Dst: d.Addr, PageLen: uint64(b.ItemLen)})
 		case c.last && c.srcAux >= 0 && r.dstAux >= 0:
-			j.aux = append(j.aux, Triple{Src: b.Addr + uint64(c.srcAux)*uint64(b.ItemLen), Dst: d.Addr + uint64(r.dstAux)*uint64(d.ItemLen), Len: uint64(b.ItemLen)})
+			j.aux = append(j.aux, kvtransfer.Triple{Src: b.Addr + uint64(c.srcAux)*uint64(b.ItemLen), Dst: d.Addr + uint64(r.dstAux)*uint64(d.ItemLen), Len: uint64(b.ItemLen)})
 		}
 	}
-	j.w.Pairs = make([]PagePair, len(c.src))
+	j.w.Pairs = make([]kvtransfer.PagePair, len(c.src))
 	for i, p := range c.src {
-		j.w.Pairs[i] = PagePair{Src: p, Dst: dst[i]}
+		j.w.Pairs[i] = kvtransfer.PagePair{Src: p, Dst: dst[i]}
 	}
 	e.stepLocked(&r.room, moved, "")
 	r.link.enqueue(item{job: j})
@@ -473,12 +474,12 @@ func (e *Rooms) dispatchLocked(r *prefillRoom, c chunk) {
 // aux item with the last chunk, run by the link's sender.
 type chunkJob struct {
 	r     *prefillRoom
-	s     *MemorySession // the engine whose memory the pages are
+	s     *kvtransfer.MemorySession // the engine whose memory the pages are
 	chunk uint32
 	last  bool
 	pages int
-	w     PageWrite
-	aux   []Triple
+	w     kvtransfer.PageWrite
+	aux   []kvtransfer.Triple
 }
 
 // run moves the chunk, then sends its DONE.
@@ -495,7 +496,7 @@ func (j *chunkJob) run(rl *roomLink) error {
 		bytes += t.Len
 	}
 	t0 := time.Now()
-	if err := j.s.writeRoom(rl.ctx, rl.l, &j.w, j.aux); err != nil {
+	if err := j.s.WriteOver(rl.ctx, rl.l, &j.w, j.aux); err != nil {
 		// The link may be fine (the engine's memory went, a bad page): fail
 		// the room and tell the decode, keep the link.
 		e.mu.Lock()
@@ -505,7 +506,7 @@ func (j *chunkJob) run(rl *roomLink) error {
 	}
 	dt := time.Since(t0)
 	done := &wire.Done{Room: j.r.id, Chunk: j.chunk, Last: j.last, Pages: uint32(j.pages), Bytes: bytes, Nanos: uint64(dt)}
-	if err := rl.l.conn.Write(done); err != nil {
+	if err := rl.l.Send(done); err != nil {
 		return err
 	}
 	e.mu.Lock()
@@ -609,7 +610,7 @@ func (e *Rooms) Abort(id uint64, reason string) error {
 	}
 	e.mu.Unlock()
 	if sent != nil {
-		t := time.NewTimer(e.p.cfg.WriteTimeout)
+		t := time.NewTimer(e.p.WriteTimeout())
 		defer t.Stop()
 		select {
 		case <-sent:

@@ -1,6 +1,6 @@
 //go:build cgo
 
-package kvtransfer
+package rooms
 
 import (
 	"bufio"
@@ -42,7 +42,7 @@ func TestUCXRoomPeerKilled(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ps := newSide(t, "P", "ucx", ln, 1, RoomConfig{Heartbeat: 250 * time.Millisecond})
+			ps := newSide(t, "P", "ucx", ln, 1, Config{Heartbeat: 250 * time.Millisecond})
 			p, tr := ps.R, ps.T
 			relay := newHalfOpenRelay(t, ln.Addr().String())
 			child := startRoomChild(t, relay.addr())
@@ -103,7 +103,7 @@ func TestUCXRoomPeerKilled(t *testing.T) {
 				t.Fatal(err)
 			}
 			if l := ucx.LiveObjects(); l != (ucx.Live{}) {
-				t.Fatalf("UCX objects leaked: %+v", l)
+				t.Fatalf("kvtransfer.UCX objects leaked: %+v", l)
 			}
 		})
 	}
@@ -117,7 +117,7 @@ func TestUCXRoomChild(t *testing.T) {
 	if boot == "" {
 		t.Skip("runs as TestUCXRoomPeerKilled's child")
 	}
-	ds := newSide(t, "D", "ucx", nil, 0, RoomConfig{Heartbeat: 250 * time.Millisecond,
+	ds := newSide(t, "D", "ucx", nil, 0, Config{Heartbeat: 250 * time.Millisecond,
 		Resolve: func(context.Context, string) (string, error) { return boot, nil }})
 	d := ds.R
 	all := make([]uint32, testPages)

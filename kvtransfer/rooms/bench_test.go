@@ -1,4 +1,4 @@
-package kvtransfer
+package rooms
 
 import (
 	"context"

@@ -1,0 +1,76 @@
+//go:build cgo
+
+package kvtransfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/pdrouter/pdrouter/ucx"
+)
+
+// localSide is a plane on UCXLocalSHM with host id host; puts: host
+// memory by UCX's puts where shm does not apply.
+func localSide(t *testing.T, host string, puts bool) *memSide {
+	t.Helper()
+	tr, err := NewUCXLocalSHM(host)
+	if err != nil {
+		t.Skipf("ucx: %v", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	p, err := NewMemoryPlane(MemoryConfig{Name: host, Transport: tr, Listener: ln, WriteTimeout: 5 * time.Second, Registry: reg, HostID: host, TransportPuts: puts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &memSide{p: p, s: p.NewSession(), tr: tr, reg: reg}
+	t.Cleanup(func() {
+		if err := errors.Join(m.p.Close(), m.tr.Close()); err != nil {
+			t.Error(err)
+		}
+	})
+	return m
+}
+
+// TestUCXLocalSHMPicksPerPeer: between planes of one host id host memory
+// goes by shm's memcpy, between two host ids by UCX (its puts here), and
+// each link names the path it takes; no UCX object outlives the planes.
+func TestUCXLocalSHMPicksPerPeer(t *testing.T) {
+	t.Setenv("UCX_TLS", "posix,cma,tcp")
+	for _, tc := range []struct {
+		hostB string
+		want  Path
+	}{{"h1", PathSHM}, {"h2", PathUCX}} {
+		t.Run(tc.hostB, func(t *testing.T) {
+			a, b := localSide(t, "h1", true), localSide(t, tc.hostB, true)
+			src, dst := a.memory(t, 16*page), b.memory(t, 16*page)
+			fill(src, 7)
+			for range 2 { // the second write reuses the endpoint and keys
+				clear(dst)
+				if err := a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 16 * page}}); err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(src, dst) {
+					t.Fatal("the write did not land")
+				}
+			}
+			st := a.p.Paths()
+			want := PairPath{Src: "host@h1", Dst: "host@" + tc.hostB, Path: tc.want}
+			if len(st.Links) != 1 || len(st.Links[0].Paths) != 1 || st.Links[0].Paths[0] != want {
+				t.Fatalf("paths %+v, want %+v", st, want)
+			}
+		})
+	}
+	if l := ucx.LiveObjects(); l != (ucx.Live{}) {
+		t.Fatalf("UCX objects leaked: %+v", l)
+	}
+}
