@@ -12,8 +12,9 @@
 #                 Then both again pinned: each router (a process of its own, started under
 #                 taskset, so both size their thread pools to one core) on ROUTER_CPU, the engines
 #                 and pdbench on LOAD_CPU, so that the load generator and engines cannot take the
-#                 router's core. Every row says how busy each core was (/proc/stat, other work on
-#                 the machine included): that says what bounds it.
+#                 router's core. Every row says how much of a core the router used and how busy
+#                 each core was (/proc/stat, other work on the machine included): a router well
+#                 under one core on a busy core waits for the CPU or for its engines.
 #   TTFT:         streamed requests at LAT_RATE req/s through the mock prefill answering after
 #                 SLOW_PREFILL and stubengine's decode (whose first token can be timed alone), and
 #                 in the same rounds: the prefill alone (its own time, P), the decode alone (its
@@ -235,7 +236,8 @@ for engines in "${rows[@]}"; do
 	P_CPU=$(echo "${CPU[$engines-pdrouter]}" | median) V_CPU=$(echo "${CPU[$engines-vllm-router]}" | median)
 	echo "| $label: req/s, non-streamed, $CONC in flight (median of $ROUNDS) | $P_RPS | $V_RPS | ×$(ratio "$P_RPS/$V_RPS") |"
 	echo "| $label: router CPU µs per request (median of $ROUNDS) | $P_CPU | $V_CPU | ×$(ratio "$P_CPU/$V_CPU") |"
-	echo "| $label: core $ROUTER_CPU / core $LOAD_CPU busy % (median) | $(echo "${BUSY_R[$engines-pdrouter]}" | median) / $(echo "${BUSY_L[$engines-pdrouter]}" | median) | $(echo "${BUSY_R[$engines-vllm-router]}" | median) / $(echo "${BUSY_L[$engines-vllm-router]}" | median) | |"
+	share() { py "round($(echo "${CPU[$engines-$1]}" | median) * $(echo "${RPS[$engines-$1]}" | median) / 1e4)"; }
+	echo "| $label: the router's CPU in % of one core; core $ROUTER_CPU / core $LOAD_CPU busy % (medians) | $(share pdrouter); $(echo "${BUSY_R[$engines-pdrouter]}" | median) / $(echo "${BUSY_L[$engines-pdrouter]}" | median) | $(share vllm-router); $(echo "${BUSY_R[$engines-vllm-router]}" | median) / $(echo "${BUSY_L[$engines-vllm-router]}" | median) | |"
 done
 cat <<EOF
 | TTFT p50, mock prefill $SLOW_PREFILL + stub decode, $LAT_RATE req/s (ms; median of $ROUNDS rounds) | ${TTFT[pdrouter]} | ${TTFT[vllm-router]} | |
