@@ -83,6 +83,23 @@ func TestVLLMKVThroughKVProxy(t *testing.T) {
 			t.Errorf("stream %v: decode recorded %+v", stream, last)
 		}
 	}
+	// The decode checks the bytes: KV made for another prompt of the same
+	// length fails its checksum.
+	_, out := post(t, p.URL()+"/v1/completions", `{"model":"mock","prompt":"`+prompt+`","max_tokens":1,"kv_transfer_params":`+
+		`{"do_remote_decode":true}}`, "X-Request-Id", "x9")
+	var pre struct {
+		Params json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(out, &pre); err != nil || len(pre.Params) == 0 {
+		t.Fatalf("prefill reply %s", out)
+	}
+	other := strings.Repeat("v ", 100)
+	resp, out := post(t, d.URL()+"/v1/completions", `{"model":"mock","prompt":"`+other+`","max_tokens":2,"kv_transfer_params":`+
+		string(pre.Params)+`}`, "X-Request-Id", "x9")
+	if resp.StatusCode != 500 || !strings.Contains(string(out), "checksum mismatch") {
+		t.Errorf("decode of another prompt's KV: %d %s, want a 500 saying checksum mismatch", resp.StatusCode, out)
+	}
+
 	deadline := time.Now().Add(5 * time.Second)
 	for len(p.vllmHeld(t)) != 0 {
 		if time.Now().After(deadline) {
