@@ -54,8 +54,11 @@ bench:
 	@scripts/bench-router.sh
 	@scripts/bench-vllm.sh
 
-# bench-vllm: pdrouter --vllm-pd-disaggregation against vllm-router 0.1.17 (pip) on mock vLLM engines.
+# bench-vllm: pdrouter --vllm-pd-disaggregation against vllm-router 0.1.17 (pip) on mock vLLM
+# engines and stubengine's; nginx for the TTFT hop it is held against.
 bench-vllm: build
+	@scripts/install-deps.sh bench
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/stubengine ./bench/stubengine
 	@scripts/bench-vllm.sh
 
 bench-ucx: deps

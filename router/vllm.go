@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -78,7 +79,12 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	r.rec.pd, r.rec.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
-	header := vllmHeader(r.header, s.hostOf(pw), s.hostOf(dw))
+	hp := vllmHeaders.Get().(*[]byte)
+	header := appendVLLMHeader((*hp)[:0], r.header, s.hostOf(pw), s.hostOf(dw))
+	if cap(header) <= maxPooledHeader {
+		*hp = header[:0]
+		defer vllmHeaders.Put(hp) // both legs' writes are over when the attempt returns
+	}
 	if fail, ok := s.vllmPrefill(r, pw, &at, header); !ok {
 		return fail, false
 	}
@@ -108,12 +114,16 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 // vllm-router and vLLM's proxy). ok is false when the attempt is over:
 // fail says why, nil when the request's scope ended.
 func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, header []byte) (fail *apiError, ok bool) {
-	var body splice.Body
-	vllmPrefillBody(&body, r.body, at)
+	body := vllmBodies.Get().(*splice.Body)
+	defer func() { // after l.close: h2c sends a copy, HTTP/1.1 writes it before the reply
+		body.Reset(nil) // holds no client's buffer while pooled
+		vllmBodies.Put(body)
+	}()
+	vllmPrefillBody(body, r.body, at)
 	var l leg
 	l.open(r, pw, engineRID{})
 	defer l.close()
-	if err := l.send(&r.scope, r.path, &body, header); err != nil {
+	if err := l.send(&r.scope, r.path, body, header); err != nil {
 		if r.scope.Err() != nil {
 			return nil, false
 		}
@@ -221,10 +231,21 @@ func (s *Server) hostOf(w *balancer.Worker) string {
 	return w.BaseURL
 }
 
-// vllmHeader is the request's forwarded header lines with the pair's
-// request id as X-Request-Id in place of the client's (forwardHeaders
-// writes it last), in one allocation.
-func vllmHeader(header []byte, prefill, decode string) []byte {
+// vllmHeaders and vllmBodies keep an attempt's header lines and prefill
+// body from costing an allocation each per request.
+var (
+	vllmHeaders = sync.Pool{New: func() any { b := make([]byte, 0, 1024); return &b }}
+	vllmBodies  = sync.Pool{New: func() any { return new(splice.Body) }}
+)
+
+// maxPooledHeader bounds the header buffers kept: a client's huge headers
+// are not worth keeping memory for.
+const maxPooledHeader = 16 << 10
+
+// appendVLLMHeader appends to out the request's forwarded header lines
+// with the pair's request id as X-Request-Id in place of the client's
+// (forwardHeaders writes it last).
+func appendVLLMHeader(out, header []byte, prefill, decode string) []byte {
 	body := bytes.TrimSuffix(header, []byte("\r\n"))
 	last := bytes.LastIndex(body, []byte("\r\n")) + 2
 	if last == 1 {
@@ -233,7 +254,6 @@ func vllmHeader(header []byte, prefill, decode string) []byte {
 	if bytes.HasPrefix(body[last:], []byte("X-Request-Id: ")) {
 		header = header[:last]
 	}
-	out := make([]byte, 0, len(header)+len(prefill)+len(decode)+96)
 	out = append(append(out, header...), "X-Request-Id: "...)
 	return append(appendVLLMRequestID(out, prefill, decode), "\r\n"...)
 }

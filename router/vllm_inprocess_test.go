@@ -130,3 +130,53 @@ func TestVLLMStreamIdleTimeout(t *testing.T) {
 	}
 	http.DefaultClient.CloseIdleConnections()
 }
+
+// Both legs ride pooled connections: sequential requests post from one
+// connection to each engine, whether the prefill's reply has a length or
+// comes chunked (its body is read to the end before the next request).
+func TestVLLMReusesConnections(t *testing.T) {
+	for _, chunked := range []bool{false, true} {
+		var mu sync.Mutex
+		posters := map[string]map[string]bool{"prefill": {}, "decode": {}}
+		engine := func(role, reply string) *httptest.Server {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.ReadAll(r.Body)
+				if r.Method == http.MethodPost {
+					mu.Lock()
+					posters[role][r.RemoteAddr] = true
+					mu.Unlock()
+				}
+				if chunked {
+					w.(http.Flusher).Flush()
+				}
+				io.WriteString(w, reply)
+			}))
+			t.Cleanup(srv.Close)
+			return srv
+		}
+		p := engine("prefill", `{"choices":[],"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[1]}}`)
+		d := engine("decode", `{"choices":[{"text":" b"}]}`)
+		cfg := DefaultConfig()
+		cfg.PDDisaggregation, cfg.VLLMPDDisaggregation = true, true
+		cfg.Prefill = []PrefillSpec{{URL: p.URL, BootstrapPort: balancer.NoBootstrapPort}}
+		cfg.Decode = []string{d.URL}
+		base, srv := serveInProcess(t, cfg)
+		tr := &http.Transport{}
+		for i := range 20 {
+			resp, err := (&http.Client{Transport: tr}).Post(base+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"a"}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+			}
+		}
+		tr.CloseIdleConnections()
+		shutdown(t, srv)
+		if np, nd := len(posters["prefill"]), len(posters["decode"]); np != 1 || nd != 1 {
+			t.Errorf("chunked %v: 20 requests came from %d prefill and %d decode connections, want 1 each", chunked, np, nd)
+		}
+	}
+}

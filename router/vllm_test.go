@@ -20,11 +20,11 @@ func TestVLLMHeaderReplacesOnlyTheRequestID(t *testing.T) {
 		{"", ""},
 		{"Traceparent: 00-1\r\n", "Traceparent: 00-1\r\n"},
 	} {
-		got := string(vllmHeader([]byte(c.in), "10.0.0.1:8100", "[::1]:8200"))
+		got := string(appendVLLMHeader(nil, []byte(c.in), "10.0.0.1:8100", "[::1]:8200"))
 		if !regexp.MustCompile("^" + regexp.QuoteMeta(c.keep) + id).MatchString(got) {
 			t.Errorf("%q: got %q, want %q and the pair's id", c.in, got, c.keep)
 		}
-		if again := string(vllmHeader([]byte(c.in), "10.0.0.1:8100", "[::1]:8200")); again == got {
+		if again := string(appendVLLMHeader(nil, []byte(c.in), "10.0.0.1:8100", "[::1]:8200")); again == got {
 			t.Error("two attempts share a request id")
 		}
 	}

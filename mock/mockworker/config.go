@@ -188,7 +188,7 @@ func ParseFlags(name string, args []string, output io.Writer) (Config, error) {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(output)
 	role := fs.String("role", string(RoleRegular), "prefill, decode or regular (SGLang), vllm-prefill or vllm-decode (vLLM with a KV connector)")
-	fs.DurationVar(&c.VLLMKVTimeout, "kv-hold-timeout", 0, "vllm-prefill: how long a request's KV waits for its decode (0 = 480s, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+	fs.DurationVar(&c.VLLMKVTimeout, "vllm-kv-timeout", 0, "vllm-prefill: how long a request's KV waits for its decode (0 = 480s, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
 	fs.StringVar(&c.Host, "host", DefaultHost, "listen host")
 	fs.IntVar(&c.Port, "port", -1, "listen port (required; 0 = ephemeral)")
 	fs.StringVar(&c.WorkerID, "worker-id", "", "worker id in X-Worker-Id and bodies (default worker-PORT)")

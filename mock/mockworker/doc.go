@@ -8,7 +8,7 @@
 //
 //	--role prefill|decode|regular  Role (default regular); vllm-prefill|vllm-decode
 //	                               play vLLM with a KV connector (vllm.go)
-//	--kv-hold-timeout D            vllm-prefill: KV kept for its decode this long (480s)
+//	--vllm-kv-timeout D            vllm-prefill: KV kept for its decode this long (480s)
 //	--host, --port                 Host (127.0.0.1), Port (required; 0 = ephemeral).
 //	                               The first stdout line is "listening on HOST:PORT".
 //	--worker-id                    WorkerID (default worker-PORT)

@@ -121,6 +121,7 @@ func (s *Server) Close() error {
 	s.cancel()
 	err := s.srv.Close()
 	s.handlers.Wait()
+	s.vkv.close()
 	<-s.done
 	return errors.Join(err, s.serveErr)
 }

@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"io"
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -31,6 +33,17 @@ import (
 //     before it answers: a prefill it cannot reach, that does not hold the
 //     request (wrong engine, request or blocks, or another X-Request-Id),
 //     or KV of another prompt is a 500.
+//
+// With a KV engine (Config.KV: cmd/mockworker --kvproxy) the KV itself
+// moves through kvproxy, as the SGLang roles' does, in a room both sides
+// name after remote_request_id (vllmRoom): the prefill fills and sends its
+// pages when it answers and names its kvproxy's bootstrap address
+// (remote_host, remote_port = Config.BootstrapPort) in place of its own;
+// the decode expects the room from that address and checks every page
+// before its first token, and its reply carries kv_transfer (checksum_ok)
+// as the SGLang roles' OpenAI replies do. The prefill's room ends when the
+// decode has its pages, at Config.VLLMKVTimeout, or at once when the
+// prefill's client leaves before the reply.
 //
 // Both honour max_tokens, as vLLM does, and record what they got
 // (/_mock/requests; /_mock/vllm/held and /_mock/vllm/pulls for the KV).
@@ -67,7 +80,8 @@ type VLLMHeld struct {
 type VLLMPull struct {
 	XRequestID string          `json:"x_request_id"`
 	Params     json.RawMessage `json:"kv_transfer_params"`
-	Error      string          `json:"error,omitempty"` // "" when the KV arrived
+	Error      string          `json:"error,omitempty"`       // "" when the KV arrived
+	KV         *KVResult       `json:"kv_transfer,omitempty"` // through kvproxy: what moved
 }
 
 // vllmKV is the roles' KV state: held blocks (prefill), pulls (decode).
@@ -78,12 +92,18 @@ type vllmKV struct {
 	next   int
 	pulls  []VLLMPull
 	client *http.Client
+	// sends are the prefill's transfers through kvproxy, which outlive
+	// their requests; stop ends them at Close.
+	sends sync.WaitGroup
+	ctx   context.Context
+	stop  context.CancelFunc
 }
 
 type heldKV struct {
 	VLLMHeld
 	digest string
 	expiry *time.Timer
+	cancel context.CancelFunc // ends the kvproxy transfer, if any
 }
 
 // vllmParams is the kv_transfer_params a vllm role reads.
@@ -124,6 +144,7 @@ func (s *Server) vllmRoutes(mux *http.ServeMux) http.Handler {
 	}
 	s.vkv.engine = "mock-engine-" + s.idPrefix
 	s.vkv.held = map[string]*heldKV{}
+	s.vkv.ctx, s.vkv.stop = context.WithCancel(context.Background())
 	// No keep-alive: a closed mock leaves no connection (or goroutine) behind.
 	s.vkv.client = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 	mux.HandleFunc("POST /_mock/vllm/pull", s.vllmPull)
@@ -151,11 +172,15 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 		return writeError(a.w, e)
 	}
 	if s.cfg.Role == RoleVLLMDecode {
-		if e := s.vllmFetch(a.ctx, r, raw.Params, vllmDigest(a.seqs)); e != nil {
+		kv, e := s.vllmFetch(a.ctx, r, raw.Params, a.seqs)
+		if e != nil {
 			if a.ctx.Err() != nil {
 				return errClientGone
 			}
 			return fail(e)
+		}
+		if kv != nil {
+			a.kv = []*KVResult{kv}
 		}
 		return a.vllmReply()
 	}
@@ -171,6 +196,10 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 	held := s.vkv.hold(r, a.seqs, s.cfg.VLLMKVTimeout)
 	host, port, _ := net.SplitHostPort(s.Addr())
 	portN, _ := strconv.Atoi(port)
+	if s.cfg.KV != nil {
+		portN = s.cfg.BootstrapPort
+		s.vllmSend(held, a.seqs)
+	}
 	a.vllmParams = map[string]any{"do_remote_prefill": true, "do_remote_decode": false,
 		"remote_block_ids": held.Blocks, "remote_engine_id": s.vkv.engine, "remote_request_id": held.RequestID,
 		"remote_host": host, "remote_port": portN, "tp_size": s.cfg.Engine.TPSize}
@@ -224,8 +253,62 @@ func (k *vllmKV) drop(id string) {
 	defer k.mu.Unlock()
 	if h := k.held[id]; h != nil {
 		h.expiry.Stop()
+		if h.cancel != nil {
+			h.cancel()
+		}
 		delete(k.held, id)
 	}
+}
+
+// close ends the prefill's transfers under way and waits for them.
+func (k *vllmKV) close() {
+	if k.stop != nil {
+		k.stop()
+	}
+	k.sends.Wait()
+}
+
+// vllmRoom is the kvproxy room of a held request: both sides derive it from
+// remote_request_id, which vLLM's connectors already carry.
+func vllmRoom(requestID string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(requestID))
+	return h.Sum64() & (1<<63 - 1)
+}
+
+// vllmKVRequest is the kvproxy transfer of a request's prompts (the first
+// choice of each, as vLLM keeps one KV per prompt).
+func vllmKVRequest(requestID string, seqs []sequence) KVRequest {
+	var prompt []byte
+	for _, sq := range seqs {
+		if sq.firstChoice {
+			prompt = append(append(prompt, sq.prompt.text...), 0)
+		}
+	}
+	return KVRequest{Room: vllmRoom(requestID), Prompt: prompt, PromptTokens: max(promptTokens(seqs), 1)}
+}
+
+// vllmSend starts sending h's KV through kvproxy: the room waits there for
+// the decode that names it until h is dropped (its timer: vLLM's abort
+// timeout), and h is let go when it ends.
+func (s *Server) vllmSend(h *heldKV, seqs []sequence) {
+	k := &s.vkv
+	ctx, cancel := context.WithCancel(k.ctx)
+	k.mu.Lock()
+	h.cancel = cancel
+	dropped := k.held[h.RequestID] != h // its timer already fired
+	k.mu.Unlock()
+	if dropped {
+		cancel()
+		return
+	}
+	req := vllmKVRequest(h.RequestID, seqs)
+	k.sends.Add(1)
+	go func() {
+		defer k.sends.Done()
+		defer k.drop(h.RequestID)
+		_, _ = s.cfg.KV.Prefill(ctx, req) // a failure is the decode's to report
+	}()
 }
 
 // pullRequest is what a decode sends the prefill's side channel.
@@ -273,11 +356,19 @@ func (s *Server) vllmPull(w http.ResponseWriter, r *http.Request) {
 }
 
 // vllmFetch checks a decode's kv_transfer_params and pulls the KV they
-// name; it records the pull either way.
-func (s *Server) vllmFetch(ctx context.Context, r *http.Request, raw json.RawMessage, digest string) *apiError {
+// name; it records the pull either way. kv is what moved through kvproxy
+// (nil over the side channel).
+func (s *Server) vllmFetch(ctx context.Context, r *http.Request, raw json.RawMessage, seqs []sequence) (kv *KVResult, e *apiError) {
 	xid := r.Header.Get("X-Request-Id")
-	e := s.pullKV(ctx, xid, raw, digest)
-	rec := VLLMPull{XRequestID: xid, Params: append(json.RawMessage(nil), raw...)}
+	p, e := checkDecodeParams(raw)
+	if e == nil {
+		if s.cfg.KV != nil {
+			kv, e = s.receiveKV(ctx, xid, p, seqs)
+		} else {
+			e = s.pullKV(ctx, xid, p, vllmDigest(seqs))
+		}
+	}
+	rec := VLLMPull{XRequestID: xid, Params: append(json.RawMessage(nil), raw...), KV: kv}
 	if e != nil {
 		rec.Error = e.message
 	}
@@ -289,7 +380,7 @@ func (s *Server) vllmFetch(ctx context.Context, r *http.Request, raw json.RawMes
 		s.vkv.pulls = append(s.vkv.pulls, rec)
 	}
 	s.vkv.mu.Unlock()
-	return e
+	return kv, e
 }
 
 func (k *vllmKV) reset() {
@@ -298,34 +389,70 @@ func (k *vllmKV) reset() {
 	k.mu.Unlock()
 }
 
-func (s *Server) pullKV(ctx context.Context, xid string, raw json.RawMessage, digest string) *apiError {
+// decodeParams are a decode's checked kv_transfer_params.
+type decodeParams struct {
+	engineID, requestID string
+	blocks              []int
+	host                string
+	port                int
+}
+
+func checkDecodeParams(raw json.RawMessage) (*decodeParams, *apiError) {
 	if isNull(raw) {
-		return badRequest("vllm-decode: the request has no kv_transfer_params (a decode instance needs its prefill's)")
+		return nil, badRequest("vllm-decode: the request has no kv_transfer_params (a decode instance needs its prefill's)")
 	}
 	var p vllmParams
 	if err := json.Unmarshal(raw, &p); err != nil {
-		return badRequest("kv_transfer_params: %v", err)
+		return nil, badRequest("kv_transfer_params: %v", err)
 	}
 	var port int
 	perr := json.Unmarshal(p.RemotePort, &port)
 	switch {
 	case !p.DoRemotePrefill || p.DoRemoteDecode:
-		return badRequest("kv_transfer_params: a decode needs do_remote_prefill true and do_remote_decode false")
+		return nil, badRequest("kv_transfer_params: a decode needs do_remote_prefill true and do_remote_decode false")
 	case p.RemoteEngineID == nil || *p.RemoteEngineID == "":
-		return badRequest("kv_transfer_params: remote_engine_id missing")
+		return nil, badRequest("kv_transfer_params: remote_engine_id missing")
 	case p.RemoteRequestID == nil || *p.RemoteRequestID == "":
-		return badRequest("kv_transfer_params: remote_request_id missing")
+		return nil, badRequest("kv_transfer_params: remote_request_id missing")
 	case len(p.RemoteBlockIDs) == 0:
-		return badRequest("kv_transfer_params: remote_block_ids missing")
+		return nil, badRequest("kv_transfer_params: remote_block_ids missing")
 	case p.RemoteHost == nil || *p.RemoteHost == "":
-		return badRequest("kv_transfer_params: remote_host missing")
+		return nil, badRequest("kv_transfer_params: remote_host missing")
 	case perr != nil || port <= 0 || port > 65535:
-		return badRequest("kv_transfer_params: remote_port %s is not a port", p.RemotePort)
+		return nil, badRequest("kv_transfer_params: remote_port %s is not a port", p.RemotePort)
 	case p.TPSize == nil || *p.TPSize < 1:
-		return badRequest("kv_transfer_params: tp_size missing")
+		return nil, badRequest("kv_transfer_params: tp_size missing")
 	}
-	b, _ := json.Marshal(pullRequest{EngineID: *p.RemoteEngineID, RequestID: *p.RemoteRequestID, Blocks: p.RemoteBlockIDs})
-	url := "http://" + net.JoinHostPort(*p.RemoteHost, strconv.Itoa(port)) + "/_mock/vllm/pull"
+	return &decodeParams{engineID: *p.RemoteEngineID, requestID: *p.RemoteRequestID, blocks: p.RemoteBlockIDs,
+		host: *p.RemoteHost, port: port}, nil
+}
+
+// receiveKV has kvproxy bring the request's KV from the prefill's kvproxy
+// at remote_host:remote_port into this engine's pool, checked page by page.
+// The room is named by remote_request_id, which must be the one the
+// prefill made for this X-Request-Id (both legs carry the same).
+func (s *Server) receiveKV(ctx context.Context, xid string, p *decodeParams, seqs []sequence) (*KVResult, *apiError) {
+	addr := net.JoinHostPort(p.host, strconv.Itoa(p.port))
+	if !strings.HasPrefix(p.requestID, "cmpl-"+xid+"-") {
+		return nil, errorf(http.StatusInternalServerError, "KV transfer failed: remote_request_id %q was not made for X-Request-Id %q", p.requestID, xid)
+	}
+	req := vllmKVRequest(p.requestID, seqs)
+	req.BootstrapHost, req.BootstrapPort = p.host, p.port
+	kv, err := s.cfg.KV.Decode(ctx, req)
+	if err != nil {
+		status := http.StatusInternalServerError
+		var se interface{ HTTPStatus() int } // e.g. KV pool exhausted: 503
+		if errors.As(err, &se) {
+			status = se.HTTPStatus()
+		}
+		return nil, errorf(status, "KV transfer failed: from the prefill's kvproxy at %s (room %d): %v", addr, req.Room, err)
+	}
+	return kv, nil
+}
+
+func (s *Server) pullKV(ctx context.Context, xid string, p *decodeParams, digest string) *apiError {
+	b, _ := json.Marshal(pullRequest{EngineID: p.engineID, RequestID: p.requestID, Blocks: p.blocks})
+	url := "http://" + net.JoinHostPort(p.host, strconv.Itoa(p.port)) + "/_mock/vllm/pull"
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
 	if err != nil {
 		return errorf(http.StatusInternalServerError, "KV transfer failed: %v", err)

@@ -1,9 +1,12 @@
 package mockworker
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -184,5 +187,137 @@ func TestVLLMPullsAreBounded(t *testing.T) {
 	d.s.Reset()
 	if n := len(d.s.VLLMPulls()); n != 0 {
 		t.Errorf("%d pulls after Reset", n)
+	}
+}
+
+// roomKV is an in-process KV plane: a prefill's room waits until a decode
+// takes it (or its ctx ends); a decode finds it by room and checks the
+// prompt.
+type roomKV struct {
+	mu      sync.Mutex
+	rooms   map[uint64]*testRoom
+	decodes []KVRequest
+	ended   chan error // a prefill transfer's end without a decode
+}
+
+type testRoom struct {
+	prompt chan []byte
+	taken  chan struct{}
+}
+
+func newRoomKV() *roomKV { return &roomKV{rooms: map[uint64]*testRoom{}, ended: make(chan error, 8)} }
+
+func (k *roomKV) room(id uint64) *testRoom {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.rooms[id] == nil {
+		k.rooms[id] = &testRoom{prompt: make(chan []byte, 1), taken: make(chan struct{})}
+	}
+	return k.rooms[id]
+}
+
+func (k *roomKV) Prefill(ctx context.Context, r KVRequest) (*KVResult, error) {
+	room := k.room(r.Room)
+	room.prompt <- append([]byte(nil), r.Prompt...)
+	select {
+	case <-room.taken:
+		return &KVResult{Transport: "test", ChecksumOK: true}, nil
+	case <-ctx.Done():
+		k.ended <- ctx.Err()
+		return nil, ctx.Err()
+	}
+}
+
+func (k *roomKV) Decode(ctx context.Context, r KVRequest) (*KVResult, error) {
+	k.mu.Lock()
+	k.decodes = append(k.decodes, r)
+	k.mu.Unlock()
+	room := k.room(r.Room)
+	select {
+	case got := <-room.prompt:
+		close(room.taken)
+		return &KVResult{Bytes: int64(len(got)), Transport: "test", ChecksumOK: bytes.Equal(got, r.Prompt)}, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// With a KV engine, the prefill sends the KV into a room named after
+// remote_request_id and names its kvproxy's bootstrap port; the decode
+// receives the room from that address and reports the transfer; a room
+// nobody takes ends at the KV timeout.
+func TestVLLMKVThroughTheKVEngine(t *testing.T) {
+	kv := newRoomKV()
+	p := start(t, Config{Role: RoleVLLMPrefill, KV: kv, BootstrapPort: 9123, VLLMKVTimeout: 300 * time.Millisecond})
+	d := start(t, Config{Role: RoleVLLMDecode, KV: kv, Tokens: 2})
+	prompt := strings.Repeat("w ", 20)
+	params := vllmPrefill(t, p, prompt, "rid-1")
+	var got struct {
+		Port      int    `json:"remote_port"`
+		Host      string `json:"remote_host"`
+		RequestID string `json:"remote_request_id"`
+	}
+	if err := json.Unmarshal(params, &got); err != nil || got.Port != 9123 {
+		t.Fatalf("params %s: remote_port should be the kvproxy's bootstrap port 9123", params)
+	}
+	req := `{"model":"mock","prompt":"` + prompt + `","kv_transfer_params":` + string(params) + `}`
+	if status, _, body := d.post("/v1/completions", req, "X-Request-Id", "other"); status != 500 || !strings.Contains(string(body), `was not made for X-Request-Id \"other\"`) {
+		t.Errorf("decode under another X-Request-Id: %d %s", status, body)
+	}
+	status, _, body := d.post("/v1/completions", req, "X-Request-Id", "rid-1")
+	var reply struct {
+		KV *KVResult `json:"kv_transfer"`
+	}
+	if err := json.Unmarshal(body, &reply); status != 200 || err != nil || reply.KV == nil || !reply.KV.ChecksumOK {
+		t.Fatalf("decode: %d %s, want kv_transfer with checksum_ok", status, body)
+	}
+	kv.mu.Lock()
+	dr := kv.decodes[len(kv.decodes)-1]
+	kv.mu.Unlock()
+	if dr.BootstrapHost != got.Host || dr.BootstrapPort != 9123 || dr.Room != vllmRoom(got.RequestID) {
+		t.Errorf("decode received %+v, want room %d from %s:9123", dr, vllmRoom(got.RequestID), got.Host)
+	}
+	if pulls := d.s.VLLMPulls(); len(pulls) != 2 || pulls[1].KV == nil || !pulls[1].KV.ChecksumOK || pulls[0].Error == "" {
+		t.Errorf("pulls %+v", pulls)
+	}
+
+	for deadline := time.Now().Add(2 * time.Second); len(p.s.VLLMHeldKV()) != 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("held %+v after the decode took the KV", p.s.VLLMHeldKV())
+		}
+	}
+
+	t0 := time.Now()
+	vllmPrefill(t, p, prompt, "rid-2") // no decode comes
+	select {
+	case <-kv.ended:
+		if took := time.Since(t0); took < 300*time.Millisecond {
+			t.Errorf("an untaken room ended after %v, before the 300 ms KV timeout", took)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("an untaken room outlived the KV timeout")
+	}
+	for deadline := time.Now().Add(2 * time.Second); len(p.s.VLLMHeldKV()) != 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("held %+v after the timeout", p.s.VLLMHeldKV())
+		}
+	}
+}
+
+// A room whose decode has not come yet ends when the prefill mock closes.
+func TestVLLMKVSendEndsAtClose(t *testing.T) {
+	kv := newRoomKV()
+	p := start(t, Config{Role: RoleVLLMPrefill, KV: kv})
+	vllmPrefill(t, p, "a b", "rid-1")
+	if err := p.s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-kv.ended:
+		if err != context.Canceled {
+			t.Errorf("transfer ended with %v at Close", err)
+		}
+	default:
+		t.Fatal("Close returned with the transfer still under way")
 	}
 }
