@@ -10,7 +10,8 @@ a prepared transfer's pages all in one request where its descriptors allow.
 
 transfer() sends the requests and returns "PROC"; a thread per agent reads
 their replies, so check_xfer_state() never blocks. A notification rides
-beside kvproxy (pdrouter_kv.notif) once the write is remotely complete.
+beside kvproxy (pdrouter_kv.notif) once the write is remotely complete, and
+a transfer that carries one is DONE only after it was sent.
 
 Host memory registered as "VRAM" is accepted (real NIXL refuses it): SGLang
 registers its KV pool so, and on a CPU the pool is host memory.
@@ -116,7 +117,11 @@ class _Post:
         if self.state != "PROC":
             return self.state
         if all(p.done for p in self.pendings):
-            return "ERR" if self.error is not None or any(p.error is not None for p in self.pendings) else "DONE"
+            if self.error is not None or any(p.error is not None for p in self.pendings):
+                return "ERR"
+            if not self.notif:
+                return "DONE"
+        # With a notification the completer says DONE once that went out too.
         return "PROC"
 
 

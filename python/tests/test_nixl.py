@@ -308,6 +308,33 @@ class AgentTest(unittest.TestCase):
         time.sleep(0.2)
         self.assertEqual(self.d.get_new_notifs(), {})
 
+    def test_a_transfer_with_a_notification_is_done_only_once_it_went_out(self):
+        # SGLang <= 0.5.20 concludes a room's prefill on DONE and its decode on the
+        # notification: DONE must not come before the notification is sent, nor
+        # turn into ERR when it cannot be.
+        outbox = self.p._core.outbox
+        at_notif, release = threading.Event(), threading.Event()
+
+        def unreachable_inbox(address, msg):
+            at_notif.set()
+            release.wait(10)
+            raise OSError("the decode's inbox is gone")
+
+        outbox.send = unreachable_inbox
+        h = self.prepped([1, 2], [1, 2], notif=b"7_kv_0_1_0")
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertTrue(at_notif.wait(10))
+        self.check_pages([1, 2], [1, 2])  # the bytes landed; the notification has not gone
+        self.assertEqual(self.p.check_xfer_state(h), "PROC")
+        release.set()
+        self.assertEqual(settle(self.p, [h]), ["ERR"])
+        del outbox.send  # the real one again
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertEqual(settle(self.p, [h]), ["DONE"])
+        got = {}
+        wait_for(lambda: got.update(self.d.get_new_notifs()) or got, 10)
+        self.assertEqual(got, {"prefill-agent": [b"7_kv_0_1_0"]})
+
     def test_many_threads_post_and_poll_at_once(self):
         # SGLang's 4 transfer workers and bootstrap thread share one agent.
         errors = []
