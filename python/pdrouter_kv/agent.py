@@ -8,8 +8,8 @@ The agent's metadata names it and its kvproxy; a WRITE to a peer agent is
 sent to that peer's kvproxy as page writes (control.Client.write_pages),
 a prepared transfer's pages all in one request where its descriptors allow.
 
-transfer() sends the requests and returns "PROC"; a thread per agent reads
-their replies, so check_xfer_state() never blocks. A notification rides
+transfer() sends the requests and returns "PROC"; a thread per peer agent
+reads their replies, so check_xfer_state() never blocks. A notification rides
 beside kvproxy (pdrouter_kv.notif) once the write is remotely complete, and
 a transfer that carries one is DONE only after it was sent.
 
@@ -146,28 +146,39 @@ class _Core:
         self.dlists = {}  # id -> xferplan.DList
         self.xfers = {}  # id -> _Xfer
         self.ids = itertools.count(1)
-        self.inflight = collections.deque()
-        self.wake = threading.Condition(threading.Lock())
-        self.completer = None
+        # Posts in flight, one queue and completer thread per peer agent: a
+        # peer that hangs holds up its own transfers only.
+        self.inflight = {}  # peer name -> deque of (post, client)
+        self.completers = {}  # peer name -> thread
+        self.wake = threading.Lock()
         self.closed = False
         self.inbox = None
         self.outbox = notif.Outbox(name)
 
-    def start_completer(self):
+    def enqueue(self, post, client):
+        """Hands a post to its peer's completer, started if that peer has none."""
+        peer = post.peer.name
         with self.wake:
-            if self.completer is None and not self.closed:
-                self.completer = threading.Thread(target=self._complete, name="nixl-completer", daemon=True)
-                self.completer.start()
+            if self.closed:
+                post.state = "ERR"
+                return
+            queue = self.inflight.get(peer)
+            if queue is None:
+                queue = self.inflight[peer] = collections.deque()
+                t = self.completers[peer] = threading.Thread(target=self._complete, args=(peer, queue),
+                                                             name="nixl-completer", daemon=True)
+                t.start()
+            queue.append((post, client))
 
-    def _complete(self):
-        """Reads the replies of posted transfers (in posting order), then sends their notifications."""
+    def _complete(self, peer, queue):
+        """Reads the replies of one peer's posts (in posting order), then sends
+        their notifications; ends when none is left."""
         while True:
             with self.wake:
-                while not self.inflight and not self.closed:
-                    self.wake.wait()
-                if not self.inflight:
+                if not queue:
+                    del self.inflight[peer], self.completers[peer]
                     return
-                post, client = self.inflight[0]
+                post, client = queue[0]
             deadline = time.monotonic() + self.timeout
             err = post.error
             for p in post.pendings:
@@ -184,19 +195,24 @@ class _Core:
                 logger.warning("nixl transfer to %s failed: %s", post.peer.name, err)
             post.state = "ERR" if err is not None else "DONE"
             with self.wake:
-                self.inflight.popleft()
+                queue.popleft()
+
+    def in_flight(self):
+        with self.wake:
+            return sum(len(q) for q in self.inflight.values())
 
     def close(self):
         with self.wake:
             self.closed = True
-            self.wake.notify_all()
+            completers = list(self.completers.values())
         if self.engine is not None:
-            self.engine.close()  # fails what is in flight, so the completer ends
+            self.engine.close()  # fails what is in flight, so the completers end
         if self.inbox is not None:
             self.inbox.close()
         self.outbox.close()
-        if self.completer is not None and self.completer is not threading.current_thread():
-            self.completer.join(5)
+        for t in completers:
+            if t is not threading.current_thread():
+                t.join(5)
 
 
 class _Handle:
@@ -557,10 +573,7 @@ class nixl_agent:
                 return "ERR"
             # Some went out: the completer settles them, and the post is an ERR.
             post.error = e
-        with core.wake:
-            core.inflight.append((post, client))
-            core.wake.notify()
-        core.start_completer()
+        core.enqueue(post, client)
         return "PROC"
 
     def check_xfer_state(self, handle):
@@ -614,7 +627,7 @@ class nixl_agent:
         """(prepared lists, transfer handles, postings in flight) the agent holds."""
         core = self._core
         with core.lock:
-            return len(core.dlists), len(core.xfers), len(core.inflight)
+            return len(core.dlists), len(core.xfers), core.in_flight()
 
     def close(self):
         """Drops the kvproxy connection (and with it every registration). Not NIXL's: its agent ends when dropped."""

@@ -206,6 +206,8 @@ class AgentTest(unittest.TestCase):
     def tearDown(self):
         self.p.close()
         self.d.close()
+        # A completer ends once its peer has nothing in flight (it may still be returning).
+        wait_for(lambda: not [t for t in threading.enumerate() if t.name == "nixl-completer"], 5)
         for k in self.kp:
             self.assertEqual(k.wait_metric("kvproxy_registered_regions", 0), 0, "regions left in kvproxy after close")
 
@@ -334,6 +336,36 @@ class AgentTest(unittest.TestCase):
         got = {}
         wait_for(lambda: got.update(self.d.get_new_notifs()) or got, 10)
         self.assertEqual(got, {"prefill-agent": [b"7_kv_0_1_0"]})
+
+    def test_a_hung_peer_holds_up_no_other_peers_transfers(self):
+        # One prefill serves several decodes; one whose kvproxy hangs must not
+        # hold the others' DONE and notifications until its write times out.
+        kp2 = KVProxy("decode", extra=["--peer-port", str(free_port())])
+        d2 = agent_on(kp2, "decode-b")
+        try:
+            dst2 = host_array(SLOTS * SLOT)
+            d2.register_memory([(dst2.ctypes.data, dst2.nbytes, 0, "")], "VRAM")
+            self.assertEqual(self.p.add_remote_agent(d2.get_agent_metadata()), "decode-b")
+            sh = self.p.prep_xfer_dlist("", self.strided(self.src[:1]), "VRAM")
+            dh = self.p.prep_xfer_dlist("decode-b", self.strided([dst2]), "VRAM")
+            with stopped(self.kp[1]):
+                hung = self.prepped([1], [1], notif=b"1_kv_0_1_0")
+                self.assertEqual(self.p.transfer(hung), "PROC")
+                time.sleep(0.2)  # the write to the stopped kvproxy is on its way
+                h = self.p.make_prepped_xfer("WRITE", sh, np.array([3], dtype=np.int32), dh, np.array([4], dtype=np.int32), "2_kv_0_1_0")
+                self.assertEqual(self.p.transfer(h), "PROC")
+                # Bounds against the old wait, the write timeout (30 s), not speed claims.
+                self.assertEqual(settle(self.p, [h], timeout=10), ["DONE"])
+                got = {}
+                wait_for(lambda: got.update(d2.get_new_notifs()) or got, 10)
+                self.assertEqual(got, {"prefill-agent": [b"2_kv_0_1_0"]})
+                np.testing.assert_array_equal(dst2.reshape(SLOTS, SLOT)[4], self.src[0].reshape(SLOTS, SLOT)[3])
+                self.assertEqual(self.p.check_xfer_state(hung), "PROC")
+            # Resumed, the hung write lands or meets kvproxy's write timeout; either way it ends.
+            self.assertIn(settle(self.p, [hung]), (["DONE"], ["ERR"]))
+        finally:
+            d2.close()
+            kp2.stop()
 
     def test_many_threads_post_and_poll_at_once(self):
         # SGLang's 4 transfer workers and bootstrap thread share one agent.
