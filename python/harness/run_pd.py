@@ -282,7 +282,7 @@ def main():
         summary["engine_module"] = sides["prefill"].ready["engine"]
         summary["sglang"] = sides["prefill"].ready["sglang"]
         if a.sglang_path:
-            check(all(s.ready["sglang_module"].startswith(os.path.abspath(a.sglang_path)) for s in sides.values()),
+            check(all(os.path.realpath(s.ready["sglang_module"]).startswith(os.path.realpath(a.sglang_path) + os.sep) for s in sides.values()),
                   "SGLang came from %s, not --sglang-path" % sides["prefill"].ready["sglang_module"])
         summary["setup_s"] = {r: round(s.ready["setup_s"], 2) for r, s in sides.items()}
         summary["bytes_per_token"] = sides["prefill"].ready["bytes_per_page"] // 16
