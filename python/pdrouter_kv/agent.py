@@ -132,6 +132,20 @@ class _Xfer:
         self.peer, self.writes, self.notif, self.post = peer, writes, notif_msg, None
 
 
+# A peer's completer thread waits this long for its next post before it ends
+# (a thread started per post would cost SGLang's post its start-up).
+COMPLETER_IDLE_S = 30.0
+
+
+class _PeerQueue:
+    __slots__ = ("posts", "ready", "thread")
+
+    def __init__(self, lock):
+        self.posts = collections.deque()  # (post, client) in posting order
+        self.ready = threading.Condition(lock)
+        self.thread = None
+
+
 class _Core:
     """The agent's state, apart from the agent object so that handles and its
     thread keep it (not the agent) alive."""
@@ -148,9 +162,8 @@ class _Core:
         self.ids = itertools.count(1)
         # Posts in flight, one queue and completer thread per peer agent: a
         # peer that hangs holds up its own transfers only.
-        self.inflight = {}  # peer name -> deque of (post, client)
-        self.completers = {}  # peer name -> thread
         self.wake = threading.Lock()
+        self.inflight = {}  # peer name -> _PeerQueue
         self.closed = False
         self.inbox = None
         self.outbox = notif.Outbox(name)
@@ -162,23 +175,25 @@ class _Core:
             if self.closed:
                 post.state = "ERR"
                 return
-            queue = self.inflight.get(peer)
-            if queue is None:
-                queue = self.inflight[peer] = collections.deque()
-                t = self.completers[peer] = threading.Thread(target=self._complete, args=(peer, queue),
-                                                             name="nixl-completer", daemon=True)
-                t.start()
-            queue.append((post, client))
+            q = self.inflight.get(peer)
+            if q is None:
+                q = self.inflight[peer] = _PeerQueue(self.wake)
+                q.thread = threading.Thread(target=self._complete, args=(peer, q), name="nixl-completer", daemon=True)
+                q.thread.start()
+            q.posts.append((post, client))
+            q.ready.notify()
 
-    def _complete(self, peer, queue):
+    def _complete(self, peer, q):
         """Reads the replies of one peer's posts (in posting order), then sends
-        their notifications; ends when none is left."""
+        their notifications; ends after COMPLETER_IDLE_S with none."""
         while True:
             with self.wake:
-                if not queue:
-                    del self.inflight[peer], self.completers[peer]
+                if not q.posts and not self.closed:
+                    q.ready.wait(COMPLETER_IDLE_S)
+                if not q.posts:
+                    del self.inflight[peer]
                     return
-                post, client = queue[0]
+                post, client = q.posts[0]
             deadline = time.monotonic() + self.timeout
             err = post.error
             for p in post.pendings:
@@ -195,16 +210,18 @@ class _Core:
                 logger.warning("nixl transfer to %s failed: %s", post.peer.name, err)
             post.state = "ERR" if err is not None else "DONE"
             with self.wake:
-                queue.popleft()
+                q.posts.popleft()
 
     def in_flight(self):
         with self.wake:
-            return sum(len(q) for q in self.inflight.values())
+            return sum(len(q.posts) for q in self.inflight.values())
 
     def close(self):
         with self.wake:
             self.closed = True
-            completers = list(self.completers.values())
+            completers = [q.thread for q in self.inflight.values()]
+            for q in self.inflight.values():
+                q.ready.notify()
         if self.engine is not None:
             self.engine.close()  # fails what is in flight, so the completers end
         if self.inbox is not None:

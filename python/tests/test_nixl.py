@@ -20,7 +20,7 @@ if np is not None:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     from nixl._bindings import (nixlInvalidParamError, nixlNotFoundError, nixlNotPostedError,
                                 nixlNotSupportedError, nixlRepostActiveError)
-    from pdrouter_kv import xferplan
+    from pdrouter_kv import agent as agent_mod, xferplan
 
 needs_numpy = unittest.skipIf(np is None, "numpy missing: SGLang's nixl backend needs it (run with the SGLang venv)")
 
@@ -366,6 +366,27 @@ class AgentTest(unittest.TestCase):
         finally:
             d2.close()
             kp2.stop()
+
+    def test_a_peers_completer_serves_its_posts_and_ends_when_idle(self):
+        # A thread started per post would add its start-up to SGLang's post.
+        self.addCleanup(setattr, agent_mod, "COMPLETER_IDLE_S", agent_mod.COMPLETER_IDLE_S)
+        agent_mod.COMPLETER_IDLE_S = 1.0
+
+        def completers():
+            return [t for t in threading.enumerate() if t.name == "nixl-completer"]
+
+        seen = []
+        for pages in ([1], [2], [3]):
+            h = self.prepped(pages, pages)
+            self.assertEqual(self.p.transfer(h), "PROC")
+            self.assertEqual(settle(self.p, [h]), ["DONE"])
+            seen += completers()
+        self.assertEqual(len(set(seen)), 1, "one completer for the peer, kept between posts")
+        wait_for(lambda: not completers(), 10)
+        h = self.prepped([4], [4])  # the next post starts one again
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertEqual(settle(self.p, [h]), ["DONE"])
+        self.check_pages([1, 2, 3, 4], [1, 2, 3, 4])
 
     def test_many_threads_post_and_poll_at_once(self):
         # SGLang's 4 transfer workers and bootstrap thread share one agent.
