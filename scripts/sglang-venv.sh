@@ -49,10 +49,10 @@ folder() { # folder NAME SIZE REQUIREMENT...
 }
 folder nixl "~60 MB" "${nixl_req[@]}"
 folder "sglang-$old_sglang" "~210 MB" "${old_sglang_req[@]}"
-# Bytecode, once: this environment (and CI's) sets PYTHONDONTWRITEBYTECODE, so
-# without it every harness process compiles torch, transformers and SGLang
-# again: ~15 s of CPU each (measured: 27-31 s user to import SGLang's KV code,
-# 12 s with bytecode). Files that do not compile (test data) only stay slow.
+# Bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on the machines
+# this was measured on), every harness process otherwise compiles torch,
+# transformers and SGLang again: 27-31 s of CPU to import SGLang's KV code,
+# 13-14 s with bytecode. Files that do not compile (test data) only stay slow.
 if [ ! -e "$root/.bytecode" ]; then
 	echo "sglang-venv: compiling bytecode (once, ~1-2 minutes)" >&2
 	"$venv/bin/python" -m compileall -qq -j 0 "$venv/lib" "$root/mooncake" "$root/nixl" "$root/sglang-$old_sglang" >&2 || true
