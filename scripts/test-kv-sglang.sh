@@ -3,7 +3,8 @@
 # against a real kvproxy, then SGLang 0.5.23's own mooncake PD backend
 # (python/harness) with pdrouter's TransferEngine over kvproxy, with
 # kvproxy's bootstrap server instead of SGLang's, and with Mooncake's real
-# TransferEngine, and SGLang's own nixl backend with pdrouter's nixl look-alike. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
+# TransferEngine, and SGLang's own nixl backend (0.5.23's, and 0.5.20's that
+# completes by NIXL notifications) with pdrouter's nixl look-alike. Sizes are CI's; `make bench-kv-sglang` runs the big ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -37,6 +38,9 @@ run "kvproxy tcp, kvproxy's bootstrap server: 50 requests, abort" \
 	harness ours-kvproxy-bootstrap --engine kvproxy --kvproxy "$KVPROXY" --bootstrap kvproxy --requests 50 --phases normal
 run "SGLang's nixl backend on python/nixl, kvproxy tcp: 100 requests, abort, prefill and decode kvproxy killed and restarted, decode killed" \
 	harness nixl --engine nixl --kvproxy "$KVPROXY" --requests 100 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
+# SGLang 0.5.20 learns that a room landed from NIXL notifications, 0.5.23 from ZMQ: the look-alike serves both.
+run "SGLang 0.5.20's nixl backend (completion by NIXL notifications) on python/nixl, kvproxy tcp: 50 requests, abort, prefill and decode kvproxy killed and restarted, decode killed" \
+	harness nixl-0.5.20 --engine nixl --sglang-path "$SGLANG_OLD" --kvproxy "$KVPROXY" --requests 50 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode
 run "Mooncake's TransferEngine (tcp): 50 requests, abort, decode killed" \
 	harness mooncake --engine mooncake --mooncake-path "$MOONCAKE" --requests 50 --phases normal,kill-decode
 [ "$failed" -eq 0 ] && rm -rf "$work"

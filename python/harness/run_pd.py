@@ -27,6 +27,8 @@ import threading
 import time
 import urllib.request
 
+import sglang_versions
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -170,6 +172,7 @@ def main():
                         "nixl: SGLang's nixl backend on python/nixl (kvproxy); nixl-real: the same on NIXL from PyPI")
     p.add_argument("--mooncake-path", help="folder holding Mooncake's real mooncake package")
     p.add_argument("--nixl-path", help="folder holding NIXL's real nixl package (for --engine nixl-real)")
+    p.add_argument("--sglang-path", help="folder holding another SGLang (e.g. 0.5.20), put before the venv's")
     p.add_argument("--kvproxy", help="kvproxy binary")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--ucx-tls", default="")
@@ -244,6 +247,8 @@ def main():
         # This tree's python/ before the venv's installed copy: several trees
         # share one cached venv, and another's install must not change the run.
         env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+        if a.sglang_path:
+            env["PYTHONPATH"] = a.sglang_path + os.pathsep + env["PYTHONPATH"]
         if a.engine == "mooncake":
             env["PYTHONPATH"] = a.mooncake_path + os.pathsep + env.get("PYTHONPATH", "")
         elif a.engine == "nixl-real":
@@ -275,6 +280,10 @@ def main():
         for role, s in sides.items():  # both set up at once
             s.ready = s.json_line("ready", 300)
         summary["engine_module"] = sides["prefill"].ready["engine"]
+        summary["sglang"] = sides["prefill"].ready["sglang"]
+        if a.sglang_path:
+            check(all(os.path.realpath(s.ready["sglang_module"]).startswith(os.path.realpath(a.sglang_path) + os.sep) for s in sides.values()),
+                  "SGLang came from %s, not --sglang-path" % sides["prefill"].ready["sglang_module"])
         summary["setup_s"] = {r: round(s.ready["setup_s"], 2) for r, s in sides.items()}
         summary["bytes_per_token"] = sides["prefill"].ready["bytes_per_page"] // 16
         if kvp:
@@ -301,12 +310,19 @@ def main():
                 victim.p.wait()
                 if ph == "kill-decode":
                     alive = ["prefill"]
-            res = {}
+            res, notifs = {}, {}
             for role in alive:
                 sides[role].json_line("done", a.bound * 3 + len(plan) * 2)
                 with open(os.path.join(work, "%s-%s.json" % (ph, role))) as f:
-                    res[role] = json.load(f)["results"]
+                    out = json.load(f)
+                res[role], notifs[role] = out["results"], out.get("notifs", 0)
             ps = dict(requests=len(plan), run_s=round(time.time() - t0, 2))
+            if backend == "nixl" and "decode" in res:
+                # A room's KV and aux each end in a notification where the version completes by them.
+                ps["notifs"] = notifs["decode"]
+                landed = sum(1 for x in res["decode"] if x["state"] == "success")
+                if sglang_versions.VERSIONS[summary["sglang"]].by_notifs:
+                    check(ps["notifs"] >= 2 * landed, "%s: %d notifications for %d rooms landed" % (ph, ps["notifs"], landed))
             if fault_at is not None:
                 ps["ended_after_fault_s"] = round(time.time() - fault_at, 2)
                 # Every room a fault failed ended within the bound (SGLang's

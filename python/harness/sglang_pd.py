@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own mooncake or nixl PD backend, outside a server, moving real KV.
+"""SGLang's own mooncake or nixl PD backend (0.5.23; 0.5.20 too, sglang_versions.py), outside a server, moving real KV.
 
 `worker` runs one side (prefill or decode) the way SGLang's scheduler does:
 SGLang's MHATokenToKVPool and MetadataBuffers on CPU, KVArgs filled by SGLang's
@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 import types
+
+import sglang_versions
 
 PAGE_SIZE = 16
 
@@ -47,8 +49,6 @@ class Side:
     def __init__(self, a):
         import torch
         from sglang.srt.server_args import ServerArgs
-        from sglang.srt.runtime_context import publish, SpawnRanks
-        from sglang.srt.distributed.bootstrap import init_parallel_runtime
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.disaggregation.utils import MetadataBuffers, TransferBackend
@@ -61,8 +61,9 @@ class Side:
             disaggregation_bootstrap_port=a.bootstrap_port, host="127.0.0.1",
             skip_tokenizer_init=True, load_format="dummy",
         )
-        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-        init_parallel_runtime(server_args=sa, device="cpu", dist_port=a.dist_port)
+        self.version, row = sglang_versions.current()
+        self.sender_args = row.sender_args
+        scheduler_extra = row.runtime(sa, a.dist_port)
         self.server_args = sa
         self.bootstrap = None
         if a.role == "prefill" and a.sglang_bootstrap:
@@ -83,6 +84,7 @@ class Side:
             scheduler=types.SimpleNamespace(
                 rust_server=None, enable_hisparse=False, model_config=model_config, server_args=sa,
                 tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="bfloat16")),
+                **scheduler_extra,
             ),
         )
         if a.backend == "nixl" and a.nixl_host_as_dram:
@@ -112,6 +114,7 @@ class Side:
         """Times every batch_transfer_sync SGLang makes (its wrapper of the engine),
         or with nixl each post: making the transfer request and posting it."""
         self.calls = [0, 0.0, 0, 0, 0.0]  # calls, seconds, bytes, ranges, of the seconds making nixl requests
+        self.notifs = 0  # NIXL notifications the nixl backend took (SGLang <= 0.5.20 completes by them)
         lock = threading.Lock()
         if self.a.backend == "nixl":
             agent = self.mgr.agent
@@ -131,6 +134,15 @@ class Side:
                             self.calls[4] += dt if making else 0
                 setattr(agent, name, call)
 
+            inner_notifs = agent.get_new_notifs
+
+            def counted_notifs(*args, **kw):
+                got = inner_notifs(*args, **kw)
+                with lock:
+                    self.notifs += sum(len(m) for m in got.values())
+                return got
+
+            agent.get_new_notifs = counted_notifs
             for name in ("make_prepped_xfer", "initialize_xfer"):
                 timed_call(name, True)
             timed_call("transfer", False)
@@ -237,7 +249,7 @@ def run_prefill(side, plan, a, res):
             if pages is None:
                 break
             pending.pop(0)
-            s = KVSender(side.mgr, boot, r["room"])
+            s = KVSender(side.mgr, boot, r["room"], **side.sender_args)
             s.init(npages, aux)
             live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False, calls0=list(side.calls))
         for room, st in list(live.items()):
@@ -344,7 +356,8 @@ def worker(a):
     engine_origin = os.path.dirname(engine_module.__file__)
     t0 = time.perf_counter()
     side = Side(a)
-    ready = dict(ready=True, role=a.role, engine=engine_origin, setup_s=time.perf_counter() - t0,
+    import sglang
+    ready = dict(ready=True, role=a.role, sglang=side.version, sglang_module=os.path.dirname(sglang.__file__), engine=engine_origin, setup_s=time.perf_counter() - t0,
                  bytes_per_page=side.bytes_per_page, regions=len(side.kv_args.kv_data_ptrs) + len(side.kv_args.aux_data_ptrs),
                  session_id=side.mgr.get_session_id() if a.backend == "mooncake" else side.mgr.agent.name)
     print(json.dumps(ready), flush=True)
@@ -358,10 +371,10 @@ def worker(a):
             plan = json.load(f)
         a.abort_room = cmd.get("abort_room", -1)
         res = []
-        t1 = time.perf_counter()
+        t1, notifs0 = time.perf_counter(), side.notifs
         (run_prefill if a.role == "prefill" else run_decode)(side, plan, a, res)
         with open(cmd["out"], "w") as f:
-            json.dump(dict(results=res, run_s=time.perf_counter() - t1), f)
+            json.dump(dict(results=res, run_s=time.perf_counter() - t1, notifs=side.notifs - notifs0), f)
         print(json.dumps(dict(done=cmd["out"])), flush=True)
     if hasattr(side.mgr, "deregister_buffer_to_engine"):  # mooncake's; a nixl agent's go with the process
         side.mgr.deregister_buffer_to_engine()

@@ -8,9 +8,10 @@ The agent's metadata names it and its kvproxy; a WRITE to a peer agent is
 sent to that peer's kvproxy as page writes (control.Client.write_pages),
 a prepared transfer's pages all in one request where its descriptors allow.
 
-transfer() sends the requests and returns "PROC"; a thread per agent reads
-their replies, so check_xfer_state() never blocks. A notification rides
-beside kvproxy (pdrouter_kv.notif) once the write is remotely complete.
+transfer() sends the requests and returns "PROC"; a thread per peer agent
+reads their replies, so check_xfer_state() never blocks. A notification rides
+beside kvproxy (pdrouter_kv.notif) once the write is remotely complete, and
+a transfer that carries one is DONE only after it was sent.
 
 Host memory registered as "VRAM" is accepted (real NIXL refuses it): SGLang
 registers its KV pool so, and on a CPU the pool is host memory.
@@ -116,7 +117,11 @@ class _Post:
         if self.state != "PROC":
             return self.state
         if all(p.done for p in self.pendings):
-            return "ERR" if self.error is not None or any(p.error is not None for p in self.pendings) else "DONE"
+            if self.error is not None or any(p.error is not None for p in self.pendings):
+                return "ERR"
+            if not self.notif:
+                return "DONE"
+        # With a notification the completer says DONE once that went out too.
         return "PROC"
 
 
@@ -125,6 +130,20 @@ class _Xfer:
 
     def __init__(self, peer, writes, notif_msg):
         self.peer, self.writes, self.notif, self.post = peer, writes, notif_msg, None
+
+
+# A peer's completer thread waits this long for its next post before it ends
+# (a thread started per post would cost SGLang's post its start-up).
+COMPLETER_IDLE_S = 30.0
+
+
+class _PeerQueue:
+    __slots__ = ("posts", "ready", "thread")
+
+    def __init__(self, lock):
+        self.posts = collections.deque()  # (post, client) in posting order
+        self.ready = threading.Condition(lock)
+        self.thread = None
 
 
 class _Core:
@@ -141,28 +160,40 @@ class _Core:
         self.dlists = {}  # id -> xferplan.DList
         self.xfers = {}  # id -> _Xfer
         self.ids = itertools.count(1)
-        self.inflight = collections.deque()
-        self.wake = threading.Condition(threading.Lock())
-        self.completer = None
+        # Posts in flight, one queue and completer thread per peer agent: a
+        # peer that hangs holds up its own transfers only.
+        self.wake = threading.Lock()
+        self.inflight = {}  # peer name -> _PeerQueue
         self.closed = False
         self.inbox = None
         self.outbox = notif.Outbox(name)
 
-    def start_completer(self):
+    def enqueue(self, post, client):
+        """Hands a post to its peer's completer, started if that peer has none."""
+        peer = post.peer.name
         with self.wake:
-            if self.completer is None and not self.closed:
-                self.completer = threading.Thread(target=self._complete, name="nixl-completer", daemon=True)
-                self.completer.start()
+            if self.closed:
+                post.state = "ERR"
+                return
+            q = self.inflight.get(peer)
+            if q is None:
+                q = self.inflight[peer] = _PeerQueue(self.wake)
+                q.thread = threading.Thread(target=self._complete, args=(peer, q), name="nixl-completer", daemon=True)
+                q.thread.start()
+            q.posts.append((post, client))
+            q.ready.notify()
 
-    def _complete(self):
-        """Reads the replies of posted transfers (in posting order), then sends their notifications."""
+    def _complete(self, peer, q):
+        """Reads the replies of one peer's posts (in posting order), then sends
+        their notifications; ends after COMPLETER_IDLE_S with none."""
         while True:
             with self.wake:
-                while not self.inflight and not self.closed:
-                    self.wake.wait()
-                if not self.inflight:
+                if not q.posts and not self.closed:
+                    q.ready.wait(COMPLETER_IDLE_S)
+                if not q.posts:
+                    del self.inflight[peer]
                     return
-                post, client = self.inflight[0]
+                post, client = q.posts[0]
             deadline = time.monotonic() + self.timeout
             err = post.error
             for p in post.pendings:
@@ -179,19 +210,26 @@ class _Core:
                 logger.warning("nixl transfer to %s failed: %s", post.peer.name, err)
             post.state = "ERR" if err is not None else "DONE"
             with self.wake:
-                self.inflight.popleft()
+                q.posts.popleft()
+
+    def in_flight(self):
+        with self.wake:
+            return sum(len(q.posts) for q in self.inflight.values())
 
     def close(self):
         with self.wake:
             self.closed = True
-            self.wake.notify_all()
+            completers = [q.thread for q in self.inflight.values()]
+            for q in self.inflight.values():
+                q.ready.notify()
         if self.engine is not None:
-            self.engine.close()  # fails what is in flight, so the completer ends
+            self.engine.close()  # fails what is in flight, so the completers end
         if self.inbox is not None:
             self.inbox.close()
         self.outbox.close()
-        if self.completer is not None and self.completer is not threading.current_thread():
-            self.completer.join(5)
+        for t in completers:
+            if t is not threading.current_thread():
+                t.join(5)
 
 
 class _Handle:
@@ -552,10 +590,7 @@ class nixl_agent:
                 return "ERR"
             # Some went out: the completer settles them, and the post is an ERR.
             post.error = e
-        with core.wake:
-            core.inflight.append((post, client))
-            core.wake.notify()
-        core.start_completer()
+        core.enqueue(post, client)
         return "PROC"
 
     def check_xfer_state(self, handle):
@@ -609,7 +644,7 @@ class nixl_agent:
         """(prepared lists, transfer handles, postings in flight) the agent holds."""
         core = self._core
         with core.lock:
-            return len(core.dlists), len(core.xfers), len(core.inflight)
+            return len(core.dlists), len(core.xfers), core.in_flight()
 
     def close(self):
         """Drops the kvproxy connection (and with it every registration). Not NIXL's: its agent ends when dropped."""

@@ -20,7 +20,7 @@ if np is not None:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     from nixl._bindings import (nixlInvalidParamError, nixlNotFoundError, nixlNotPostedError,
                                 nixlNotSupportedError, nixlRepostActiveError)
-    from pdrouter_kv import xferplan
+    from pdrouter_kv import agent as agent_mod, xferplan
 
 needs_numpy = unittest.skipIf(np is None, "numpy missing: SGLang's nixl backend needs it (run with the SGLang venv)")
 
@@ -206,6 +206,8 @@ class AgentTest(unittest.TestCase):
     def tearDown(self):
         self.p.close()
         self.d.close()
+        # A completer ends once its peer has nothing in flight (it may still be returning).
+        wait_for(lambda: not [t for t in threading.enumerate() if t.name == "nixl-completer"], 5)
         for k in self.kp:
             self.assertEqual(k.wait_metric("kvproxy_registered_regions", 0), 0, "regions left in kvproxy after close")
 
@@ -307,6 +309,84 @@ class AgentTest(unittest.TestCase):
         self.assertEqual(settle(self.p, [h2]), ["DONE"])
         time.sleep(0.2)
         self.assertEqual(self.d.get_new_notifs(), {})
+
+    def test_a_transfer_with_a_notification_is_done_only_once_it_went_out(self):
+        # SGLang <= 0.5.20 concludes a room's prefill on DONE and its decode on the
+        # notification: DONE must not come before the notification is sent, nor
+        # turn into ERR when it cannot be.
+        outbox = self.p._core.outbox
+        at_notif, release = threading.Event(), threading.Event()
+
+        def unreachable_inbox(address, msg):
+            at_notif.set()
+            release.wait(10)
+            raise OSError("the decode's inbox is gone")
+
+        outbox.send = unreachable_inbox
+        h = self.prepped([1, 2], [1, 2], notif=b"7_kv_0_1_0")
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertTrue(at_notif.wait(10))
+        self.check_pages([1, 2], [1, 2])  # the bytes landed; the notification has not gone
+        self.assertEqual(self.p.check_xfer_state(h), "PROC")
+        release.set()
+        self.assertEqual(settle(self.p, [h]), ["ERR"])
+        del outbox.send  # the real one again
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertEqual(settle(self.p, [h]), ["DONE"])
+        got = {}
+        wait_for(lambda: got.update(self.d.get_new_notifs()) or got, 10)
+        self.assertEqual(got, {"prefill-agent": [b"7_kv_0_1_0"]})
+
+    def test_a_hung_peer_holds_up_no_other_peers_transfers(self):
+        # One prefill serves several decodes; one whose kvproxy hangs must not
+        # hold the others' DONE and notifications until its write times out.
+        kp2 = KVProxy("decode", extra=["--peer-port", str(free_port())])
+        d2 = agent_on(kp2, "decode-b")
+        try:
+            dst2 = host_array(SLOTS * SLOT)
+            d2.register_memory([(dst2.ctypes.data, dst2.nbytes, 0, "")], "VRAM")
+            self.assertEqual(self.p.add_remote_agent(d2.get_agent_metadata()), "decode-b")
+            sh = self.p.prep_xfer_dlist("", self.strided(self.src[:1]), "VRAM")
+            dh = self.p.prep_xfer_dlist("decode-b", self.strided([dst2]), "VRAM")
+            with stopped(self.kp[1]):
+                hung = self.prepped([1], [1], notif=b"1_kv_0_1_0")
+                self.assertEqual(self.p.transfer(hung), "PROC")
+                time.sleep(0.2)  # the write to the stopped kvproxy is on its way
+                h = self.p.make_prepped_xfer("WRITE", sh, np.array([3], dtype=np.int32), dh, np.array([4], dtype=np.int32), "2_kv_0_1_0")
+                self.assertEqual(self.p.transfer(h), "PROC")
+                # Bounds against the old wait, the write timeout (30 s), not speed claims.
+                self.assertEqual(settle(self.p, [h], timeout=10), ["DONE"])
+                got = {}
+                wait_for(lambda: got.update(d2.get_new_notifs()) or got, 10)
+                self.assertEqual(got, {"prefill-agent": [b"2_kv_0_1_0"]})
+                np.testing.assert_array_equal(dst2.reshape(SLOTS, SLOT)[4], self.src[0].reshape(SLOTS, SLOT)[3])
+                self.assertEqual(self.p.check_xfer_state(hung), "PROC")
+            # Resumed, the hung write lands or meets kvproxy's write timeout; either way it ends.
+            self.assertIn(settle(self.p, [hung]), (["DONE"], ["ERR"]))
+        finally:
+            d2.close()
+            kp2.stop()
+
+    def test_a_peers_completer_serves_its_posts_and_ends_when_idle(self):
+        # A thread started per post would add its start-up to SGLang's post.
+        self.addCleanup(setattr, agent_mod, "COMPLETER_IDLE_S", agent_mod.COMPLETER_IDLE_S)
+        agent_mod.COMPLETER_IDLE_S = 1.0
+
+        def completers():
+            return [t for t in threading.enumerate() if t.name == "nixl-completer"]
+
+        seen = []
+        for pages in ([1], [2], [3]):
+            h = self.prepped(pages, pages)
+            self.assertEqual(self.p.transfer(h), "PROC")
+            self.assertEqual(settle(self.p, [h]), ["DONE"])
+            seen += completers()
+        self.assertEqual(len(set(seen)), 1, "one completer for the peer, kept between posts")
+        wait_for(lambda: not completers(), 10)
+        h = self.prepped([4], [4])  # the next post starts one again
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertEqual(settle(self.p, [h]), ["DONE"])
+        self.check_pages([1, 2, 3, 4], [1, 2, 3, 4])
 
     def test_many_threads_post_and_poll_at_once(self):
         # SGLang's 4 transfer workers and bootstrap thread share one agent.
