@@ -126,8 +126,7 @@ func (c *headConn) headEnd(b []byte) int {
 		switch c.state {
 		case lineStart:
 			switch b[i] {
-			case '\n':
-				c.state = midLine
+			case '\n': // which starts a line too
 				return i + 1
 			case '\r':
 				c.state = lineStartCR
@@ -136,7 +135,7 @@ func (c *headConn) headEnd(b []byte) int {
 			}
 		case lineStartCR:
 			if b[i] == '\n' {
-				c.state = midLine
+				c.state = lineStart
 				return i + 1
 			}
 		}

@@ -3,6 +3,7 @@ package router
 import (
 	"bufio"
 	"bytes"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -18,6 +19,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+
+	"github.com/pdrouter/pdrouter/testkit/testcerts"
 )
 
 // bodyModes are the modes that read client bodies: regular, SGLang PD and
@@ -477,4 +480,47 @@ func FuzzHeadConnEndsReadsAtEmptyLines(f *testing.F) {
 			}
 		}
 	})
+}
+
+// Over an HTTPS front end the PD connection is a headConn over TLS: bodies
+// are read the same way, and it keeps the methods fasthttp tells TLS by.
+func TestPDBodyOverTLS(t *testing.T) {
+	ca := testcerts.NewCA(t, "front")
+	pair := ca.Server(t, "front")
+	text := strings.Repeat("t", 200<<10)
+	var got sync.Map
+	cfg := bodyConfig(t, "pd", func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ Text string }
+		if json.NewDecoder(r.Body).Decode(&req) == nil && r.Method == "POST" {
+			got.Store(req.Text, true)
+		}
+		io.WriteString(w, `{"text":"ok"}`)
+	})
+	cfg.TLSCertPath, cfg.TLSKeyPath = pair.CertFile, pair.KeyFile
+	base, srv := serveInProcess(t, cfg)
+	defer shutdown(t, srv)
+	c := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: ca.Pool()}}}
+	defer c.CloseIdleConnections()
+	url := "https://" + strings.TrimPrefix(base, "http://") + "/generate"
+	for _, body := range []io.Reader{
+		strings.NewReader(`{"text":"small"}`),
+		strings.NewReader(`{"text":"` + text + `"}`),
+		struct{ io.Reader }{strings.NewReader(`{"text":"` + text[1:] + `"}`)}, // chunked
+	} {
+		resp, err := c.Post(url, "application/json", body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		reply, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || resp.TLS == nil {
+			t.Fatalf("status %d: %s", resp.StatusCode, reply)
+		}
+	}
+	for _, want := range []string{"small", text, text[1:]} {
+		if _, ok := got.Load(want); !ok {
+			t.Errorf("the workers never received the text of %d bytes", len(want))
+		}
+	}
+	var _ interface{ ConnectionState() tls.ConnectionState } = (*headTLSConn)(nil)
 }
