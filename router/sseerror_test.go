@@ -2,6 +2,7 @@ package router
 
 import (
 	"bytes"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -34,40 +35,59 @@ func TestEngineSSEErrorMidStream(t *testing.T) {
 		"kv words in text, verbatim": {event: `data: {"text":"a kvproxy bootstrap error"}` + "\n\n",
 			want: []string{`data: {"text":"a kvproxy bootstrap error"}` + "\n\n"}},
 	} {
-		t.Run(name, func(t *testing.T) {
-			decode := legWorker(t, func(w http.ResponseWriter, r *http.Request) {
-				w.Header().Set("Content-Type", "text/event-stream")
-				if !c.firstEvent {
-					w.Write([]byte("data: {\"text\":\"a\"}\n\n"))
-					w.(http.Flusher).Flush()
+		for _, mode := range []string{"pd", "vllm-pd"} {
+			t.Run(mode+"/"+name, func(t *testing.T) {
+				decode := legWorker(t, func(w http.ResponseWriter, r *http.Request) {
+					w.Header().Set("Content-Type", "text/event-stream")
+					if !c.firstEvent {
+						w.Write([]byte("data: {\"text\":\"a\"}\n\n"))
+						w.(http.Flusher).Flush()
+					}
+					for _, piece := range []string{c.event[:3], c.event[3:12], c.event[12 : len(c.event)-1], c.event[len(c.event)-1:]} {
+						w.Write([]byte(piece))
+						w.(http.Flusher).Flush()
+						time.Sleep(20 * time.Millisecond)
+					}
+					w.Write([]byte("data: [DONE]\n\n"))
+				})
+				cfg := legPDConfig(legWorker(t, answer(200)), decode)
+				cfg.VLLMPDDisaggregation = mode == "vllm-pd"
+				e := startLegEnv(t, cfg)
+				status, body := e.stream(t, bodyPath(mode), `{"text":"x","prompt":"x","stream":true}`)
+				if status != 200 {
+					t.Fatalf("status %d: %s", status, body)
 				}
-				for _, piece := range []string{c.event[:3], c.event[3:12], c.event[12 : len(c.event)-1], c.event[len(c.event)-1:]} {
-					w.Write([]byte(piece))
-					w.(http.Flusher).Flush()
-					time.Sleep(20 * time.Millisecond)
+				for _, w := range c.want {
+					if !strings.Contains(body, w) {
+						t.Errorf("client got %q; want %q in it", body, w)
+					}
 				}
-				w.Write([]byte("data: [DONE]\n\n"))
+				for _, n := range c.not {
+					if strings.Contains(body, n) {
+						t.Errorf("client got %q, naming %q", body, n)
+					}
+				}
+				if !c.firstEvent && !strings.HasPrefix(body, "data: {\"text\":\"a\"}\n\n") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+					t.Errorf("client got %q; want the other events untouched", body)
+				}
 			})
-			e := startLegEnv(t, legPDConfig(legWorker(t, answer(200)), decode))
-			status, body, err := e.post(t, t.Context(), `{"text":"x","stream":true}`)
-			if err != nil || status != 200 {
-				t.Fatalf("status %d err %v: %s", status, err, body)
-			}
-			for _, w := range c.want {
-				if !strings.Contains(body, w) {
-					t.Errorf("client got %q; want %q in it", body, w)
-				}
-			}
-			for _, n := range c.not {
-				if strings.Contains(body, n) {
-					t.Errorf("client got %q, naming %q", body, n)
-				}
-			}
-			if !c.firstEvent && !strings.HasPrefix(body, "data: {\"text\":\"a\"}\n\n") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
-				t.Errorf("client got %q; want the other events untouched", body)
-			}
-		})
+		}
 	}
+}
+
+// stream posts body to path and reads the whole reply.
+func (e *legEnv) stream(t *testing.T, path, body string) (int, string) {
+	t.Helper()
+	resp, err := e.client.Post(e.base+path, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
 }
 
 func TestScrubKVErrors(t *testing.T) {

@@ -22,7 +22,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	if err == nil {
 		n, err = l.resp.readBuffered(*bufp, n)
 	}
-	if err == nil && a != nil {
+	if err == nil && s.cfg.PDDisaggregation {
 		n, err = completeErrorEvent(l.resp, *bufp, n, true)
 	}
 	a.scanDecode((*bufp)[:n])
@@ -126,11 +126,15 @@ func (sr *streamRelay) see(b []byte) {
 // lineStart reports whether the worker's stream so far ends a line.
 func (sr *streamRelay) lineStart() bool { return sr.tailN == 0 || sr.tail[sr.tailN-1] == '\n' }
 
+// kvErrors reports whether the stream may carry an engine's error about
+// the KV transfer: in PD mode, SGLang's or vLLM's.
+func (sr *streamRelay) kvErrors() bool { return sr.r.s.cfg.PDDisaggregation }
+
 // scrub is what the client gets of the worker's bytes b (lineStart: after
 // a line's end): in PD mode, its error events about the KV transfer are
 // the router's own (sseerror.go).
 func (sr *streamRelay) scrub(b []byte, lineStart bool) []byte {
-	if sr.attempt == nil {
+	if !sr.kvErrors() {
 		return b
 	}
 	return scrubKVErrors(b, sr.leg.w.Type.String(), lineStart)
@@ -209,7 +213,7 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 		}
 	}
 	lineStart := sr.lineStart()
-	if err == nil && sr.attempt != nil {
+	if err == nil && sr.kvErrors() {
 		n, err = completeErrorEvent(resp, buf, n, lineStart)
 	}
 	sr.readErr = err
@@ -262,7 +266,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		if n > 0 && sr.readErr == nil {
 			n, sr.readErr = sr.leg.resp.readBuffered(buf, n)
 		}
-		if n > 0 && sr.readErr == nil && sr.attempt != nil {
+		if n > 0 && sr.readErr == nil && sr.kvErrors() {
 			n, sr.readErr = completeErrorEvent(sr.leg.resp, buf, n, lineStart)
 		}
 		sr.attempt.scanDecode(buf[:n])
