@@ -5,11 +5,12 @@ import (
 	"io"
 )
 
-// An engine's own error event in a PD stream (SGLang's or vLLM's; `data: {"error": ...}`) is
-// relayed word for word, as sglang-router relays every decode chunk,
-// unless it is about the KV transfer: its words then name the kvproxy's
-// control socket and the internal bootstrap address, and the client gets
-// upstreamError's kv_transfer_failed event instead, as for a non-stream.
+// An engine's own error event in a PD stream, SGLang's or vLLM's
+// (`data: {"error": ...}`), is relayed word for word, as sglang-router
+// relays every decode chunk, unless it is about the KV transfer: its words
+// then name the kvproxy's control socket and the internal bootstrap
+// address, and the client gets upstreamError's kv_transfer_failed event
+// instead, as for a non-stream.
 
 var errorLines = [...][]byte{[]byte(`data: {"error"`), []byte(`data:{"error"`)}
 
