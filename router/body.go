@@ -12,15 +12,15 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// Request bodies. In regular mode the server streams them
-// (StreamRequestBody) and the router reads each into one buffer of its
-// exact size: fasthttp rounded a Content-Length body up to a power of two
-// and grew a chunked one by copies, quadratic past 100 MB (a 500 MB chunked
-// body peaked at 3.2 GB). PD mode leaves reading to fasthttp: a streamed
-// body pins the connection's read buffer (MaxHeaderSize) for the
-// connection's life, which a PD stream otherwise does not hold
-// (ReduceMemoryUsage), and holding it would cost every stream more than
-// large bodies cost now.
+// Request bodies are read into one buffer of their exact size: fasthttp
+// rounded a Content-Length body up to a power of two and grew a chunked
+// one by copies, quadratic past 100 MB (a 500 MB chunked body peaked at
+// 3.2 GB). In regular mode the server streams them (StreamRequestBody) and
+// the router reads the stream. A streamed body pins the connection's read
+// buffer (MaxHeaderSize) for the connection's life, which a PD stream
+// otherwise does not hold (ReduceMemoryUsage), so PD mode reads them from
+// the connection instead: frameBody tells fasthttp a large or chunked body
+// is empty, and its client connection (headConn) keeps it there whole.
 
 // smallBody is the largest body left in fasthttp's pooled buffer (all of it
 // arrived with the head, fasthttp's prefetch); a larger one gets a buffer
@@ -38,6 +38,9 @@ var smallBodies = sync.Pool{New: func() any { b := make([]byte, 0, smallBody); r
 // 408 for a body that breaks off. Its buffer is released when fasthttp
 // resets the request, after the response (a stream's included).
 func (s *Server) readBody(ctx *fasthttp.RequestCtx) *apiError {
+	if n, left := leftBody(&ctx.Request.Header); left {
+		return s.readLeftBody(ctx, n)
+	}
 	stream := ctx.RequestBodyStream()
 	n := ctx.Request.Header.ContentLength()
 	if stream == nil {
@@ -54,9 +57,15 @@ func (s *Server) readBody(ctx *fasthttp.RequestCtx) *apiError {
 		ctx.Request.Body() // reads the prefetched rest of the stream into fasthttp's pooled buffer
 		return nil
 	}
+	return s.setBody(ctx, n, stream)
+}
+
+// setBody reads a body of n bytes (-1: chunked, stream decodes it) and
+// sets it as the request's.
+func (s *Server) setBody(ctx *fasthttp.RequestCtx, n int, stream io.Reader) *apiError {
 	var body []byte
 	var err error
-	if n > 0 {
+	if n >= 0 {
 		body = make([]byte, n)
 		_, err = io.ReadFull(stream, body)
 	} else {
@@ -103,13 +112,22 @@ func readChunked(stream io.Reader, limit int) ([]byte, error) {
 	return nil, fasthttp.ErrBodyTooLarge
 }
 
-// readAtMost fills buf from r, or returns what came before r's end.
+// readAtMost fills buf from r, or returns what came before r's end. A
+// short read for any other reason is r's error (io.ReadFull's
+// ErrUnexpectedEOF would hide a chunked body cut off).
 func readAtMost(buf []byte, r io.Reader) ([]byte, error) {
-	n, err := io.ReadFull(r, buf)
-	if err == io.EOF || err == io.ErrUnexpectedEOF {
-		err = nil
+	n := 0
+	for n < len(buf) {
+		m, err := r.Read(buf[n:])
+		n += m
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return buf[:n], err
+		}
 	}
-	return buf[:n], err
+	return buf[:n], nil
 }
 
 // bodyKey is the request user value that tells largeBodies a large body is

@@ -146,7 +146,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		Handler:                       s.handle,
 		Name:                          "pdrouter",
 		MaxRequestBodySize:            cfg.MaxPayloadSize,
-		StreamRequestBody:             !cfg.PDDisaggregation, // regular mode reads bodies at their size (body.go)
+		StreamRequestBody:             !cfg.PDDisaggregation, // PD mode reads bodies from the connection (body.go)
 		ExpectHandler:                 s.expectContinue,
 		ErrorHandler:                  s.transportError,
 		ReadBufferSize:                cfg.MaxHeaderSize, // the whole head must fit
@@ -178,8 +178,12 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 }
 
 // bodyDeadline gives the body its own read timeout once the head is in
-// (fasthttp's ReadTimeout, the header read timeout, covers the head).
-func (s *Server) bodyDeadline(*fasthttp.RequestHeader) fasthttp.RequestConfig {
+// (fasthttp's ReadTimeout, the header read timeout, covers the head), and
+// in PD mode leaves large bodies to the router (frameBody).
+func (s *Server) bodyDeadline(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
+	if s.cfg.PDDisaggregation {
+		s.frameBody(h)
+	}
 	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
 }
 
@@ -230,7 +234,13 @@ func (s *Server) Start() error {
 }
 
 // Serve answers requests on ln until Shutdown.
-func (s *Server) Serve(ln net.Listener) error { return s.srv.Serve(s.listener(s.limitListener(ln))) }
+func (s *Server) Serve(ln net.Listener) error {
+	ln = s.listener(s.limitListener(ln))
+	if s.cfg.PDDisaggregation {
+		ln = headListener{ln} // bodies are read from the connection (body.go)
+	}
+	return s.srv.Serve(ln)
+}
 
 // Shutdown stops accepting, lets in-flight requests and streams finish
 // until ctx ends, then cancels what is left.
@@ -300,10 +310,12 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	method, known := knownMethod(ctx.Method())
 	if !known {
 		refuseMethod(ctx)
+		unconsumedBody(ctx)
 		s.metrics.observeHTTP(otherMethod, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 		return
 	}
 	if s.cors(ctx) {
+		unconsumedBody(ctx)
 		return
 	}
 	if e := s.readBody(ctx); e != nil {

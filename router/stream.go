@@ -22,6 +22,9 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	if err == nil {
 		n, err = l.resp.readBuffered(*bufp, n)
 	}
+	if err == nil && s.cfg.PDDisaggregation {
+		n, err = completeErrorEvent(l.resp, *bufp, n, true)
+	}
 	a.scanDecode((*bufp)[:n])
 	if n == 0 && err != nil && err != io.EOF {
 		l.bodyFailed()
@@ -58,6 +61,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	first := (*bufp)[:n]
 	sr := &streamRelay{r: r, leg: l, attempt: a, bufp: bufp, readErr: err, merge: merge}
 	sr.see(first)
+	first = sr.scrub(first, true)
 	if merge != nil {
 		first = merge.feed(first)
 	}
@@ -117,6 +121,23 @@ func (sr *streamRelay) see(b []byte) {
 	keep := min(sr.tailN, len(sr.tail)-len(b))
 	copy(sr.tail[:keep], sr.tail[sr.tailN-keep:sr.tailN])
 	sr.tailN = keep + copy(sr.tail[keep:], b)
+}
+
+// lineStart reports whether the worker's stream so far ends a line.
+func (sr *streamRelay) lineStart() bool { return sr.tailN == 0 || sr.tail[sr.tailN-1] == '\n' }
+
+// kvErrors reports whether the stream may carry an engine's error about
+// the KV transfer: in PD mode, SGLang's or vLLM's.
+func (sr *streamRelay) kvErrors() bool { return sr.r.s.cfg.PDDisaggregation }
+
+// scrub is what the client gets of the worker's bytes b (lineStart: after
+// a line's end): in PD mode, its error events about the KV transfer are
+// the router's own (sseerror.go).
+func (sr *streamRelay) scrub(b []byte, lineStart bool) []byte {
+	if !sr.kvErrors() {
+		return b
+	}
+	return scrubKVErrors(b, sr.leg.w.Type.String(), lineStart)
 }
 
 // cleanEnd reports whether the worker's body ending is the stream's end: a
@@ -191,10 +212,14 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 			n, err = resp.readBuffered(buf, n)
 		}
 	}
+	lineStart := sr.lineStart()
+	if err == nil && sr.kvErrors() {
+		n, err = completeErrorEvent(resp, buf, n, lineStart)
+	}
 	sr.readErr = err
 	sr.attempt.scanDecode(buf[:n])
 	sr.see(buf[:n])
-	return buf[:n], bufp
+	return sr.scrub(buf[:n], lineStart), bufp
 }
 
 // mergeBuf is the buffer next reads into: the merger's own, or none once
@@ -236,17 +261,22 @@ func (sr *streamRelay) Read(p []byte) (int, error) {
 func (sr *streamRelay) next(buf []byte) []byte {
 	if sr.readErr == nil {
 		var n int
+		lineStart := sr.lineStart()
 		n, sr.readErr = sr.leg.resp.Read(buf)
 		if n > 0 && sr.readErr == nil {
 			n, sr.readErr = sr.leg.resp.readBuffered(buf, n)
 		}
+		if n > 0 && sr.readErr == nil && sr.kvErrors() {
+			n, sr.readErr = completeErrorEvent(sr.leg.resp, buf, n, lineStart)
+		}
 		sr.attempt.scanDecode(buf[:n])
 		sr.see(buf[:n])
 		if n > 0 {
+			out := sr.scrub(buf[:n], lineStart)
 			if sr.merge != nil {
-				return sr.merge.feed(buf[:n])
+				return sr.merge.feed(out)
 			}
-			return buf[:n]
+			return out
 		}
 		if sr.readErr == nil {
 			return nil

@@ -24,13 +24,25 @@ run() {
 }
 run "python unit tests (control client, TransferEngine, remap) against kvproxy" \
 	bash -c 'cd python && python3 -m unittest discover -s tests -t .'
+run "the harness's kvproxies and engines end with it (SIGTERM, SIGKILL)" \
+	bash -c 'cd python/harness && python3 -m unittest test_children'
 # python3 may lack numpy (batches then go as triples): page writes with it.
 run "TransferEngine page writes and the nixl look-alike, with numpy" \
 	bash -c "cd python && '$VENV/bin/python' -m unittest tests.test_pageplan tests.test_engine_pages tests.test_nixl"
+# The harness runs in the background so that a SIGTERM or SIGINT to this
+# script reaches it (bash runs traps only between commands), and it stops
+# its kvproxies and engines (python/harness/children.py).
+child=
+trap '[ -n "$child" ] && kill -TERM "$child" 2>/dev/null; wait; exit 143' TERM INT HUP
 harness() {
 	local name=$1
 	shift
-	"$VENV/bin/python" python/harness/run_pd.py --python "$VENV/bin/python" --workdir "$work/$name" --label "$name" "$@"
+	"$VENV/bin/python" python/harness/run_pd.py --python "$VENV/bin/python" --workdir "$work/$name" --label "$name" "$@" &
+	child=$!
+	local rc=0
+	wait "$child" || rc=$?
+	child=
+	return "$rc"
 }
 run "kvproxy tcp, SGLang's bootstrap: 200 requests, abort, prefill and decode kvproxy killed and restarted, decode killed" \
 	harness ours --engine kvproxy --kvproxy "$KVPROXY" --requests 200 --phases normal,kill-prefill-kvproxy,kill-decode-kvproxy,recover,kill-decode

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import children
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes (bf16); the harness checks
 # it against SGLang's own kv_item_lens.
@@ -106,6 +108,7 @@ def main():
     p.add_argument("--out", default="bench/out/kv-sglang.json")
     p.add_argument("--workdir", default="/tmp/pdrouter-bench-kv-sglang")
     a = p.parse_args()
+    children.exit_on_signals()  # subprocess.run then kills the running harness, whose children follow it
 
     res = dict(layout=dict(model="Llama-3.1-8B", layers=32, kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16),
                sizes=a.sizes, prefill_tps_model=a.prefill_tps, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

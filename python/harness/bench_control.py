@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+import children
+
 CALLS = 2000
 
 
@@ -69,6 +71,7 @@ def main():
     if a.child:
         child(a.child)
         return
+    children.exit_on_signals()
     res = {}
     env = dict(os.environ, MC_FORCE_TCP="1")
     r = subprocess.run([sys.executable, __file__, "--child", "mooncake"], env=dict(env, PYTHONPATH=a.mooncake_path),
@@ -81,7 +84,7 @@ def main():
             sock = os.path.join(d, role + ".sock")
             argv = [a.kvproxy, "--role", role, "--transport", "tcp", "--control", sock, "--host", "127.0.0.1",
                     "--metrics-port", "0", "--log-level", "warn"] + (["--bootstrap-port", "0"] if role == "prefill" else [])
-            pr = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+            pr = children.spawn(argv, stdout=subprocess.PIPE, text=True)
             procs.append(pr)
             assert pr.stdout.readline().startswith("kvproxy ready")
             socks.append(sock)
@@ -90,8 +93,7 @@ def main():
         res["kvproxy-tcp"] = json.loads(r.stdout.strip().splitlines()[-1])
     finally:
         for pr in procs:
-            pr.terminate()
-            pr.wait()
+            children.stop(pr)
     print(json.dumps(res))
 
 

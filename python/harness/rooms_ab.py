@@ -26,6 +26,8 @@ import threading
 import time
 import urllib.request
 
+import children
+
 
 def free_port():
     with socket.socket() as s:
@@ -55,7 +57,7 @@ class Side:
 
     def start(self, argv, env, ready):
         log = open(os.path.join(self.dir, "%d.log" % len(self.procs)), "w")
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        p = children.spawn(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         self.procs.append(p)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -90,9 +92,7 @@ class Side:
 
     def stop(self):
         for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            p.wait()
+            children.stop(p)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("sides", nargs="+", help="label=bindir:transport[:UCX_TLS]")
     a = ap.parse_args()
+    children.exit_on_signals()
     sides = []
     try:
         for spec in a.sides:
@@ -122,6 +123,7 @@ def main():
     finally:
         for s in sides:
             s.stop()
+        children.stop_all()  # a side's that failed to start
 
 
 if __name__ == "__main__":

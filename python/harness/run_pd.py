@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.request
 
+import children
 import sglang_versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,13 +50,14 @@ def make_plan(n, lo, hi, seed, sizes=""):
 
 
 class Proc:
-    """A child whose stdout lines are collected by a thread."""
+    """A child whose stdout lines are collected by a thread; it ends with the
+    harness (children.py). Start one from the main thread."""
 
     def __init__(self, name, argv, env, stdin=True, log_path=None):
         self.name = name
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        self.p = children.spawn(argv, env=env, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.lines = []
         self.pos = 0  # lines before pos were consumed by an earlier wait
         self.cv = threading.Condition()
@@ -99,13 +101,7 @@ class Proc:
             self.p.send_signal(sig)
 
     def stop(self, timeout=10):
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
+        children.stop(self.p, timeout)
 
 
 class KVProxy(Proc):
@@ -201,6 +197,7 @@ def main():
     p.add_argument("--label", default="")
     p.add_argument("--out", help="write the summary JSON (with per-request figures) here")
     a = p.parse_args()
+    children.exit_on_signals()
 
     work = a.workdir or tempfile.mkdtemp(prefix="sglang-pd-")
     os.makedirs(work, exist_ok=True)
@@ -387,6 +384,7 @@ def main():
     finally:
         for pr in procs:
             pr.stop()
+        children.stop_all()  # one started but not yet in procs
     summary["failures"] = failures
     summary["ok"] = not failures
     if a.out:

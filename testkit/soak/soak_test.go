@@ -9,7 +9,8 @@
 // Every checkpoint pauses the load, waits until nothing is in flight and
 // samples each process idle, so in-flight work is not mistaken for growth.
 // The first checkpoint after the warm-up is the baseline; the last must
-// stay within the bounds below.
+// stay within the bounds below. Each process's start (idle, before any
+// load), baseline, end and peak are logged, one line each.
 package soak
 
 import (
@@ -285,6 +286,10 @@ func TestSoak(t *testing.T) {
 	every := min(max(total/20, 5*time.Second), 30*time.Second)
 	d := deploy(t)
 	testenv.WaitStatus(t, d.router+"/readiness", 200, 30*time.Second)
+	starts := map[string]sample{}
+	for _, p := range d.watched {
+		starts[p.name] = p.sample(t, 0)
+	}
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -335,7 +340,7 @@ func TestSoak(t *testing.T) {
 			t.Errorf("%s: %v rooms still active", u, n)
 		}
 	}
-	report(t, d.watched, samples, total >= rssMinRun)
+	report(t, d.watched, starts, samples, total >= rssMinRun)
 }
 
 // rooms is a kvproxy's kvproxy_rooms_active summed over its roles.
@@ -351,11 +356,12 @@ func rooms(t *testing.T, url string) float64 {
 	return sum
 }
 
-// report logs every process's samples (and writes them to $SOAK_OUT as
-// JSON) and fails on growth beyond the bounds (RSS's only if judgeRSS).
-func report(t *testing.T, watched []proc, samples map[string][]sample, judgeRSS bool) {
+// report logs every process's samples (and writes them, with the starts,
+// to $SOAK_OUT as JSON) and fails on growth beyond the bounds, baseline to
+// end (RSS's only if judgeRSS): the start is before pools and caches fill.
+func report(t *testing.T, watched []proc, starts map[string]sample, samples map[string][]sample, judgeRSS bool) {
 	if out := os.Getenv("SOAK_OUT"); out != "" {
-		b, _ := json.MarshalIndent(samples, "", " ")
+		b, _ := json.MarshalIndent(map[string]any{"start": starts, "checkpoints": samples}, "", " ")
 		if err := os.WriteFile(out, b, 0o644); err != nil {
 			t.Error(err)
 		}
@@ -367,7 +373,7 @@ func report(t *testing.T, watched []proc, samples map[string][]sample, judgeRSS 
 		for _, x := range s {
 			peak.RSSMiB, peak.Goroutines, peak.FDs = max(peak.RSSMiB, x.RSSMiB), max(peak.Goroutines, x.Goroutines), max(peak.FDs, x.FDs)
 		}
-		t.Logf("%-11s baseline %v | end %v | peak %v", p.name, base, end, peak)
+		t.Logf("%-11s start %v | baseline %v | end %v | peak %v", p.name, starts[p.name], base, end, peak)
 		rssBound := base.RSSMiB + max(rssSlackMiB, rssSlackRatio*base.RSSMiB)
 		if judgeRSS && end.RSSMiB > rssBound {
 			t.Errorf("%s: RSS %.1f -> %.1f MiB, over the %.1f MiB bound", p.name, base.RSSMiB, end.RSSMiB, rssBound)

@@ -1,0 +1,182 @@
+package router
+
+import (
+	"bytes"
+	"crypto/tls"
+	"errors"
+	"net"
+	"sync"
+	"syscall"
+)
+
+// PD mode's client connections (headConn) end every read that fasthttp
+// makes at the end of a request head. fasthttp's read buffer then holds
+// nothing past a head, so it goes back to its pool once the head is parsed
+// (ReduceMemoryUsage), and a body fasthttp is told not to read (frameBody)
+// is still whole on the connection, for the router to read at its size
+// (readBody). What a socket read brings past a head waits in a pooled
+// buffer, normally only until fasthttp's next read.
+
+// headListener wraps ln's connections in headConns.
+type headListener struct{ net.Listener }
+
+func (l headListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	h := &headConn{Conn: c}
+	if t, ok := c.(*tls.Conn); ok { // fasthttp tells TLS by its methods
+		return &headTLSConn{headConn: h, tls: t}, nil
+	}
+	return h, nil
+}
+
+type headConn struct {
+	net.Conn
+	rest  *[]byte // bytes read past a head's end, from off on; pooled
+	off   int
+	state lineState
+}
+
+// lineState is how far the bytes read so far end in an empty line.
+type lineState uint8
+
+const (
+	midLine     lineState = iota
+	lineStart             // after "\n"
+	lineStartCR           // after "\n\r"
+)
+
+// restPool holds the buffers for what one read brings past a head.
+var restPool = sync.Pool{New: func() any { b := make([]byte, 0, 16<<10); return &b }}
+
+// Read is fasthttp's: it ends at the end of the first empty line ("\n\n"
+// or "\n\r\n", the end of a head; fasthttp accepts no other).
+func (c *headConn) Read(p []byte) (int, error) {
+	if c.rest != nil {
+		n := copy(p, (*c.rest)[c.off:])
+		n = c.headEnd(p[:n])
+		c.consume(n)
+		return n, nil
+	}
+	n, err := c.Conn.Read(p)
+	if k := c.headEnd(p[:n]); k < n {
+		c.keep(p[k:n])
+		n = k
+	}
+	return n, err
+}
+
+// readBody is the router's read of a body fasthttp left on the connection:
+// it does not stop at empty lines.
+func (c *headConn) readBody(p []byte) (int, error) {
+	if c.rest != nil {
+		n := copy(p, (*c.rest)[c.off:])
+		c.consume(n)
+		return n, nil
+	}
+	return c.Conn.Read(p)
+}
+
+// bodyDone puts back what was read past the body's end (a pipelined
+// request's bytes) for fasthttp's next read.
+func (c *headConn) bodyDone(unread []byte) {
+	c.state = midLine
+	if len(unread) > 0 {
+		c.keep(unread)
+	}
+}
+
+// keep puts b before the bytes still kept.
+func (c *headConn) keep(b []byte) {
+	var left []byte
+	if c.rest != nil {
+		left = (*c.rest)[c.off:]
+	}
+	buf := restPool.Get().(*[]byte)
+	if cap(*buf) < len(b)+len(left) { // more than a usual read: a large body's first bytes
+		*buf = make([]byte, 0, len(b)+len(left))
+	}
+	*buf = append(append((*buf)[:0], b...), left...)
+	c.release()
+	c.rest, c.off = buf, 0
+}
+
+func (c *headConn) consume(n int) {
+	c.off += n
+	if c.off == len(*c.rest) {
+		c.release()
+	}
+}
+
+func (c *headConn) release() {
+	if c.rest != nil {
+		if cap(*c.rest) == 16<<10 {
+			restPool.Put(c.rest)
+		}
+		c.rest, c.off = nil, 0
+	}
+}
+
+// headEnd returns the length of b up to and including the end of its first
+// empty line, counting the line begun in earlier reads; len(b) if none.
+func (c *headConn) headEnd(b []byte) int {
+	for i := 0; i < len(b); {
+		switch c.state {
+		case lineStart:
+			switch b[i] {
+			case '\n': // which starts a line too
+				return i + 1
+			case '\r':
+				c.state = lineStartCR
+				i++
+				continue
+			}
+		case lineStartCR:
+			if b[i] == '\n' {
+				c.state = lineStart
+				return i + 1
+			}
+		}
+		c.state = midLine
+		j := bytes.IndexByte(b[i:], '\n')
+		if j < 0 {
+			break
+		}
+		i += j + 1
+		c.state = lineStart
+	}
+	return len(b)
+}
+
+// SyscallConn lets the disconnect watch see the socket (connwatch.go).
+func (c *headConn) SyscallConn() (syscall.RawConn, error) {
+	if sc, ok := c.Conn.(syscall.Conn); ok {
+		return sc.SyscallConn()
+	}
+	return nil, errNoSocket
+}
+
+var errNoSocket = errors.New("connection has no socket of its own")
+
+// headTLSConn is a headConn over TLS, which fasthttp tells by these
+// methods (ctx.IsTLS, TLSConnectionState).
+type headTLSConn struct {
+	*headConn
+	tls *tls.Conn
+}
+
+func (c *headTLSConn) Handshake() error                     { return c.tls.Handshake() }
+func (c *headTLSConn) ConnectionState() tls.ConnectionState { return c.tls.ConnectionState() }
+
+// clientHeadConn is the headConn under ctx's connection, nil outside PD mode.
+func clientHeadConn(c net.Conn) *headConn {
+	switch c := c.(type) {
+	case *headConn:
+		return c
+	case *headTLSConn:
+		return c.headConn
+	}
+	return nil
+}
