@@ -345,6 +345,8 @@ func TestRetriesChargeEachWorkerOnce(t *testing.T) {
 	cfg.Policy = "random"
 	cfg.Retry.MaxRetries, cfg.Retry.InitialBackoff = 3, time.Millisecond
 	e = startLegEnv(t, cfg)
+	// Both in service first: while only one is, a retry has nowhere else to go.
+	waitFor(t, func() bool { return len(e.srv.reg.Snapshot().Available(balancer.Regular)) == 2 })
 	for range 20 {
 		before := failingHits.Load()
 		if status, body, err := e.post(t, context.Background(), `{"text":"x"}`); err != nil || status != 200 {
