@@ -2,6 +2,7 @@ package router
 
 import (
 	"io"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -216,11 +217,7 @@ func (a *attempt) prefillVerdict() *apiError {
 	select {
 	case <-a.headed:
 	default:
-		t := time.NewTimer(prefillHeadGrace)
-		defer t.Stop()
-		select {
-		case <-a.headed:
-		case <-t.C:
+		if !waitClosed(a.headed, prefillHeadGrace) {
 			return nil
 		}
 	}
@@ -229,6 +226,30 @@ func (a *attempt) prefillVerdict() *apiError {
 	}
 	<-a.done
 	return a.err
+}
+
+// graceTimers serve waitClosed: nearly every stream waits for prefill's
+// head, and a fresh timer costs three allocations. Since Go 1.23 a stopped
+// timer's channel holds no stale tick, so a pooled one may be reset.
+var graceTimers = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
+
+// waitClosed reports whether ch closes within d.
+func waitClosed(ch <-chan struct{}, d time.Duration) bool {
+	t := graceTimers.Get().(*time.Timer)
+	t.Reset(d)
+	closed := false
+	select {
+	case <-ch:
+		closed = true
+	case <-t.C:
+	}
+	t.Stop()
+	graceTimers.Put(t)
+	return closed
 }
 
 // releaseBody returns once no leg of the attempt reads the client's body

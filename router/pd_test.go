@@ -1,0 +1,30 @@
+package router
+
+import (
+	"testing"
+	"time"
+)
+
+// A stream's wait for prefill's head allocates nothing, and a pooled timer
+// that fired leaves no tick behind for its next user.
+func TestWaitClosed(t *testing.T) {
+	closed := make(chan struct{})
+	close(closed)
+	open := make(chan struct{})
+	if !waitClosed(closed, time.Hour) {
+		t.Fatal("a closed channel timed out")
+	}
+	if waitClosed(open, time.Millisecond) {
+		t.Fatal("an open channel reported closed")
+	}
+	start := time.Now()
+	if waitClosed(open, 20*time.Millisecond) || time.Since(start) < 20*time.Millisecond {
+		t.Fatal("a timer reused after firing ended the wait early")
+	}
+	if n := testing.AllocsPerRun(50, func() {
+		waitClosed(closed, time.Hour)
+		waitClosed(open, time.Microsecond)
+	}); n != 0 {
+		t.Fatalf("%v allocations per wait", n)
+	}
+}
