@@ -49,10 +49,22 @@ func largeBodyCost(t *testing.T, pd bool) {
 	defer shutdown(t, srv)
 
 	body := []byte(`{"text":"` + strings.Repeat("x", size-len(`{"text":""}`)) + `"}`)
+	allocated := allocatedByPost(t, base+"/generate", bytes.NewReader(body))
+	t.Logf("one %d MiB request: %.2f MiB allocated in the process (%.2fx the body)", size>>20, float64(allocated)/(1<<20), float64(allocated)/size)
+	if allocated > size*5/4 {
+		t.Fatalf("%d bytes allocated for a %d-byte body: the body is copied", allocated, size)
+	}
+	http.DefaultClient.CloseIdleConnections()
+}
+
+// allocatedByPost posts body to url, expecting {"text":"ok"}, and returns
+// the bytes the whole process allocated meanwhile.
+func allocatedByPost(t *testing.T, url string, body io.Reader) uint64 {
+	t.Helper()
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	resp, err := http.Post(base+"/generate", "application/json", bytes.NewReader(body))
+	resp, err := http.Post(url, "application/json", body)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,12 +74,7 @@ func largeBodyCost(t *testing.T, pd bool) {
 	if resp.StatusCode != 200 || string(reply) != `{"text":"ok"}` {
 		t.Fatalf("status %d: %s", resp.StatusCode, reply)
 	}
-	allocated := after.TotalAlloc - before.TotalAlloc
-	t.Logf("one %d MiB request: %.2f MiB allocated in the process (%.2fx the body)", size>>20, float64(allocated)/(1<<20), float64(allocated)/size)
-	if allocated > size*5/4 {
-		t.Fatalf("%d bytes allocated for a %d-byte body: the body is copied", allocated, size)
-	}
-	http.DefaultClient.CloseIdleConnections()
+	return after.TotalAlloc - before.TotalAlloc
 }
 
 // Issue 26 item 2: a body is read into one buffer of its own size, chunked
@@ -95,20 +102,7 @@ func TestBodyReadCostsItsSize(t *testing.T) {
 			if chunked {
 				r = struct{ io.Reader }{r} // no length known: the client sends it chunked
 			}
-			var before, after runtime.MemStats
-			runtime.GC()
-			runtime.ReadMemStats(&before)
-			resp, err := http.Post(base+"/generate", "application/json", r)
-			if err != nil {
-				t.Fatal(err)
-			}
-			reply, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			runtime.ReadMemStats(&after)
-			if resp.StatusCode != 200 || string(reply) != `{"text":"ok"}` {
-				t.Fatalf("status %d: %s", resp.StatusCode, reply)
-			}
-			allocated := after.TotalAlloc - before.TotalAlloc
+			allocated := allocatedByPost(t, base+"/generate", r)
 			t.Logf("%.2f MiB allocated for a %.2f MiB body (%.2fx)", float64(allocated)/(1<<20), float64(size)/(1<<20), float64(allocated)/size)
 			if allocated > size*5/4 {
 				t.Fatalf("%d bytes allocated for a %d-byte body", allocated, size)
@@ -121,18 +115,7 @@ func TestBodyReadCostsItsSize(t *testing.T) {
 // A chunked body is refused with a JSON 413 as soon as it crosses the
 // limit, while the client is still sending: the router does not read on.
 func TestChunkedBodyRefusedAtTheLimit(t *testing.T) {
-	d := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{}`) }))
-	defer d.Close()
-	cfg := DefaultConfig()
-	cfg.WorkerURLs = []string{d.URL}
-	cfg.MaxPayloadSize = 1 << 20
-	base, srv := serveInProcess(t, cfg)
-	defer shutdown(t, srv)
-	conn, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialLimitedRouter(t)
 	io.WriteString(conn, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
 	chunk := fmt.Appendf(nil, "%x\r\n%s\r\n", 64<<10, bytes.Repeat([]byte("x"), 64<<10))
 	sent := 0
@@ -144,39 +127,47 @@ func TestChunkedBodyRefusedAtTheLimit(t *testing.T) {
 			sent += 64 << 10
 		}
 	}()
-	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
-	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	reply, _ := io.ReadAll(resp.Body)
+	resp, reply := readResponse(t, conn)
 	if resp.StatusCode != 413 || !strings.Contains(string(reply), `"code":"payload_too_large"`) || !resp.Close {
 		t.Fatalf("status %d close %v: %s", resp.StatusCode, resp.Close, reply)
 	}
 }
 
-// Issue 26 item 9: a Content-Length over the limit is refused before the
-// client sends the body: no 100 Continue first.
-func TestExpectContinueRefusedByContentLength(t *testing.T) {
+// dialLimitedRouter connects to a regular-mode router whose body limit is
+// 1 MiB.
+func dialLimitedRouter(t *testing.T) net.Conn {
 	d := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{}`) }))
-	defer d.Close()
+	t.Cleanup(d.Close)
 	cfg := DefaultConfig()
 	cfg.WorkerURLs = []string{d.URL}
 	cfg.MaxPayloadSize = 1 << 20
 	base, srv := serveInProcess(t, cfg)
-	defer shutdown(t, srv)
+	t.Cleanup(func() { shutdown(t, srv) })
 	conn, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
-	fmt.Fprintf(conn, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n", 2<<20)
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// readResponse reads the router's answer on conn, within ten seconds.
+func readResponse(t *testing.T, conn net.Conn) (*http.Response, []byte) {
 	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	reply, _ := io.ReadAll(resp.Body)
+	return resp, reply
+}
+
+// Issue 26 item 9: a Content-Length over the limit is refused before the
+// client sends the body: no 100 Continue first.
+func TestExpectContinueRefusedByContentLength(t *testing.T) {
+	conn := dialLimitedRouter(t)
+	fmt.Fprintf(conn, "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n", 2<<20)
+	resp, reply := readResponse(t, conn)
 	if resp.StatusCode != 413 || !strings.Contains(string(reply), `"code":"payload_too_large"`) {
 		t.Fatalf("status %d: %s", resp.StatusCode, reply)
 	}
