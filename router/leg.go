@@ -14,7 +14,7 @@ import (
 // leg is one upstream request bound to one worker: a prefill, decode or
 // regular request. open takes the worker's load slot; close gives it back
 // exactly once, whichever way the request ended, and only then feeds the
-// outcome to the worker's breaker and the worker-error metric and releases
+// outcome to the worker's breaker and the request's record and releases
 // the reply. The rest of the router never touches those three.
 //
 // A leg is a value inside the request or the PD attempt, so opening one
@@ -27,6 +27,7 @@ type leg struct {
 	broke  bool              // the reply's body broke off, and the worker is why
 	closed bool
 	failed *failedWorkers // the client request's: its failure reaches each worker's breaker once
+	rec    *record        // the client request's: a failure the worker is blamed for is in it
 	sc     *scope         // what the leg was sent under; its end may leave the engine busy
 	rid    engineRID      // what the engine knows the request by (abort.go)
 	trace  *legSpan       // nil unless traced (trace.go)
@@ -39,7 +40,7 @@ type leg struct {
 // open binds a leg of r, whose engine knows it by rid, to w and takes w's
 // load slot: the one leg set-up of both modes.
 func (l *leg) open(r *request, w *balancer.Worker, rid engineRID) {
-	*l = leg{s: r.s, w: w, failed: &r.failed, aborts: &r.aborts, rid: rid, trace: r.trace.leg()}
+	*l = leg{s: r.s, w: w, failed: &r.failed, rec: &r.rec, aborts: &r.aborts, rid: rid, trace: r.trace.leg()}
 	w.IncLoad()
 }
 
@@ -155,14 +156,14 @@ func (l *leg) close() {
 		l.record(!l.broke && (status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular)))
 		switch {
 		case l.broke:
-			l.s.bm.WorkerError(l.w, "body")
+			l.rec.legFailed(l.w, "body")
 		case status/100 != 2:
-			l.s.bm.WorkerError(l.w, "status_"+statusLabel(status))
+			l.rec.legFailed(l.w, "status_"+statusLabel(status))
 		}
 		l.resp.Close()
 	case l.blame:
 		l.record(false)
-		l.s.bm.WorkerError(l.w, "connect")
+		l.rec.legFailed(l.w, "connect")
 	}
 	l.w.DecLoad()
 }

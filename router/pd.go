@@ -33,7 +33,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	r.rec.pd, r.rec.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
+	r.rec.pdStart = time.Now()
 	a := s.startPrefill(r, pw, dw)
 	fail, ok := s.openDecode(r, a, dw)
 	streaming := false
@@ -106,7 +106,7 @@ type attempt struct {
 	err     *apiError     // set before done closes when prefill failed
 	logp    []byte        // prefill's reply, kept only for logprob merging
 	rid     engineRID     // both legs'
-	pd      *pdSeries     // the request's, for the prefill leg's goroutine
+	rec     *record       // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
 	kv      kvReport      // the KV transfer time a reply reports (record.go)
 
@@ -126,7 +126,7 @@ type attempt struct {
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
 func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
-	a := &attempt{done: make(chan struct{}), pd: r.rec.pd, start: r.rec.pdStart}
+	a := &attempt{done: make(chan struct{}), rec: &r.rec, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(r, pw, a.rid)
@@ -150,7 +150,7 @@ func (s *Server) runPrefill(a *attempt, r *request) {
 	defer close(a.done)
 	a.err, a.logp = a.readPrefill(r)
 	if a.err == nil && a.scope.Err() == nil {
-		a.pd.prefill.Observe(time.Since(a.start).Seconds())
+		a.rec.prefilled(time.Since(a.start))
 	}
 	a.prefill.close()
 	if a.err != nil {

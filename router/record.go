@@ -2,32 +2,59 @@ package router
 
 import (
 	"io"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // record is what one request did, filled along the path as plain data and
-// emitted once, when the request ends (emit, from finish), as Pingora's
-// logging phase does: the admission decision, the route's series and
-// outcome, the times to first byte (the route's and PD's), retries run
-// out, and the request's span. What belongs to a PD attempt rather than to
-// the request (prefill's duration, the KV transfer time a reply reports,
-// below) is observed by the attempt when it has it, since prefill may
-// outlive the response; worker errors are the leg's (leg.go).
+// emitted once, when the request ends, as Pingora's logging phase does: the
+// admission decision, the route's series and outcome, the times to first
+// byte (the route's and PD's), the workers chosen, the retries and their
+// backoffs, the legs that failed on their worker, each PD attempt's prefill
+// duration and KV transfer time, and the request's span. A request ends
+// when its response is complete and every leg it started is done (release):
+// a prefill may outlive the response, and what it did is the request's too.
 type record struct {
 	admission admission
 	badPDBody bool // a PD body that could not take the bootstrap fields
 
-	route     *routeMetrics // the route's series, once routing started
-	model     string        // its model label
-	pd        *pdSeries     // PD stage series; nil in regular mode
-	pdStart   time.Time     // when the last PD attempt sent its prefill leg
-	firstByte time.Time     // when the first byte reached the client; zero: none
-	exhausted bool          // the last of several attempts failed
+	routed    bool      // routing started: the route's series count it
+	model     string    // its model label
+	pdStart   time.Time // when the last PD attempt sent its prefill leg; zero: none ran
+	firstByte time.Time // when the first byte reached the client; zero: none
+	end       time.Time // when the response was complete (responded)
+	status    int       // the client's status, for the span (traced only)
+	cause     error     // why the request was cut short, for the span (traced only)
+	exhausted bool      // the last of several attempts failed
 	outcome   outcome
 	errorType string // smg_router_request_errors_total's, when failed
+
+	// Written by the handler, one attempt after another.
+	picked      []*balancer.Worker // each policy's choice, in order
+	pickedSpace [2]*balancer.Worker
+	backoffs    []time.Duration // each retry's backoff, in order
+
+	// Written by the handler or a PD attempt's prefill goroutine; the
+	// attempts run one after another (settle), and one reply of each
+	// reports the KV transfer (kvReport).
+	prefills     []float64 // each PD attempt's prefill duration, in seconds
+	prefillSpace [1]float64
+	kvTransfers  []float64 // each PD attempt's KV transfer time, in seconds
+	kvSpace      [1]float64
+
+	failMu   sync.Mutex   // a PD attempt's legs close on two goroutines
+	failures []legFailure // the legs that failed on their worker
+}
+
+// legFailure is one leg's failure that its worker is blamed for
+// (smg_worker_errors_total).
+type legFailure struct {
+	w         *balancer.Worker
+	errorType string
 }
 
 type admission uint8
@@ -49,7 +76,39 @@ const (
 // fail records why a routed request failed.
 func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcomeFailed, errorType }
 
-// emit observes everything r's record holds, once.
+// responded records the end of the client's response (finish).
+func (rec *record) responded(r *request) {
+	rec.end = time.Now()
+	if r.trace != nil {
+		rec.status, rec.cause = r.trace.rctx.Response.StatusCode(), r.scope.Cause()
+	}
+}
+
+// pick records a policy's choice.
+func (rec *record) pick(w *balancer.Worker) {
+	if rec.picked == nil {
+		rec.picked = rec.pickedSpace[:0]
+	}
+	rec.picked = append(rec.picked, w)
+}
+
+// prefilled records a PD attempt's prefill duration.
+func (rec *record) prefilled(d time.Duration) {
+	if rec.prefills == nil {
+		rec.prefills = rec.prefillSpace[:0]
+	}
+	rec.prefills = append(rec.prefills, d.Seconds())
+}
+
+// legFailed records a leg that failed on its worker.
+func (rec *record) legFailed(w *balancer.Worker, errorType string) {
+	rec.failMu.Lock()
+	rec.failures = append(rec.failures, legFailure{w, errorType})
+	rec.failMu.Unlock()
+}
+
+// emit observes everything r's record holds, once: when r's last reference
+// goes (release).
 func (r *request) emit() {
 	s, rec := r.s, &r.rec
 	switch rec.admission {
@@ -61,15 +120,37 @@ func (r *request) emit() {
 	if rec.badPDBody {
 		s.pdm.bootstrapFailures.Inc()
 	}
-	if rm := rec.route; rm != nil {
+	for _, w := range rec.picked {
+		s.bm.Selected(w, s.policies[w.Type].Name())
+	}
+	for _, f := range rec.failures {
+		s.bm.WorkerError(f.w, f.errorType)
+	}
+	if rec.routed {
+		rm := s.metrics.forRoute(routeKey{s.backendType(), r.route, rec.model, r.info.Stream})
 		rm.requests.Inc()
+		var pd *pdSeries
+		if !rec.pdStart.IsZero() {
+			pd = s.pdm.forModel(rec.model)
+			for _, sec := range rec.prefills {
+				pd.prefill.Observe(sec)
+			}
+			for _, sec := range rec.kvTransfers {
+				pd.kvTransfer.Observe(sec)
+			}
+		}
 		if !rec.firstByte.IsZero() {
 			rm.ttft.Observe(rec.firstByte.Sub(r.start).Seconds())
-			if rec.pd != nil {
-				rec.pd.ttft.Observe(rec.firstByte.Sub(rec.pdStart).Seconds())
+			if pd != nil {
+				pd.ttft.Observe(rec.firstByte.Sub(rec.pdStart).Seconds())
 			}
 		}
 		endpoint := r.route.String()
+		for i, b := range rec.backoffs {
+			for _, t := range s.sides() {
+				s.bm.Retry(t, endpoint, i+1, b)
+			}
+		}
 		if rec.exhausted {
 			for _, t := range s.sides() {
 				s.bm.RetriesExhausted(t, endpoint)
@@ -77,7 +158,7 @@ func (r *request) emit() {
 		}
 		switch rec.outcome {
 		case outcomeSucceeded:
-			rm.duration.Observe(since(r.start))
+			rm.duration.Observe(rec.end.Sub(r.start).Seconds())
 		case outcomeFailed:
 			s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", rec.model, endpoint, rec.errorType).Inc()
 		}
@@ -94,10 +175,14 @@ type kvReport struct {
 	decode splice.KVScan
 }
 
-// reported observes ms unless the attempt's other reply did.
+// reported records ms unless the attempt's other reply did.
 func (a *attempt) reported(ms float64) {
 	if a.kv.seen.CompareAndSwap(false, true) {
-		a.pd.kvTransfer.Observe(ms / 1000)
+		rec := a.rec
+		if rec.kvTransfers == nil {
+			rec.kvTransfers = rec.kvSpace[:0]
+		}
+		rec.kvTransfers = append(rec.kvTransfers, ms/1000)
 	}
 }
 

@@ -75,9 +75,11 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 
 func (r *request) hold() { r.refs.Add(1) }
 
-// release drops one reference; the last one ends the request's context.
+// release drops one reference; the last one emits the request's record
+// and ends its context.
 func (r *request) release() {
 	if r.refs.Add(-1) == 0 {
+		r.emit()
 		r.s.inflight.remove(r)
 		r.cancel(context.Canceled)
 		r.s.live.Add(-1)
@@ -86,7 +88,7 @@ func (r *request) release() {
 
 // finish is called once when the response to the client is complete.
 func (r *request) finish() {
-	r.emit()
+	r.rec.responded(r)
 	r.s.inflight.finished(r).stop()
 	if r.admit != nil {
 		r.admit()

@@ -75,7 +75,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	if fail != nil {
 		return fail, false
 	}
-	r.rec.pd, r.rec.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
+	r.rec.pdStart = time.Now()
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
 	header := vllmHeader(r.header, s.hostOf(pw), s.hostOf(dw))
@@ -136,7 +136,7 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 		l.bodyFailed()
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: reading its reply: " + err.Error()}, false
 	}
-	r.rec.pd.prefill.Observe(time.Since(r.rec.pdStart).Seconds())
+	r.rec.prefilled(time.Since(r.rec.pdStart))
 	var found [1]splice.Span
 	splice.FindFields(reply, []string{"kv_transfer_params"}, found[:])
 	params := jsonNull
