@@ -283,6 +283,13 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 	}
 }
 
+// mergeLogprobs reports whether prefill's input_token_logprobs must be
+// prepended to decode's: SGLang /generate with return_logprob (the OpenAI
+// routes carry no meta_info, so there is nothing to merge).
+func (r *request) mergeLogprobs() bool {
+	return r.route == routeGenerate && r.info.ReturnLogprob
+}
+
 // openDecode opens the request's leg on dw and sends it. False means no
 // reply follows: the failure to report is returned (nil when the client is
 // gone).

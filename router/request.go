@@ -89,7 +89,7 @@ func (r *request) release() {
 // finish is called once when the response to the client is complete.
 func (r *request) finish() {
 	r.rec.responded(r)
-	r.s.inflight.finished(r).stop()
+	r.s.inflight.finished(r)
 	if r.admit != nil {
 		r.admit()
 	}
