@@ -10,9 +10,7 @@ import (
 // A stream's wait for prefill's head allocates nothing (a fresh timer was
 // three allocations). Not under -race, whose sync.Pool drops items.
 func TestWaitClosedAllocatesNothing(t *testing.T) {
-	closed := make(chan struct{})
-	close(closed)
-	open := make(chan struct{})
+	closed, open := headChannels()
 	if n := testing.AllocsPerRun(50, func() {
 		waitClosed(closed, time.Hour)
 		waitClosed(open, time.Microsecond)

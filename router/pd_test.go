@@ -9,9 +9,7 @@ import (
 // is over, and a pooled timer that fired leaves no tick behind for its
 // next user.
 func TestWaitClosed(t *testing.T) {
-	closed := make(chan struct{})
-	close(closed)
-	open := make(chan struct{})
+	closed, open := headChannels()
 	if !waitClosed(closed, time.Hour) {
 		t.Fatal("a closed channel timed out")
 	}
@@ -22,4 +20,11 @@ func TestWaitClosed(t *testing.T) {
 	if waitClosed(open, 20*time.Millisecond) || time.Since(start) < 20*time.Millisecond {
 		t.Fatal("a timer reused after firing ended the wait early")
 	}
+}
+
+// headChannels are a prefill head that is in and one that is not.
+func headChannels() (closed, open chan struct{}) {
+	closed, open = make(chan struct{}), make(chan struct{})
+	close(closed)
+	return closed, open
 }

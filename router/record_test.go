@@ -12,23 +12,21 @@ import (
 	"github.com/pdrouter/pdrouter/balancer"
 )
 
-func histogramSum(t *testing.T, o prometheus.Observer) float64 {
+// histogram is what o has observed.
+func histogram(t *testing.T, o prometheus.Observer) *dto.Histogram {
 	t.Helper()
 	var m dto.Metric
 	if err := o.(prometheus.Metric).Write(&m); err != nil {
 		t.Fatal(err)
 	}
-	return m.GetHistogram().GetSampleSum()
+	return m.GetHistogram()
 }
 
 func histogramCount(t *testing.T, o prometheus.Observer) uint64 {
-	t.Helper()
-	var m dto.Metric
-	if err := o.(prometheus.Metric).Write(&m); err != nil {
-		t.Fatal(err)
-	}
-	return m.GetHistogram().GetSampleCount()
+	return histogram(t, o).GetSampleCount()
 }
+
+func histogramSum(t *testing.T, o prometheus.Observer) float64 { return histogram(t, o).GetSampleSum() }
 
 // A record is emitted as the hooks it replaces observed: the duration of
 // whole replies only, an error by its type, TTFT (route and PD) only once
