@@ -27,7 +27,6 @@ type leg struct {
 	broke  bool              // the reply's body broke off, and the worker is why
 	closed bool
 	failed *failedWorkers // the client request's: its failure reaches each worker's breaker once
-	rec    *record        // the client request's: a failure the worker is blamed for is in it
 	sc     *scope         // what the leg was sent under; its end may leave the engine busy
 	rid    engineRID      // what the engine knows the request by (abort.go)
 	trace  *legSpan       // nil unless traced (trace.go)
@@ -40,17 +39,33 @@ type leg struct {
 // open binds a leg of r, whose engine knows it by rid, to w and takes w's
 // load slot: the one leg set-up of both modes.
 func (l *leg) open(r *request, w *balancer.Worker, rid engineRID) {
-	*l = leg{s: r.s, w: w, failed: &r.failed, rec: &r.rec, aborts: &r.aborts, rid: rid, trace: r.trace.leg()}
+	*l = leg{s: r.s, w: w, failed: &r.failed, aborts: &r.aborts, rid: rid, trace: r.trace.leg()}
 	w.IncLoad()
 }
 
 // failedWorkers are the workers a client request's legs failed on. However
 // many attempts a request makes, each worker's breaker hears of its
-// failure once, and retries prefer the workers not in the set. Legs of one
-// attempt close on different goroutines, hence the lock.
+// failure once, and retries prefer the workers not in the set. Every
+// failed leg is kept too, for the request's record to emit
+// (smg_worker_errors_total). Legs of one attempt close on different
+// goroutines, hence the lock.
 type failedWorkers struct {
-	mu sync.Mutex
-	ws []*balancer.Worker
+	mu   sync.Mutex
+	ws   []*balancer.Worker
+	legs []legFailure
+}
+
+// legFailure is one leg's failure that its worker is blamed for.
+type legFailure struct {
+	w         *balancer.Worker
+	errorType string
+}
+
+// blame records a leg that failed on w.
+func (f *failedWorkers) blame(w *balancer.Worker, errorType string) {
+	f.mu.Lock()
+	f.legs = append(f.legs, legFailure{w, errorType})
+	f.mu.Unlock()
 }
 
 // add reports whether w is new to the set.
@@ -156,14 +171,14 @@ func (l *leg) close() {
 		l.record(!l.broke && (status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular)))
 		switch {
 		case l.broke:
-			l.rec.legFailed(l.w, "body")
+			l.failed.blame(l.w, "body")
 		case status/100 != 2:
-			l.rec.legFailed(l.w, "status_"+statusLabel(status))
+			l.failed.blame(l.w, "status_"+statusLabel(status))
 		}
 		l.resp.Close()
 	case l.blame:
 		l.record(false)
-		l.rec.legFailed(l.w, "connect")
+		l.failed.blame(l.w, "connect")
 	}
 	l.w.DecLoad()
 }

@@ -33,7 +33,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	r.rec.pdStart = time.Now()
+	r.rec.startPD()
 	a := s.startPrefill(r, pw, dw)
 	fail, ok := s.openDecode(r, a, dw)
 	streaming := false

@@ -2,7 +2,6 @@ package router
 
 import (
 	"io"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -21,40 +20,35 @@ import (
 type record struct {
 	admission admission
 	badPDBody bool // a PD body that could not take the bootstrap fields
-
-	routed    bool      // routing started: the route's series count it
-	model     string    // its model label
-	pdStart   time.Time // when the last PD attempt sent its prefill leg; zero: none ran
-	firstByte time.Time // when the first byte reached the client; zero: none
-	end       time.Time // when the response was complete (responded)
-	status    int       // the client's status, for the span (traced only)
-	cause     error     // why the request was cut short, for the span (traced only)
-	exhausted bool      // the last of several attempts failed
+	routed    bool // routing started: the route's series count it
+	exhausted bool // the last of several attempts failed
 	outcome   outcome
 	errorType string // smg_router_request_errors_total's, when failed
+
+	model     string        // the route's model label
+	pdStart   time.Time     // when the last PD attempt sent its prefill leg
+	firstByte time.Duration // from the start to the first byte to the client; zero: none
+	took      time.Duration // from the start to the complete response (responded)
 
 	// Written by the handler, one attempt after another.
 	picked      []*balancer.Worker // each policy's choice, in order
 	pickedSpace [2]*balancer.Worker
 	backoffs    []time.Duration // each retry's backoff, in order
 
-	// Written by the handler or a PD attempt's prefill goroutine; the
-	// attempts run one after another (settle), and one reply of each
-	// reports the KV transfer (kvReport).
-	prefills     []float64 // each PD attempt's prefill duration, in seconds
-	prefillSpace [1]float64
-	kvTransfers  []float64 // each PD attempt's KV transfer time, in seconds
-	kvSpace      [1]float64
+	// pd is each PD attempt's readings (startPD). The handler starts an
+	// attempt once the last one's legs are done (settle); its prefill
+	// goroutine and its handler then write their own fields of the last.
+	pd      []pdReading
+	pdSpace [1]pdReading
 
-	failMu   sync.Mutex   // a PD attempt's legs close on two goroutines
-	failures []legFailure // the legs that failed on their worker
+	// The legs that failed on their worker are r.failed's (leg.go): they
+	// close on two goroutines, and its lock is theirs.
 }
 
-// legFailure is one leg's failure that its worker is blamed for
-// (smg_worker_errors_total).
-type legFailure struct {
-	w         *balancer.Worker
-	errorType string
+// pdReading is what a PD attempt measured, in seconds; negative: nothing.
+type pdReading struct {
+	prefill    float64 // its prefill leg's duration (a reply, in time)
+	kvTransfer float64 // the KV transfer time one of its replies reported (kvReport)
 }
 
 type admission uint8
@@ -76,11 +70,12 @@ const (
 // fail records why a routed request failed.
 func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcomeFailed, errorType }
 
-// responded records the end of the client's response (finish).
+// responded records the end of the client's response (finish), and for
+// the span the status the client got and why the request was cut short.
 func (rec *record) responded(r *request) {
-	rec.end = time.Now()
-	if r.trace != nil {
-		rec.status, rec.cause = r.trace.rctx.Response.StatusCode(), r.scope.Cause()
+	rec.took = time.Since(r.start)
+	if rt := r.trace; rt != nil {
+		rt.status, rt.cause = rt.rctx.Response.StatusCode(), r.scope.Cause()
 	}
 }
 
@@ -92,20 +87,17 @@ func (rec *record) pick(w *balancer.Worker) {
 	rec.picked = append(rec.picked, w)
 }
 
-// prefilled records a PD attempt's prefill duration.
-func (rec *record) prefilled(d time.Duration) {
-	if rec.prefills == nil {
-		rec.prefills = rec.prefillSpace[:0]
+// startPD records a PD attempt sending its prefill leg now.
+func (rec *record) startPD() {
+	rec.pdStart = time.Now()
+	if rec.pd == nil {
+		rec.pd = rec.pdSpace[:0]
 	}
-	rec.prefills = append(rec.prefills, d.Seconds())
+	rec.pd = append(rec.pd, pdReading{prefill: -1, kvTransfer: -1})
 }
 
-// legFailed records a leg that failed on its worker.
-func (rec *record) legFailed(w *balancer.Worker, errorType string) {
-	rec.failMu.Lock()
-	rec.failures = append(rec.failures, legFailure{w, errorType})
-	rec.failMu.Unlock()
-}
+// prefilled records the current PD attempt's prefill duration.
+func (rec *record) prefilled(d time.Duration) { rec.pd[len(rec.pd)-1].prefill = d.Seconds() }
 
 // emit observes everything r's record holds, once: when r's last reference
 // goes (release).
@@ -123,26 +115,28 @@ func (r *request) emit() {
 	for _, w := range rec.picked {
 		s.bm.Selected(w, s.policies[w.Type].Name())
 	}
-	for _, f := range rec.failures {
+	for _, f := range r.failed.legs {
 		s.bm.WorkerError(f.w, f.errorType)
 	}
 	if rec.routed {
 		rm := s.metrics.forRoute(routeKey{s.backendType(), r.route, rec.model, r.info.Stream})
 		rm.requests.Inc()
 		var pd *pdSeries
-		if !rec.pdStart.IsZero() {
+		if len(rec.pd) > 0 {
 			pd = s.pdm.forModel(rec.model)
-			for _, sec := range rec.prefills {
-				pd.prefill.Observe(sec)
-			}
-			for _, sec := range rec.kvTransfers {
-				pd.kvTransfer.Observe(sec)
+			for _, x := range rec.pd {
+				if x.prefill >= 0 {
+					pd.prefill.Observe(x.prefill)
+				}
+				if x.kvTransfer >= 0 {
+					pd.kvTransfer.Observe(x.kvTransfer)
+				}
 			}
 		}
-		if !rec.firstByte.IsZero() {
-			rm.ttft.Observe(rec.firstByte.Sub(r.start).Seconds())
+		if rec.firstByte != 0 {
+			rm.ttft.Observe(rec.firstByte.Seconds())
 			if pd != nil {
-				pd.ttft.Observe(rec.firstByte.Sub(rec.pdStart).Seconds())
+				pd.ttft.Observe(r.start.Add(rec.firstByte).Sub(rec.pdStart).Seconds())
 			}
 		}
 		endpoint := r.route.String()
@@ -158,7 +152,7 @@ func (r *request) emit() {
 		}
 		switch rec.outcome {
 		case outcomeSucceeded:
-			rm.duration.Observe(rec.end.Sub(r.start).Seconds())
+			rm.duration.Observe(rec.took.Seconds())
 		case outcomeFailed:
 			s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", rec.model, endpoint, rec.errorType).Inc()
 		}
@@ -178,11 +172,7 @@ type kvReport struct {
 // reported records ms unless the attempt's other reply did.
 func (a *attempt) reported(ms float64) {
 	if a.kv.seen.CompareAndSwap(false, true) {
-		rec := a.rec
-		if rec.kvTransfers == nil {
-			rec.kvTransfers = rec.kvSpace[:0]
-		}
-		rec.kvTransfers = append(rec.kvTransfers, ms/1000)
+		a.rec.pd[len(a.rec.pd)-1].kvTransfer = ms / 1000
 	}
 }
 

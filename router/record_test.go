@@ -56,15 +56,17 @@ func TestRecordEmitsOnce(t *testing.T) {
 	// A stream that sent its first byte and ended, after a retry whose
 	// prefill failed: no duration, TTFTs.
 	emit(&request{rec: record{admission: admitted, routed: true, model: "unknown", pdStart: start.Add(500 * time.Millisecond),
-		firstByte: start.Add(700 * time.Millisecond), end: start.Add(900 * time.Millisecond),
+		firstByte: 700 * time.Millisecond, took: 900 * time.Millisecond,
 		picked: []*balancer.Worker{pw, dw, pw, dw}, backoffs: []time.Duration{50 * time.Millisecond},
-		failures: []legFailure{{pw, "status_500"}}, prefills: []float64{0.2}, kvTransfers: []float64{0.01, 0.02}}})
+		pd: []pdReading{{prefill: -1, kvTransfer: 0.01}, {prefill: 0.2, kvTransfer: 0.02}}},
+		failed: failedWorkers{legs: []legFailure{{pw, "status_500"}}}})
 	// A request whose retries ran out before a byte went out.
 	emit(&request{rec: record{admission: admitted, routed: true, model: "unknown", exhausted: true, outcome: outcomeFailed, errorType: "decode_unavailable",
-		backoffs: []time.Duration{50 * time.Millisecond, 75 * time.Millisecond}, failures: []legFailure{{dw, "connect"}, {dw, "connect"}}}})
+		backoffs: []time.Duration{50 * time.Millisecond, 75 * time.Millisecond}},
+		failed: failedWorkers{legs: []legFailure{{dw, "connect"}, {dw, "connect"}}}})
 	// A whole reply.
-	emit(&request{rec: record{admission: admitted, routed: true, model: "unknown", outcome: outcomeSucceeded, firstByte: start,
-		end: start.Add(2 * time.Second)}})
+	emit(&request{rec: record{admission: admitted, routed: true, model: "unknown", outcome: outcomeSucceeded, firstByte: time.Millisecond,
+		took: 2 * time.Second}})
 	// Refused at admission and a body PD could not take: never routed.
 	emit(&request{rec: record{admission: rejected}})
 	emit(&request{rec: record{badPDBody: true}})
@@ -113,7 +115,8 @@ func TestRecordEmittedAtLastRelease(t *testing.T) {
 	series := srv.metrics.forRoute(routeKey{"pd", routeGenerate, "unknown", false})
 	pd := srv.pdm.forModel("unknown")
 	r := &request{s: srv, route: routeGenerate, start: time.Now()}
-	r.rec = record{admission: admitted, routed: true, model: "unknown", pdStart: time.Now(), outcome: outcomeSucceeded}
+	r.rec = record{admission: admitted, routed: true, model: "unknown", outcome: outcomeSucceeded}
+	r.rec.startPD()
 	srv.live.Add(1)
 	r.refs.Store(1)
 	r.hold() // the prefill leg's goroutine

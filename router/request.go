@@ -117,6 +117,6 @@ func (r *request) settle() {
 
 // observeFirstByte records the router-side time to first byte.
 func (r *request) observeFirstByte() {
-	r.rec.firstByte = time.Now()
+	r.rec.firstByte = time.Since(r.start)
 	r.leg.trace.firstByte(r.info.Stream)
 }

@@ -108,6 +108,13 @@ type streamRelay struct {
 // before [DONE]: its close is then no end but a failure.
 var errUnframedEnd = errors.New("the worker closed its stream before [DONE]")
 
+// saw takes the worker's next bytes into the record (the KV transfer time
+// they may report) and the stream's tail.
+func (sr *streamRelay) saw(b []byte) {
+	sr.attempt.scanDecode(b)
+	sr.see(b)
+}
+
 // see keeps the last bytes of the worker's stream.
 func (sr *streamRelay) see(b []byte) {
 	if len(b) >= len(sr.tail) {
@@ -192,8 +199,7 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 		}
 	}
 	sr.readErr = err
-	sr.attempt.scanDecode(buf[:n])
-	sr.see(buf[:n])
+	sr.saw(buf[:n])
 	return buf[:n], bufp
 }
 
@@ -240,8 +246,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		if n > 0 && sr.readErr == nil {
 			n, sr.readErr = sr.leg.resp.readBuffered(buf, n)
 		}
-		sr.attempt.scanDecode(buf[:n])
-		sr.see(buf[:n])
+		sr.saw(buf[:n])
 		if n > 0 {
 			if sr.merge != nil {
 				return sr.merge.feed(buf[:n])

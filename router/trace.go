@@ -143,6 +143,9 @@ type reqTrace struct {
 	ctx  context.Context // holds span
 	span trace.Span
 	rctx *fasthttp.RequestCtx // for the status the client got, at the end
+
+	status int   // the client's, once responded (record.responded)
+	cause  error // why the request was cut short, if it was
 }
 
 // start opens r's span, a child of the client's traceparent if any.
@@ -164,15 +167,15 @@ func (rt *reqTrace) end(r *request) {
 	if rt == nil {
 		return
 	}
-	status := r.rec.status
+	status := rt.status
 	rt.span.SetAttributes(semconv.HTTPResponseStatusCode(status), attribute.Bool("pdrouter.stream", r.info.Stream))
-	if cause := r.rec.cause; cause != nil {
+	if cause := rt.cause; cause != nil {
 		rt.span.SetAttributes(attribute.String("pdrouter.cancelled", cause.Error()))
 		rt.span.SetStatus(codes.Error, cause.Error())
 	} else if status >= 500 {
 		rt.span.SetStatus(codes.Error, strconv.Itoa(status))
 	}
-	rt.span.End(trace.WithTimestamp(r.rec.end))
+	rt.span.End(trace.WithTimestamp(r.start.Add(r.rec.took)))
 }
 
 // now is the start of a selection, when traced.

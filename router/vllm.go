@@ -75,7 +75,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	if fail != nil {
 		return fail, false
 	}
-	r.rec.pdStart = time.Now()
+	r.rec.startPD()
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
 	header := vllmHeader(r.header, s.hostOf(pw), s.hostOf(dw))
