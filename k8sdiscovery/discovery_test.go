@@ -216,19 +216,8 @@ func (w worker) String() string {
 
 func (c *cluster) workers() []string {
 	c.t.Helper()
-	resp, err := http.Get(c.base + "/workers")
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var body struct {
-		Workers []worker `json:"workers"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&body); err != nil {
-		c.t.Fatal(err)
-	}
 	out := []string{}
-	for _, w := range body.Workers {
+	for _, w := range c.workersFull() {
 		out = append(out, w.String())
 	}
 	slices.Sort(out)

@@ -131,7 +131,6 @@ func (cw *connWatch) watchAlone() {
 // deadlines apply.
 func (cw *connWatch) stop() {
 	switch {
-	case cw == nil:
 	case cw.ep != nil:
 		cw.ep.remove(cw)
 	case cw.done != nil:

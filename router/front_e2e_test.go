@@ -82,8 +82,16 @@ func TestFrontEndpoints(t *testing.T) {
 	}
 
 	// Prometheus: sglang-router's smg_* names on their own listener.
+	// A request's record is emitted once its prefill leg is done too, which
+	// may be after the reply: poll for the selection it counts.
 	post(t, r.url+"/generate", `{"text":"count me"}`)
-	_, metrics := get(t, r.metrics)
+	var metrics []byte
+	for range 100 {
+		if _, metrics = get(t, r.metrics); strings.Contains(string(metrics), "smg_worker_selection_total") {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	for _, name := range []string{"smg_http_requests_total", "smg_http_responses_total", "smg_router_requests_total",
 		"smg_worker_requests_active", "smg_worker_health", "smg_worker_cb_state", "smg_worker_selection_total"} {
 		if !strings.Contains(string(metrics), name) {

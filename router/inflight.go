@@ -84,17 +84,17 @@ func (f *inflight) add(r *request) {
 	}
 }
 
-// finished marks r's response as complete: no watch may start any more. It
-// returns the watch to stop if one was started.
-func (f *inflight) finished(r *request) *connWatch {
+// finished marks r's response as complete: no watch may start any more,
+// and one that was started is stopped (reported by the result).
+func (f *inflight) finished(r *request) bool {
 	f.mu.Lock()
 	r.track.responded = true
 	watching := r.track.watching
 	f.mu.Unlock()
-	if !watching {
-		return nil
+	if watching {
+		r.track.watch.stop()
 	}
-	return &r.track.watch
+	return watching
 }
 
 // remove stops tracking r (its last reference is gone).

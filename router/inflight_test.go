@@ -69,7 +69,7 @@ func TestInflightWatchesOnlyLongRequests(t *testing.T) {
 	f := newTestInflight(t, time.Hour)
 	t0 := time.Now()
 	quick := trackedRequest(f, t0, server)
-	if w := f.finished(quick); w != nil {
+	if f.finished(quick) {
 		t.Fatal("watch started before watchDelay")
 	}
 	f.sweep(t0.Add(watchDelay))
@@ -92,7 +92,9 @@ func TestInflightWatchesOnlyLongRequests(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("client disconnect not seen")
 	}
-	f.finished(slow).stop()
+	if !f.finished(slow) {
+		t.Fatal("the watch was not stopped")
+	}
 	f.remove(slow)
 }
 

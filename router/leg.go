@@ -14,7 +14,7 @@ import (
 // leg is one upstream request bound to one worker: a prefill, decode or
 // regular request. open takes the worker's load slot; close gives it back
 // exactly once, whichever way the request ended, and only then feeds the
-// outcome to the worker's breaker and the worker-error metric and releases
+// outcome to the worker's breaker and the request's record and releases
 // the reply. The rest of the router never touches those three.
 //
 // A leg is a value inside the request or the PD attempt, so opening one
@@ -45,11 +45,27 @@ func (l *leg) open(r *request, w *balancer.Worker, rid engineRID) {
 
 // failedWorkers are the workers a client request's legs failed on. However
 // many attempts a request makes, each worker's breaker hears of its
-// failure once, and retries prefer the workers not in the set. Legs of one
-// attempt close on different goroutines, hence the lock.
+// failure once, and retries prefer the workers not in the set. Every
+// failed leg is kept too, for the request's record to emit
+// (smg_worker_errors_total). Legs of one attempt close on different
+// goroutines, hence the lock.
 type failedWorkers struct {
-	mu sync.Mutex
-	ws []*balancer.Worker
+	mu   sync.Mutex
+	ws   []*balancer.Worker
+	legs []legFailure
+}
+
+// legFailure is one leg's failure that its worker is blamed for.
+type legFailure struct {
+	w         *balancer.Worker
+	errorType string
+}
+
+// blame records a leg that failed on w.
+func (f *failedWorkers) blame(w *balancer.Worker, errorType string) {
+	f.mu.Lock()
+	f.legs = append(f.legs, legFailure{w, errorType})
+	f.mu.Unlock()
 }
 
 // add reports whether w is new to the set.
@@ -155,14 +171,14 @@ func (l *leg) close() {
 		l.record(!l.broke && (status/100 == 2 || (status/100 == 4 && l.w.Type != balancer.Regular)))
 		switch {
 		case l.broke:
-			l.s.bm.WorkerError(l.w, "body")
+			l.failed.blame(l.w, "body")
 		case status/100 != 2:
-			l.s.bm.WorkerError(l.w, "status_"+statusLabel(status))
+			l.failed.blame(l.w, "status_"+statusLabel(status))
 		}
 		l.resp.Close()
 	case l.blame:
 		l.record(false)
-		l.s.bm.WorkerError(l.w, "connect")
+		l.failed.blame(l.w, "connect")
 	}
 	l.w.DecLoad()
 }

@@ -89,10 +89,14 @@ func (e *legEnv) post(t *testing.T, ctx context.Context, body string) (int, stri
 	return resp.StatusCode, string(b), err
 }
 
-// settle waits until every leg has given its load slot back.
+// settle waits until every leg has given its load slot back and every
+// request has ended, its record emitted.
 func (e *legEnv) settle(t *testing.T) {
 	t.Helper()
 	waitFor(t, func() bool {
+		if e.srv.live.Load() != 0 {
+			return false
+		}
 		for _, w := range e.srv.reg.Snapshot().All {
 			if w.Load() != 0 {
 				return false
@@ -106,7 +110,14 @@ func (e *legEnv) settle(t *testing.T) {
 // given name/value pairs.
 func (e *legEnv) metric(t *testing.T, name string, labels ...string) float64 {
 	t.Helper()
-	families, err := e.prom.Gather()
+	return gathered(t, e.prom, name, labels...)
+}
+
+// gathered sums the samples of a counter family, or the observations of a
+// histogram family, on reg whose labels include the given name/value pairs.
+func gathered(t *testing.T, reg prometheus.Gatherer, name string, labels ...string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,7 +137,11 @@ func (e *legEnv) metric(t *testing.T, name string, labels ...string) float64 {
 					continue samples
 				}
 			}
-			sum += m.GetCounter().GetValue()
+			if h := m.GetHistogram(); h != nil {
+				sum += float64(h.GetSampleCount())
+			} else {
+				sum += m.GetCounter().GetValue()
+			}
 		}
 	}
 	return sum

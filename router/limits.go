@@ -15,29 +15,6 @@ import (
 
 // Client-side limits: what one client connection may cost the router.
 
-// knownMethod returns m as one of the methods the router serves (a
-// constant, so no request copies fasthttp's bytes); any other is answered
-// 405 and counted as OTHER, so clients cannot mint metric series.
-func knownMethod(m []byte) (string, bool) {
-	for _, k := range servedMethods {
-		if string(m) == k {
-			return k, true
-		}
-	}
-	return "", false
-}
-
-var servedMethods = [...]string{"POST", "GET", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"}
-
-// otherMethod is the metrics label of every method knownMethod refuses.
-const otherMethod = "OTHER"
-
-// refuseMethod answers a method the router does not serve.
-func refuseMethod(ctx *fasthttp.RequestCtx) {
-	writeError(ctx, &apiError{Status: 405, Code: "method_not_allowed", Message: "method not allowed"})
-	ctx.Response.Header.Set("Allow", "GET, POST, PUT, DELETE, HEAD, OPTIONS, PATCH")
-}
-
 // writeGrace is how long past --request-timeout-secs a response may still
 // be written: the request timeout's own end (a stream's error event) goes
 // out first, and a client that stopped reading is cut just after.

@@ -6,13 +6,6 @@ import (
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
-// mergeLogprobs reports whether prefill's input_token_logprobs must be
-// prepended to decode's: SGLang /generate with return_logprob (the OpenAI
-// routes carry no meta_info, so there is nothing to merge).
-func (r *request) mergeLogprobs() bool {
-	return r.route == routeGenerate && r.info.ReturnLogprob
-}
-
 // logprobMerger prepends prefill's input_token_logprobs to every decode SSE
 // event that carries meta_info.input_token_logprobs (what SGLang's mini load
 // balancer does and sglang-router never manages). It scans the events as

@@ -2,6 +2,7 @@ package router
 
 import (
 	"io"
+	"sync"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -32,7 +33,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	if fail != nil {
 		return fail, false
 	}
-	r.rec.pd, r.rec.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
+	r.rec.startPD()
 	a := s.startPrefill(r, pw, dw)
 	fail, ok := s.openDecode(r, a, dw)
 	streaming := false
@@ -105,7 +106,7 @@ type attempt struct {
 	err     *apiError     // set before done closes when prefill failed
 	logp    []byte        // prefill's reply, kept only for logprob merging
 	rid     engineRID     // both legs'
-	pd      *pdSeries     // the request's, for the prefill leg's goroutine
+	rec     *record       // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
 	kv      kvReport      // the KV transfer time a reply reports (record.go)
 
@@ -125,7 +126,7 @@ type attempt struct {
 // startPrefill opens the prefill leg and runs it on its own goroutine; it
 // holds a reference to r, since it may outlive the handler.
 func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
-	a := &attempt{done: make(chan struct{}), pd: r.rec.pd, start: r.rec.pdStart}
+	a := &attempt{done: make(chan struct{}), rec: &r.rec, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(r, pw, a.rid)
@@ -149,7 +150,7 @@ func (s *Server) runPrefill(a *attempt, r *request) {
 	defer close(a.done)
 	a.err, a.logp = a.readPrefill(r)
 	if a.err == nil && a.scope.Err() == nil {
-		a.pd.prefill.Observe(time.Since(a.start).Seconds())
+		a.rec.prefilled(time.Since(a.start))
 	}
 	a.prefill.close()
 	if a.err != nil {
@@ -216,11 +217,7 @@ func (a *attempt) prefillVerdict() *apiError {
 	select {
 	case <-a.headed:
 	default:
-		t := time.NewTimer(prefillHeadGrace)
-		defer t.Stop()
-		select {
-		case <-a.headed:
-		case <-t.C:
+		if !waitClosed(a.headed, prefillHeadGrace) {
 			return nil
 		}
 	}
@@ -229,6 +226,30 @@ func (a *attempt) prefillVerdict() *apiError {
 	}
 	<-a.done
 	return a.err
+}
+
+// graceTimers serve waitClosed: nearly every stream waits for prefill's
+// head, and a fresh timer costs three allocations. Since Go 1.23 a stopped
+// timer's channel holds no stale tick, so a pooled one may be reset.
+var graceTimers = sync.Pool{New: func() any {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return t
+}}
+
+// waitClosed reports whether ch closes within d.
+func waitClosed(ch <-chan struct{}, d time.Duration) bool {
+	t := graceTimers.Get().(*time.Timer)
+	t.Reset(d)
+	closed := false
+	select {
+	case <-ch:
+		closed = true
+	case <-t.C:
+	}
+	t.Stop()
+	graceTimers.Put(t)
+	return closed
 }
 
 // releaseBody returns once no leg of the attempt reads the client's body
@@ -260,6 +281,13 @@ func (a *attempt) logprobs(r *request) ([]byte, bool) {
 	case <-a.scope.Done():
 		return nil, false
 	}
+}
+
+// mergeLogprobs reports whether prefill's input_token_logprobs must be
+// prepended to decode's: SGLang /generate with return_logprob (the OpenAI
+// routes carry no meta_info, so there is nothing to merge).
+func (r *request) mergeLogprobs() bool {
+	return r.route == routeGenerate && r.info.ReturnLogprob
 }
 
 // openDecode opens the request's leg on dw and sends it. False means no

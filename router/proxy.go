@@ -67,9 +67,7 @@ func (s *Server) backendType() string {
 
 // serve runs attempts until one answers or the retry budget is spent.
 func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
-	endpoint := r.route.String()
-	r.rec.model = s.modelLabel(r)
-	r.rec.route = s.metrics.forRoute(routeKey{s.backendType(), r.route, r.rec.model, r.info.Stream})
+	r.rec.model, r.rec.routed = s.modelLabel(r), true
 
 	var fail *apiError
 	attempts := s.cfg.Retry.Attempts()
@@ -78,9 +76,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		if attempt > 0 {
 			r.settle()
 			backoff := s.cfg.Retry.Backoff(attempt - 1)
-			for _, t := range s.sides() {
-				s.bm.Retry(t, endpoint, attempt, backoff)
-			}
+			r.rec.backoffs = append(r.rec.backoffs, backoff)
 			t := time.NewTimer(backoff)
 			select {
 			case <-t.C:
@@ -207,7 +203,7 @@ func (s *Server) pick(snap *balancer.Snapshot, t balancer.WorkerType, r *request
 	if err != nil || w == nil {
 		return nil, &apiError{Status: 503, Code: "server_selection_failed", Message: "No available servers: " + p.Name() + " policy made no selection"}
 	}
-	s.bm.Selected(w, p.Name())
+	r.rec.pick(w)
 	r.trace.selected(start, w, p.Name())
 	return w, nil
 }

@@ -5,29 +5,50 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // record is what one request did, filled along the path as plain data and
-// emitted once, when the request ends (emit, from finish), as Pingora's
-// logging phase does: the admission decision, the route's series and
-// outcome, the times to first byte (the route's and PD's), retries run
-// out, and the request's span. What belongs to a PD attempt rather than to
-// the request (prefill's duration, the KV transfer time a reply reports,
-// below) is observed by the attempt when it has it, since prefill may
-// outlive the response; worker errors are the leg's (leg.go).
+// emitted once, when the request ends, as Pingora's logging phase does: the
+// admission decision, the route's series and outcome, the times to first
+// byte (the route's and PD's), the workers chosen, the retries and their
+// backoffs, the legs that failed on their worker, each PD attempt's prefill
+// duration and KV transfer time, and the request's span. A request ends
+// when its response is complete and every leg it started is done (release):
+// a prefill may outlive the response, and what it did is the request's too.
 type record struct {
 	admission admission
 	badPDBody bool // a PD body that could not take the bootstrap fields
-
-	route     *routeMetrics // the route's series, once routing started
-	model     string        // its model label
-	pd        *pdSeries     // PD stage series; nil in regular mode
-	pdStart   time.Time     // when the last PD attempt sent its prefill leg
-	firstByte time.Time     // when the first byte reached the client; zero: none
-	exhausted bool          // the last of several attempts failed
+	routed    bool // routing started: the route's series count it
+	exhausted bool // the last of several attempts failed
 	outcome   outcome
 	errorType string // smg_router_request_errors_total's, when failed
+
+	model     string        // the route's model label
+	pdStart   time.Time     // when the last PD attempt sent its prefill leg
+	firstByte time.Duration // from the start to the first byte to the client; zero: none
+	took      time.Duration // from the start to the complete response (responded)
+
+	// Written by the handler, one attempt after another.
+	picked      []*balancer.Worker // each policy's choice, in order
+	pickedSpace [2]*balancer.Worker
+	backoffs    []time.Duration // each retry's backoff, in order
+
+	// pd is each PD attempt's readings (startPD). The handler starts an
+	// attempt once the last one's legs are done (settle); its prefill
+	// goroutine and its handler then write their own fields of the last.
+	pd      []pdReading
+	pdSpace [1]pdReading
+
+	// The legs that failed on their worker are r.failed's (leg.go): they
+	// close on two goroutines, and its lock is theirs.
+}
+
+// pdReading is what a PD attempt measured, in seconds; negative: nothing.
+type pdReading struct {
+	prefill    float64 // its prefill leg's duration (a reply, in time)
+	kvTransfer float64 // the KV transfer time one of its replies reported (kvReport)
 }
 
 type admission uint8
@@ -49,7 +70,37 @@ const (
 // fail records why a routed request failed.
 func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcomeFailed, errorType }
 
-// emit observes everything r's record holds, once.
+// responded records the end of the client's response (finish), and for
+// the span the status the client got and why the request was cut short.
+func (rec *record) responded(r *request) {
+	rec.took = time.Since(r.start)
+	if rt := r.trace; rt != nil {
+		rt.status, rt.cause = rt.rctx.Response.StatusCode(), r.scope.Cause()
+	}
+}
+
+// pick records a policy's choice.
+func (rec *record) pick(w *balancer.Worker) {
+	if rec.picked == nil {
+		rec.picked = rec.pickedSpace[:0]
+	}
+	rec.picked = append(rec.picked, w)
+}
+
+// startPD records a PD attempt sending its prefill leg now.
+func (rec *record) startPD() {
+	rec.pdStart = time.Now()
+	if rec.pd == nil {
+		rec.pd = rec.pdSpace[:0]
+	}
+	rec.pd = append(rec.pd, pdReading{prefill: -1, kvTransfer: -1})
+}
+
+// prefilled records the current PD attempt's prefill duration.
+func (rec *record) prefilled(d time.Duration) { rec.pd[len(rec.pd)-1].prefill = d.Seconds() }
+
+// emit observes everything r's record holds, once: when r's last reference
+// goes (release).
 func (r *request) emit() {
 	s, rec := r.s, &r.rec
 	switch rec.admission {
@@ -61,15 +112,39 @@ func (r *request) emit() {
 	if rec.badPDBody {
 		s.pdm.bootstrapFailures.Inc()
 	}
-	if rm := rec.route; rm != nil {
+	for _, w := range rec.picked {
+		s.bm.Selected(w, s.policies[w.Type].Name())
+	}
+	for _, f := range r.failed.legs {
+		s.bm.WorkerError(f.w, f.errorType)
+	}
+	if rec.routed {
+		rm := s.metrics.forRoute(routeKey{s.backendType(), r.route, rec.model, r.info.Stream})
 		rm.requests.Inc()
-		if !rec.firstByte.IsZero() {
-			rm.ttft.Observe(rec.firstByte.Sub(r.start).Seconds())
-			if rec.pd != nil {
-				rec.pd.ttft.Observe(rec.firstByte.Sub(rec.pdStart).Seconds())
+		var pd *pdSeries
+		if len(rec.pd) > 0 {
+			pd = s.pdm.forModel(rec.model)
+			for _, x := range rec.pd {
+				if x.prefill >= 0 {
+					pd.prefill.Observe(x.prefill)
+				}
+				if x.kvTransfer >= 0 {
+					pd.kvTransfer.Observe(x.kvTransfer)
+				}
+			}
+		}
+		if rec.firstByte != 0 {
+			rm.ttft.Observe(rec.firstByte.Seconds())
+			if pd != nil {
+				pd.ttft.Observe(r.start.Add(rec.firstByte).Sub(rec.pdStart).Seconds())
 			}
 		}
 		endpoint := r.route.String()
+		for i, b := range rec.backoffs {
+			for _, t := range s.sides() {
+				s.bm.Retry(t, endpoint, i+1, b)
+			}
+		}
 		if rec.exhausted {
 			for _, t := range s.sides() {
 				s.bm.RetriesExhausted(t, endpoint)
@@ -77,7 +152,7 @@ func (r *request) emit() {
 		}
 		switch rec.outcome {
 		case outcomeSucceeded:
-			rm.duration.Observe(since(r.start))
+			rm.duration.Observe(rec.took.Seconds())
 		case outcomeFailed:
 			s.metrics.routerErrors.WithLabelValues("http", s.backendType(), "http", rec.model, endpoint, rec.errorType).Inc()
 		}
@@ -94,10 +169,10 @@ type kvReport struct {
 	decode splice.KVScan
 }
 
-// reported observes ms unless the attempt's other reply did.
+// reported records ms unless the attempt's other reply did.
 func (a *attempt) reported(ms float64) {
 	if a.kv.seen.CompareAndSwap(false, true) {
-		a.pd.kvTransfer.Observe(ms / 1000)
+		a.rec.pd[len(a.rec.pd)-1].kvTransfer = ms / 1000
 	}
 }
 

@@ -75,9 +75,11 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 
 func (r *request) hold() { r.refs.Add(1) }
 
-// release drops one reference; the last one ends the request's context.
+// release drops one reference; the last one emits the request's record
+// and ends its context.
 func (r *request) release() {
 	if r.refs.Add(-1) == 0 {
+		r.emit()
 		r.s.inflight.remove(r)
 		r.cancel(context.Canceled)
 		r.s.live.Add(-1)
@@ -86,8 +88,8 @@ func (r *request) release() {
 
 // finish is called once when the response to the client is complete.
 func (r *request) finish() {
-	r.emit()
-	r.s.inflight.finished(r).stop()
+	r.rec.responded(r)
+	r.s.inflight.finished(r)
 	if r.admit != nil {
 		r.admit()
 	}
@@ -115,6 +117,6 @@ func (r *request) settle() {
 
 // observeFirstByte records the router-side time to first byte.
 func (r *request) observeFirstByte() {
-	r.rec.firstByte = time.Now()
+	r.rec.firstByte = time.Since(r.start)
 	r.leg.trace.firstByte(r.info.Stream)
 }

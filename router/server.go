@@ -333,6 +333,29 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
 }
 
+// knownMethod returns m as one of the methods the router serves (a
+// constant, so no request copies fasthttp's bytes); any other is answered
+// 405 and counted as OTHER, so clients cannot mint metric series.
+func knownMethod(m []byte) (string, bool) {
+	for _, k := range servedMethods {
+		if string(m) == k {
+			return k, true
+		}
+	}
+	return "", false
+}
+
+var servedMethods = [...]string{"POST", "GET", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"}
+
+// otherMethod is the metrics label of every method knownMethod refuses.
+const otherMethod = "OTHER"
+
+// refuseMethod answers a method the router does not serve.
+func refuseMethod(ctx *fasthttp.RequestCtx) {
+	writeError(ctx, &apiError{Status: 405, Code: "method_not_allowed", Message: "method not allowed"})
+	ctx.Response.Header.Set("Allow", "GET, POST, PUT, DELETE, HEAD, OPTIONS, PATCH")
+}
+
 type generationRoute struct {
 	path string
 	kind routeKind

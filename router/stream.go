@@ -112,6 +112,13 @@ type streamRelay struct {
 // before [DONE]: its close is then no end but a failure.
 var errUnframedEnd = errors.New("the worker closed its stream before [DONE]")
 
+// saw takes the worker's next bytes into the record (the KV transfer time
+// they may report) and the stream's tail.
+func (sr *streamRelay) saw(b []byte) {
+	sr.attempt.scanDecode(b)
+	sr.see(b)
+}
+
 // see keeps the last bytes of the worker's stream.
 func (sr *streamRelay) see(b []byte) {
 	if len(b) >= len(sr.tail) {
@@ -217,8 +224,7 @@ func (sr *streamRelay) nextOut() ([]byte, *[]byte) {
 		n, err = completeErrorEvent(resp, buf, n, lineStart)
 	}
 	sr.readErr = err
-	sr.attempt.scanDecode(buf[:n])
-	sr.see(buf[:n])
+	sr.saw(buf[:n])
 	return sr.scrub(buf[:n], lineStart), bufp
 }
 
@@ -269,8 +275,7 @@ func (sr *streamRelay) next(buf []byte) []byte {
 		if n > 0 && sr.readErr == nil && sr.kvErrors() {
 			n, sr.readErr = completeErrorEvent(sr.leg.resp, buf, n, lineStart)
 		}
-		sr.attempt.scanDecode(buf[:n])
-		sr.see(buf[:n])
+		sr.saw(buf[:n])
 		if n > 0 {
 			out := sr.scrub(buf[:n], lineStart)
 			if sr.merge != nil {

@@ -143,6 +143,9 @@ type reqTrace struct {
 	ctx  context.Context // holds span
 	span trace.Span
 	rctx *fasthttp.RequestCtx // for the status the client got, at the end
+
+	status int   // the client's, once responded (record.responded)
+	cause  error // why the request was cut short, if it was
 }
 
 // start opens r's span, a child of the client's traceparent if any.
@@ -157,22 +160,22 @@ func (t *tracer) start(ctx *fasthttp.RequestCtx, r *request) *reqTrace {
 	return &reqTrace{t: t, ctx: c, span: span, rctx: ctx}
 }
 
-// end closes the request's span once the client's response is complete
-// (request.finish): with the status the client got, and why the request
-// was cut short if it was.
+// end closes the request's span as its record is emitted, at the time the
+// client's response was complete (record.responded): with the status the
+// client got, and why the request was cut short if it was.
 func (rt *reqTrace) end(r *request) {
 	if rt == nil {
 		return
 	}
-	status := rt.rctx.Response.StatusCode()
+	status := rt.status
 	rt.span.SetAttributes(semconv.HTTPResponseStatusCode(status), attribute.Bool("pdrouter.stream", r.info.Stream))
-	if cause := r.scope.Cause(); cause != nil {
+	if cause := rt.cause; cause != nil {
 		rt.span.SetAttributes(attribute.String("pdrouter.cancelled", cause.Error()))
 		rt.span.SetStatus(codes.Error, cause.Error())
 	} else if status >= 500 {
 		rt.span.SetStatus(codes.Error, strconv.Itoa(status))
 	}
-	rt.span.End()
+	rt.span.End(trace.WithTimestamp(r.start.Add(r.rec.took)))
 }
 
 // now is the start of a selection, when traced.

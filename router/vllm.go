@@ -76,7 +76,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	if fail != nil {
 		return fail, false
 	}
-	r.rec.pd, r.rec.pdStart = s.pdm.forModel(s.modelLabel(r)), time.Now()
+	r.rec.startPD()
 	var at vllmSpans
 	splice.FindFields(r.body, vllmFields[:], at[:])
 	hp := vllmHeaders.Get().(*[]byte)
@@ -146,7 +146,7 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 		l.bodyFailed()
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: reading its reply: " + err.Error()}, false
 	}
-	r.rec.pd.prefill.Observe(time.Since(r.rec.pdStart).Seconds())
+	r.rec.prefilled(time.Since(r.rec.pdStart))
 	var found [1]splice.Span
 	splice.FindFields(reply, []string{"kv_transfer_params"}, found[:])
 	params := jsonNull

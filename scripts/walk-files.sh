@@ -3,7 +3,8 @@
 # in (issue 23's "files visited"): a probe test, copied into TREE/router for
 # the run only, sends one and then two requests to canned engines under
 # -cover, and the files whose block counters grew with the second are
-# listed. STREAM=1 streams. TREE defaults to this checkout.
+# listed. STREAM=1 streams. TREE defaults to this checkout. The engines are
+# the hot-path benchmarks' (cannedBackend, router/hotpath_bench_test.go).
 set -euo pipefail
 tree=$(cd "${1:-$(dirname "$0")/..}" && pwd); stream=${2:-0}
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"; rm -f "$tree/router/zz_walk_probe_test.go"' EXIT
@@ -11,7 +12,6 @@ cat > "$tree/router/zz_walk_probe_test.go" <<'GO'
 package router
 
 import (
-	"net"
 	"os"
 	"strconv"
 	"testing"
@@ -28,8 +28,8 @@ func TestWalkProbe(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.PDDisaggregation = true
 	stream := os.Getenv("WALK_STREAM") == "1"
-	cfg.Prefill = []PrefillSpec{{URL: probeBackend(t, stream), BootstrapPort: 8998}}
-	cfg.Decode = []string{probeBackend(t, stream)}
+	cfg.Prefill = []PrefillSpec{{URL: cannedBackend(t, stream), BootstrapPort: 8998}}
+	cfg.Decode = []string{cannedBackend(t, stream)}
 	base, srv := serveInProcess(t, cfg)
 	defer srv.Shutdown(t.Context())
 	c := &fasthttp.Client{}
@@ -47,35 +47,6 @@ func TestWalkProbe(t *testing.T) {
 		do()
 		time.Sleep(300 * time.Millisecond) // prefill's goroutine ends
 	}
-}
-
-func probeBackend(t testing.TB, stream bool) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	reply := []byte(`{"text":" tok1 tok2 tok3 tok4","meta_info":{"id":"x","prompt_tokens":3,"completion_tokens":4}}`)
-	srv := &fasthttp.Server{Handler: func(ctx *fasthttp.RequestCtx) {
-		switch string(ctx.Path()) {
-		case "/health":
-		case "/get_server_info", "/server_info":
-			ctx.SetBodyString(`{"served_model_name":"mock"}`)
-		default:
-			if stream {
-				ctx.SetContentType("text/event-stream")
-				for i := range 8 {
-					ctx.WriteString(`data: {"text":"tok` + strconv.Itoa(i) + `"}` + "\n\n")
-				}
-				ctx.WriteString("data: [DONE]\n\n")
-				return
-			}
-			ctx.SetContentType("application/json")
-			ctx.SetBody(reply)
-		}
-	}}
-	go srv.Serve(ln)
-	t.Cleanup(func() { _ = srv.Shutdown() })
-	return "http://" + ln.Addr().String()
 }
 GO
 cd "$tree"

@@ -10,18 +10,25 @@ type openaiUsage struct {
 	TotalTokens      int `json:"total_tokens"`
 }
 
-type chatResponse struct {
+// openaiResponse is a chat or completions reply, or a chunk of one: the
+// two differ only in their choices.
+type openaiResponse[C any] struct {
 	ID         string       `json:"id"`
 	Object     string       `json:"object"`
 	Created    int64        `json:"created"`
 	Model      string       `json:"model"`
-	Choices    []chatChoice `json:"choices"`
+	Choices    []C          `json:"choices"`
 	Usage      *openaiUsage `json:"usage,omitempty"`
 	KVTransfer any          `json:"kv_transfer,omitempty"`
 	WorkerID   string       `json:"worker_id"`
 	// KVTransferParams is vLLM's: what a prefill tells the decode (vllm.go).
 	KVTransferParams any `json:"kv_transfer_params,omitempty"`
 }
+
+type (
+	chatResponse       = openaiResponse[chatChoice]
+	completionResponse = openaiResponse[completionChoice]
+)
 
 type chatChoice struct {
 	Index        int           `json:"index"`
@@ -45,19 +52,6 @@ type tokenLogprobOut struct {
 	Logprob     float64           `json:"logprob"`
 	Bytes       []int             `json:"bytes"`
 	TopLogprobs []tokenLogprobOut `json:"top_logprobs,omitempty"`
-}
-
-type completionResponse struct {
-	ID         string             `json:"id"`
-	Object     string             `json:"object"`
-	Created    int64              `json:"created"`
-	Model      string             `json:"model"`
-	Choices    []completionChoice `json:"choices"`
-	Usage      *openaiUsage       `json:"usage,omitempty"`
-	KVTransfer any                `json:"kv_transfer,omitempty"`
-	WorkerID   string             `json:"worker_id"`
-	// KVTransferParams is vLLM's: what a prefill tells the decode (vllm.go).
-	KVTransferParams any `json:"kv_transfer_params,omitempty"`
 }
 
 type completionChoice struct {
@@ -165,69 +159,25 @@ func (a *answer) chat() error {
 }
 
 // chatStream: per choice a role chunk, one content delta per token and a
-// final chunk with finish_reason; then a usage chunk when asked. kv_transfer
-// rides on the last chunk. The prefill role sends a single chunk per choice.
+// final chunk with finish_reason (openaiStream).
 func (a *answer) chatStream(base chatResponse) error {
-	ev := a.sse()
-	kv := a.kvTopLevel()
-	emit := func(c chatChoice, last bool) error {
-		chunk := base
-		chunk.Choices = []chatChoice{c}
-		if last {
-			chunk.KVTransfer = kv
-			if a.s.cfg.Role == RolePrefill && a.req.includeUsage {
-				chunk.Usage = a.usage()
-			}
-		}
-		return ev.send(&chunk)
-	}
-	if a.s.cfg.Role == RolePrefill {
-		for i := range a.seqs {
-			sq := &a.seqs[i]
-			if err := emit(chatChoice{Index: sq.choice, Delta: &chatOut{Role: "assistant", Content: &sq.text},
-				Logprobs: a.chatLogprobs(sq.ids), FinishReason: &finishLength}, i == len(a.seqs)-1); err != nil {
-				return err
-			}
-		}
-		return ev.done()
-	}
-	t0 := time.Now()
-	steps, lastSeq := a.steps()
 	empty := ""
-	for k := range steps {
-		if !a.pace(t0, k) {
-			return errClientGone
-		}
-		for i := range a.seqs {
-			sq := &a.seqs[i]
-			if k == 0 {
-				if err := emit(chatChoice{Index: sq.choice, Delta: &chatOut{Role: "assistant", Content: &empty}}, false); err != nil {
-					return err
-				}
-			}
-			if k < len(sq.ids) {
-				tok := tokenText(sq.ids[k])
-				if err := emit(chatChoice{Index: sq.choice, Delta: &chatOut{Content: &tok},
-					Logprobs: a.chatLogprobs(sq.ids[k : k+1])}, false); err != nil {
-					return err
-				}
-			}
-			if k == max(len(sq.ids), 1)-1 {
-				last := !a.req.includeUsage && k == steps-1 && i == lastSeq
-				if err := emit(chatChoice{Index: sq.choice, Delta: &chatOut{}, FinishReason: &finishLength}, last); err != nil {
-					return err
-				}
-			}
-		}
-	}
-	if a.req.includeUsage {
-		chunk := base
-		chunk.Choices, chunk.Usage, chunk.KVTransfer = []chatChoice{}, a.usage(), kv
-		if err := ev.send(&chunk); err != nil {
-			return err
-		}
-	}
-	return ev.done()
+	return openaiStream(a, base, choiceShape[chatChoice]{
+		whole: func(sq *sequence) chatChoice {
+			return chatChoice{Index: sq.choice, Delta: &chatOut{Role: "assistant", Content: &sq.text},
+				Logprobs: a.chatLogprobs(sq.ids), FinishReason: &finishLength}
+		},
+		opening: func(sq *sequence) chatChoice {
+			return chatChoice{Index: sq.choice, Delta: &chatOut{Role: "assistant", Content: &empty}}
+		},
+		token: func(sq *sequence, k int) chatChoice {
+			tok := tokenText(sq.ids[k])
+			return chatChoice{Index: sq.choice, Delta: &chatOut{Content: &tok}, Logprobs: a.chatLogprobs(sq.ids[k : k+1])}
+		},
+		end: func(sq *sequence) chatChoice {
+			return chatChoice{Index: sq.choice, Delta: &chatOut{}, FinishReason: &finishLength}
+		},
+	})
 }
 
 func (a *answer) completions() error {
@@ -248,13 +198,42 @@ func (a *answer) completions() error {
 	return a.writeJSON(base)
 }
 
-// completionsStream mirrors chatStream with text deltas.
+// completionsStream: per choice one text delta per token and a final
+// chunk with finish_reason (openaiStream).
 func (a *answer) completionsStream(base completionResponse) error {
+	return openaiStream(a, base, choiceShape[completionChoice]{
+		whole: func(sq *sequence) completionChoice {
+			return completionChoice{Index: sq.choice, Text: sq.text,
+				Logprobs: a.completionLogprobs(sq, 0, len(sq.ids)), FinishReason: &finishLength}
+		},
+		token: func(sq *sequence, k int) completionChoice {
+			return completionChoice{Index: sq.choice, Text: tokenText(sq.ids[k]), Logprobs: a.completionLogprobs(sq, k, k+1)}
+		},
+		end: func(sq *sequence) completionChoice {
+			return completionChoice{Index: sq.choice, FinishReason: &finishLength}
+		},
+	})
+}
+
+// choiceShape is how a stream's choices are made of a sequence: all of
+// it at once (prefill's), an opening chunk if the shape has one, one token,
+// the finish.
+type choiceShape[C any] struct {
+	whole   func(sq *sequence) C
+	opening func(sq *sequence) C // nil: the shape has none
+	token   func(sq *sequence, k int) C
+	end     func(sq *sequence) C
+}
+
+// openaiStream sends a chat or completions stream: one chunk per choice
+// piece, then a usage chunk when asked. kv_transfer rides on the last
+// chunk. The prefill role sends a single chunk per choice.
+func openaiStream[C any](a *answer, base openaiResponse[C], shape choiceShape[C]) error {
 	ev := a.sse()
 	kv := a.kvTopLevel()
-	emit := func(c completionChoice, last bool) error {
+	emit := func(c C, last bool) error {
 		chunk := base
-		chunk.Choices = []completionChoice{c}
+		chunk.Choices = []C{c}
 		if last {
 			chunk.KVTransfer = kv
 			if a.s.cfg.Role == RolePrefill && a.req.includeUsage {
@@ -265,9 +244,7 @@ func (a *answer) completionsStream(base completionResponse) error {
 	}
 	if a.s.cfg.Role == RolePrefill {
 		for i := range a.seqs {
-			sq := &a.seqs[i]
-			if err := emit(completionChoice{Index: sq.choice, Text: sq.text,
-				Logprobs: a.completionLogprobs(sq, 0, len(sq.ids)), FinishReason: &finishLength}, i == len(a.seqs)-1); err != nil {
+			if err := emit(shape.whole(&a.seqs[i]), i == len(a.seqs)-1); err != nil {
 				return err
 			}
 		}
@@ -281,15 +258,19 @@ func (a *answer) completionsStream(base completionResponse) error {
 		}
 		for i := range a.seqs {
 			sq := &a.seqs[i]
+			if k == 0 && shape.opening != nil {
+				if err := emit(shape.opening(sq), false); err != nil {
+					return err
+				}
+			}
 			if k < len(sq.ids) {
-				if err := emit(completionChoice{Index: sq.choice, Text: tokenText(sq.ids[k]),
-					Logprobs: a.completionLogprobs(sq, k, k+1)}, false); err != nil {
+				if err := emit(shape.token(sq, k), false); err != nil {
 					return err
 				}
 			}
 			if k == max(len(sq.ids), 1)-1 {
 				last := !a.req.includeUsage && k == steps-1 && i == lastSeq
-				if err := emit(completionChoice{Index: sq.choice, FinishReason: &finishLength}, last); err != nil {
+				if err := emit(shape.end(sq), last); err != nil {
 					return err
 				}
 			}
@@ -297,7 +278,7 @@ func (a *answer) completionsStream(base completionResponse) error {
 	}
 	if a.req.includeUsage {
 		chunk := base
-		chunk.Choices, chunk.Usage, chunk.KVTransfer = []completionChoice{}, a.usage(), kv
+		chunk.Choices, chunk.Usage, chunk.KVTransfer = []C{}, a.usage(), kv
 		if err := ev.send(&chunk); err != nil {
 			return err
 		}
