@@ -173,7 +173,8 @@ func bodyPath(mode string) string {
 // power of two (2x for 64 MiB + 1) and grew a chunked one by copies (4x
 // here, quadratic past 100 MB: a 500 MB chunked body peaked at 3.2 GB,
 // read at 10 MB/s). Regular mode streams bodies; PD mode reads them from
-// the connection (headconn.go).
+// the connection (headconn.go). Neither copies it afterwards: the bootstrap
+// splice (PD) and the rid (regular mode) write the legs from that buffer.
 func TestBodyReadCostsItsSize(t *testing.T) {
 	for _, mode := range bodyModes {
 		for _, chunked := range []bool{false, true} {
