@@ -8,6 +8,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -191,4 +192,99 @@ func TestStagedUCXWithoutRMAUsesFrames(t *testing.T) {
 	}) {
 		t.Fatalf("paths %+v, want staged-tcp", p)
 	}
+}
+
+// Over UCX's tcp lanes every put in flight completes together with the
+// last one posted, so a ring no larger than the window of puts in flight
+// emptied on every round and the wire stopped while the receiver scattered
+// and handed the slots back. The ring holds two windows: with the receiver
+// stuck on its first scatter, a second window of puts still goes out.
+func TestStagedUCXNextWindowWhileScattering(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	t.Setenv("UCX_TLS", "tcp")
+	gpus := newHostGPUs(t)
+	side := func(tr, host string) *memSide {
+		return newMemSide(t, tr, 5*time.Second, func(c *MemoryConfig) {
+			c.GPUs, c.HostID, c.StageChunk, c.TransportPuts = gpus, host, testChunk, true
+		})
+	}
+	a, b := side("ucx-counted", "host-a"), side("ucx", "host-b")
+	const chunks = 32
+	src, dst := gpus.alloc(0, chunks*testChunk), gpus.alloc(1, chunks*testChunk)
+	fill(src.mem, 9)
+	a.registerGPU(t, srcBase, src)
+	b.registerGPU(t, dstBase, dst)
+	release := make(chan struct{})
+	var once sync.Once
+	gpus.onScatter = func([]Span) error {
+		once.Do(func() { <-release })
+		return nil
+	}
+	done := make(chan error, 1)
+	go func() {
+		done <- a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: chunks * testChunk}})
+	}()
+	puts := a.tr.(*countedUCX)
+	last, still := int64(-1), 0
+	for still < 20 {
+		time.Sleep(5 * time.Millisecond)
+		if n := puts.done.Load(); n == last {
+			still++
+		} else {
+			last, still = n, 0
+		}
+	}
+	most := puts.most.Load()
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst.mem, src.mem) {
+		t.Fatal("bytes differ")
+	}
+	if most > stageWindow {
+		t.Fatalf("%d puts in flight at once, want at most %d", most, stageWindow)
+	}
+	if last < 2*stageWindow {
+		t.Fatalf("%d puts done while the receiver scattered the first slot, want a second window (%d)", last, 2*stageWindow)
+	}
+}
+
+func init() {
+	transports["ucx-counted"] = func() (Transport, error) {
+		u, err := NewUCX()
+		if err != nil {
+			return nil, err
+		}
+		return &countedUCX{UCX: u}, nil
+	}
+}
+
+// countedUCX counts its endpoints' puts: done, in flight, most in flight.
+type countedUCX struct {
+	*UCX
+	done, flying, most atomic.Int64
+}
+
+func (c *countedUCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
+	ep, err := c.UCX.MemoryEndpoint(addr)
+	if err != nil {
+		return nil, err
+	}
+	return &countedEndpoint{MemoryEndpoint: ep, c: c}, nil
+}
+
+type countedEndpoint struct {
+	MemoryEndpoint
+	c *countedUCX
+}
+
+func (e *countedEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
+	n := e.c.flying.Add(1)
+	for m := e.c.most.Load(); n > m && !e.c.most.CompareAndSwap(m, n); m = e.c.most.Load() {
+	}
+	err := e.MemoryEndpoint.Put(ctx, ops)
+	e.c.flying.Add(-1)
+	e.c.done.Add(1)
+	return err
 }
