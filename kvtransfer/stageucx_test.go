@@ -260,10 +260,21 @@ func init() {
 	}
 }
 
-// countedUCX counts its endpoints' puts: done, in flight, most in flight.
+// countedUCX counts its endpoints' puts: done, in flight, most in flight,
+// and how long at least one was in flight.
 type countedUCX struct {
 	*UCX
 	done, flying, most atomic.Int64
+	mu                 sync.Mutex
+	busySince          time.Time
+	busy               time.Duration
+}
+
+// busyFor is how long puts were in flight so far.
+func (c *countedUCX) busyFor() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.busy
 }
 
 func (c *countedUCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
@@ -280,11 +291,20 @@ type countedEndpoint struct {
 }
 
 func (e *countedEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
-	n := e.c.flying.Add(1)
-	for m := e.c.most.Load(); n > m && !e.c.most.CompareAndSwap(m, n); m = e.c.most.Load() {
+	c := e.c
+	c.mu.Lock()
+	n := c.flying.Add(1)
+	if n == 1 {
+		c.busySince = time.Now()
 	}
+	c.most.Store(max(c.most.Load(), n))
+	c.mu.Unlock()
 	err := e.MemoryEndpoint.Put(ctx, ops)
-	e.c.flying.Add(-1)
-	e.c.done.Add(1)
+	c.mu.Lock()
+	if c.flying.Add(-1) == 0 {
+		c.busy += time.Since(c.busySince)
+	}
+	c.done.Add(1)
+	c.mu.Unlock()
 	return err
 }
