@@ -13,8 +13,9 @@ import (
 // BenchmarkStagedUCX is 64 MiB over UCX's tcp lanes (UCX_TLS=tcp, both
 // ends in this process): the staged-ucx path on stand-in GPUs (gather,
 // puts into the receiver's ring, scatter), against the same bytes put by
-// our UCX transport from registered host memory as 1 MiB puts under one
-// flush (UCX's own put rate on this box, the ceiling in the same run).
+// our UCX transport from registered host memory as 1 MiB puts, under one
+// flush (UCX's own put rate on this box, the ceiling in the same run) and
+// a window of them each with its flush (the staged path's puts alone).
 // wire-busy-% is the share of the staged writes' time with a put in
 // flight: a ring that drains every round shows as idle wire.
 func BenchmarkStagedUCX(b *testing.B) {
@@ -52,12 +53,34 @@ func BenchmarkStagedUCX(b *testing.B) {
 		for off := uint64(0); off < size; off += chunk {
 			ops = append(ops, MemoryOp{Local: sreg, LocalOff: off, Key: key, Remote: addrOf(dst) + off, Len: chunk})
 		}
-		b.SetBytes(size)
-		for b.Loop() {
-			if err := ep.Put(context.Background(), ops); err != nil {
-				b.Fatal(err)
+		b.Run("one-flush", func(b *testing.B) {
+			b.SetBytes(size)
+			for b.Loop() {
+				if err := ep.Put(context.Background(), ops); err != nil {
+					b.Fatal(err)
+				}
 			}
-		}
+		})
+		// As the staged path puts: a flush per put, a window in flight.
+		b.Run("window", func(b *testing.B) {
+			b.SetBytes(size)
+			for b.Loop() {
+				window := make(chan struct{}, stageWindow)
+				errs := make(chan error, len(ops))
+				for i := range ops {
+					window <- struct{}{}
+					go func() {
+						errs <- ep.Put(context.Background(), ops[i:i+1])
+						<-window
+					}()
+				}
+				for range ops {
+					if err := <-errs; err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+		})
 	})
 	b.Run("staged-ucx", func(b *testing.B) {
 		gpus := &hostGPUs{}
