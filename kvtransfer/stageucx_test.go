@@ -225,16 +225,10 @@ func TestStagedUCXNextWindowWhileScattering(t *testing.T) {
 		done <- a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: chunks * testChunk}})
 	}()
 	puts := a.tr.(*countedUCX)
-	last, still := int64(-1), 0
-	for still < 20 {
-		time.Sleep(5 * time.Millisecond)
-		if n := puts.done.Load(); n == last {
-			still++
-		} else {
-			last, still = n, 0
-		}
+	for deadline := time.Now().Add(3 * time.Second); puts.done.Load() < 2*stageWindow && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
 	}
-	most := puts.most.Load()
+	last, most := puts.done.Load(), puts.most.Load()
 	close(release)
 	if err := <-done; err != nil {
 		t.Fatal(err)
