@@ -27,9 +27,18 @@ import (
 // link order and hands the slot back (MEM_STAGE_FREE). The write's fence
 // is answered after the last scatter, as on the tcp staged path.
 
-// stageSlots is how many slots a writer asks for: enough to keep a put, a
-// scatter and a MEM_STAGED in flight at once.
-const stageSlots = 4
+// stageSlots is how many slots a writer asks for: two windows of puts, so
+// that one window is on the wire while the receiver scatters and hands
+// back the other.
+const stageSlots = 2 * stageWindow
+
+// stageWindow is how many puts a writer keeps in flight. Over UCX's tcp
+// lanes an endpoint flush completes only once the lane's queue drains, so
+// every put in flight completes together with the last one posted: with
+// as many puts in flight as slots, each round of the ring stopped the
+// wire for a MEM_STAGED, a scatter and a MEM_STAGE_FREE round trip (all
+// slots' puts completed at once, TestStagedUCXNextWindowWhileScattering).
+const stageWindow = 4
 
 // maxStageSlots bounds what a receiver grants.
 const maxStageSlots = 8
@@ -137,6 +146,7 @@ type flights struct {
 	ep     MemoryEndpoint
 	r      *peerRing
 	queue  chan flight
+	window chan struct{} // a token per put in flight
 	done   chan struct{}
 	failed atomic.Bool
 	err    error // the first failure; the runner's until done is closed
@@ -152,7 +162,8 @@ type flight struct {
 var errFlightFailed = errors.New("an earlier put of the write failed")
 
 func (l *memLink) startFlights(ctx context.Context, ep MemoryEndpoint, r *peerRing) *flights {
-	fs := &flights{l: l, ctx: ctx, ep: ep, r: r, queue: make(chan flight, cap(r.free)), done: make(chan struct{})}
+	fs := &flights{l: l, ctx: ctx, ep: ep, r: r, queue: make(chan flight, cap(r.free)),
+		window: make(chan struct{}, stageWindow), done: make(chan struct{})}
 	go fs.run()
 	return fs
 }
@@ -174,8 +185,8 @@ func (fs *flights) run() {
 	}
 }
 
-// post waits for a free slot and starts putting f into it; release (if
-// any) runs once the put is over.
+// post waits for a free slot and room in the window, and starts putting
+// f into the slot; release (if any) runs once the put is over.
 func (fs *flights) post(f slotFill, release func() error) error {
 	fail := func(err error) error {
 		if release != nil {
@@ -194,17 +205,27 @@ func (fs *flights) post(f slotFill, release func() error) error {
 	case <-fs.l.gone:
 		return fail(fs.l.lost())
 	}
+	select {
+	case fs.window <- struct{}{}:
+	case <-fs.ctx.Done():
+		fs.r.free <- slot // never filled: still the writer's
+		return fail(fs.ctx.Err())
+	case <-fs.l.gone:
+		fs.r.free <- slot
+		return fail(fs.l.lost())
+	}
 	base := fs.r.addr + uint64(slot)*uint64(fs.r.slotLen)
 	for i := range f.ops {
 		f.ops[i].Key, f.ops[i].Remote = fs.r.key, base+f.ops[i].Remote
 	}
 	res := make(chan error, 1)
 	go func() {
-		if err := fs.ep.Put(fs.ctx, f.ops); err != nil {
-			res <- fmt.Errorf("put into the peer's staging slot: %w", err)
-			return
+		err := fs.ep.Put(fs.ctx, f.ops)
+		<-fs.window
+		if err != nil {
+			err = fmt.Errorf("put into the peer's staging slot: %w", err)
 		}
-		res <- nil
+		res <- err
 	}()
 	fs.queue <- flight{slot: slot, pieces: f.pieces, res: res, release: release}
 	return nil

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -191,4 +192,113 @@ func TestStagedUCXWithoutRMAUsesFrames(t *testing.T) {
 	}) {
 		t.Fatalf("paths %+v, want staged-tcp", p)
 	}
+}
+
+// Over UCX's tcp lanes every put in flight completes together with the
+// last one posted, so a ring no larger than the window of puts in flight
+// emptied on every round and the wire stopped while the receiver scattered
+// and handed the slots back. The ring holds two windows: with the receiver
+// stuck on its first scatter, a second window of puts still goes out.
+func TestStagedUCXNextWindowWhileScattering(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
+	t.Setenv("UCX_TLS", "tcp")
+	gpus := newHostGPUs(t)
+	side := func(tr, host string) *memSide {
+		return newMemSide(t, tr, 5*time.Second, func(c *MemoryConfig) {
+			c.GPUs, c.HostID, c.StageChunk, c.TransportPuts = gpus, host, testChunk, true
+		})
+	}
+	a, b := side("ucx-counted", "host-a"), side("ucx", "host-b")
+	const chunks = 32
+	src, dst := gpus.alloc(0, chunks*testChunk), gpus.alloc(1, chunks*testChunk)
+	fill(src.mem, 9)
+	a.registerGPU(t, srcBase, src)
+	b.registerGPU(t, dstBase, dst)
+	release := make(chan struct{})
+	var once sync.Once
+	gpus.onScatter = func([]Span) error {
+		once.Do(func() { <-release })
+		return nil
+	}
+	done := make(chan error, 1)
+	go func() {
+		done <- a.s.Write(context.Background(), b.p.PeerAddr(), []Triple{{Src: srcBase, Dst: dstBase, Len: chunks * testChunk}})
+	}()
+	puts := a.tr.(*countedUCX)
+	for deadline := time.Now().Add(3 * time.Second); puts.done.Load() < 2*stageWindow && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	last, most := puts.done.Load(), puts.most.Load()
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst.mem, src.mem) {
+		t.Fatal("bytes differ")
+	}
+	if most > stageWindow {
+		t.Fatalf("%d puts in flight at once, want at most %d", most, stageWindow)
+	}
+	if last < 2*stageWindow {
+		t.Fatalf("%d puts done while the receiver scattered the first slot, want a second window (%d)", last, 2*stageWindow)
+	}
+}
+
+func init() {
+	transports["ucx-counted"] = func() (Transport, error) {
+		u, err := NewUCX()
+		if err != nil {
+			return nil, err
+		}
+		return &countedUCX{UCX: u}, nil
+	}
+}
+
+// countedUCX counts its endpoints' puts: done, in flight, most in flight,
+// and how long at least one was in flight.
+type countedUCX struct {
+	*UCX
+	done, flying, most atomic.Int64
+	mu                 sync.Mutex
+	busySince          time.Time
+	busy               time.Duration
+}
+
+// busyFor is how long puts were in flight so far.
+func (c *countedUCX) busyFor() time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.busy
+}
+
+func (c *countedUCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
+	ep, err := c.UCX.MemoryEndpoint(addr)
+	if err != nil {
+		return nil, err
+	}
+	return &countedEndpoint{MemoryEndpoint: ep, c: c}, nil
+}
+
+type countedEndpoint struct {
+	MemoryEndpoint
+	c *countedUCX
+}
+
+func (e *countedEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
+	c := e.c
+	c.mu.Lock()
+	n := c.flying.Add(1)
+	if n == 1 {
+		c.busySince = time.Now()
+	}
+	c.most.Store(max(c.most.Load(), n))
+	c.mu.Unlock()
+	err := e.MemoryEndpoint.Put(ctx, ops)
+	c.mu.Lock()
+	if c.flying.Add(-1) == 0 {
+		c.busy += time.Since(c.busySince)
+	}
+	c.done.Add(1)
+	c.mu.Unlock()
+	return err
 }
