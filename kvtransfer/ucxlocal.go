@@ -43,9 +43,23 @@ type localRegistration struct {
 
 func (r *localRegistration) RKey() []byte { return r.key }
 
-func (r *localRegistration) Close() error { return errors.Join(r.shm.Close(), r.ucx.Close()) }
+func (r *localRegistration) Close() error {
+	if r.shm == nil {
+		return r.ucx.Close()
+	}
+	return errors.Join(r.shm.Close(), r.ucx.Close())
+}
 
 func (t *UCXLocalSHM) RegisterMemory(b []byte, fd int) (MemoryRegistration, error) {
+	if fd < 0 {
+		// kvproxy's own staging rings have no memfd; only peers on other
+		// hosts put into them, by UCX: a blank shm half keeps the key's form.
+		u, err := t.UCX.RegisterMemory(b, fd)
+		if err != nil {
+			return nil, err
+		}
+		return &localRegistration{ucx: u, key: append(make([]byte, shmKeyLen), u.RKey()...)}, nil
+	}
 	s, err := t.shm.RegisterMemory(b, fd)
 	if err != nil {
 		return nil, err
