@@ -74,3 +74,54 @@ func TestUCXLocalSHMPicksPerPeer(t *testing.T) {
 		t.Fatalf("UCX objects leaked: %+v", l)
 	}
 }
+
+// kvproxy's staging rings have no memfd: UCXLocalSHM registers them with
+// UCX alone, and a peer on another host puts into them (staged-ucx).
+func TestUCXLocalSHMRegistersMemoryWithoutAMemfd(t *testing.T) {
+	t.Setenv("UCX_TLS", "tcp")
+	a, err := NewUCXLocalSHM("h1")
+	if err != nil {
+		t.Skipf("ucx: %v", err)
+	}
+	b, err := NewUCXLocalSHM("h2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, _ := engineMemory(t, 64<<10)
+	ring, _ := engineMemory(t, 64<<10)
+	fill(src, 3)
+	sreg, err := a.RegisterMemory(src, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rreg, err := b.RegisterMemory(ring, -1)
+	if err != nil {
+		t.Fatalf("a ring without a memfd: %v", err)
+	}
+	addr, err := b.WorkerAddress()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ep, err := a.MemoryEndpoint(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ep.Unpack(rreg.RKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ep.Put(context.Background(), []MemoryOp{{Local: sreg, Key: key, Remote: addrOf(ring), Len: uint64(len(src))}}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(src, ring) {
+		t.Fatal("the put did not land in the ring")
+	}
+	ep.Forget(key)
+	ep.Close()
+	if err := errors.Join(sreg.Close(), rreg.Close(), a.Close(), b.Close()); err != nil {
+		t.Fatal(err)
+	}
+	if l := ucx.LiveObjects(); l != (ucx.Live{}) {
+		t.Fatalf("UCX objects leaked: %+v", l)
+	}
+}
