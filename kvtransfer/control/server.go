@@ -162,7 +162,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	pending := make([]byte, 0, readChunk)
 	oob := make([]byte, syscall.CmsgSpace(4*4))
 	frameTimeout := cmp.Or(s.FrameTimeout, defaultFrameTimeout)
-	timed := false // a read deadline is armed for the frame in progress
+	timed := false              // a read deadline is armed for the frame in progress
 	work := make(chan *Request) // to an idle worker (c.work)
 	for {
 		pending = slices.Grow(pending, readRoom(pending))
