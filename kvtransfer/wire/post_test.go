@@ -56,7 +56,7 @@ func TestPostIntoAFullSocketNeitherBlocksNorReorders(t *testing.T) {
 	for i := range regions {
 		regions[i] = MemRegion{ID: uint32(i + 1), Base: uint64(i+1) << 12, Len: 1 << 12}
 	}
-	const posts = 200                  // ~14 MB: more than the socket buffers hold
+	const posts = 200 // ~14 MB: more than the socket buffers hold
 	start := time.Now()
 	for seq := uint64(1); seq <= posts; seq++ {
 		w.Post(&MemRegions{Seq: seq, Regions: regions})
