@@ -1,17 +1,23 @@
 package kvtransfer
 
-// immediateMax bounds the writes Immediate admits: a copy this small
-// takes less than handing the call to another goroutine.
-const immediateMax = 64 << 10
+import "github.com/pdrouter/pdrouter/kvtransfer/wire"
+
+// Bounds of the writes Immediate admits: a copy this small takes less
+// than handing the call to another goroutine.
+const (
+	immediateMax     = 64 << 10
+	immediateTriples = 64
+)
 
 // Immediate reports whether a write of ts to peer completes without
-// waiting on the network: host memory over shm (a copy into the peer
-// engine's mapping), the link to peer already up, at most immediateMax
-// bytes. The control server runs such a write in its read loop instead of
-// handing it to a worker. (A destination the link's table lacks still
-// costs one table round trip, bounded by the write's deadline.)
+// waiting on the network: host memory over shm into host memory the link's
+// table already lists (a copy into the peer engine's mapping), the link to
+// peer up, at most immediateTriples ranges and immediateMax bytes. The
+// control server runs such a write in its read loop instead of handing it
+// to a worker; anything else (a GPU end, a destination only a table
+// refresh would find) may wait on the peer and goes to a worker.
 func (p *MemoryPlane) Immediate(peer string, ts []Triple) bool {
-	if p.hostPath != PathSHM || len(ts) == 0 {
+	if p.hostPath != PathSHM || len(ts) == 0 || len(ts) > immediateTriples {
 		return false
 	}
 	var n uint64
@@ -24,5 +30,13 @@ func (p *MemoryPlane) Immediate(peer string, ts []Triple) bool {
 	p.mu.Lock()
 	l := p.byAddr[peer]
 	p.mu.Unlock()
-	return l != nil && !p.gpu.holds(ts)
+	if l == nil || p.gpu.holds(ts) {
+		return false
+	}
+	for _, t := range ts {
+		if r, ok := l.remoteRegion(t.Dst, t.Len); !ok || r.Kind != wire.MemHost {
+			return false
+		}
+	}
+	return true
 }
