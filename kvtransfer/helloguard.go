@@ -1,9 +1,11 @@
 package kvtransfer
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"syscall"
 
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
@@ -50,4 +52,14 @@ func (c *prefixConn) Read(b []byte) (int, error) {
 		return n, nil
 	}
 	return c.Conn.Read(b)
+}
+
+// SyscallConn is the socket beneath, for wire.Conn's writes that must not
+// wait (the prefix concerns reads only).
+func (c *prefixConn) SyscallConn() (syscall.RawConn, error) {
+	sc, ok := c.Conn.(syscall.Conn)
+	if !ok {
+		return nil, errors.New("no socket beneath")
+	}
+	return sc.SyscallConn()
 }

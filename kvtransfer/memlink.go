@@ -328,10 +328,14 @@ func (l *memLink) land(d *wire.Data) error {
 		}
 		return l.conn.DiscardData()
 	}
+	dst := r.mem[d.Offset : d.Offset+uint64(d.N)]
+	if l.conn.Buffered() >= len(dst) {
+		return l.conn.ReadData(dst) // read in already: no deadline (a timer) to arm
+	}
 	if err := l.conn.SetReadTimeout(p.cfg.WriteTimeout); err != nil {
 		return err
 	}
-	if err := l.conn.ReadData(r.mem[d.Offset : d.Offset+uint64(d.N)]); err != nil {
+	if err := l.conn.ReadData(dst); err != nil {
 		return err
 	}
 	return l.conn.SetReadTimeout(0)
@@ -658,7 +662,7 @@ func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
 	for _, r := range runs {
 		pieces = appendPieces(pieces, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
-	ack, err := l.fenced(ctx, func() error { return l.conn.WriteDataBatch(pieces) })
+	ack, err := l.fencedWith(ctx, func(fence wire.Msg) error { return l.conn.WriteDataThen(pieces, fence) })
 	if err != nil {
 		return err
 	}
@@ -673,6 +677,17 @@ func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
 // failed send closes the link; a write abandoned (ctx) closes it too, since
 // frames already sent could land after the caller gave up.
 func (l *memLink) fenced(ctx context.Context, send func() error) (*wire.MemFenceAck, error) {
+	return l.fencedWith(ctx, func(fence wire.Msg) error {
+		if err := send(); err != nil {
+			return err
+		}
+		return l.conn.Write(fence)
+	})
+}
+
+// fencedWith is fenced where send writes the fence too (behind its frames,
+// in one system call).
+func (l *memLink) fencedWith(ctx context.Context, send func(fence wire.Msg) error) (*wire.MemFenceAck, error) {
 	seq, ch, err := l.ask()
 	if err != nil {
 		return nil, err
@@ -680,10 +695,7 @@ func (l *memLink) fenced(ctx context.Context, send func() error) (*wire.MemFence
 	stop := context.AfterFunc(ctx, func() { l.close(fmt.Errorf("write abandoned: %w", ctx.Err())) })
 	defer stop()
 	l.sendMu.Lock()
-	err = send()
-	if err == nil {
-		err = l.conn.Write(&wire.MemFence{Seq: seq})
-	}
+	err = send(&wire.MemFence{Seq: seq})
 	l.sendMu.Unlock()
 	if err != nil {
 		l.close(err)

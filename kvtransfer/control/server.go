@@ -163,7 +163,8 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	pending := make([]byte, 0, readChunk)
 	oob := make([]byte, syscall.CmsgSpace(4*4))
 	frameTimeout := cmp.Or(s.FrameTimeout, defaultFrameTimeout)
-	timed := false // a read deadline is armed for the frame in progress
+	timed := false              // a read deadline is armed for the frame in progress
+	work := make(chan *Request) // to an idle worker (c.work)
 	for {
 		pending = slices.Grow(pending, readRoom(pending))
 		n, oobn, _, _, err := uc.ReadMsgUnix(pending[len(pending):cap(pending)], oob)
@@ -199,13 +200,22 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 				fd, fds = fds[0], fds[1:]
 			}
 			// Waits and transfers run beside the loop, so one caller's wait
-			// does not hold up another's request.
+			// does not hold up another's request; a small write that waits
+			// on nothing (a copy over shm) costs less than the hand-off.
+			if req.Op == OpWrite && c.mem != nil && s.Memory.Immediate(req.Peer, req.Triples) {
+				c.reply(c.handle(ctx, req, -1))
+				continue
+			}
 			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpWritePages || req.Op == OpProbe {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					c.reply(c.handle(ctx, req, -1))
-				}()
+				select {
+				case work <- req:
+				default:
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						c.work(ctx, req, work)
+					}()
+				}
 				continue
 			}
 			c.reply(c.handle(ctx, req, fd))
@@ -259,6 +269,21 @@ func parseFds(oob []byte) []int {
 		}
 	}
 	return all
+}
+
+// work answers req, then every request handed to it on more, until the
+// connection ends. Workers stay for the connection's life (as many as its
+// most requests in flight at once): a goroutine per request would cost its
+// start, a stack grown anew and its exit on every call.
+func (c *conn) work(ctx context.Context, req *Request, more <-chan *Request) {
+	for {
+		c.reply(c.handle(ctx, req, -1))
+		select {
+		case req = <-more:
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // reply sends r.

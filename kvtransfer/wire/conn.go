@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -20,6 +21,7 @@ type Conn struct {
 
 	wmu      sync.Mutex
 	wbuf     []byte
+	tbuf     []byte // the control frame after a batch's DATA frames
 	iov      net.Buffers
 	wTimeout time.Duration // per frame written; 0: none
 
@@ -30,12 +32,22 @@ type Conn struct {
 	posted   []Msg
 	flushing bool // a goroutine is on its way to write posted
 
+	// raw writes Post's frames without waiting (nil: nc has no socket);
+	// rest is what such a write left unsent, written first by the next
+	// holder of wmu.
+	raw  syscall.RawConn
+	rest []byte
+
 	pending uint32 // DATA bytes the caller still has to consume
 }
 
 // NewConn wraps nc.
 func NewConn(nc net.Conn) *Conn {
-	return &Conn{nc: nc, br: bufio.NewReaderSize(nc, 64<<10)}
+	c := &Conn{nc: nc, br: bufio.NewReaderSize(nc, 64<<10)}
+	if sc, ok := nc.(syscall.Conn); ok {
+		c.raw, _ = sc.SyscallConn()
+	}
+	return c
 }
 
 // NetConn is the underlying connection (for deadlines and Close).
@@ -91,9 +103,22 @@ const dataBatchBytes = 16 << 20
 // writev (headers and payloads gathered, payloads never copied), so a write
 // of many small pages costs few system calls.
 func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
+	return c.WriteDataThen(pieces, nil)
+}
+
+// WriteDataThen is WriteDataBatch followed by control frame then (nil:
+// none) in the same last writev: a small write and its fence cross as one
+// segment, so the peer wakes once for both.
+func (c *Conn) WriteDataThen(pieces []DataPiece, then Msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	if err := c.writePosted(); err != nil {
+		return err
+	}
+	if len(pieces) == 0 && then != nil {
+		c.armWrite()
+		c.wbuf = AppendFrame(c.wbuf[:0], then)
+		_, err := c.nc.Write(c.wbuf)
 		return err
 	}
 	for len(pieces) > 0 {
@@ -115,6 +140,10 @@ func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
 			start := len(c.wbuf)
 			c.wbuf = AppendFrame(c.wbuf, &Data{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))})
 			c.iov = append(c.iov, c.wbuf[start:len(c.wbuf):len(c.wbuf)], p.Data)
+		}
+		if n == len(pieces) && then != nil {
+			c.tbuf = AppendFrame(c.tbuf[:0], then)
+			c.iov = append(c.iov, c.tbuf)
 		}
 		c.armWrite()
 		if _, err := c.iov.WriteTo(c.nc); err != nil {
@@ -138,33 +167,70 @@ func (c *Conn) Post(m Msg) {
 	start := !c.flushing
 	c.flushing = true
 	c.pmu.Unlock()
-	if start {
-		go func() {
-			c.wmu.Lock()
-			defer c.wmu.Unlock()
-			if err := c.writePosted(); err != nil {
-				_ = c.nc.Close()
-			}
-		}()
+	if !start {
+		return
+	}
+	// Written here when no writer holds the lock and the socket takes it
+	// whole without waiting: a goroutine per answer costs more than the
+	// answer, and this never blocks the reader.
+	if c.wmu.TryLock() {
+		sent := c.writePostedNow()
+		c.wmu.Unlock()
+		if sent {
+			return
+		}
+	}
+	go func() {
+		c.wmu.Lock()
+		defer c.wmu.Unlock()
+		if err := c.writePosted(); err != nil {
+			_ = c.nc.Close()
+		}
+	}()
+}
+
+// takePosted encodes what Post queued behind any unsent rest into wbuf;
+// the caller holds wmu.
+func (c *Conn) takePosted() {
+	c.pmu.Lock()
+	ms := c.posted
+	c.posted, c.flushing = nil, false
+	c.pmu.Unlock()
+	c.wbuf = append(c.wbuf[:0], c.rest...)
+	c.rest = c.rest[:0]
+	for _, m := range ms {
+		c.wbuf = AppendFrame(c.wbuf, m)
 	}
 }
 
 // writePosted writes the frames Post queued; the caller holds wmu.
 func (c *Conn) writePosted() error {
-	c.pmu.Lock()
-	ms := c.posted
-	c.posted, c.flushing = nil, false
-	c.pmu.Unlock()
-	if len(ms) == 0 {
+	c.takePosted()
+	if len(c.wbuf) == 0 {
 		return nil
-	}
-	c.wbuf = c.wbuf[:0]
-	for _, m := range ms {
-		c.wbuf = AppendFrame(c.wbuf, m)
 	}
 	c.armWrite()
 	_, err := c.nc.Write(c.wbuf)
 	return err
+}
+
+// writePostedNow writes the frames Post queued with one non-blocking
+// write; what the socket did not take stays in rest for the next holder
+// of wmu. It reports whether all went; the caller holds wmu.
+func (c *Conn) writePostedNow() bool {
+	if c.raw == nil {
+		return false
+	}
+	c.takePosted()
+	n := 0
+	if err := c.raw.Write(func(fd uintptr) bool {
+		n, _ = syscall.Write(int(fd), c.wbuf)
+		return true // never wait for room
+	}); err != nil || n < 0 {
+		n = 0 // a past write deadline, or the error: the blocking path meets it again
+	}
+	c.rest = append(c.rest, c.wbuf[n:]...)
+	return len(c.rest) == 0
 }
 
 // SetReadTimeout arms the read deadline d from now (0 disables it).
@@ -242,6 +308,9 @@ func unexpected(err error) error {
 	}
 	return err
 }
+
+// Buffered is how many bytes of the stream are read in and not yet consumed.
+func (c *Conn) Buffered() int { return c.br.Buffered() }
 
 // ReadData reads the pending DATA bytes into dst, which must be exactly
 // that long: what the read buffer already holds is copied, the rest is read

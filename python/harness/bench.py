@@ -183,9 +183,14 @@ def table(res):
                 label, c.get("ucx_tls", "-"), tokens, x["bytes"] / 2**20, x["transfer_s"] * 1e3, x["gbps_transfer"], ratio,
                 vs_nixl, post, mc or 0, 100 * x["gbps_transfer"] / mc if mc else 0, 100 * x["kv_share_of_ttft"]))
     cc = res.get("call_cost", {})
-    for name, v in cc.items():
-        lines.append("")
-        lines.append("call cost %s: %s" % (name, json.dumps(v)))
+    if cc:
+        cases = list(next(iter(cc.values())))
+        lines += ["", "Per call (batch_transfer_sync_write until the bytes are in the peer's memory; median of the rounds' p50):", "",
+                  "| engine | " + " | ".join("%s µs | vs Mooncake" % c for c in cases) + " |",
+                  "|---|" + "---:|---:|" * len(cases)]
+        for name, v in cc.items():
+            lines.append("| %s | %s |" % (name, " | ".join("%.1f | %s" % (v[c]["p50_us"], "%.2fx" % v[c]["vs_mooncake"] if "vs_mooncake" in v[c] else "-")
+                                                         for c in cases)))
     return "\n".join(lines)
 
 

@@ -1,8 +1,12 @@
 """Per-call cost of batch_transfer_sync_write: a 64-byte write (one range) and an
 SGLang-sized call (16 ranges of 4 KiB), each a full round trip until the bytes
-are in the peer's memory, through pdrouter's TransferEngine + kvproxy (tcp) and
-through Mooncake's TransferEngine (TCP). Two engines in one process, page-
-disjoint buffers. Prints one JSON line: {engine: {case: {p50_us, mean_us}}}.
+are in the peer's memory, through Mooncake's TransferEngine (TCP) and through
+pdrouter's TransferEngine + a pair of kvproxies on each transport (tcp, shm,
+ucx). Two engines in one process, page-disjoint buffers. The engines take turns
+round by round (the box is shared and its load moves); each figure is the
+median over the rounds of one round's p50. Prints one JSON line:
+{engine: {case: {p50_us, mean_us, rounds_p50_us[, vs_mooncake]}}}; vs_mooncake
+is Mooncake's p50 over ours (above 1: ours is faster).
 """
 
 import argparse
@@ -10,6 +14,7 @@ import ctypes
 import json
 import mmap
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,7 +22,11 @@ import time
 
 import children
 
-CALLS = 2000
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The tree's pdrouter_kv, not whatever copy the venv holds.
+PYTHON_DIR = os.path.dirname(HERE)
+CASES = (("1x64B", 1, 64), ("16x4KiB", 16, 4096))
+TRANSPORTS = ("tcp", "shm", "ucx")
 
 
 def region(size):
@@ -25,7 +34,7 @@ def region(size):
     return m, ctypes.addressof((ctypes.c_char * size).from_buffer(m))
 
 
-def measure(src_eng, dst_eng):
+def measure(src_eng, dst_eng, calls):
     size = 1 << 20
     keep = []
     (ms, sp), (md, dp) = region(size), region(size)
@@ -34,14 +43,14 @@ def measure(src_eng, dst_eng):
     assert dst_eng.register_memory(dp, size) == 0
     peer = "127.0.0.1:%d" % dst_eng.get_rpc_port()
     out = {}
-    for case, n, ln in (("1x64B", 1, 64), ("16x4KiB", 16, 4096)):
+    for case, n, ln in CASES:
         srcs = [sp + i * 8192 for i in range(n)]
         dsts = [dp + i * 8192 for i in range(n)]
         lens = [ln] * n
         for _ in range(100):
             assert src_eng.batch_transfer_sync_write(peer, srcs, dsts, lens) == 0
         ts = []
-        for _ in range(CALLS):
+        for _ in range(calls):
             t = time.perf_counter()
             src_eng.batch_transfer_sync_write(peer, srcs, dsts, lens)
             ts.append(time.perf_counter() - t)
@@ -50,7 +59,7 @@ def measure(src_eng, dst_eng):
     return out
 
 
-def child(kind):
+def child(calls):
     from mooncake.engine import TransferEngine
     engines = []
     for sock in os.environ.get("BENCH_SOCKS", ",").split(","):
@@ -59,41 +68,78 @@ def child(kind):
         e = TransferEngine()
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         engines.append(e)
-    print(json.dumps(measure(*engines)))
+    print(json.dumps(measure(*engines, calls)))
+
+
+def run_child(env, calls):
+    r = subprocess.run([sys.executable, __file__, "--child", "--calls", str(calls)], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def mooncake_round(mooncake_path, calls):
+    return run_child(dict(os.environ, MC_FORCE_TCP="1", PYTHONPATH=mooncake_path), calls)
+
+
+def kvproxy_round(kvproxy, transport, calls, pythonpath):
+    d = tempfile.mkdtemp(prefix="bench-control-")
+    procs, socks = [], []
+    try:
+        for role in ("prefill", "decode"):
+            sock = os.path.join(d, role + ".sock")
+            argv = [kvproxy, "--role", role, "--transport", transport, "--control", sock, "--host", "127.0.0.1",
+                    "--metrics-port", "0", "--log-level", "warn"] + (["--bootstrap-port", "0"] if role == "prefill" else [])
+            pr = children.spawn(argv, stdout=subprocess.PIPE, text=True)
+            procs.append(pr)
+            assert pr.stdout.readline().startswith("kvproxy ready")
+            socks.append(sock)
+        return run_child(dict(os.environ, BENCH_SOCKS=",".join(socks), PYTHONPATH=pythonpath), calls)
+    finally:
+        for pr in procs:
+            pr.terminate()
+            pr.wait()
+        for s in socks:
+            if os.path.exists(s):
+                os.unlink(s)
+        os.rmdir(d)
+
+
+def summarize(rounds):
+    out = {}
+    for case, _, _ in CASES:
+        p50s = [r[case]["p50_us"] for r in rounds]
+        out[case] = dict(p50_us=round(statistics.median(p50s), 1),
+                         mean_us=round(statistics.median(r[case]["mean_us"] for r in rounds), 1), rounds_p50_us=p50s)
+    return out
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kvproxy")
     p.add_argument("--mooncake-path")
-    p.add_argument("--child", default="")
+    p.add_argument("--transports", default=",".join(TRANSPORTS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--pythonpath", default=PYTHON_DIR, help="where pdrouter_kv comes from (default: this tree's)")
+    p.add_argument("--child", action="store_true")
     a = p.parse_args()
     if a.child:
-        child(a.child)
+        child(a.calls)
         return
     children.exit_on_signals()
-    res = {}
-    env = dict(os.environ, MC_FORCE_TCP="1")
-    r = subprocess.run([sys.executable, __file__, "--child", "mooncake"], env=dict(env, PYTHONPATH=a.mooncake_path),
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
-    res["mooncake-tcp"] = json.loads(r.stdout.strip().splitlines()[-1])
-    d = tempfile.mkdtemp(prefix="bench-control-")
-    procs, socks = [], []
-    try:
-        for role in ("prefill", "decode"):
-            sock = os.path.join(d, role + ".sock")
-            argv = [a.kvproxy, "--role", role, "--transport", "tcp", "--control", sock, "--host", "127.0.0.1",
-                    "--metrics-port", "0", "--log-level", "warn"] + (["--bootstrap-port", "0"] if role == "prefill" else [])
-            pr = children.spawn(argv, stdout=subprocess.PIPE, text=True)
-            procs.append(pr)
-            assert pr.stdout.readline().startswith("kvproxy ready")
-            socks.append(sock)
-        r = subprocess.run([sys.executable, __file__, "--child", "kvproxy"], env=dict(env, BENCH_SOCKS=",".join(socks)),
-                           stdout=subprocess.PIPE, text=True, check=True)
-        res["kvproxy-tcp"] = json.loads(r.stdout.strip().splitlines()[-1])
-    finally:
-        for pr in procs:
-            children.stop(pr)
+    engines = {"mooncake-tcp": lambda: mooncake_round(a.mooncake_path, a.calls)}
+    for t in a.transports.split(","):
+        engines["kvproxy-" + t] = lambda t=t: kvproxy_round(a.kvproxy, t, a.calls, a.pythonpath)
+    rounds = {name: [] for name in engines}
+    for _ in range(a.rounds):
+        for name, run in engines.items():
+            rounds[name].append(run())
+    res = {name: summarize(rs) for name, rs in rounds.items()}
+    base = res["mooncake-tcp"]
+    for name, r in res.items():
+        if name != "mooncake-tcp":
+            for case, x in r.items():
+                x["vs_mooncake"] = round(base[case]["p50_us"] / x["p50_us"], 2)
     print(json.dumps(res))
 
 

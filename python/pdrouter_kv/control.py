@@ -49,11 +49,18 @@ _SNDBUF = 4 << 20
 # Longest single wait (s): poll() and Event.wait() refuse ~24 days and up; the
 # loops around them wait on to the caller's deadline.
 _MAX_WAIT = 3600.0
+# A reader blocks in recv() at most this long (SO_RCVTIMEO) before it looks
+# at its deadline again: a reply costs one system call, not poll() + recv().
+# Deadlines closer than this are waited for by poll().
+_RECV_SLICE = 0.05
 
 _U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
 
 _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<IBQ")
+_TRIPLE = struct.Struct("<QQQ")
+_PACK_TRIPLES = 16
+_REPLY_HEAD = struct.Struct("<BQI")  # op, request id, error length
 
 
 class KVProxyError(Exception):
@@ -90,8 +97,11 @@ def write_frame(peer, srcs, dsts, lens):
     if n > MAX_TRIPLES:
         raise ValueError("write: %d ranges in one call, at most %d" % (n, MAX_TRIPLES))
     try:
-        triples = _interleave("Q", srcs, dsts, lens)
-    except (OverflowError, TypeError) as e:
+        if n <= _PACK_TRIPLES:  # a few: packing beats building arrays
+            triples = b"".join(map(_TRIPLE.pack, srcs, dsts, lens))
+        else:
+            triples = _interleave("Q", srcs, dsts, lens)
+    except (OverflowError, TypeError, struct.error) as e:
         raise ValueError("write: addresses and lengths must be unsigned 64-bit ints: %s" % e) from None
     return OP_WRITE, _string(peer) + _U32.pack(n) + triples
 
@@ -130,7 +140,10 @@ class _Pending:
     def __init__(self):
         self.rid = self.op = 0
         self.done = self.waiting = False
-        self.wake = threading.Event()  # set when done, or when the socket needs a reader
+        # Set when done, or when the socket needs a reader; made (under the
+        # client's lock) only once someone must wait on it: an uncontended
+        # call never does.
+        self.wake = None
         self.reply = None
         self.error = None
 
@@ -149,6 +162,7 @@ class Client:
         try:
             self._sock.connect(self.sock_path)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(_RECV_SLICE * 1e6)))
         except OSError as e:
             self._sock.close()
             raise ControlClosed("connect to kvproxy at %s: %s" % (self.sock_path, e)) from e
@@ -345,8 +359,13 @@ class Client:
                     self._read_lock.release()
                     self._hand_over()
             else:
-                p.wake.wait(min(left, _MAX_WAIT))
-                p.wake.clear()
+                with self._lock:
+                    if p.wake is None:
+                        p.wake = threading.Event()
+                    wake = p.wake
+                if not p.done:
+                    wake.wait(min(left, _MAX_WAIT))
+                wake.clear()
         if not p.done:
             with self._lock:
                 self._pending.pop(p.rid, None)
@@ -371,6 +390,8 @@ class Client:
         with self._lock:
             for q in self._pending.values():
                 if q.waiting:  # a posted request nobody waits for yet cannot read
+                    if q.wake is None:
+                        q.wake = threading.Event()
                     q.wake.set()
                     return
 
@@ -379,9 +400,14 @@ class Client:
         try:
             while not p.done:
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._poll.poll(max(1, int(min(left, _MAX_WAIT) * 1000))):
+                if left <= 0:
                     return
-                chunk = self._sock.recv(1 << 16)
+                if left < _RECV_SLICE and not self._poll.poll(max(1, int(left * 1000))):
+                    return
+                try:
+                    chunk = self._sock.recv(1 << 16)
+                except BlockingIOError:  # SO_RCVTIMEO: nothing for _RECV_SLICE
+                    continue
                 if not chunk:
                     raise ControlClosed("kvproxy closed the control connection")
                 buf = self._buf
@@ -392,7 +418,7 @@ class Client:
                         raise ControlClosed("kvproxy sent a %d-byte frame" % n)
                     if len(buf) < 4 + n:
                         break
-                    self._dispatch(bytes(buf[4:4 + n]))
+                    self._dispatch(buf, 4, 4 + n)
                     del buf[:4 + n]
         except (OSError, KVProxyError) as e:
             self._fail_all(e if isinstance(e, ControlClosed) else ControlClosed("control connection: %s" % e))
@@ -402,23 +428,33 @@ class Client:
             if self._closed is None:
                 self._closed = err
             pending, self._pending = self._pending, {}
-        for p in pending.values():
-            p.error = err
-            p.done = True
-            p.wake.set()
+            for p in pending.values():
+                p.error = err
+                p.done = True
+            wakes = [p.wake for p in pending.values() if p.wake is not None]
+        for w in wakes:
+            w.set()
 
-    def _dispatch(self, body):
-        r = _Reader(body)
-        r.u8()
-        rid = r.u64()
-        err = r.string()
+    def _dispatch(self, buf, start, end):
+        """Hands the reply in buf[start:end] to its caller."""
+        if end - start < _REPLY_HEAD.size:
+            raise KVProxyError("malformed reply from kvproxy")
+        _, rid, n = _REPLY_HEAD.unpack_from(buf, start)
+        i = start + _REPLY_HEAD.size
+        if i + n > end:
+            raise KVProxyError("malformed reply from kvproxy")
+        # Go strings need not be UTF-8 (an error can quote a peer's text).
+        err = buf[i:i + n].decode(errors="replace") if n else ""
         with self._lock:
             p = self._pending.pop(rid, None)
-        if p is None:
-            return  # its caller gave up waiting
-        if err:
-            p.error = KVProxyError(err)
-        else:
-            p.reply = r
-        p.done = True
-        p.wake.set()
+            if p is None:
+                return  # its caller gave up waiting
+            if err:
+                p.error = KVProxyError(err)
+            else:
+                p.reply = _Reader(bytes(buf[i + n:end]))
+            # Done and its wake read under the lock a waiter makes the wake under.
+            p.done = True
+            wake = p.wake
+        if wake is not None:
+            wake.set()

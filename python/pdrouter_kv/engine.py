@@ -364,7 +364,7 @@ class TransferEngine:
         # Page-structured batches (SGLang's: the same page runs in every K/V
         # buffer) go as page writes, what is left as triples.
         writes, (s, d, n) = (), (srcs, dsts, lens)
-        if (client.features or 0) & control.FEATURE_WRITE_PAGES and peer not in self._triples_only:
+        if len(srcs) >= pageplan.MIN_TRIPLES and (client.features or 0) & control.FEATURE_WRITE_PAGES and peer not in self._triples_only:
             with self._lock:
                 regions = list(self._ranges.items()) + list(self._cuda.items())
             found = pageplan.plan(srcs, dsts, lens, regions, control.MAX_PAGE_WRITE)

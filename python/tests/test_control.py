@@ -25,6 +25,20 @@ class InterleaveTest(unittest.TestCase):
             control._interleave("Q", [1, 2], [3])
 
 
+class WriteFrameTest(unittest.TestCase):
+    def test_few_and_many_triples_encode_alike(self):
+        for n in (1, control._PACK_TRIPLES, control._PACK_TRIPLES + 1):
+            srcs, dsts, lens = list(range(n)), [2 ** 64 - 1 - i for i in range(n)], [64] * n
+            op, body = control.write_frame("p:1", srcs, dsts, lens)
+            self.assertEqual(op, control.OP_WRITE)
+            self.assertEqual(body, control._string("p:1") + struct.pack("<I", n) + control._interleave("Q", srcs, dsts, lens))
+
+    def test_refuses_what_is_no_u64(self):
+        for bad in (-1, 2 ** 64, 1.5, "1"):
+            with self.subTest(bad=bad), self.assertRaises(ValueError):
+                control.write_frame("p:1", [bad], [0], [1])
+
+
 class WritePagesTest(unittest.TestCase):
     """Page writes between two engines' host memory through two real kvproxies."""
 
