@@ -122,7 +122,8 @@ func TestEngineMemoryAcrossProcesses(t *testing.T) {
 				}
 				// shm copies straight into the decode engine's memory, which
 				// outlives its kvproxy: a write racing the link's end lands.
-				if err != nil || tc.transport != "shm" || time.Since(t0) > 5*time.Second {
+				// So does ucx's, which copies as shm to a peer on its host.
+				if err != nil || tc.transport == "tcp" || time.Since(t0) > 5*time.Second {
 					t.Fatalf("write to a killed decode kvproxy: %v after %v", err, time.Since(t0))
 				}
 				if !bytes.Equal(de.mem[:item], pe.mem[:item]) {
