@@ -131,6 +131,18 @@ def verify(bufs, cmd):
     return res
 
 
+def asker(child):
+    """ask(obj): one JSON line to the engine child, its JSON line back."""
+    def ask(obj):
+        child.stdin.write(json.dumps(obj) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError("the receiving engine died")
+        return json.loads(line)
+    return ask
+
+
 def reply(obj):
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -188,14 +200,7 @@ def run_mode(args, mode, tmp):
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--engine", dp.sock], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
 
-    def ask(obj):
-        child.stdin.write(json.dumps(obj) + "\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-        if not line:
-            raise RuntimeError("decode engine died")
-        return json.loads(line)
-
+    ask = asker(child)
     hello = json.loads(child.stdout.readline())
     bufs_gpu = pool()
     # SGLang's engine; its control connection serves the prepacked calls too.

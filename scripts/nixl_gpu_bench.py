@@ -108,14 +108,7 @@ def writer(args, tmp):
                                  "--nixl-path", args.nixl_path, "--workdir", tmp], stdin=kv.subprocess.PIPE,
                                 stdout=kv.subprocess.PIPE, text=True, env=env)
 
-    def ask(obj):
-        child.stdin.write(json.dumps(obj) + "\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-        if not line:
-            raise RuntimeError("receiver died")
-        return json.loads(line)
-
+    ask = kv.asker(child)
     hello = json.loads(child.stdout.readline())
     api = load_api(args.impl, args.nixl_path)
     bufs = kv.pool()
