@@ -107,17 +107,21 @@ func servedModel(workers []*Worker, model string) string {
 }
 
 // loadStats returns the min load, how many have it, and the max load.
+// Loads move under concurrent requests, so each is read once: a second
+// read of the first worker's could exceed the min taken from the first
+// and leave no worker counted at it (ties 0, a division by zero).
 func loadStats(workers []*Worker) (lo, hi int64, ties int) {
-	lo, hi = workers[0].Load(), workers[0].Load()
-	for _, w := range workers {
+	for i, w := range workers {
 		l := w.Load()
 		switch {
-		case l < lo:
+		case i == 0 || l < lo:
 			lo, ties = l, 1
 		case l == lo:
 			ties++
 		}
-		hi = max(hi, l)
+		if i == 0 || l > hi {
+			hi = l
+		}
 	}
 	return lo, hi, ties
 }

@@ -171,3 +171,37 @@ func TestCacheAwareUnservedModelsShareOneTree(t *testing.T) {
 		t.Fatalf("%d trees after 100 unserved model names and one served: want 2 (default, served)", n)
 	}
 }
+
+// Loads move while cache_aware reads them: the minimum it reports is
+// always some worker's, so ties is never 0. Reading the first worker's
+// load twice made it 0 when that load rose in between, and Select then
+// divided by zero (a soak crashed the router after 16 minutes).
+func TestLoadStatsUnderMovingLoads(t *testing.T) {
+	moving := NewWorker("http://10.0.0.1:1", Regular, NoBootstrapPort)
+	busy := NewWorker("http://10.0.0.2:1", Regular, NoBootstrapPort)
+	for range 5 {
+		busy.IncLoad()
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				moving.IncLoad()
+				moving.DecLoad()
+			}
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	workers := []*Worker{moving, busy}
+	for i := range 2_000_000 {
+		lo, hi, ties := loadStats(workers)
+		if ties < 1 || lo > hi || lo > 1 || hi != 5 {
+			t.Fatalf("call %d: min %d, max %d, %d at the min", i, lo, hi, ties)
+		}
+	}
+}
