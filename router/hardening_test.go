@@ -62,7 +62,13 @@ func shutdown(t *testing.T, srv *Server) {
 
 func postStream(t *testing.T, url, body string) (int, string) {
 	t.Helper()
-	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	return postStreamVia(t, http.DefaultClient, url, body)
+}
+
+// postStreamVia posts body to url with c and reads the whole reply.
+func postStreamVia(t *testing.T, c *http.Client, url, body string) (int, string) {
+	t.Helper()
+	resp, err := c.Post(url, "application/json", strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}

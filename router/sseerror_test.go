@@ -2,7 +2,6 @@ package router
 
 import (
 	"bytes"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -78,16 +77,7 @@ func TestEngineSSEErrorMidStream(t *testing.T) {
 // stream posts body to path and reads the whole reply.
 func (e *legEnv) stream(t *testing.T, path, body string) (int, string) {
 	t.Helper()
-	resp, err := e.client.Post(e.base+path, "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp.StatusCode, string(b)
+	return postStreamVia(t, e.client, e.base+path, body)
 }
 
 func TestScrubKVErrors(t *testing.T) {
