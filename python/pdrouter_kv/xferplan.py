@@ -10,7 +10,9 @@ plan() turns (src list, src indices, dst list, dst indices) into page writes
 strides on both sides, and triples for the rest; frames() makes them the
 control frames a post sends. SGLang's KV transfer,
 make_prepped_xfer over one run per K/V buffer with the same slots in every
-buffer (its repeat_indices_over_layers), becomes one page write.
+buffer (its repeat_indices_over_layers), becomes one page write, and pages
+that follow each other on both sides one range per buffer: contiguous pages
+ask kvproxy for one copy per buffer, in a request of a few hundred bytes.
 """
 
 import numpy as np
@@ -73,10 +75,11 @@ def inside(r, regions):
 class DList:
     """A prepared list: its runs, memory kind, owner ("" for local) and flat index table."""
 
-    __slots__ = ("runs", "kind", "agent", "first", "total", "paged")
+    __slots__ = ("runs", "kind", "agent", "first", "total", "paged", "addrs")
 
     def __init__(self, r, kind, agent):
         self.runs, self.kind, self.agent = r, kind, agent
+        self.addrs = r[:, 0].tolist()  # each run's address, as ints for building writes
         counts = r[:, 4].astype(np.int64)
         self.first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(r) else np.zeros(0, dtype=np.int64)
         self.total = int(counts.sum())
@@ -137,8 +140,8 @@ def _same_pages(src, si, dst, di):
     s, d = _rows(si, src), _rows(di, dst)
     if s is None or d is None or len(s[0]) != len(d[0]):
         return None
-    buffers = list(zip(src.runs[s[0], 0].tolist(), dst.runs[d[0], 0].tolist(), [src.paged[0]] * len(s[0])))
-    return [_pages(buffers, s[1], d[1])]
+    sa, da, n = src.addrs, dst.addrs, src.paged[0]
+    return [_pages([(sa[i], da[j], n) for i, j in zip(s[0], d[0])], s[1], d[1])]
 
 
 def _rows(idx, dl):
@@ -148,21 +151,40 @@ def _rows(idx, dl):
     if not 0 <= first < dl.total:
         return None
     lo = first - first % count
-    d = idx - lo
-    # Unsigned, an index below lo is past the run too: one comparison.
-    outside = d.view("u%d" % d.itemsize) >= count
-    width = int(np.argmax(outside)) if outside.any() else len(idx)
+    width = _row_width(idx, lo, count, len(dl.runs))
     if len(idx) % width:
         return None
-    rows = d.reshape(-1, width)
-    pages = rows[0]
-    if not (rows == rows[:, :1] + (pages - pages[0])).all():
+    rows = idx.reshape(-1, width)
+    pages = rows[0] - lo
+    if pages.min() < 0 or pages.max() >= count:
         return None
     # Each row starts at the same page of its run as the first: its run's first index.
-    base = idx[::width].astype(np.int64) - (first - lo)
+    base = rows[:, 0] - (first - lo)
     if base.min() < 0 or base.max() >= dl.total or (base % count).any():
         return None
-    return base // count, pages
+    # Row k is row 0 moved to its run: one pass over the indices checks every one.
+    if not (rows - rows[:, :1] == rows[0] - first).all():
+        return None
+    return (base // count).tolist(), pages
+
+
+def _row_width(idx, lo, count, runs):
+    """Where idx first leaves the run [lo, lo + count), or a guess at it
+    that _rows then checks: SGLang's rows are the same pages in each of the
+    list's runs, len(idx) / runs long."""
+    n = len(idx)
+    guess = n // runs
+    if guess and not n % runs and (guess == n or not 0 <= int(idx[guess]) - lo < count):
+        return guess
+    start, step = 0, 256
+    while start < n:
+        d = idx[start:start + step] - lo
+        # Unsigned, an index below lo is past the run too: one comparison.
+        outside = d.view("u%d" % d.itemsize) >= count
+        if outside.any():
+            return start + int(np.argmax(outside))
+        start, step = start + step, 2 * step
+    return n
 
 
 def frames(client, peer, writes):
@@ -204,6 +226,24 @@ def _page_writes(sruns, druns, rs, ks, rd, kd):
 
 
 def _pages(buffers, sp, dp):
+    """The write moving pages sp -> dp of every buffer, with pages that follow
+    each other on both sides coalesced: contiguous pages are one range per
+    buffer (a page write of one page as long as the run), a few runs a
+    triple per buffer and run, and the rest a page write of single pages."""
     if int(max(sp.max(), dp.max())) >= 1 << 32:
         raise DescError("a slot index past 2^32")
-    return ("pages", buffers, sp, dp)
+    s0, d0, n = int(sp[0]), int(dp[0]), len(sp)
+    if int(sp[-1]) - s0 == n - 1 and int(dp[-1]) - d0 == n - 1 and (np.diff(sp) == 1).all() and (np.diff(dp) == 1).all():
+        one = np.zeros(1, dtype=np.int64)
+        return ("pages", [(s + s0 * size, d + d0 * size, size * n) for s, d, size in buffers], one, one)
+    sp, dp = sp.astype(np.int64, copy=False), dp.astype(np.int64, copy=False)
+    cut = np.flatnonzero((np.diff(sp) != 1) | (np.diff(dp) != 1)) + 1
+    # Triples take 24 bytes a range, a page write 24 a buffer and 8 a page.
+    if 24 * len(buffers) * (len(cut) + 1) > 24 * len(buffers) + 8 * n:
+        return ("pages", buffers, sp, dp)
+    first = np.concatenate(([0], cut))
+    pages = np.diff(np.append(first, n)).astype(np.uint64)
+    b = np.array(buffers, dtype=np.uint64)
+    src = (b[:, :1] + sp[first].astype(np.uint64) * b[:, 2:]).ravel()
+    dst = (b[:, 1:2] + dp[first].astype(np.uint64) * b[:, 2:]).ravel()
+    return ("triples", src, dst, (b[:, 2:] * pages).ravel())

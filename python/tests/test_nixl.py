@@ -74,6 +74,26 @@ def settle(agent, handles, timeout=20):
         time.sleep(0)
 
 
+def ranges(writes):
+    """Every (src, dst, len) range the writes name, in order."""
+    out = []
+    for kind, a, b, c in writes:
+        if kind == "pages":
+            out += [(s + i * n, d + j * n, n) for s, d, n in a for i, j in zip(b.tolist(), c.tolist())]
+        else:
+            out += list(zip(a.tolist(), b.tolist(), c.tolist()))
+    return out
+
+
+def moved(writes):
+    """The bytes the writes move, as {src byte: dst byte} runs: writes that move
+    the same bytes to the same places, however cut into ranges, compare equal."""
+    out = {}
+    for s, d, n in ranges(writes):
+        out.update({s + k: d + k for k in range(0, n, 16)})  # 16: the smallest block in these tests
+    return out
+
+
 @needs_numpy
 class PlanTest(unittest.TestCase):
     """Descriptor lists and the writes they become, without kvproxy."""
@@ -119,12 +139,6 @@ class PlanTest(unittest.TestCase):
             g.paged = None
             return g
 
-        def flat(writes):
-            out = set()
-            for _, buffers, sp, dp in writes:
-                out |= {(s + i * n, d + j * n, n) for s, d, n in buffers for i, j in zip(sp.tolist(), dp.tolist())}
-            return out
-
         cases = []
         for _ in range(20):  # SGLang's: the same pages in every run
             pages = rng.choice(40, size=int(rng.integers(1, 40)), replace=False)
@@ -137,8 +151,8 @@ class PlanTest(unittest.TestCase):
         for si, di in cases:
             fast = xferplan.plan(src, si, dst, di)
             slow = xferplan.plan(general(src), si, general(dst), di)
-            self.assertEqual(flat(fast), flat(slow), (si, di))
-            self.assertEqual(sum(len(w[1]) * len(w[2]) for w in fast), len(si))
+            self.assertEqual(moved(fast), moved(slow), (si, di))
+            self.assertEqual(sum(n for _, _, n in ranges(fast)), 64 * len(si))
         self.assertEqual(len(xferplan.plan(src, cases[0][0], dst, cases[0][1])), 1, "SGLang's transfer is one page write")
         with self.assertRaisesRegex(xferplan.DescError, "out of range"):
             xferplan.plan(src, np.array([1, 51, 401]), dst, np.array([1, 41, 81]))
@@ -148,12 +162,38 @@ class PlanTest(unittest.TestCase):
         dst = self.dlist([(0x90000, 64, 0, 64, 10), (0xA0000, 64, 0, 64, 10), (0xB0000, 16, 0, 64, 10)], "peer")
         writes = xferplan.plan(src, np.array([1, 2, 13, 21]), dst, np.array([4, 5, 18, 29]))
         pages = sorted((w[1], w[2].tolist(), w[3].tolist()) for w in writes if w[0] == "pages")
-        self.assertEqual(pages, [([(0x10000, 0x90000, 64)], [1, 2], [4, 5]), ([(0x20000, 0xA0000, 64)], [3], [8])])
+        # Pages 1-2 -> 4-5 follow each other on both sides: one range.
+        self.assertEqual(pages, [([(0x10000 + 64, 0x90000 + 4 * 64, 128)], [0], [0]), ([(0x20000 + 3 * 64, 0xA0000 + 8 * 64, 64)], [0], [0])])
         triples = [w for w in writes if w[0] == "triples"]
         self.assertEqual(len(triples), 1)
         _, s, d, n = triples[0]
         # Blocks shorter than their stride go one by one.
         self.assertEqual((s.tolist(), d.tolist(), n.tolist()), ([0x30000 + 64], [0xB0000 + 9 * 64], [16]))
+
+    def test_pages_that_follow_each_other_are_one_range_per_buffer_and_run(self):
+        # SGLang's layout in small: 8 K/V buffers of 100 slots, the same pages in each.
+        src = self.dlist([(0x1000000 * (b + 1), 64, 0, 64, 100) for b in range(8)])
+        dst = self.dlist([(0x90000000 + 0x1000000 * b, 64, 0, 64, 120) for b in range(8)], "peer")
+
+        def plan(sp, dp):
+            sp, dp = np.array(sp), np.array(dp)
+            si = (np.arange(8)[:, None] * 100 + sp).ravel().astype(np.int32)
+            di = (np.arange(8)[:, None] * 120 + dp).ravel().astype(np.int32)
+            writes = xferplan.plan(src, si, dst, di)
+            want = {src.runs[b, 0] + 64 * s + k: dst.runs[b, 0] + 64 * d + k for b in range(8) for s, d in zip(sp, dp) for k in range(0, 64, 16)}
+            self.assertEqual(moved(writes), want)
+            return writes
+
+        contiguous = plan(range(10, 74), range(50, 114))
+        self.assertEqual(ranges(contiguous), [(0x1000000 * (b + 1) + 640, 0x90000000 + 0x1000000 * b + 3200, 64 * 64) for b in range(8)])
+        self.assertEqual(contiguous[0][0], "pages", "kvproxy moves GPU pages so")
+        # Two runs (pages 0-39 -> 0-39 and 60-99 -> 40-79): a range per buffer and run.
+        two = plan(list(range(40)) + list(range(60, 100)), range(80))
+        self.assertEqual(len(ranges(two)), 8 * 2)
+        # Every other page: nothing follows, and single pages make the shorter request.
+        scattered = plan(range(0, 100, 2), range(1, 101, 2))
+        self.assertEqual([w[0] for w in scattered], ["pages"])
+        self.assertEqual(len(ranges(scattered)), 8 * 50)
 
     def test_refusals(self):
         src = self.dlist([(0x10000, 64, 0, 64, 4)])
