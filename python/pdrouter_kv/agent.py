@@ -8,10 +8,12 @@ The agent's metadata names it and its kvproxy; a WRITE to a peer agent is
 sent to that peer's kvproxy as page writes (control.Client.write_pages),
 a prepared transfer's pages all in one request where its descriptors allow.
 
-transfer() sends the requests and returns "PROC"; a thread per peer agent
-reads their replies, so check_xfer_state() never blocks. A notification rides
-beside kvproxy (pdrouter_kv.notif) once the write is remotely complete, and
-a transfer that carries one is DONE only after it was sent.
+transfer() sends the requests and returns "PROC" at once. check_xfer_state()
+reads whatever replies kvproxy has sent (one recv that does not wait), so the
+thread that polls learns of the end itself, with no thread in between. A
+notification rides beside kvproxy (pdrouter_kv.notif) once the write is
+remotely complete: a thread per peer agent waits for such transfers and
+sends it, and a transfer that carries one is DONE only after it was sent.
 
 Host memory registered as "VRAM" is accepted (real NIXL refuses it): SGLang
 registers its KV pool so, and on a CPU the pool is host memory.
@@ -25,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -107,14 +110,18 @@ class _Remote:
 class _Post:
     """One posting of a transfer: its requests, and how it ended."""
 
-    __slots__ = ("pendings", "state", "notif", "peer", "error")
+    __slots__ = ("pendings", "state", "notif", "peer", "error", "client", "deadline")
 
-    def __init__(self, notif_msg, peer):
-        self.pendings, self.state, self.notif, self.peer = [], "PROC", notif_msg, peer
+    def __init__(self, notif_msg, peer, deadline):
+        # None while transfer() is sending them.
+        self.pendings, self.state, self.notif, self.peer = None, "PROC", notif_msg, peer
         self.error = None  # a request that could not be sent
+        # Without a notification, whoever polls reads the replies from client
+        # and fails the post past deadline; with one, the completer does.
+        self.client, self.deadline = None, deadline
 
     def status(self):
-        if self.state != "PROC":
+        if self.state != "PROC" or self.pendings is None:
             return self.state
         if all(p.done for p in self.pendings):
             if self.error is not None or any(p.error is not None for p in self.pendings):
@@ -123,6 +130,53 @@ class _Post:
                 return "DONE"
         # With a notification the completer says DONE once that went out too.
         return "PROC"
+
+    def poll(self):
+        """status() once the replies kvproxy has sent are read (never waits); ERR past the deadline."""
+        state = self.status()
+        client = self.client
+        if state != "PROC" or client is None:
+            return state
+        _read_ready(client)
+        state = self.status()
+        if state == "PROC" and time.monotonic() > self.deadline:
+            logger.warning("nixl transfer to %s: no reply from kvproxy in time", self.peer.name)
+            self.state = state = "ERR"
+        return state
+
+
+def _read_ready(client):
+    """Reads and hands over the replies already in client's socket, without
+    waiting; leaves them to the thread reading already, if one is.
+
+    control.Client's reader (Client._read_until) for a caller that polls:
+    it follows that reader's framing and its hand-over to waiting callers.
+    """
+    if not client._read_lock.acquire(blocking=False):
+        return
+    try:
+        buf = client._buf
+        while True:
+            try:
+                chunk = client._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not chunk:
+                raise control.ControlClosed("kvproxy closed the control connection")
+            buf += chunk
+            while len(buf) >= 4:
+                n = int.from_bytes(buf[:4], "little")
+                if n > control.MAX_FRAME:
+                    raise control.ControlClosed("kvproxy sent a %d-byte frame" % n)
+                if len(buf) < 4 + n:
+                    break
+                client._dispatch(buf, 4, 4 + n)
+                del buf[:4 + n]
+    except (OSError, control.KVProxyError) as e:
+        client._fail_all(e if isinstance(e, control.ControlClosed) else control.ControlClosed("control connection: %s" % e))
+    finally:
+        client._read_lock.release()
+        client._hand_over()
 
 
 class _Xfer:
@@ -164,6 +218,9 @@ class _Core:
         # peer that hangs holds up its own transfers only.
         self.wake = threading.Lock()
         self.inflight = {}  # peer name -> _PeerQueue
+        # Posts without a notification whose handle was dropped before they
+        # ended: nobody polls them, so in_flight() does.
+        self.orphans = collections.deque()
         self.closed = False
         self.inbox = None
         self.outbox = notif.Outbox(name)
@@ -213,8 +270,14 @@ class _Core:
                 q.posts.popleft()
 
     def in_flight(self):
+        with self.lock:
+            for _ in range(len(self.orphans)):
+                post = self.orphans.popleft()
+                if post.poll() == "PROC":
+                    self.orphans.append(post)
+            orphans = len(self.orphans)
         with self.wake:
-            return sum(len(q.posts) for q in self.inflight.values())
+            return orphans + sum(len(q.posts) for q in self.inflight.values())
 
     def close(self):
         with self.wake:
@@ -268,6 +331,16 @@ class nixl_xfer_handle(_Handle):
 
     __slots__ = ()
     _table = "xfers"
+
+    def release(self):
+        if not self._released:
+            self._released = True
+            core = self._core
+            with core.lock:
+                x = core.xfers.pop(self._handle, None)
+                post = x.post if x is not None else None
+                if post is not None and post.client is not None and post.state == "PROC":
+                    core.orphans.append(post)
 
 
 def _kind(mem_type):
@@ -573,24 +646,30 @@ class nixl_agent:
         if msg and not x.peer.inbox:
             raise nixlInvalidParamError("remote agent %r takes no notifications" % x.peer.name)
         with core.lock:
-            if x.post is not None and x.post.status() == "PROC":
+            if x.post is not None and x.post.poll() == "PROC":
                 raise nixlRepostActiveError("the transfer is still in flight")
-            post = x.post = _Post(msg, x.peer)
+            post = x.post = _Post(msg, x.peer, time.monotonic() + core.timeout)
         client = self._engine().control()
         if client is None:
             post.state = "ERR"
             return "ERR"
+        sent = []
         try:
             for op, body in xferplan.frames(client, x.peer.kvproxy, x.writes):
-                post.pendings.append(client.post(op, body))
+                sent.append(client.post(op, body))
         except (OSError, ValueError, control.KVProxyError) as e:
             logger.warning("nixl transfer to %s: %s", x.peer.name, e)
-            if not post.pendings:
+            if not sent:
                 post.state = "ERR"
                 return "ERR"
-            # Some went out: the completer settles them, and the post is an ERR.
+            # Some went out: they are settled, and the post is an ERR.
             post.error = e
-        core.enqueue(post, client)
+        if msg:
+            post.pendings = sent
+            core.enqueue(post, client)
+        else:
+            post.client = client
+            post.pendings = sent
         return "PROC"
 
     def check_xfer_state(self, handle):
@@ -598,7 +677,7 @@ class nixl_agent:
         post = self._xfer(handle).post
         if post is None:
             raise nixlNotPostedError("the transfer was never posted")
-        return post.status()
+        return post.poll()
 
     def release_xfer_handle(self, handle):
         handle.release()

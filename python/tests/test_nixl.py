@@ -20,7 +20,7 @@ if np is not None:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     from nixl._bindings import (nixlInvalidParamError, nixlNotFoundError, nixlNotPostedError,
                                 nixlNotSupportedError, nixlRepostActiveError)
-    from pdrouter_kv import agent as agent_mod, xferplan
+    from pdrouter_kv import agent as agent_mod, control, xferplan
 
 needs_numpy = unittest.skipIf(np is None, "numpy missing: SGLang's nixl backend needs it (run with the SGLang venv)")
 
@@ -408,7 +408,8 @@ class AgentTest(unittest.TestCase):
             kp2.stop()
 
     def test_a_peers_completer_serves_its_posts_and_ends_when_idle(self):
-        # A thread started per post would add its start-up to SGLang's post.
+        # Transfers with a notification (SGLang <= 0.5.20) end in a completer,
+        # which sends it. A thread started per post would add its start-up to SGLang's post.
         self.addCleanup(setattr, agent_mod, "COMPLETER_IDLE_S", agent_mod.COMPLETER_IDLE_S)
         agent_mod.COMPLETER_IDLE_S = 1.0
 
@@ -417,16 +418,59 @@ class AgentTest(unittest.TestCase):
 
         seen = []
         for pages in ([1], [2], [3]):
-            h = self.prepped(pages, pages)
+            h = self.prepped(pages, pages, notif=b"%d_kv_0_1_0" % pages[0])
             self.assertEqual(self.p.transfer(h), "PROC")
             self.assertEqual(settle(self.p, [h]), ["DONE"])
             seen += completers()
         self.assertEqual(len(set(seen)), 1, "one completer for the peer, kept between posts")
         wait_for(lambda: not completers(), 10)
-        h = self.prepped([4], [4])  # the next post starts one again
+        h = self.prepped([4], [4], notif=b"4_kv_0_1_0")  # the next post starts one again
         self.assertEqual(self.p.transfer(h), "PROC")
         self.assertEqual(settle(self.p, [h]), ["DONE"])
         self.check_pages([1, 2, 3, 4], [1, 2, 3, 4])
+
+    def test_a_transfer_without_a_notification_ends_in_the_thread_that_polls(self):
+        # SGLang 0.5.23's: no thread between kvproxy's reply and check_xfer_state.
+        posts = []
+        client = self.p._engine().control()
+        real = client.post
+
+        def post(op, body, fd=None):
+            posts.append((op, body))
+            return real(op, body, fd)
+
+        client.post = post
+        self.addCleanup(delattr, client, "post")
+        pages = list(range(8, 40))  # contiguous on both sides
+        h = self.prepped(pages, [p + 20 for p in pages])
+        self.assertEqual(self.p.transfer(h), "PROC")
+        self.assertEqual(settle(self.p, [h]), ["DONE"])
+        self.assertFalse([t for t in threading.enumerate() if t.name == "nixl-completer"])
+        self.check_pages(pages, [p + 20 for p in pages])
+        # One request naming one range per buffer: its pages coalesced, not one range a page.
+        self.assertEqual(len(posts), 1)
+        op, body = posts[0]
+        self.assertEqual(op, control.OP_WRITE_PAGES)
+        at = 4 + int.from_bytes(body[:4], "little")  # past the peer's name
+        buffers = int.from_bytes(body[at:at + 4], "little")
+        at += 4 + 24 * buffers
+        pairs = int.from_bytes(body[at:at + 4], "little")
+        self.assertEqual((buffers, pairs), (BUFFERS, 1))
+
+    def test_a_transfer_kvproxy_does_not_answer_is_an_err_at_its_deadline(self):
+        self.p._core.timeout = 0.5
+        h = self.prepped([1], [1])
+        with stopped(self.kp[0]):
+            self.assertEqual(self.p.transfer(h), "PROC")
+            self.assertEqual(self.p.check_xfer_state(h), "PROC")
+            t0 = time.monotonic()
+            self.assertEqual(settle(self.p, [h], timeout=10), ["ERR"])
+            self.assertGreaterEqual(time.monotonic() - t0, 0.3)
+        # kvproxy carries it out once resumed; the connection serves on.
+        h2 = self.prepped([2], [2])
+        self.assertEqual(self.p.transfer(h2), "PROC")
+        self.assertEqual(settle(self.p, [h2]), ["DONE"])
+        self.check_pages([1, 2], [1, 2])
 
     def test_many_threads_post_and_poll_at_once(self):
         # SGLang's 4 transfer workers and bootstrap thread share one agent.
