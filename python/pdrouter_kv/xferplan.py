@@ -230,14 +230,18 @@ def _pages(buffers, sp, dp):
     each other on both sides coalesced: contiguous pages are one range per
     buffer (a page write of one page as long as the run), a few runs a
     triple per buffer and run, and the rest a page write of single pages."""
-    if int(max(sp.max(), dp.max())) >= 1 << 32:
-        raise DescError("a slot index past 2^32")
     s0, d0, n = int(sp[0]), int(dp[0]), len(sp)
-    if int(sp[-1]) - s0 == n - 1 and int(dp[-1]) - d0 == n - 1 and (np.diff(sp) == 1).all() and (np.diff(dp) == 1).all():
+    if int(sp[-1]) - s0 == n - 1 and int(dp[-1]) - d0 == n - 1 and n > 1:
+        step = (sp[1:] - sp[:-1] == 1) & (dp[1:] - dp[:-1] == 1)
+    else:
+        step = None
+    if n == 1 or (step is not None and step.all()):
         one = np.zeros(1, dtype=np.int64)
         return ("pages", [(s + s0 * size, d + d0 * size, size * n) for s, d, size in buffers], one, one)
+    if int(max(sp.max(), dp.max())) >= 1 << 32:
+        raise DescError("a slot index past 2^32")
     sp, dp = sp.astype(np.int64, copy=False), dp.astype(np.int64, copy=False)
-    cut = np.flatnonzero((np.diff(sp) != 1) | (np.diff(dp) != 1)) + 1
+    cut = np.flatnonzero((sp[1:] - sp[:-1] != 1) | (dp[1:] - dp[:-1] != 1)) + 1
     # Triples take 24 bytes a range, a page write 24 a buffer and 8 a page.
     if 24 * len(buffers) * (len(cut) + 1) > 24 * len(buffers) + 8 * n:
         return ("pages", buffers, sp, dp)
