@@ -9,7 +9,11 @@ the GPU (16384 at 4k tokens, 131072 at 32k); the pages are --page-bytes long
 (256 by default instead of 32 KiB) so that both pools fit a small machine.
 
   post:     make_prepped_xfer + transfer, until the request is on its way;
-  complete: from transfer's return until check_xfer_state says DONE.
+  complete: from transfer's return until check_xfer_state says DONE;
+  and the post's parts, timed apart on the same transfer (CPU time):
+  plan (indices -> writes, numpy), encode (writes -> control frames), send
+  (the frames onto kvproxy's socket, wall time); ranges: what the request
+  names (buffers x pages of a page write, or triples).
 
 Each round runs each tree in a fresh process against the same two kvproxies,
 the trees alternating (old, new, new, old, ...) so that drift on a busy
@@ -68,12 +72,33 @@ def child(args):
     peer = prefill.add_remote_agent(decode.get_agent_metadata())
     local = prefill.prep_xfer_dlist("", strided(src), "VRAM")
     remote = prefill.prep_xfer_dlist(peer, strided(dst), "VRAM")
+    from pdrouter_kv import xferplan
+
+    core = prefill._core
+    src_list, dst_list = core.dlists[local._handle], core.dlists[remote._handle]
+    client, kvproxy = prefill._engine().control(), core.remotes[peer].kvproxy
     out = {}
     for tokens, pattern in CASES:
         sp, dp = pages(tokens, pattern)
         si, di = indices(sp), indices(dp)
         reps = args.reps if tokens < 32768 else max(3, args.reps // 2)
         post, post_cpu, complete = [], [], []
+        parts = {"plan_cpu": [], "encode_cpu": [], "send": []}
+        for i in range(args.warmup + reps):
+            c0 = time.thread_time()
+            writes = xferplan.plan(src_list, si, dst_list, di)
+            c1 = time.thread_time()
+            frames = xferplan.frames(client, kvproxy, writes)
+            c2, t2 = time.thread_time(), time.perf_counter()
+            sent = [client.post(op, body) for op, body in frames]
+            t3 = time.perf_counter()
+            for p in sent:
+                client.wait(p)
+            if i >= args.warmup:
+                parts["plan_cpu"].append(c1 - c0)
+                parts["encode_cpu"].append(c2 - c1)
+                parts["send"].append(t3 - t2)
+        ranges = sum(len(w[1]) * len(w[2]) if w[0] == "pages" else len(w[1]) for w in writes)
         for i in range(args.warmup + reps):
             c0, t0 = time.thread_time(), time.perf_counter()
             h = prefill.make_prepped_xfer("WRITE", local, si, remote, di)
@@ -90,7 +115,7 @@ def child(args):
                 post.append(t1 - t0)
                 post_cpu.append(c1 - c0)
                 complete.append(t2 - t1)
-        out["%d %s" % (tokens, pattern)] = {"post": post, "post_cpu": post_cpu, "complete": complete}
+        out["%d %s" % (tokens, pattern)] = dict(parts, post=post, post_cpu=post_cpu, complete=complete, ranges=[ranges])
     del local, remote
     prefill.close()
     decode.close()
@@ -154,7 +179,8 @@ def main():
     print("python/nixl post (make_prepped_xfer + transfer) and completion, %s (old) vs this tree (new)" % args.baseline)
     print("Llama-3.1-8B layout (64 buffers, 16-token pages of %d bytes here), kvproxy --transport %s, %d rounds each, alternating"
           % (args.page_bytes, args.transport, args.rounds))
-    print("%-20s %-5s %19s %12s %19s" % ("case", "tree", "post us med/best", "post cpu us", "complete us med/best"))
+    print("%-20s %-5s %19s %12s %19s %9s %10s %8s %7s" % ("case", "tree", "post us med/best", "post cpu us", "complete us med/best",
+                                                          "plan cpu", "encode cpu", "send us", "ranges"))
     table = {}
     for case in samples["new"]:
         for name in ("old", "new"):
@@ -162,10 +188,13 @@ def main():
             row = {"post_median_us": us(v["post"], statistics.median), "post_best_us": us(v["post"], min),
                    "post_cpu_median_us": us(v["post_cpu"], statistics.median),
                    "complete_median_us": us(v["complete"], statistics.median), "complete_best_us": us(v["complete"], min),
-                   "posts": len(v["post"])}
+                   "plan_cpu_median_us": us(v["plan_cpu"], statistics.median),
+                   "encode_cpu_median_us": us(v["encode_cpu"], statistics.median),
+                   "send_median_us": us(v["send"], statistics.median), "ranges": v["ranges"][0], "posts": len(v["post"])}
             table.setdefault(case, {})[name] = row
-            print("%-20s %-5s %9.1f/%9.1f %12.1f %9.1f/%9.1f" % (case, name, row["post_median_us"], row["post_best_us"],
-                  row["post_cpu_median_us"], row["complete_median_us"], row["complete_best_us"]))
+            print("%-20s %-5s %9.1f/%9.1f %12.1f %9.1f/%9.1f %9.1f %10.1f %8.1f %7d" % (
+                case, name, row["post_median_us"], row["post_best_us"], row["post_cpu_median_us"], row["complete_median_us"],
+                row["complete_best_us"], row["plan_cpu_median_us"], row["encode_cpu_median_us"], row["send_median_us"], row["ranges"]))
         o, n = table[case]["old"], table[case]["new"]
         print("%-20s new/old: post %.2f (cpu %.2f), complete %.2f" % (
             case, n["post_median_us"] / o["post_median_us"], n["post_cpu_median_us"] / o["post_cpu_median_us"],
