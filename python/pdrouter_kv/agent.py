@@ -133,15 +133,18 @@ class _Post:
 
     def poll(self):
         """status() once the replies kvproxy has sent are read (never waits); ERR past the deadline."""
-        state = self.status()
         client = self.client
-        if state != "PROC" or client is None:
-            return state
-        _read_ready(client)
+        if client is None:
+            return self.status()
         state = self.status()
+        if state == "PROC":
+            _read_ready(client)
+            state = self.status()
         if state == "PROC" and time.monotonic() > self.deadline:
             logger.warning("nixl transfer to %s: no reply from kvproxy in time", self.peer.name)
-            self.state = state = "ERR"
+            state = "ERR"
+        if state != "PROC":
+            self.state, self.client = state, None
         return state
 
 
@@ -339,7 +342,9 @@ class nixl_xfer_handle(_Handle):
             with core.lock:
                 x = core.xfers.pop(self._handle, None)
                 post = x.post if x is not None else None
-                if post is not None and post.client is not None and post.state == "PROC":
+                # status(), not poll(): this may run in the collector, in a
+                # thread holding the control client's locks.
+                if post is not None and post.client is not None and post.status() == "PROC":
                     core.orphans.append(post)
 
 

@@ -517,6 +517,16 @@ class AgentTest(unittest.TestCase):
             self.assertEqual(self.p.held(), (0, 0, 1), "the handle's state outlived it")
         wait_for(lambda: self.p.held() == (0, 0, 0), 10)
         self.check_pages([5], [6])  # the write went on to completion
+        # A handle dropped once its transfer ended leaves nothing to settle,
+        # however long nobody asks (SGLang drops every handle so).
+        for pages in ([7], [8]):
+            h = self.p.make_prepped_xfer("WRITE", self.p.prep_xfer_dlist("", self.strided(self.src), "VRAM"), self.idx(pages),
+                                         self.p.prep_xfer_dlist("decode-agent", self.strided(self.dst), "VRAM"), self.idx(pages))
+            self.assertEqual(self.p.transfer(h), "PROC")
+            self.assertEqual(settle(self.p, [h]), ["DONE"])
+            del h
+        gc.collect()
+        self.assertEqual(len(self.p._core.orphans), 0)
 
     def test_refusals(self):
         with self.assertRaises(nixlNotFoundError):
