@@ -143,8 +143,11 @@ func (g *gpuPlane) importOwnLocked(h cuda.Handle) (*gpuImport, error) {
 		return nil, err
 	}
 	ord, err := g.dev.Locate(imp.ptr)
-	if err != nil || ord == g.dev.Ordinal() {
-		return imp, err
+	if err != nil {
+		return nil, errors.Join(err, g.releaseLocked(imp))
+	}
+	if ord == g.dev.Ordinal() {
+		return imp, nil
 	}
 	dev, err := g.devs.get(ord)
 	if err != nil {

@@ -55,33 +55,18 @@ func (g *gpuPlane) localPeer(l *memLink, r wire.MemRegion, src Device) (uint64, 
 	if pr, ok := g.localEntryLocked(l, r.ID, src); ok {
 		return pr.ptr, pr.imp.dev, nil
 	}
-	imp, err := g.importLocked(g.dev, h)
+	imp, err := g.importOwnLocked(h)
 	if err != nil {
 		return 0, nil, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
 	}
-	ord, err := g.dev.Locate(imp.ptr)
-	if err != nil {
-		return 0, nil, errors.Join(err, g.releaseLocked(imp))
-	}
-	if pr, ok := g.peers[gpuPeerKey{l, r.ID, ord}]; ok {
+	k := gpuPeerKey{l, r.ID, imp.dev.Ordinal()}
+	if pr, ok := g.peers[k]; ok {
 		return pr.ptr, pr.imp.dev, g.releaseLocked(imp)
-	}
-	if ord != g.dev.Ordinal() {
-		dev, err := g.devs.get(ord)
-		if err != nil {
-			return 0, nil, errors.Join(err, g.releaseLocked(imp))
-		}
-		if err := g.releaseLocked(imp); err != nil {
-			return 0, nil, err
-		}
-		if imp, err = g.importLocked(dev, h); err != nil {
-			return 0, nil, fmt.Errorf("open peer region %d's IPC handle on GPU %d: %w", r.ID, ord, err)
-		}
 	}
 	if imp.size != 0 && off+r.Len > imp.size {
 		return 0, nil, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
 	}
-	g.peers[gpuPeerKey{l, r.ID, ord}] = gpuPeer{imp, imp.ptr + off}
+	g.peers[k] = gpuPeer{imp, imp.ptr + off}
 	return imp.ptr + off, imp.dev, nil
 }
 
@@ -168,8 +153,8 @@ func scatterLocal(c stagedChunk, dsts map[uint32]localTarget) error {
 			}
 			dev = t.dev
 		}
-		spans = append(spans, Span{Addr: t.ptr + p.Offset, Len: uint64(len(p.Data))})
-		off += len(p.Data)
+		spans = append(spans, Span{Addr: t.ptr + p.Offset, Len: uint64(p.N)})
+		off += int(p.N)
 	}
 	return flush()
 }

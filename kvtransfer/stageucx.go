@@ -244,30 +244,18 @@ func (l *memLink) lost() error {
 	return fmt.Errorf("link lost: %w", l.err)
 }
 
-// sendStagedUCX is sendStaged over the peer's staging ring: gathered
-// chunks go by RMA from pool's registered buffers. Falls back to DATA
-// frames where the peer lends no ring.
-func (l *memLink) sendStagedUCX(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
+// stagingRing is the endpoint and the peer's ring a staged write puts
+// into: none (DATA frames) unless stagedUCX and the peer lends one.
+func (l *memLink) stagingRing(ctx context.Context, chunk int) (MemoryEndpoint, *peerRing, error) {
+	if !l.stagedUCX() {
+		return nil, nil, nil
+	}
 	ep, err := l.endpoint()
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	r, err := l.peerRing(ctx, ep, chunk)
-	if err != nil || r == nil {
-		if err == nil {
-			err = l.sendStaged(ctx, pool, chunk, runs)
-		}
-		return err
-	}
-	chunk = min(chunk, r.slotLen)
-	var gerr error
-	ack, err := l.fenced(ctx, func() error {
-		fs := l.startFlights(ctx, ep, r)
-		serr, g := pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return l.putChunk(fs, pool, c) })
-		gerr = g
-		return errors.Join(serr, fs.wait())
-	})
-	return stagedResult(ack, err, gerr)
+	return ep, r, err
 }
 
 // putChunk puts a gathered chunk from its registered buffer, which goes
@@ -277,13 +265,7 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 	if err != nil {
 		return errors.Join(err, pool.put(c.buf))
 	}
-	f := slotFill{pieces: make([]wire.StagedPiece, len(c.pieces))}
-	var n uint64
-	for i, p := range c.pieces {
-		f.pieces[i] = wire.StagedPiece{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}
-		n += uint64(len(p.Data))
-	}
-	f.ops = []MemoryOp{{Local: reg, Len: n}}
+	f := slotFill{ops: []MemoryOp{{Local: reg, Len: uint64(len(c.buf))}}, pieces: c.pieces}
 	return fs.post(f, func() error { return pool.put(c.buf) })
 }
 
@@ -293,11 +275,7 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 // a slot with a source UCX refused is first copied into a registered
 // staging buffer of host memory.
 func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
-	ep, err := l.endpoint()
-	if err != nil {
-		return err
-	}
-	r, err := l.peerRing(ctx, ep, l.p.cfg.StageChunk)
+	ep, r, err := l.stagingRing(ctx, l.p.cfg.StageChunk)
 	if err != nil || r == nil {
 		if err == nil {
 			err = l.putTCP(ctx, runs)
@@ -340,7 +318,7 @@ func (l *memLink) postHost(fs *flights, f slotFill, from []memRun) error {
 	if !slices.ContainsFunc(from, func(r memRun) bool { return !registered(r.src.reg) }) {
 		return fs.post(f, nil)
 	}
-	pool := l.p.gpu.hostPool()
+	pool := l.p.gpu.pool(nil)
 	buf, err := pool.get()
 	if err != nil {
 		return err
@@ -387,20 +365,6 @@ func (p *MemoryPlane) registerHost(mem []byte, fd int) (MemoryRegistration, erro
 	return unregistered{}, nil
 }
 
-// stagedResult is a staged write's outcome from its fence's answer, the
-// send's error and the gather's.
-func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
-	switch {
-	case err != nil:
-		return err
-	case gerr != nil:
-		return fmt.Errorf("gather: %w", gerr)
-	case ack.Err != "":
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
-	}
-	return nil
-}
-
 // stageFreed takes a slot the peer handed back.
 func (l *memLink) stageFreed(slot uint32) error {
 	r := l.ustage.out.Load()
@@ -437,14 +401,7 @@ func (l *memLink) newRing(slotLen, slots int) (*ownRing, error) {
 	if slotLen <= 0 || slots <= 0 {
 		return nil, fmt.Errorf("a ring of %d slots of %d bytes", slots, slotLen)
 	}
-	g := &l.p.gpu
-	g.mu.Lock()
-	dev := g.dev
-	g.mu.Unlock()
-	pool := g.hostPool() // no GPU here: host regions only
-	if dev != nil {
-		pool = g.pool(dev)
-	}
+	pool := l.p.gpu.devPool()
 	buf, err := pool.getRing(slotLen * slots)
 	if err != nil {
 		return nil, err
@@ -482,135 +439,5 @@ func (l *memLink) landStaged(m *wire.MemStaged) error {
 		return fmt.Errorf("%w: MEM_STAGED into slot %d not lent", wire.ErrMalformed, m.Slot)
 	}
 	slot := in.buf[int(m.Slot)*in.slotLen : (int(m.Slot)+1)*in.slotLen]
-	return l.scatterPieces(slot, m.Pieces, func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) })
-}
-
-// scatterPieces queues the scatter of buf, holding pieces back to back:
-// one batch per stretch of pieces bound for one device (or for host
-// memory), then release once they are done. Pieces for a region that is
-// gone are dropped and reported at the fence.
-func (l *memLink) scatterPieces(buf []byte, pieces []wire.StagedPiece, release func()) error {
-	l.submit() // DATA frames read before this go first
-	var b *stagedBatch
-	flush := func() {
-		if b != nil && b.used > 0 {
-			l.submitBatch(b)
-		}
-		b = nil
-	}
-	defer func() {
-		flush()
-		l.submitBatch(&stagedBatch{freed: release})
-	}()
-	off := 0
-	for _, pc := range pieces {
-		n := int(pc.N)
-		if n > len(buf)-off {
-			return fmt.Errorf("%w: staged pieces of more than %d bytes", wire.ErrMalformed, len(buf))
-		}
-		// A region the batch holds is read-locked already: locking it again
-		// on this goroutine could deadlock behind a waiting unregister.
-		gr, hr, held := b.holding(pc.Region)
-		if held && b.used != off-b.from {
-			flush() // a gap: the next batch locks it anew
-			gr, hr, held = nil, nil, false
-		}
-		if held && !pieceFits(pc, gr, hr) {
-			l.dropPiece(pc)
-			gr, hr = nil, nil
-		} else if !held {
-			gr, hr = l.stagedDest(pc)
-		}
-		if gr == nil && hr == nil {
-			off += n
-			continue
-		}
-		var dev Device
-		if gr != nil {
-			dev = gr.dev
-		}
-		if b != nil && (b.dev != dev || b.used != off-b.from) {
-			flush() // never when held: b holds only regions of b.dev and is contiguous here
-		}
-		if b == nil {
-			b = &stagedBatch{dev: dev, buf: buf[off:], from: off}
-		}
-		if gr != nil {
-			b.spans = append(b.spans, Span{Addr: gr.ptr + pc.Offset, Len: uint64(n)})
-			if !held {
-				b.held = append(b.held, gr)
-			}
-		} else {
-			b.host = append(b.host, hr.mem[pc.Offset:pc.Offset+uint64(n)])
-			if !held {
-				b.heldHost = append(b.heldHost, hr)
-			}
-		}
-		b.used += n
-		off += n
-	}
-	return nil
-}
-
-// holding returns the region with id if the batch holds it.
-func (b *stagedBatch) holding(id uint32) (*gpuRegion, *memRegion, bool) {
-	if b == nil {
-		return nil, nil, false
-	}
-	for _, r := range b.held {
-		if r.id == id {
-			return r, nil, true
-		}
-	}
-	for _, r := range b.heldHost {
-		if r.id == id {
-			return nil, r, true
-		}
-	}
-	return nil, nil, false
-}
-
-// pieceFits reports whether pc lies inside its region (gr or hr).
-func pieceFits(pc wire.StagedPiece, gr *gpuRegion, hr *memRegion) bool {
-	size := gr.sizeOr(hr)
-	return pc.Offset <= size && uint64(pc.N) <= size-pc.Offset
-}
-
-func (r *gpuRegion) sizeOr(hr *memRegion) uint64 {
-	if r != nil {
-		return r.n
-	}
-	return uint64(len(hr.mem))
-}
-
-// dropPiece notes a piece whose region is gone, for the fence.
-func (l *memLink) dropPiece(pc wire.StagedPiece) {
-	if l.dropped == "" {
-		l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", pc.Region, pc.Offset, pc.N)
-	}
-}
-
-// stagedDest is the region a staged piece lands in, read-locked: a GPU or
-// a host region; neither if it is gone or the piece lies outside it (noted
-// for the fence).
-func (l *memLink) stagedDest(pc wire.StagedPiece) (*gpuRegion, *memRegion) {
-	p := l.p
-	p.mu.Lock()
-	hr := p.byID[pc.Region]
-	p.mu.Unlock()
-	if hr != nil {
-		hr.use.RLock()
-		if !hr.gone && pieceFits(pc, nil, hr) {
-			return nil, hr
-		}
-		hr.use.RUnlock()
-	} else if gr := p.gpu.byID(pc.Region); gr != nil {
-		gr.use.RLock()
-		if !gr.gone && pieceFits(pc, gr, nil) {
-			return gr, nil
-		}
-		gr.use.RUnlock()
-	}
-	l.dropPiece(pc)
-	return nil, nil
+	return l.scatter(slot, m.Pieces, func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) })
 }
