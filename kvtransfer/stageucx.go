@@ -83,49 +83,57 @@ func (l *memLink) stagedUCX() bool {
 
 var stagePuts = os.Getenv("PDROUTER_STAGE_PUTS") == "1"
 
-// peerRing returns the peer's ring for this link, asking for it once; nil
-// if the peer has none (the write then sends DATA frames).
-func (l *memLink) peerRing(ctx context.Context, ep MemoryEndpoint, chunk int) (*peerRing, error) {
+// ring returns the endpoint and the peer's ring a staged write puts into,
+// asking for the ring once: none (DATA frames) unless stagedUCX and the
+// peer lends one.
+func (l *memLink) ring(ctx context.Context, chunk int) (MemoryEndpoint, *peerRing, error) {
+	if !l.stagedUCX() {
+		return nil, nil, nil
+	}
+	ep, err := l.endpoint()
+	if err != nil {
+		return nil, nil, err
+	}
 	st := &l.ustage
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if r := st.out.Load(); r != nil || st.none.Load() {
-		return r, nil
+		return ep, r, nil
 	}
 	seq, ch, err := l.ask()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := l.conn.Write(&wire.MemStageReq{Seq: seq, SlotLen: uint32(chunk), Slots: stageSlots}); err != nil {
 		l.close(err)
-		return nil, err
+		return nil, nil, err
 	}
 	m, err := l.await(ctx, seq, ch)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	a, ok := m.(*wire.MemStageRing)
 	switch {
 	case !ok:
-		return nil, fmt.Errorf("%w: %s answered a staging request", wire.ErrMalformed, m.Type())
+		return nil, nil, fmt.Errorf("%w: %s answered a staging request", wire.ErrMalformed, m.Type())
 	case a.Err != "":
 		st.none.Store(true)
 		l.p.log.Warn("peer lends no staging ring: GPU bytes to it go as DATA frames (staged-tcp)",
 			zap.String("peer", l.remote.Name), zap.String("why", a.Err))
-		return nil, nil
+		return ep, nil, nil
 	case a.Slots == 0 || a.Slots > maxStageSlots || a.SlotLen == 0 || a.SlotLen > wire.MaxDataLen || a.Addr == 0:
-		return nil, fmt.Errorf("%w: staging ring of %d slots of %d bytes", wire.ErrMalformed, a.Slots, a.SlotLen)
+		return nil, nil, fmt.Errorf("%w: staging ring of %d slots of %d bytes", wire.ErrMalformed, a.Slots, a.SlotLen)
 	}
 	key, err := ep.Unpack(a.RKey)
 	if err != nil {
-		return nil, fmt.Errorf("unpack the peer's staging key: %w", err)
+		return nil, nil, fmt.Errorf("unpack the peer's staging key: %w", err)
 	}
 	r := &peerRing{addr: a.Addr, slotLen: int(a.SlotLen), key: key, free: make(chan uint32, a.Slots)}
 	for i := range a.Slots {
 		r.free <- i
 	}
 	st.out.Store(r)
-	return r, nil
+	return ep, r, nil
 }
 
 // slotFill is one slot's worth of a write: ops fill it from offset 0 on
@@ -244,20 +252,6 @@ func (l *memLink) lost() error {
 	return fmt.Errorf("link lost: %w", l.err)
 }
 
-// stagingRing is the endpoint and the peer's ring a staged write puts
-// into: none (DATA frames) unless stagedUCX and the peer lends one.
-func (l *memLink) stagingRing(ctx context.Context, chunk int) (MemoryEndpoint, *peerRing, error) {
-	if !l.stagedUCX() {
-		return nil, nil, nil
-	}
-	ep, err := l.endpoint()
-	if err != nil {
-		return nil, nil, err
-	}
-	r, err := l.peerRing(ctx, ep, chunk)
-	return ep, r, err
-}
-
 // putChunk puts a gathered chunk from its registered buffer, which goes
 // back to pool once the put is complete.
 func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
@@ -275,7 +269,7 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 // a slot with a source UCX refused is first copied into a registered
 // staging buffer of host memory.
 func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
-	ep, r, err := l.stagingRing(ctx, l.p.cfg.StageChunk)
+	ep, r, err := l.ring(ctx, l.p.cfg.StageChunk)
 	if err != nil || r == nil {
 		if err == nil {
 			err = l.putTCP(ctx, runs)

@@ -321,7 +321,7 @@ type stagedChunk struct {
 // inline (staged-tcp). Then it fences; the answer comes after the peer's
 // last scatter. Every buffer is back in the pool when it returns.
 func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
-	ep, ring, err := l.stagingRing(ctx, chunk)
+	ep, ring, err := l.ring(ctx, chunk)
 	if err != nil {
 		return err
 	}
