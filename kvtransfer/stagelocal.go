@@ -8,23 +8,17 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The staged path between two devices of this host without peer access
-// (place.go's PathStagedLocal), for one kvproxy per node and one per
-// engine alike: the writing kvproxy opens the destination engine's
-// allocation in the context of the device it lives on, gathers the source
-// pages into its pinned staging buffers and scatters each buffer into the
-// destination device itself while the next is gathered. No byte crosses a
-// socket.
+// Staged-local: between two devices of this host without peer access, the
+// writing kvproxy opens the destination engine's allocation in the context
+// of the device it lives on and scatters each gathered chunk into it
+// itself. No byte crosses a socket.
 
 // localDest reports whether peer region id (behind l) is GPU memory of
 // this host: the staged path to it is the local one.
 func (g *gpuPlane) localDest(l *memLink, id uint32) bool {
 	r, ok := l.regionByID(id)
-	if !ok || r.Kind != wire.MemCUDA {
-		return false
-	}
-	_, _, _, host, err := parseGPUKey(r.RKey)
-	return err == nil && host == g.host
+	pl := peerPlace(r)
+	return ok && pl.Kind == wire.MemCUDA && pl.Host == g.host
 }
 
 // regionByID is the peer region with id in l's table.

@@ -15,17 +15,13 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The staged path over ucx (place.go's PathStagedUCX). The receiver owns a
-// staging ring per link, pinned host memory registered with the transport
-// once when the writer first asks for it (MEM_STAGE_REQ, answered by
-// MEM_STAGE_RING with its address and key). Its slots are the writer's
-// credits. Per chunk the writer takes a free slot, puts the chunk into it
-// by RMA from a registered staging buffer of its own (gathered from GPU
-// memory while the previous chunk was on the wire) or straight from
-// registered host memory, and then names the slot's pieces in MEM_STAGED
-// on the peer link. The receiver scatters the slot into its regions in
-// link order and hands the slot back (MEM_STAGE_FREE). The write's fence
-// is answered after the last scatter, as on the tcp staged path.
+// Staged-ucx: the receiver lends each link a staging ring of pinned host
+// memory registered with the transport (MEM_STAGE_REQ, answered by
+// MEM_STAGE_RING); its slots are the writer's credits. Per chunk the writer
+// puts into a free slot by RMA, from a registered staging buffer or
+// straight from registered host memory, then names the slot's pieces in
+// MEM_STAGED; the receiver scatters the slot in link order and hands it
+// back (MEM_STAGE_FREE).
 
 // stageSlots is how many slots a writer asks for: two windows of puts, so
 // that one window is on the wire while the receiver scatters and hands
@@ -61,7 +57,7 @@ type peerRing struct {
 }
 
 // ownRing is the ring this side lends its link's peer; touched only by the
-// link's reader (and by its scatterer through the batches).
+// link's reader.
 type ownRing struct {
 	pool    *stagePool
 	buf     []byte

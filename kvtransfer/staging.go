@@ -13,14 +13,13 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The staged path (place.go's PathStagedTCP): GPU memory that the writing
-// kvproxy cannot reach by a device copy travels as host bytes. The writer
-// gathers the source pages into pinned staging buffers of its own, one
-// chunk at a time, and sends each as DATA frames on the peer link while
-// the next is gathered. The receiver reads frames bound for a GPU region
-// back to back into a staging buffer of its own and scatters it into the
-// device when it is full and at the write's fence, so the fence's answer
-// (the write's completion) comes only after the last scatter.
+// The staged paths (place.go): GPU memory the writing kvproxy cannot reach
+// by a device copy moves through pinned host staging buffers, by one
+// pipeline: the writer gathers the source pages chunk by chunk while the
+// previous chunk is scattered here (staged-local, stagelocal.go), put into
+// the peer's staging ring (staged-ucx, stageucx.go) or sent inline
+// (staged-tcp). A receiver queues what it reads for its link's scatterer
+// and answers the write's fence only after the last scatter.
 
 // stageBytes is one staging buffer: a whole DATA frame fits, so a
 // receiver never splits one.
@@ -35,8 +34,7 @@ const defaultStageChunk = 1 << 20
 const stageKeep = 8
 
 // stagePool hands out one device's staging buffers, and the rings
-// (stageucx.go) lent to peers; with no device, plain host
-// memory.
+// (stageucx.go) lent to peers; with no device, plain host memory.
 type stagePool struct {
 	dev  Device
 	mu   sync.Mutex

@@ -207,13 +207,7 @@ func truthy(v any) bool {
 	return true
 }
 
-func setOnce(p **int64, v int64) {
-	if *p == nil {
-		*p = &v
-	}
-}
-
-func setOnceBool(p **bool, v bool) {
+func setOnce[T any](p **T, v T) {
 	if *p == nil {
 		*p = &v
 	}
@@ -299,10 +293,10 @@ func (s *Server) registerLocked(data body) *httpError {
 		if !ok {
 			lb = "follow_bootstrap_room"
 		}
-		setOnceBool(&s.followBootstrapRoom, lb == "follow_bootstrap_room")
+		setOnce(&s.followBootstrapRoom, lb == "follow_bootstrap_room")
 	}
-	setOnceBool(&s.enableDSA, truthy(data["enable_dsa_cache_layer_split"]))
-	setOnceBool(&s.enableSharding, truthy(data["enable_kv_cache_sharding"]))
+	setOnce(&s.enableDSA, truthy(data["enable_dsa_cache_layer_split"]))
+	setOnce(&s.enableSharding, truthy(data["enable_kv_cache_sharding"]))
 	group := dpRank
 	if sysDPSize != 1 {
 		group = sysDPRank
