@@ -47,18 +47,11 @@ type RankInfo struct {
 	PrefillHTTPPort          int    `json:"prefill_http_port,omitempty"` // 0: none
 }
 
-// Topology is GET /route with every rank -1 (the fields the kvproxy's
-// resolver reads).
+// Topology is what the kvproxy's resolver reads of GET /route with every
+// rank -1.
 type Topology struct {
-	AttnTPSize               int    `json:"attn_tp_size"`
-	AttnCPSize               int    `json:"attn_cp_size"`
-	DPSize                   int    `json:"dp_size"`
-	PPSize                   int    `json:"pp_size"`
-	PageSize                 int    `json:"page_size"`
-	KVCacheDtype             string `json:"kv_cache_dtype"`
-	FollowBootstrapRoom      bool   `json:"follow_bootstrap_room"`
-	EnableDSACacheLayerSplit bool   `json:"enable_dsa_cache_layer_split"`
-	PrefillHTTPPort          int    `json:"prefill_http_port"`
+	PageSize     int    `json:"page_size"`
+	KVCacheDtype string `json:"kv_cache_dtype"`
 }
 
 // RankAddr is GET /route for one rank: where its transfer engine listens.
