@@ -92,8 +92,8 @@ func fakeGPU() (*gpuPlane, *memLink) {
 	// Region 8 shares region 7's allocation, 64 MiB in: the cache must keep
 	// each region's own address.
 	imp := &gpuImport{ptr: 0x9000000000, refs: 2}
-	g.peers[gpuPeerKey{l, 7, 0}] = gpuPeer{imp, imp.ptr}
-	g.peers[gpuPeerKey{l, 8, 0}] = gpuPeer{imp, imp.ptr + 64*mib}
+	g.peers[gpuPeerKey{l, 7, 0}] = gpuPeer{imp: imp, ptr: imp.ptr}
+	g.peers[gpuPeerKey{l, 8, 0}] = gpuPeer{imp: imp, ptr: imp.ptr + 64*mib}
 	return g, l
 }
 
