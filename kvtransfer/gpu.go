@@ -151,6 +151,12 @@ func (g *gpuPlane) importOwnLocked(h cuda.Handle) (*gpuImport, error) {
 	if ord == g.dev.Ordinal() {
 		return imp, nil
 	}
+	return g.reimportLocked(imp, h, ord)
+}
+
+// reimportLocked opens h, opened as imp, again in device ord's context
+// instead.
+func (g *gpuPlane) reimportLocked(imp *gpuImport, h cuda.Handle, ord int) (*gpuImport, error) {
 	dev, err := g.devs.get(ord)
 	if err != nil {
 		return nil, errors.Join(err, g.releaseLocked(imp))
@@ -506,14 +512,7 @@ func (g *gpuPlane) peerLocked(l *memLink, r wire.MemRegion, dev Device) (gpuPeer
 	}
 	local := ord != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), ord)
 	if local {
-		own, err := g.devs.get(ord)
-		if err == nil {
-			err = g.releaseLocked(imp)
-		}
-		if err == nil {
-			imp, err = g.importLocked(own, h)
-		}
-		if err != nil {
+		if imp, err = g.reimportLocked(imp, h, ord); err != nil {
 			return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle on GPU %d: %w", r.ID, ord, err)
 		}
 	}
