@@ -561,16 +561,15 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	})
 }
 
-// writePages moves a page write of GPU memory into the peer engine behind l.
-func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite) error {
-	first := w.Bufs[0]
-	dev, staged, err := g.route(ctx, l, Triple{Src: first.Src + uint64(w.Pairs[0].Src)*first.PageLen,
-		Dst: first.Dst + uint64(w.Pairs[0].Dst)*first.PageLen, Len: first.PageLen})
+// writePages moves a page write of GPU memory (ts: w.mergedTriples()) into
+// the peer engine behind l.
+func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite, ts []Triple) error {
+	dev, staged, err := g.route(ctx, l, ts[0])
 	if err != nil {
 		return err
 	}
 	if staged {
-		return g.writeStaged(ctx, p, l, dev, w.Triples())
+		return g.writeStaged(ctx, p, l, dev, ts)
 	}
 	prs := w.runs()
 	pieces := 0

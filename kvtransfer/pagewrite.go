@@ -119,7 +119,7 @@ func (s *MemorySession) writePages(ctx context.Context, peer string, w *PageWrit
 		}
 		ts := w.mergedTriples()
 		if len(ts) > 0 && s.p.gpu.holds(ts[:1]) {
-			if err := s.p.gpu.writePages(ctx, s.p, l, w); err != nil {
+			if err := s.p.gpu.writePages(ctx, s.p, l, w, ts); err != nil {
 				return err
 			}
 			ts = nil
