@@ -458,7 +458,7 @@ type stageIn struct {
 	done   chan struct{}
 	err    string      // the first drop or scatter failure since the last fence; the scatterer's until a barrier returns
 	frames *scatterJob // DATA frames for GPU regions read back to back into a staging buffer
-	pool   *stagePool  // frames' buffer's
+	pool   *stagePool  // where frames.buf came from
 	// inline is an inline MEM_STAGED whose DATA frame comes next.
 	inline *wire.MemStaged
 }
