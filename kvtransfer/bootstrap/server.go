@@ -5,9 +5,9 @@
 // /query_dp_ranks, /health answers "OK". It answers SGLang's own clients
 // exactly as SGLang's server does (status codes, texts, reply fields, the
 // first registration fixing the topology), so either server can stand in
-// for the other. The prefill kvproxy serves it on the bootstrap port; in
-// pool mode it registers itself as the only rank, so the router's
-// bootstrap_host/port/room need no change.
+// for the other. The prefill kvproxy serves it on the bootstrap port and
+// registers itself as the only rank once its engine described its layout,
+// so the router's bootstrap_host/port/room need no change.
 package bootstrap
 
 import (
