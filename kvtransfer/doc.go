@@ -7,8 +7,9 @@
 //     tcp.go (DATA frames on the peer link), samehost.go (shm: a memcpy
 //     into the peer engine's memfd mapped here), ucx.go (UCX RMA puts, cgo
 //     binding in ucx/), ucxlocal.go (kvproxy's ucx: shm's memcpy to a peer
-//     of the same host id, UCX to the others); device.go and staging.go for
-//     GPU memory.
+//     of the same host id, UCX to the others); for GPU memory device.go
+//     (the copier seam) and staging.go, the one pipeline of the staged
+//     paths, with stageucx.go's ring and stagelocal.go's local scatter.
 //   - The memory plane, this package: memory.go (regions an engine
 //     registered from its own memfd), memlink.go (one link per peer
 //     kvproxy: region tables, DATA frames, fences), pagewrite.go (SGLang's

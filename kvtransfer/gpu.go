@@ -58,10 +58,12 @@ type gpuPeerKey struct {
 	dev int // the writing device, whose context opened it
 }
 
-// gpuPeer is a peer region opened here: its import and its base address.
+// gpuPeer is a peer region opened here: its import and its base address;
+// local: opened in its own device's context, one the writer cannot reach.
 type gpuPeer struct {
-	imp *gpuImport
-	ptr uint64
+	imp   *gpuImport
+	ptr   uint64
+	local bool
 }
 
 // gpuImport is one opened IPC handle, shared by the regions inside it.
@@ -143,9 +145,18 @@ func (g *gpuPlane) importOwnLocked(h cuda.Handle) (*gpuImport, error) {
 		return nil, err
 	}
 	ord, err := g.dev.Locate(imp.ptr)
-	if err != nil || ord == g.dev.Ordinal() {
-		return imp, err
+	if err != nil {
+		return nil, errors.Join(err, g.releaseLocked(imp))
 	}
+	if ord == g.dev.Ordinal() {
+		return imp, nil
+	}
+	return g.reimportLocked(imp, h, ord)
+}
+
+// reimportLocked opens h, opened as imp, again in device ord's context
+// instead.
+func (g *gpuPlane) reimportLocked(imp *gpuImport, h cuda.Handle, ord int) (*gpuImport, error) {
 	dev, err := g.devs.get(ord)
 	if err != nil {
 		return nil, errors.Join(err, g.releaseLocked(imp))
@@ -340,9 +351,6 @@ func (g *gpuPlane) route(ctx context.Context, l *memLink, t Triple) (Device, boo
 	if err := g.prune(l); err != nil {
 		l.p.log.Warn("close peer GPU mappings: " + err.Error())
 	}
-	if g.stagedLocally(l, dst.ID, src.dev) { // stagelocal.go: no import attempt per write
-		return src.dev, true, nil
-	}
 	g.pmu.RLock()
 	_, err = g.peerPtr(l, dst, src.dev)
 	g.pmu.RUnlock()
@@ -463,37 +471,56 @@ func (l *memLink) isClosed() bool {
 var errStaged = errors.New("destination needs the staged path")
 
 // peerPtr returns where peer region r (behind l) is mapped in dev's
-// context, opening its engine's allocation on first use; errStaged if dev
-// cannot reach it. Call with pmu read-held.
+// context; errStaged if dev cannot reach it. Call with pmu read-held.
 func (g *gpuPlane) peerPtr(l *memLink, r wire.MemRegion, dev Device) (uint64, error) {
-	if r.Kind != wire.MemCUDA {
-		return 0, errStaged
-	}
-	k := gpuPeerKey{l, r.ID, dev.Ordinal()}
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	pr, err := g.peerLocked(l, r, dev)
+	if err == nil && pr.local {
+		err = errStaged
+	}
+	return pr.ptr, err
+}
+
+// peerLocked returns peer region r (behind l) as writes from dev reach it,
+// opening its engine's allocation on first use: in dev's context where dev
+// can reach the memory, else (staged-local) in the context of the device
+// it is on; errStaged where it is no GPU memory of this host. Call with pmu
+// read-held.
+func (g *gpuPlane) peerLocked(l *memLink, r wire.MemRegion, dev Device) (gpuPeer, error) {
+	k := gpuPeerKey{l, r.ID, dev.Ordinal()}
 	if pr, ok := g.peers[k]; ok {
-		return pr.ptr, nil
+		return pr, nil
+	}
+	if r.Kind != wire.MemCUDA {
+		return gpuPeer{}, errStaged
 	}
 	h, off, _, host, err := parseGPUKey(r.RKey)
 	if err != nil {
-		return 0, err
+		return gpuPeer{}, err
 	}
 	if host != g.host {
-		return 0, errStaged
+		return gpuPeer{}, errStaged
 	}
 	imp, err := g.importLocked(dev, h)
 	if err != nil {
-		return 0, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
+		return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
+	}
+	ord, err := dev.Locate(imp.ptr)
+	if err != nil {
+		return gpuPeer{}, errors.Join(err, g.releaseLocked(imp))
+	}
+	local := ord != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), ord)
+	if local {
+		if imp, err = g.reimportLocked(imp, h, ord); err != nil {
+			return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle on GPU %d: %w", r.ID, ord, err)
+		}
 	}
 	if imp.size != 0 && off+r.Len > imp.size {
-		return 0, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
+		return gpuPeer{}, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
 	}
-	if ord, err := dev.Locate(imp.ptr); err != nil || ord != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), ord) {
-		return 0, errors.Join(errStaged, err, g.releaseLocked(imp))
-	}
-	g.peers[k] = gpuPeer{imp, imp.ptr + off}
-	return imp.ptr + off, nil
+	g.peers[k] = gpuPeer{imp: imp, ptr: imp.ptr + off, local: local}
+	return g.peers[k], nil
 }
 
 // gpuChunk: writes of more triples than this resolve in parts of this
@@ -534,16 +561,15 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 	})
 }
 
-// writePages moves a page write of GPU memory into the peer engine behind l.
-func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite) error {
-	first := w.Bufs[0]
-	dev, staged, err := g.route(ctx, l, Triple{Src: first.Src + uint64(w.Pairs[0].Src)*first.PageLen,
-		Dst: first.Dst + uint64(w.Pairs[0].Dst)*first.PageLen, Len: first.PageLen})
+// writePages moves a page write of GPU memory (ts: w.mergedTriples()) into
+// the peer engine behind l.
+func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite, ts []Triple) error {
+	dev, staged, err := g.route(ctx, l, ts[0])
 	if err != nil {
 		return err
 	}
 	if staged {
-		return g.writeStaged(ctx, p, l, dev, w.Triples())
+		return g.writeStaged(ctx, p, l, dev, ts)
 	}
 	prs := w.runs()
 	pieces := 0

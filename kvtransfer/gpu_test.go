@@ -58,6 +58,23 @@ func TestRegisterCUDAFailsCleanly(t *testing.T) {
 	}
 }
 
+// A handle whose memory the driver cannot place fails the registration
+// and is closed again (importOwnLocked used to keep it open).
+func TestRegisterCUDAClosesWhatItCannotLocate(t *testing.T) {
+	gpus := newHostGPUs(t)
+	m := gpuSide(t, gpus, "tcp", "h1", time.Second)
+	a := gpus.alloc(0, 1<<20)
+	gpus.mu.Lock()
+	gpus.noPlace = true
+	gpus.mu.Unlock()
+	if err := m.s.RegisterCUDA(0x10000000, 1<<20, a.handle[:], 0); err == nil || !strings.Contains(err.Error(), "not an allocation") {
+		t.Fatalf("registering memory Locate cannot place: %v", err)
+	}
+	if _, _, ipc := gpus.open(); ipc != 0 {
+		t.Fatalf("%d IPC mappings left open by a failed registration", ipc)
+	}
+}
+
 func TestGPUKeyRoundTrip(t *testing.T) {
 	var h cuda.Handle
 	for i := range h {
@@ -92,8 +109,8 @@ func fakeGPU() (*gpuPlane, *memLink) {
 	// Region 8 shares region 7's allocation, 64 MiB in: the cache must keep
 	// each region's own address.
 	imp := &gpuImport{ptr: 0x9000000000, refs: 2}
-	g.peers[gpuPeerKey{l, 7, 0}] = gpuPeer{imp, imp.ptr}
-	g.peers[gpuPeerKey{l, 8, 0}] = gpuPeer{imp, imp.ptr + 64*mib}
+	g.peers[gpuPeerKey{l, 7, 0}] = gpuPeer{imp: imp, ptr: imp.ptr}
+	g.peers[gpuPeerKey{l, 8, 0}] = gpuPeer{imp: imp, ptr: imp.ptr + 64*mib}
 	return g, l
 }
 

@@ -19,6 +19,7 @@ type hostGPUs struct {
 	allocs  []*hostAlloc
 	next    uint64
 	noPeer  bool // devices cannot reach each other's memory
+	noPlace bool // Locate fails, as for a pointer the driver cannot place
 	devices int  // open now
 	stages  int  // staging buffers not yet freed
 	ipc     int  // IPC mappings not yet closed
@@ -125,7 +126,7 @@ func (d *hostDevice) Locate(ptr uint64) (int, error) {
 	d.h.mu.Lock()
 	defer d.h.mu.Unlock()
 	for _, a := range d.h.allocs {
-		if ptr >= a.base && ptr < a.base+uint64(len(a.mem)) {
+		if ptr >= a.base && ptr < a.base+uint64(len(a.mem)) && !d.h.noPlace {
 			return a.dev, nil
 		}
 	}

@@ -102,27 +102,30 @@ func (w *PageWrite) runs() []pageRun {
 // WritePages is Write for a page write: GPU memory moves without expanding
 // it into triples.
 func (s *MemorySession) WritePages(ctx context.Context, peer string, w *PageWrite) error {
+	return s.writePages(ctx, peer, w, nil, func(ctx context.Context) (*memLink, error) { return s.p.link(ctx, peer) })
+}
+
+// writePages moves w plus the ranges extra into the engine behind the link
+// link returns.
+func (s *MemorySession) writePages(ctx context.Context, peer string, w *PageWrite, extra []Triple, link func(context.Context) (*memLink, error)) error {
 	if err := w.Check(); err != nil {
 		return fmt.Errorf("write to %s: %w", peer, err)
 	}
-	if len(w.Bufs) == 0 || len(w.Pairs) == 0 {
-		return s.Write(ctx, peer, nil)
-	}
-	first := w.Bufs[0]
-	if !s.p.gpu.holds([]Triple{{Src: first.Src + uint64(w.Pairs[0].Src)*first.PageLen, Len: first.PageLen}}) {
-		return s.Write(ctx, peer, w.Triples())
-	}
-	deadline := writeDeadline(s.p.cfg.WriteTimeout, []Triple{{Len: w.Bytes()}})
-	return s.write(ctx, peer, deadline, func(ctx context.Context) error { return s.p.writePages(ctx, peer, w) })
-}
-
-// writePages moves a page write of GPU memory into the peer engine.
-func (p *MemoryPlane) writePages(ctx context.Context, peer string, w *PageWrite) error {
-	l, err := p.link(ctx, peer)
-	if err != nil {
-		return err
-	}
-	return p.gpu.writePages(ctx, p, l, w)
+	deadline := writeDeadline(s.p.cfg.WriteTimeout, append([]Triple{{Len: w.Bytes()}}, extra...))
+	return s.write(ctx, peer, deadline, func(ctx context.Context) error {
+		l, err := link(ctx)
+		if err != nil {
+			return err
+		}
+		ts := w.mergedTriples()
+		if len(ts) > 0 && s.p.gpu.holds(ts[:1]) {
+			if err := s.p.gpu.writePages(ctx, s.p, l, w, ts); err != nil {
+				return err
+			}
+			ts = nil
+		}
+		return s.p.writeLink(ctx, l, append(ts, extra...))
+	})
 }
 
 // mergedTriples lists w's ranges with pages that follow each other on both

@@ -113,22 +113,7 @@ func (p *MemoryPlane) Owns(s *MemorySession, addr, n uint64) bool {
 func (s *MemorySession) Gone() bool { return s.ctx.Err() != nil }
 
 // WriteOver moves a page write plus the ranges extra from s's memory into
-// the engine behind k: a room's chunk and its aux item. GPU pages move
-// without expanding them into triples.
+// the engine behind k: a room's chunk and its aux item.
 func (s *MemorySession) WriteOver(ctx context.Context, k Link, w *PageWrite, extra []Triple) error {
-	if err := w.Check(); err != nil {
-		return err
-	}
-	peer := k.l.remote.ListenAddr
-	deadline := writeDeadline(s.p.cfg.WriteTimeout, []Triple{{Len: w.Bytes()}})
-	return s.write(ctx, peer, deadline, func(ctx context.Context) error {
-		ts := w.mergedTriples()
-		if len(ts) > 0 && s.p.gpu.holds(ts[:1]) {
-			if err := s.p.gpu.writePages(ctx, s.p, k.l, w); err != nil {
-				return err
-			}
-			ts = nil
-		}
-		return s.p.writeLink(ctx, k.l, append(ts, extra...))
-	})
+	return s.writePages(ctx, k.l.remote.ListenAddr, w, extra, func(context.Context) (*memLink, error) { return k.l, nil })
 }

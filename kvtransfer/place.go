@@ -6,26 +6,17 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The memory plane's seam. Every registered region has a Place: the kind
-// of memory it is (host or CUDA), the device it lives on and the host that
-// holds it. A write from one place to another goes by one Path, which
-// choosePath picks from the two places alone (and whether the two devices
-// can reach each other), so a link can name its path for each pair of
-// memory kinds before any byte moves, and a pair no path carries fails at
-// once. What moves the bytes of a GPU region is a Device (device.go); the
-// CUDA binding is one, and host memory stands in for it on CPU.
+// A write from one Place to another goes by the Path choosePath picks from
+// the two places alone, so a link names its path for each pair of memory
+// kinds before any byte moves, and a pair no path carries fails at once.
 // GPUDIRECT.md is the design for a path that skips the staging.
 
 // Place is where a region's bytes live.
 type Place struct {
-	Kind wire.MemKind
-	// Device is the CUDA ordinal of device memory in the process that
-	// registered it (-1 for host memory).
-	Device int
-	// Host identifies the machine (kvproxy's --host-id, default the boot
-	// id). Equal hosts share GPUs by IPC handle and memory by memfd; two
-	// kvproxies of one machine given different ids treat each other as
-	// remote.
+	Kind   wire.MemKind
+	Device int // CUDA ordinal in the registering process; -1: host memory
+	// Host is the machine's id (kvproxy's --host-id, default the boot id):
+	// equal hosts share GPUs by IPC handle and memory by memfd.
 	Host string
 }
 
@@ -42,29 +33,21 @@ func (p Place) String() string {
 // Path is how a write moves bytes from one place to another.
 type Path string
 
-// The paths. Host-to-host writes go by the transport itself (tcp, ucx or
-// shm); the rest name how device memory takes part.
+// The paths. Host-to-host writes go by the transport itself; device memory
+// moves by a device copy on one host (same-gpu, p2p), or through pinned
+// host staging buffers: scattered by the writing kvproxy itself between
+// devices of one host without peer access (staged-local, stagelocal.go),
+// else sent to the peer as DATA frames (staged-tcp, staging.go) or put by
+// RMA into the peer's staging ring (staged-ucx, stageucx.go).
 const (
-	// PathSameGPU: both regions on one device of one host, one device copy.
-	PathSameGPU Path = "same-gpu"
-	// PathP2P: two devices of one host with peer access, device to device.
-	PathP2P Path = "p2p"
-	// PathStagedLocal: two devices of one host without peer access: the
-	// writing kvproxy gathers into its pinned host staging buffers and
-	// scatters from them into the destination device itself, no socket.
+	PathSameGPU     Path = "same-gpu"
+	PathP2P         Path = "p2p"
 	PathStagedLocal Path = "staged-local"
-	// PathStagedTCP: device memory on at least one end, across hosts or
-	// beside host memory: gathered into pinned host staging buffers, sent
-	// as DATA frames on the peer link (tcp and shm), scattered at the far
-	// end.
-	PathStagedTCP Path = "staged-tcp"
-	// PathStagedUCX: as PathStagedTCP, but each chunk goes by one RMA put
-	// from the writer's registered staging buffer into a slot of the
-	// receiver's registered staging ring (stageucx.go).
-	PathStagedUCX Path = "staged-ucx"
-	PathSHM       Path = "shm"
-	PathTCP       Path = "tcp"
-	PathUCX       Path = "ucx"
+	PathStagedTCP   Path = "staged-tcp"
+	PathStagedUCX   Path = "staged-ucx"
+	PathSHM         Path = "shm"
+	PathTCP         Path = "tcp"
+	PathUCX         Path = "ucx"
 )
 
 // PeerAccess reports whether device a can read and write device b's
@@ -112,10 +95,7 @@ func choosePath(transport string, src, dst Place, access PeerAccess) (Path, erro
 		}
 		return PathStagedLocal, nil
 	}
-	// Device memory across hosts, or beside host memory: bytes travel as
-	// host bytes with a device copy on the ends that need one: by RMA into
-	// the receiver's staging ring over ucx, as DATA frames on the peer link
-	// otherwise (shm has no socket of its own for them, but the link has).
+	// Staged: shm has no socket of its own for DATA frames, but the link has.
 	if transport == "ucx" {
 		return PathStagedUCX, nil
 	}

@@ -153,19 +153,9 @@ func (e *shmEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
 		return nil, fmt.Errorf("shm transport: liveness word %d of %d", slot, len(words))
 	}
 	live := &words[slot]
-	path := fmt.Sprintf("/proc/%d/fd/%d", pid, fd)
-	f, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	ptr, err := mapPeer(shmFile{pid, fd, ino}, n, "memfd", unix.MAP_POPULATE)
 	if err != nil {
-		return nil, fmt.Errorf("shm transport: open the peer's memfd %s (both kvproxies must run under one user): %w", path, err)
-	}
-	defer unix.Close(f)
-	var st unix.Stat_t
-	if err := unix.Fstat(f, &st); err != nil || st.Ino != ino || uint64(st.Size) < n || n == 0 {
-		return nil, fmt.Errorf("shm transport: %s is not the peer's memfd of %d bytes any more (inode %d, size %d): %v", path, n, st.Ino, st.Size, err)
-	}
-	ptr, err := unix.MmapPtr(f, 0, nil, uintptr(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
-	if err != nil {
-		return nil, fmt.Errorf("shm transport: map the peer's memfd: %w", err)
+		return nil, err
 	}
 	m := &shmMapping{mem: unsafe.Slice((*byte)(ptr), n), base: base, live: live, token: token}
 	if atomic.LoadUint64(live) != token {
@@ -263,25 +253,36 @@ func (e *shmEndpoint) liveness(f shmFile) ([]uint64, error) {
 	if e.closed {
 		return nil, errors.New("shm transport: endpoint closed")
 	}
-	path := fmt.Sprintf("/proc/%d/fd/%d", f.pid, f.fd)
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("shm transport: open the peer's liveness memfd %s: %w", path, err)
-	}
-	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || st.Ino != f.ino || st.Size != shmLiveBytes {
-		return nil, fmt.Errorf("shm transport: %s is not the peer's liveness memfd (inode %d, size %d): %v", path, st.Ino, st.Size, err)
-	}
-	w, err := mapWords(fd)
+	ptr, err := mapPeer(f, shmLiveBytes, "liveness memfd", 0)
 	if err != nil {
 		return nil, err
 	}
+	w := unsafe.Slice((*uint64)(ptr), shmLiveWords)
 	if e.lives == nil {
 		e.lives = map[shmFile][]uint64{}
 	}
 	e.lives[f] = w
 	return w, nil
+}
+
+// mapPeer maps n bytes of memfd f of a peer kvproxy, checking that it is
+// still the file the key named (by inode) and holds them.
+func mapPeer(f shmFile, n uint64, what string, flags int) (unsafe.Pointer, error) {
+	path := fmt.Sprintf("/proc/%d/fd/%d", f.pid, f.fd)
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("shm transport: open the peer's %s %s (both kvproxies must run under one user): %w", what, path, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Ino != f.ino || uint64(st.Size) < n || n == 0 {
+		return nil, fmt.Errorf("shm transport: %s is not the peer's %s of %d bytes any more (inode %d, size %d): %v", path, what, n, st.Ino, st.Size, err)
+	}
+	ptr, err := unix.MmapPtr(fd, 0, nil, uintptr(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|flags)
+	if err != nil {
+		return nil, fmt.Errorf("shm transport: map the peer's %s: %w", what, err)
+	}
+	return ptr, nil
 }
 
 // shmLiveWords bounds the regions one kvproxy registers at once (a peer

@@ -8,23 +8,17 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The staged path between two devices of this host without peer access
-// (place.go's PathStagedLocal), for one kvproxy per node and one per
-// engine alike: the writing kvproxy opens the destination engine's
-// allocation in the context of the device it lives on, gathers the source
-// pages into its pinned staging buffers and scatters each buffer into the
-// destination device itself while the next is gathered. No byte crosses a
-// socket.
+// Staged-local: between two devices of this host without peer access, the
+// writing kvproxy opens the destination engine's allocation in the context
+// of the device it lives on and scatters each gathered chunk into it
+// itself. No byte crosses a socket.
 
 // localDest reports whether peer region id (behind l) is GPU memory of
 // this host: the staged path to it is the local one.
 func (g *gpuPlane) localDest(l *memLink, id uint32) bool {
 	r, ok := l.regionByID(id)
-	if !ok || r.Kind != wire.MemCUDA {
-		return false
-	}
-	_, _, _, host, err := parseGPUKey(r.RKey)
-	return err == nil && host == g.host
+	pl := peerPlace(r)
+	return ok && pl.Kind == wire.MemCUDA && pl.Host == g.host
 }
 
 // regionByID is the peer region with id in l's table.
@@ -39,87 +33,13 @@ func (l *memLink) regionByID(id uint32) (wire.MemRegion, bool) {
 	return wire.MemRegion{}, false
 }
 
-// localPeer is peer region r opened in the context of the device its
-// memory is on (one src cannot reach): its address there and that device.
-// Call with pmu read-held.
-func (g *gpuPlane) localPeer(l *memLink, r wire.MemRegion, src Device) (uint64, Device, error) {
-	h, off, _, host, err := parseGPUKey(r.RKey)
-	if err != nil {
-		return 0, nil, err
-	}
-	if host != g.host {
-		return 0, nil, fmt.Errorf("peer region %d is on host %q, not this one", r.ID, host)
-	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if pr, ok := g.localEntryLocked(l, r.ID, src); ok {
-		return pr.ptr, pr.imp.dev, nil
-	}
-	imp, err := g.importLocked(g.dev, h)
-	if err != nil {
-		return 0, nil, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
-	}
-	ord, err := g.dev.Locate(imp.ptr)
-	if err != nil {
-		return 0, nil, errors.Join(err, g.releaseLocked(imp))
-	}
-	if pr, ok := g.peers[gpuPeerKey{l, r.ID, ord}]; ok {
-		return pr.ptr, pr.imp.dev, g.releaseLocked(imp)
-	}
-	if ord != g.dev.Ordinal() {
-		dev, err := g.devs.get(ord)
-		if err != nil {
-			return 0, nil, errors.Join(err, g.releaseLocked(imp))
-		}
-		if err := g.releaseLocked(imp); err != nil {
-			return 0, nil, err
-		}
-		if imp, err = g.importLocked(dev, h); err != nil {
-			return 0, nil, fmt.Errorf("open peer region %d's IPC handle on GPU %d: %w", r.ID, ord, err)
-		}
-	}
-	if imp.size != 0 && off+r.Len > imp.size {
-		return 0, nil, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
-	}
-	g.peers[gpuPeerKey{l, r.ID, ord}] = gpuPeer{imp, imp.ptr + off}
-	return imp.ptr + off, imp.dev, nil
-}
-
-// stagedLocally reports whether peer region id (behind l) is already
-// opened for the local staged path from dev: on a device dev cannot
-// reach. Without it every write would first try, and fail, to open the
-// region in dev's context.
-func (g *gpuPlane) stagedLocally(l *memLink, id uint32, dev Device) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	_, ok := g.localEntryLocked(l, id, dev)
-	return ok
-}
-
-// localEntryLocked is peer region id opened by localPeer for writes from
-// dev: the one mapping of it on a device dev cannot reach.
-func (g *gpuPlane) localEntryLocked(l *memLink, id uint32, dev Device) (gpuPeer, bool) {
-	for k, pr := range g.peers {
-		if k.l == l && k.id == id && k.dev != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), k.dev) {
-			return pr, true
-		}
-	}
-	return gpuPeer{}, false
-}
-
-// localTarget is a destination region opened here.
-type localTarget struct {
-	ptr uint64
-	dev Device
-}
-
 // copyStagedLocal moves runs (sources on pool's device) into GPU regions of
 // this host through pool's staging buffers: gathering chunk N+1 overlaps
 // scattering chunk N. It returns once the last scatter is done.
 func (g *gpuPlane) copyStagedLocal(ctx context.Context, l *memLink, pool *stagePool, chunk int, runs []stagedRun) error {
 	g.pmu.RLock()
 	defer g.pmu.RUnlock()
-	dsts := map[uint32]localTarget{}
+	dsts := map[uint32]gpuPeer{}
 	for _, r := range runs {
 		if _, ok := dsts[r.dst]; ok {
 			continue
@@ -128,11 +48,16 @@ func (g *gpuPlane) copyStagedLocal(ctx context.Context, l *memLink, pool *stageP
 		if !ok {
 			return fmt.Errorf("peer region %d: %w at the peer", r.dst, ErrNotRegistered)
 		}
-		ptr, dev, err := g.localPeer(l, pr, pool.dev)
+		g.mu.Lock()
+		dst, err := g.peerLocked(l, pr, pool.dev)
+		g.mu.Unlock()
+		if errors.Is(err, errStaged) {
+			err = fmt.Errorf("peer region %d is no GPU memory of this host", r.dst)
+		}
 		if err != nil {
 			return err
 		}
-		dsts[r.dst] = localTarget{ptr, dev}
+		dsts[r.dst] = dst
 	}
 	serr, gerr := pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error {
 		return errors.Join(scatterLocal(c, dsts), pool.put(c.buf))
@@ -148,7 +73,7 @@ func (g *gpuPlane) copyStagedLocal(ctx context.Context, l *memLink, pool *stageP
 
 // scatterLocal scatters a gathered chunk, one call per stretch of pieces
 // bound for one device.
-func scatterLocal(c stagedChunk, dsts map[uint32]localTarget) error {
+func scatterLocal(c stagedChunk, dsts map[uint32]gpuPeer) error {
 	var spans []Span
 	var dev Device
 	from, off := 0, 0
@@ -162,14 +87,14 @@ func scatterLocal(c stagedChunk, dsts map[uint32]localTarget) error {
 	}
 	for _, p := range c.pieces {
 		t := dsts[p.Region]
-		if t.dev != dev {
+		if t.imp.dev != dev {
 			if err := flush(); err != nil {
 				return err
 			}
-			dev = t.dev
+			dev = t.imp.dev
 		}
-		spans = append(spans, Span{Addr: t.ptr + p.Offset, Len: uint64(len(p.Data))})
-		off += len(p.Data)
+		spans = append(spans, Span{Addr: t.ptr + p.Offset, Len: uint64(p.N)})
+		off += int(p.N)
 	}
 	return flush()
 }

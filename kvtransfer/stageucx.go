@@ -15,17 +15,13 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The staged path over ucx (place.go's PathStagedUCX). The receiver owns a
-// staging ring per link, pinned host memory registered with the transport
-// once when the writer first asks for it (MEM_STAGE_REQ, answered by
-// MEM_STAGE_RING with its address and key). Its slots are the writer's
-// credits. Per chunk the writer takes a free slot, puts the chunk into it
-// by RMA from a registered staging buffer of its own (gathered from GPU
-// memory while the previous chunk was on the wire) or straight from
-// registered host memory, and then names the slot's pieces in MEM_STAGED
-// on the peer link. The receiver scatters the slot into its regions in
-// link order and hands the slot back (MEM_STAGE_FREE). The write's fence
-// is answered after the last scatter, as on the tcp staged path.
+// Staged-ucx: the receiver lends each link a staging ring of pinned host
+// memory registered with the transport (MEM_STAGE_REQ, answered by
+// MEM_STAGE_RING); its slots are the writer's credits. Per chunk the writer
+// puts into a free slot by RMA, from a registered staging buffer or
+// straight from registered host memory, then names the slot's pieces in
+// MEM_STAGED; the receiver scatters the slot in link order and hands it
+// back (MEM_STAGE_FREE).
 
 // stageSlots is how many slots a writer asks for: two windows of puts, so
 // that one window is on the wire while the receiver scatters and hands
@@ -61,7 +57,7 @@ type peerRing struct {
 }
 
 // ownRing is the ring this side lends its link's peer; touched only by the
-// link's reader (and by its scatterer through the batches).
+// link's reader.
 type ownRing struct {
 	pool    *stagePool
 	buf     []byte
@@ -83,49 +79,57 @@ func (l *memLink) stagedUCX() bool {
 
 var stagePuts = os.Getenv("PDROUTER_STAGE_PUTS") == "1"
 
-// peerRing returns the peer's ring for this link, asking for it once; nil
-// if the peer has none (the write then sends DATA frames).
-func (l *memLink) peerRing(ctx context.Context, ep MemoryEndpoint, chunk int) (*peerRing, error) {
+// ring returns the endpoint and the peer's ring a staged write puts into,
+// asking for the ring once: none (DATA frames) unless stagedUCX and the
+// peer lends one.
+func (l *memLink) ring(ctx context.Context, chunk int) (MemoryEndpoint, *peerRing, error) {
+	if !l.stagedUCX() {
+		return nil, nil, nil
+	}
+	ep, err := l.endpoint()
+	if err != nil {
+		return nil, nil, err
+	}
 	st := &l.ustage
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if r := st.out.Load(); r != nil || st.none.Load() {
-		return r, nil
+		return ep, r, nil
 	}
 	seq, ch, err := l.ask()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := l.conn.Write(&wire.MemStageReq{Seq: seq, SlotLen: uint32(chunk), Slots: stageSlots}); err != nil {
 		l.close(err)
-		return nil, err
+		return nil, nil, err
 	}
 	m, err := l.await(ctx, seq, ch)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	a, ok := m.(*wire.MemStageRing)
 	switch {
 	case !ok:
-		return nil, fmt.Errorf("%w: %s answered a staging request", wire.ErrMalformed, m.Type())
+		return nil, nil, fmt.Errorf("%w: %s answered a staging request", wire.ErrMalformed, m.Type())
 	case a.Err != "":
 		st.none.Store(true)
 		l.p.log.Warn("peer lends no staging ring: GPU bytes to it go as DATA frames (staged-tcp)",
 			zap.String("peer", l.remote.Name), zap.String("why", a.Err))
-		return nil, nil
+		return ep, nil, nil
 	case a.Slots == 0 || a.Slots > maxStageSlots || a.SlotLen == 0 || a.SlotLen > wire.MaxDataLen || a.Addr == 0:
-		return nil, fmt.Errorf("%w: staging ring of %d slots of %d bytes", wire.ErrMalformed, a.Slots, a.SlotLen)
+		return nil, nil, fmt.Errorf("%w: staging ring of %d slots of %d bytes", wire.ErrMalformed, a.Slots, a.SlotLen)
 	}
 	key, err := ep.Unpack(a.RKey)
 	if err != nil {
-		return nil, fmt.Errorf("unpack the peer's staging key: %w", err)
+		return nil, nil, fmt.Errorf("unpack the peer's staging key: %w", err)
 	}
 	r := &peerRing{addr: a.Addr, slotLen: int(a.SlotLen), key: key, free: make(chan uint32, a.Slots)}
 	for i := range a.Slots {
 		r.free <- i
 	}
 	st.out.Store(r)
-	return r, nil
+	return ep, r, nil
 }
 
 // slotFill is one slot's worth of a write: ops fill it from offset 0 on
@@ -244,32 +248,6 @@ func (l *memLink) lost() error {
 	return fmt.Errorf("link lost: %w", l.err)
 }
 
-// sendStagedUCX is sendStaged over the peer's staging ring: gathered
-// chunks go by RMA from pool's registered buffers. Falls back to DATA
-// frames where the peer lends no ring.
-func (l *memLink) sendStagedUCX(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
-	ep, err := l.endpoint()
-	if err != nil {
-		return err
-	}
-	r, err := l.peerRing(ctx, ep, chunk)
-	if err != nil || r == nil {
-		if err == nil {
-			err = l.sendStaged(ctx, pool, chunk, runs)
-		}
-		return err
-	}
-	chunk = min(chunk, r.slotLen)
-	var gerr error
-	ack, err := l.fenced(ctx, func() error {
-		fs := l.startFlights(ctx, ep, r)
-		serr, g := pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error { return l.putChunk(fs, pool, c) })
-		gerr = g
-		return errors.Join(serr, fs.wait())
-	})
-	return stagedResult(ack, err, gerr)
-}
-
 // putChunk puts a gathered chunk from its registered buffer, which goes
 // back to pool once the put is complete.
 func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
@@ -277,13 +255,7 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 	if err != nil {
 		return errors.Join(err, pool.put(c.buf))
 	}
-	f := slotFill{pieces: make([]wire.StagedPiece, len(c.pieces))}
-	var n uint64
-	for i, p := range c.pieces {
-		f.pieces[i] = wire.StagedPiece{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}
-		n += uint64(len(p.Data))
-	}
-	f.ops = []MemoryOp{{Local: reg, Len: n}}
+	f := slotFill{ops: []MemoryOp{{Local: reg, Len: uint64(len(c.buf))}}, pieces: c.pieces}
 	return fs.post(f, func() error { return pool.put(c.buf) })
 }
 
@@ -293,11 +265,7 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 // a slot with a source UCX refused is first copied into a registered
 // staging buffer of host memory.
 func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
-	ep, err := l.endpoint()
-	if err != nil {
-		return err
-	}
-	r, err := l.peerRing(ctx, ep, l.p.cfg.StageChunk)
+	ep, r, err := l.ring(ctx, l.p.cfg.StageChunk)
 	if err != nil || r == nil {
 		if err == nil {
 			err = l.putTCP(ctx, runs)
@@ -340,7 +308,7 @@ func (l *memLink) postHost(fs *flights, f slotFill, from []memRun) error {
 	if !slices.ContainsFunc(from, func(r memRun) bool { return !registered(r.src.reg) }) {
 		return fs.post(f, nil)
 	}
-	pool := l.p.gpu.hostPool()
+	pool := l.p.gpu.pool(nil)
 	buf, err := pool.get()
 	if err != nil {
 		return err
@@ -387,20 +355,6 @@ func (p *MemoryPlane) registerHost(mem []byte, fd int) (MemoryRegistration, erro
 	return unregistered{}, nil
 }
 
-// stagedResult is a staged write's outcome from its fence's answer, the
-// send's error and the gather's.
-func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
-	switch {
-	case err != nil:
-		return err
-	case gerr != nil:
-		return fmt.Errorf("gather: %w", gerr)
-	case ack.Err != "":
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
-	}
-	return nil
-}
-
 // stageFreed takes a slot the peer handed back.
 func (l *memLink) stageFreed(slot uint32) error {
 	r := l.ustage.out.Load()
@@ -437,14 +391,7 @@ func (l *memLink) newRing(slotLen, slots int) (*ownRing, error) {
 	if slotLen <= 0 || slots <= 0 {
 		return nil, fmt.Errorf("a ring of %d slots of %d bytes", slots, slotLen)
 	}
-	g := &l.p.gpu
-	g.mu.Lock()
-	dev := g.dev
-	g.mu.Unlock()
-	pool := g.hostPool() // no GPU here: host regions only
-	if dev != nil {
-		pool = g.pool(dev)
-	}
+	pool := l.p.gpu.devPool()
 	buf, err := pool.getRing(slotLen * slots)
 	if err != nil {
 		return nil, err
@@ -482,135 +429,5 @@ func (l *memLink) landStaged(m *wire.MemStaged) error {
 		return fmt.Errorf("%w: MEM_STAGED into slot %d not lent", wire.ErrMalformed, m.Slot)
 	}
 	slot := in.buf[int(m.Slot)*in.slotLen : (int(m.Slot)+1)*in.slotLen]
-	return l.scatterPieces(slot, m.Pieces, func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) })
-}
-
-// scatterPieces queues the scatter of buf, holding pieces back to back:
-// one batch per stretch of pieces bound for one device (or for host
-// memory), then release once they are done. Pieces for a region that is
-// gone are dropped and reported at the fence.
-func (l *memLink) scatterPieces(buf []byte, pieces []wire.StagedPiece, release func()) error {
-	l.submit() // DATA frames read before this go first
-	var b *stagedBatch
-	flush := func() {
-		if b != nil && b.used > 0 {
-			l.submitBatch(b)
-		}
-		b = nil
-	}
-	defer func() {
-		flush()
-		l.submitBatch(&stagedBatch{freed: release})
-	}()
-	off := 0
-	for _, pc := range pieces {
-		n := int(pc.N)
-		if n > len(buf)-off {
-			return fmt.Errorf("%w: staged pieces of more than %d bytes", wire.ErrMalformed, len(buf))
-		}
-		// A region the batch holds is read-locked already: locking it again
-		// on this goroutine could deadlock behind a waiting unregister.
-		gr, hr, held := b.holding(pc.Region)
-		if held && b.used != off-b.from {
-			flush() // a gap: the next batch locks it anew
-			gr, hr, held = nil, nil, false
-		}
-		if held && !pieceFits(pc, gr, hr) {
-			l.dropPiece(pc)
-			gr, hr = nil, nil
-		} else if !held {
-			gr, hr = l.stagedDest(pc)
-		}
-		if gr == nil && hr == nil {
-			off += n
-			continue
-		}
-		var dev Device
-		if gr != nil {
-			dev = gr.dev
-		}
-		if b != nil && (b.dev != dev || b.used != off-b.from) {
-			flush() // never when held: b holds only regions of b.dev and is contiguous here
-		}
-		if b == nil {
-			b = &stagedBatch{dev: dev, buf: buf[off:], from: off}
-		}
-		if gr != nil {
-			b.spans = append(b.spans, Span{Addr: gr.ptr + pc.Offset, Len: uint64(n)})
-			if !held {
-				b.held = append(b.held, gr)
-			}
-		} else {
-			b.host = append(b.host, hr.mem[pc.Offset:pc.Offset+uint64(n)])
-			if !held {
-				b.heldHost = append(b.heldHost, hr)
-			}
-		}
-		b.used += n
-		off += n
-	}
-	return nil
-}
-
-// holding returns the region with id if the batch holds it.
-func (b *stagedBatch) holding(id uint32) (*gpuRegion, *memRegion, bool) {
-	if b == nil {
-		return nil, nil, false
-	}
-	for _, r := range b.held {
-		if r.id == id {
-			return r, nil, true
-		}
-	}
-	for _, r := range b.heldHost {
-		if r.id == id {
-			return nil, r, true
-		}
-	}
-	return nil, nil, false
-}
-
-// pieceFits reports whether pc lies inside its region (gr or hr).
-func pieceFits(pc wire.StagedPiece, gr *gpuRegion, hr *memRegion) bool {
-	size := gr.sizeOr(hr)
-	return pc.Offset <= size && uint64(pc.N) <= size-pc.Offset
-}
-
-func (r *gpuRegion) sizeOr(hr *memRegion) uint64 {
-	if r != nil {
-		return r.n
-	}
-	return uint64(len(hr.mem))
-}
-
-// dropPiece notes a piece whose region is gone, for the fence.
-func (l *memLink) dropPiece(pc wire.StagedPiece) {
-	if l.dropped == "" {
-		l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", pc.Region, pc.Offset, pc.N)
-	}
-}
-
-// stagedDest is the region a staged piece lands in, read-locked: a GPU or
-// a host region; neither if it is gone or the piece lies outside it (noted
-// for the fence).
-func (l *memLink) stagedDest(pc wire.StagedPiece) (*gpuRegion, *memRegion) {
-	p := l.p
-	p.mu.Lock()
-	hr := p.byID[pc.Region]
-	p.mu.Unlock()
-	if hr != nil {
-		hr.use.RLock()
-		if !hr.gone && pieceFits(pc, nil, hr) {
-			return nil, hr
-		}
-		hr.use.RUnlock()
-	} else if gr := p.gpu.byID(pc.Region); gr != nil {
-		gr.use.RLock()
-		if !gr.gone && pieceFits(pc, gr, nil) {
-			return gr, nil
-		}
-		gr.use.RUnlock()
-	}
-	l.dropPiece(pc)
-	return nil, nil
+	return l.scatter(slot, m.Pieces, func() { l.conn.Post(&wire.MemStageFree{Slot: m.Slot}) })
 }

@@ -13,14 +13,13 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// The staged path (place.go's PathStagedTCP): GPU memory that the writing
-// kvproxy cannot reach by a device copy travels as host bytes. The writer
-// gathers the source pages into pinned staging buffers of its own, one
-// chunk at a time, and sends each as DATA frames on the peer link while
-// the next is gathered. The receiver reads frames bound for a GPU region
-// back to back into a staging buffer of its own and scatters it into the
-// device when it is full and at the write's fence, so the fence's answer
-// (the write's completion) comes only after the last scatter.
+// The staged paths (place.go): GPU memory the writing kvproxy cannot reach
+// by a device copy moves through pinned host staging buffers, by one
+// pipeline: the writer gathers the source pages chunk by chunk while the
+// previous chunk is scattered here (staged-local, stagelocal.go), put into
+// the peer's staging ring (staged-ucx, stageucx.go) or sent inline
+// (staged-tcp). A receiver queues what it reads for its link's scatterer
+// and answers the write's fence only after the last scatter.
 
 // stageBytes is one staging buffer: a whole DATA frame fits, so a
 // receiver never splits one.
@@ -35,8 +34,7 @@ const defaultStageChunk = 1 << 20
 const stageKeep = 8
 
 // stagePool hands out one device's staging buffers, and the rings
-// (stageucx.go) lent to peers; with no device (hostPool), plain host
-// memory.
+// (stageucx.go) lent to peers; with no device, plain host memory.
 type stagePool struct {
 	dev  Device
 	mu   sync.Mutex
@@ -183,35 +181,33 @@ func (sp *stagePool) close() error {
 	return err
 }
 
-// pool returns dev's staging pool, made on first use.
+// pool returns dev's staging pool (nil dev: plain host memory), made on
+// first use.
 func (g *gpuPlane) pool(dev Device) *stagePool {
+	key := -1
+	if dev != nil {
+		key = dev.Ordinal()
+	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.pools == nil {
 		g.pools = map[int]*stagePool{}
 	}
-	sp := g.pools[dev.Ordinal()]
+	sp := g.pools[key]
 	if sp == nil {
 		sp = &stagePool{dev: dev}
-		g.pools[dev.Ordinal()] = sp
+		g.pools[key] = sp
 	}
 	return sp
 }
 
-// hostPool is the staging pool of plain host memory (key -1), for planes
-// and memory without a device.
-func (g *gpuPlane) hostPool() *stagePool {
+// devPool is the pool of the device engines' allocations are opened on
+// (host memory on a plane without GPUs).
+func (g *gpuPlane) devPool() *stagePool {
 	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.pools == nil {
-		g.pools = map[int]*stagePool{}
-	}
-	sp := g.pools[-1]
-	if sp == nil {
-		sp = &stagePool{}
-		g.pools[-1] = sp
-	}
-	return sp
+	dev := g.dev
+	g.mu.Unlock()
+	return g.pool(dev)
 }
 
 // stagedOut is the number of staging buffers (and rings) handed out on
@@ -286,7 +282,8 @@ func (g *gpuPlane) resolveStaged(ctx context.Context, l *memLink, dev Device, ts
 	return runs, srcs, total, nil
 }
 
-// writeStaged moves ts (GPU sources on dev) by the staged path.
+// writeStaged moves ts (GPU sources on dev) by a staged path: scattered
+// here into a device of this host (stagelocal.go), or sent to the peer.
 func (g *gpuPlane) writeStaged(ctx context.Context, p *MemoryPlane, l *memLink, dev Device, ts []Triple) error {
 	var srcs []*gpuRegion
 	defer func() {
@@ -298,14 +295,10 @@ func (g *gpuPlane) writeStaged(ctx context.Context, p *MemoryPlane, l *memLink, 
 	if err != nil || len(runs) == 0 {
 		return err
 	}
-	pool := g.pool(dev)
-	switch {
-	case g.localDest(l, runs[0].dst):
-		err = g.copyStagedLocal(ctx, l, pool, p.cfg.StageChunk, runs)
-	case l.stagedUCX():
-		err = l.sendStagedUCX(ctx, pool, p.cfg.StageChunk, runs)
-	default:
-		err = l.sendStaged(ctx, pool, p.cfg.StageChunk, runs)
+	if g.localDest(l, runs[0].dst) {
+		err = g.copyStagedLocal(ctx, l, g.pool(dev), p.cfg.StageChunk, runs)
+	} else {
+		err = l.sendStaged(ctx, g.pool(dev), p.cfg.StageChunk, runs)
 	}
 	if err != nil {
 		return err
@@ -314,25 +307,37 @@ func (g *gpuPlane) writeStaged(ctx context.Context, p *MemoryPlane, l *memLink, 
 	return nil
 }
 
-// stagedChunk is what one gather fills and one send empties.
+// stagedChunk is what one gather fills and one send empties: buf holds
+// the pieces back to back.
 type stagedChunk struct {
 	buf    []byte
-	pieces []wire.DataPiece
+	pieces []wire.StagedPiece
 }
 
-// sendStaged gathers runs chunk by chunk (at most chunk bytes each) into
-// pool's buffers while the previous chunk goes out as DATA frames, then
-// fences and waits for the peer to confirm every byte is in place. Every
-// buffer is back in the pool when it returns.
+// sendStaged sends the gathered chunks to the peer: by RMA into a slot of
+// its staging ring where the link has one (staged-ucx, stageucx.go), else
+// inline (staged-tcp). Then it fences; the answer comes after the peer's
+// last scatter. Every buffer is back in the pool when it returns.
 func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun) error {
+	ep, ring, err := l.ring(ctx, chunk)
+	if err != nil {
+		return err
+	}
 	var gerr error
 	ack, err := l.fenced(ctx, func() error {
-		// A gather that failed part way: the frames sent so far still get
+		// A gather that failed part way: the chunks sent so far still get
 		// their fence, so the link stays in step.
-		var serr error
-		serr, gerr = pipeline(ctx, pool, chunk, runs, func(c stagedChunk) error {
-			return errors.Join(l.sendInline(c), pool.put(c.buf))
-		})
+		emit := func(c stagedChunk) error { return errors.Join(l.sendInline(c), pool.put(c.buf)) }
+		var fs *flights
+		if ring != nil {
+			fs, chunk = l.startFlights(ctx, ep, ring), min(chunk, ring.slotLen)
+			emit = func(c stagedChunk) error { return l.putChunk(fs, pool, c) }
+		}
+		serr, g := pipeline(ctx, pool, chunk, runs, emit)
+		gerr = g
+		if fs != nil {
+			serr = errors.Join(serr, fs.wait())
+		}
 		return serr
 	})
 	return stagedResult(ack, err, gerr)
@@ -343,16 +348,24 @@ func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, ru
 // cost the receiver two reads each: every other 32 KiB page ran at half
 // the rate of contiguous pages, BenchmarkStagedPages).
 func (l *memLink) sendInline(c stagedChunk) error {
-	pieces := make([]wire.StagedPiece, len(c.pieces))
-	n := 0
-	for i, p := range c.pieces {
-		pieces[i] = wire.StagedPiece{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}
-		n += len(p.Data)
-	}
-	if err := l.conn.Write(&wire.MemStaged{Slot: wire.InlineSlot, Pieces: pieces}); err != nil {
+	if err := l.conn.Write(&wire.MemStaged{Slot: wire.InlineSlot, Pieces: c.pieces}); err != nil {
 		return err
 	}
-	return l.conn.WriteData(0, 0, c.buf[:n])
+	return l.conn.WriteData(0, 0, c.buf)
+}
+
+// stagedResult is a staged write's outcome from its fence's answer, the
+// send's error and the gather's.
+func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
+	switch {
+	case err != nil:
+		return err
+	case gerr != nil:
+		return fmt.Errorf("gather: %w", gerr)
+	case ack.Err != "":
+		return fmt.Errorf("peer dropped data: %s", ack.Err)
+	}
+	return nil
 }
 
 // pipeline gathers runs into pool's buffers, chunk bytes at most each, on
@@ -384,13 +397,12 @@ func pipeline(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun,
 func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []stagedRun, out chan<- stagedChunk) error {
 	var c stagedChunk
 	var spans []Span
-	used := 0
 	flush := func() error {
-		err := pool.dev.Gather(c.buf[:used], spans)
+		err := pool.dev.Gather(c.buf, spans)
 		if err == nil {
 			select {
 			case out <- c:
-				c, spans, used = stagedChunk{}, spans[:0], 0
+				c, spans = stagedChunk{}, spans[:0]
 				return nil
 			case <-ctx.Done():
 				err = ctx.Err()
@@ -410,21 +422,21 @@ func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []staged
 				if err != nil {
 					return err
 				}
-				c.buf = b[:chunk]
+				c.buf = b[:0]
 			}
-			n := min(r.n-done, uint64(chunk-used))
+			n := min(r.n-done, uint64(chunk-len(c.buf)))
 			spans = append(spans, Span{Addr: r.src + done, Len: n})
-			c.pieces = append(c.pieces, wire.DataPiece{Region: r.dst, Offset: r.dstOff + done, Data: c.buf[used : used+int(n)]})
-			used += int(n)
+			c.pieces = append(c.pieces, wire.StagedPiece{Region: r.dst, Offset: r.dstOff + done, N: uint32(n)})
+			c.buf = c.buf[:len(c.buf)+int(n)]
 			done += n
-			if used == chunk {
+			if len(c.buf) == chunk {
 				if err := flush(); err != nil {
 					return err
 				}
 			}
 		}
 	}
-	if used > 0 {
+	if len(c.buf) > 0 {
 		return flush()
 	}
 	return putIf(pool, c.buf)
@@ -434,87 +446,79 @@ func putIf(pool *stagePool, b []byte) error {
 	if b == nil {
 		return nil
 	}
-	return pool.put(b[:cap(b)])
+	return pool.put(b)
 }
 
-// stageIn is a link reader's staging of DATA frames bound for GPU
-// regions: the reader fills one batch while a scatterer goroutine (the
-// reader's, started on first use and ended when it ends) moves the
-// previous one into device memory.
+// stageIn is a link reader's side of the staged paths: it queues what it
+// read (an inline chunk, a ring slot, DATA frames bound for GPU regions)
+// for its scatterer goroutine (started on first use, ended with the
+// reader), which moves each into the regions in link order.
 type stageIn struct {
-	cur  *stagedBatch
-	work chan *stagedBatch
-	done chan struct{}
-	err  string // the first scatter failure since the last fence; the scatterer's until a barrier returns
+	work   chan scatterJob
+	done   chan struct{}
+	err    string      // the first drop or scatter failure since the last fence; the scatterer's until a barrier returns
+	frames *scatterJob // DATA frames for GPU regions read back to back into a staging buffer
+	pool   *stagePool  // where frames.buf came from
 	// inline is an inline MEM_STAGED whose DATA frame comes next.
 	inline *wire.MemStaged
 }
 
-// stagedBatch is bytes to scatter: a staging buffer's frames (pool set:
-// the buffer goes back to it), or a stretch of a ring slot (from: its
-// offset in the slot) bound for one device or (dev nil) host regions. Or
-// it is a marker: barrier, closed once everything before it is done;
-// freed, run once everything before it is done.
-type stagedBatch struct {
-	pool     *stagePool
-	dev      Device
-	buf      []byte
-	from     int
-	used     int
-	spans    []Span
-	host     [][]byte     // host destinations, back to back in buf
-	held     []*gpuRegion // read-locked until their bytes are scattered
-	heldHost []*memRegion
-	barrier  chan struct{}
-	freed    func()
+// scatterJob is bytes to scatter (buf holds pieces back to back; release
+// runs once they are in place), or a barrier, closed once every job
+// before it is done.
+type scatterJob struct {
+	buf     []byte
+	pieces  []wire.StagedPiece
+	release func()
+	barrier chan struct{}
 }
 
-// landGPU reads a DATA frame for GPU region r into the current batch.
+// landGPU reads a DATA frame for GPU region r after the frames before it
+// in a staging buffer of r's device, scattered when it is full.
 func (l *memLink) landGPU(r *gpuRegion, d *wire.Data) error {
 	st := &l.stage
 	pool := l.p.gpu.pool(r.dev)
-	if b := st.cur; b != nil && (b.pool != pool || len(b.buf)-b.used < int(d.N)) {
+	if f := st.frames; f != nil && (st.pool != pool || cap(f.buf)-len(f.buf) < int(d.N)) {
 		l.submit()
 	}
-	// A region the batch holds is read-locked already: locking it again on
-	// this goroutine could deadlock behind a waiting unregister.
-	held := st.cur != nil && slices.Contains(st.cur.held, r)
-	if !held {
-		r.use.RLock()
-	}
-	if !held && r.gone || d.Offset > r.n || uint64(d.N) > r.n-d.Offset {
-		if !held {
-			r.use.RUnlock()
-		}
-		if l.dropped == "" {
-			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
-		}
-		return l.conn.DiscardData()
-	}
-	if st.cur == nil {
+	if st.frames == nil {
 		buf, err := pool.get()
 		if err != nil {
-			r.use.RUnlock()
 			return err
 		}
-		st.cur = &stagedBatch{pool: pool, dev: pool.dev, buf: buf}
+		st.frames, st.pool = &scatterJob{buf: buf[:0], release: l.returner(pool, buf)}, pool
 	}
-	b := st.cur
-	if !held {
-		b.held = append(b.held, r)
+	f := st.frames
+	if err := l.readBounded(f.buf[len(f.buf) : len(f.buf)+int(d.N)]); err != nil {
+		return err
 	}
+	f.buf = f.buf[:len(f.buf)+int(d.N)]
+	f.pieces = append(f.pieces, wire.StagedPiece{Region: d.Region, Offset: d.Offset, N: d.N})
+	if len(f.buf) == cap(f.buf) {
+		l.submit()
+	}
+	return nil
+}
+
+// readBounded reads a DATA frame's bytes within the write timeout, so a
+// stalled peer cannot hold a staging buffer forever.
+func (l *memLink) readBounded(b []byte) error {
 	if err := l.conn.SetReadTimeout(l.p.cfg.WriteTimeout); err != nil {
 		return err
 	}
-	if err := l.conn.ReadData(b.buf[b.used : b.used+int(d.N)]); err != nil {
+	if err := l.conn.ReadData(b); err != nil {
 		return err
 	}
-	b.spans = append(b.spans, Span{Addr: r.ptr + d.Offset, Len: uint64(d.N)})
-	b.used += int(d.N)
-	if b.used == len(b.buf) {
-		l.submit()
-	}
 	return l.conn.SetReadTimeout(0)
+}
+
+// returner returns buf to pool, for a scatterJob's release.
+func (l *memLink) returner(pool *stagePool, buf []byte) func() {
+	return func() {
+		if err := pool.put(buf); err != nil {
+			l.p.log.Warn("free a staging buffer: " + err.Error())
+		}
+	}
 }
 
 // landInline reads the chunk an inline MEM_STAGED announced (d, its DATA
@@ -529,88 +533,71 @@ func (l *memLink) landInline(d *wire.Data) error {
 	if d.Region != 0 || uint64(d.N) != total {
 		return fmt.Errorf("%w: DATA of region %d, %d bytes, after an inline MEM_STAGED of %d", wire.ErrMalformed, d.Region, d.N, total)
 	}
-	buf, release, err := l.inlineBuf(m.Pieces)
-	if err != nil {
-		return err
-	}
-	err = l.conn.SetReadTimeout(l.p.cfg.WriteTimeout)
-	if err == nil {
-		err = l.conn.ReadData(buf[:total])
-	}
-	if err == nil {
-		err = l.conn.SetReadTimeout(0)
-	}
-	if err != nil {
-		release()
-		return err
-	}
-	return l.scatterPieces(buf[:total], m.Pieces, release)
-}
-
-// inlineBuf is a buffer for an inline chunk: from the staging pool of the
-// device its first GPU piece goes to (or of the plane's first device), of
-// host memory where the plane has no GPU.
-func (l *memLink) inlineBuf(pieces []wire.StagedPiece) ([]byte, func(), error) {
-	g := &l.p.gpu
-	var dev Device
-	for _, pc := range pieces {
-		if r := g.byID(pc.Region); r != nil {
-			dev = r.dev
+	// The staging pool of the device the first GPU piece goes to.
+	pool := l.p.gpu.devPool()
+	for _, pc := range m.Pieces {
+		if r := l.p.gpu.byID(pc.Region); r != nil {
+			pool = l.p.gpu.pool(r.dev)
 			break
 		}
 	}
-	if dev == nil {
-		g.mu.Lock()
-		dev = g.dev
-		g.mu.Unlock()
-	}
-	pool := g.hostPool()
-	if dev != nil {
-		pool = g.pool(dev)
-	}
 	buf, err := pool.get()
 	if err != nil {
-		return nil, nil, err
+		return err
 	}
-	return buf, func() {
-		if err := pool.put(buf); err != nil {
-			l.p.log.Warn("free a staging buffer: " + err.Error())
-		}
-	}, nil
+	release := l.returner(pool, buf)
+	if err := l.readBounded(buf[:total]); err != nil {
+		release()
+		return err
+	}
+	return l.scatter(buf[:total], m.Pieces, release)
 }
 
-// submit hands the current batch to the scatterer.
+// scatter queues buf's pieces for the scatterer, after the DATA frames
+// read before them; release runs once they are in place.
+func (l *memLink) scatter(buf []byte, pieces []wire.StagedPiece, release func()) error {
+	var total uint64
+	for _, pc := range pieces {
+		total += uint64(pc.N)
+	}
+	if total > uint64(len(buf)) {
+		release()
+		return fmt.Errorf("%w: staged pieces of more than %d bytes", wire.ErrMalformed, len(buf))
+	}
+	l.submit()
+	l.queue(scatterJob{buf: buf, pieces: pieces, release: release})
+	return nil
+}
+
+// submit queues the DATA frames read so far.
 func (l *memLink) submit() {
-	st := &l.stage
-	if st.cur == nil {
-		return
+	if f := l.stage.frames; f != nil {
+		l.stage.frames = nil
+		l.queue(*f)
 	}
-	l.submitBatch(st.cur)
-	st.cur = nil
 }
 
-// submitBatch queues b for the scatterer, starting it on first use.
-func (l *memLink) submitBatch(b *stagedBatch) {
+// queue hands j to the scatterer, starting it on first use.
+func (l *memLink) queue(j scatterJob) {
 	st := &l.stage
 	if st.work == nil {
-		st.work, st.done = make(chan *stagedBatch, 1), make(chan struct{})
+		st.work, st.done = make(chan scatterJob, 1), make(chan struct{})
 		go l.scatterer(st.work, st.done)
 	}
-	st.work <- b
+	st.work <- j
 }
 
-// drain submits the current batch and waits until every batch is in
-// device memory; it returns the first scatter failure since the last
-// drain.
+// drain waits until everything read is in place; it returns the first
+// drop or scatter failure since the last drain.
 func (l *memLink) drain() string {
 	st := &l.stage
 	l.submit()
 	if st.work == nil {
 		return ""
 	}
-	b := &stagedBatch{barrier: make(chan struct{})}
-	st.work <- b
-	<-b.barrier
+	barrier := make(chan struct{})
+	st.work <- scatterJob{barrier: barrier}
+	<-barrier
 	err := st.err
 	st.err = ""
 	return err
@@ -628,38 +615,103 @@ func (l *memLink) endStage() {
 	l.releaseRing()
 }
 
-// scatterer moves batches into device memory in order, then returns each
-// buffer and unlocks its regions.
-func (l *memLink) scatterer(work <-chan *stagedBatch, done chan<- struct{}) {
+func (l *memLink) scatterer(work <-chan scatterJob, done chan<- struct{}) {
 	defer close(done)
-	for b := range work {
-		switch {
-		case b.barrier != nil:
-			close(b.barrier)
+	for j := range work {
+		if j.barrier != nil {
+			close(j.barrier)
 			continue
-		case b.freed != nil:
-			b.freed()
-			continue
-		case b.dev != nil:
-			if err := b.dev.Scatter(b.spans, b.buf[:b.used]); err != nil && l.stage.err == "" {
-				l.stage.err = "scatter into GPU memory: " + err.Error()
-			}
-		default:
-			off := 0
-			for _, d := range b.host {
-				off += copy(d, b.buf[off:])
-			}
 		}
-		if b.pool != nil {
-			if err := b.pool.put(b.buf); err != nil {
-				l.p.log.Warn("free a staging buffer: " + err.Error())
-			}
+		if err := l.landPieces(j.buf, j.pieces); err != "" && l.stage.err == "" {
+			l.stage.err = err
 		}
-		for _, r := range b.held {
-			r.use.RUnlock()
-		}
-		for _, r := range b.heldHost {
-			r.use.RUnlock()
+		j.release()
+	}
+}
+
+// landPieces moves buf's pieces into their regions: a copy per host piece,
+// one Scatter per stretch of pieces bound for one device, with the
+// stretch's regions read-locked until it is done. A piece whose region is
+// gone, or that lies outside it, is dropped. It returns the first drop or
+// scatter failure.
+func (l *memLink) landPieces(buf []byte, pieces []wire.StagedPiece) string {
+	var why string
+	note := func(s string) {
+		if why == "" {
+			why = s
 		}
 	}
+	var dev Device
+	var spans []Span
+	var held []*gpuRegion
+	from, end, off := 0, 0, 0 // the stretch is buf[from:end]
+	flush := func() {
+		if len(spans) > 0 {
+			if err := dev.Scatter(spans, buf[from:end]); err != nil {
+				note("scatter into GPU memory: " + err.Error())
+			}
+		}
+		for _, r := range held {
+			r.use.RUnlock()
+		}
+		spans, held = spans[:0], held[:0]
+	}
+	for _, pc := range pieces {
+		at := off
+		off += int(pc.N)
+		var gr *gpuRegion
+		var hr *memRegion
+		if i := slices.IndexFunc(held, func(r *gpuRegion) bool { return r.id == pc.Region }); i >= 0 {
+			gr = held[i]
+		} else {
+			gr, hr = l.p.regionOf(pc.Region)
+		}
+		switch {
+		case gr != nil:
+			if len(spans) == 0 || gr.dev != dev || end != at {
+				flush()
+				dev, from = gr.dev, at
+			}
+			// Locked once per stretch: locking it again on this goroutine
+			// could deadlock behind a waiting unregister.
+			if !slices.Contains(held, gr) {
+				gr.use.RLock()
+				held = append(held, gr)
+			}
+			if !gr.gone && fits(pc, gr.n) {
+				spans, end = append(spans, Span{Addr: gr.ptr + pc.Offset, Len: uint64(pc.N)}), off
+				continue
+			}
+		case hr != nil:
+			hr.use.RLock()
+			ok := !hr.gone && fits(pc, uint64(len(hr.mem)))
+			if ok {
+				copy(hr.mem[pc.Offset:], buf[at:off])
+			}
+			hr.use.RUnlock()
+			if ok {
+				continue
+			}
+		}
+		note(fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", pc.Region, pc.Offset, pc.N))
+	}
+	flush()
+	return why
+}
+
+// fits reports whether pc lies inside a region of size bytes.
+func fits(pc wire.StagedPiece, size uint64) bool {
+	return pc.Offset <= size && uint64(pc.N) <= size-pc.Offset
+}
+
+// regionOf is this plane's region with id: a GPU or a host one (neither:
+// gone).
+func (p *MemoryPlane) regionOf(id uint32) (*gpuRegion, *memRegion) {
+	p.mu.Lock()
+	hr := p.byID[id]
+	p.mu.Unlock()
+	if hr != nil {
+		return nil, hr
+	}
+	return p.gpu.byID(id), nil
 }

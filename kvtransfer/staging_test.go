@@ -276,7 +276,13 @@ func testStagedWriteTimesOut(t *testing.T, tr string) {
 		t.Fatalf("timed out after %v", d)
 	}
 	close(release)
-	for sp.b.p.Links() != 0 { // the writer dropped the link; its reader ends
+	// The writer dropped the link; its reader ends, scattering what it had
+	// queued after the link left the table, then returning the buffers.
+	deadline := time.Now().Add(5 * time.Second)
+	for out, _ := sp.b.p.gpu.stagedOut(); sp.b.p.Links() != 0 || out != 0; out, _ = sp.b.p.gpu.stagedOut() {
+		if time.Now().After(deadline) {
+			break // allReturned says what is still out
+		}
 		time.Sleep(time.Millisecond)
 	}
 	sp.allReturned(t)

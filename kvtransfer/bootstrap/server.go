@@ -5,9 +5,9 @@
 // /query_dp_ranks, /health answers "OK". It answers SGLang's own clients
 // exactly as SGLang's server does (status codes, texts, reply fields, the
 // first registration fixing the topology), so either server can stand in
-// for the other. The prefill kvproxy serves it on the bootstrap port; in
-// pool mode it registers itself as the only rank, so the router's
-// bootstrap_host/port/room need no change.
+// for the other. The prefill kvproxy serves it on the bootstrap port and
+// registers itself as the only rank once its engine described its layout,
+// so the router's bootstrap_host/port/room need no change.
 package bootstrap
 
 import (
@@ -47,18 +47,11 @@ type RankInfo struct {
 	PrefillHTTPPort          int    `json:"prefill_http_port,omitempty"` // 0: none
 }
 
-// Topology is GET /route with every rank -1 (the fields the kvproxy's
-// resolver reads).
+// Topology is what the kvproxy's resolver reads of GET /route with every
+// rank -1.
 type Topology struct {
-	AttnTPSize               int    `json:"attn_tp_size"`
-	AttnCPSize               int    `json:"attn_cp_size"`
-	DPSize                   int    `json:"dp_size"`
-	PPSize                   int    `json:"pp_size"`
-	PageSize                 int    `json:"page_size"`
-	KVCacheDtype             string `json:"kv_cache_dtype"`
-	FollowBootstrapRoom      bool   `json:"follow_bootstrap_room"`
-	EnableDSACacheLayerSplit bool   `json:"enable_dsa_cache_layer_split"`
-	PrefillHTTPPort          int    `json:"prefill_http_port"`
+	PageSize     int    `json:"page_size"`
+	KVCacheDtype string `json:"kv_cache_dtype"`
 }
 
 // RankAddr is GET /route for one rank: where its transfer engine listens.
@@ -207,13 +200,7 @@ func truthy(v any) bool {
 	return true
 }
 
-func setOnce(p **int64, v int64) {
-	if *p == nil {
-		*p = &v
-	}
-}
-
-func setOnceBool(p **bool, v bool) {
+func setOnce[T any](p **T, v T) {
 	if *p == nil {
 		*p = &v
 	}
@@ -299,10 +286,10 @@ func (s *Server) registerLocked(data body) *httpError {
 		if !ok {
 			lb = "follow_bootstrap_room"
 		}
-		setOnceBool(&s.followBootstrapRoom, lb == "follow_bootstrap_room")
+		setOnce(&s.followBootstrapRoom, lb == "follow_bootstrap_room")
 	}
-	setOnceBool(&s.enableDSA, truthy(data["enable_dsa_cache_layer_split"]))
-	setOnceBool(&s.enableSharding, truthy(data["enable_kv_cache_sharding"]))
+	setOnce(&s.enableDSA, truthy(data["enable_dsa_cache_layer_split"]))
+	setOnce(&s.enableSharding, truthy(data["enable_kv_cache_sharding"]))
 	group := dpRank
 	if sysDPSize != 1 {
 		group = sysDPRank

@@ -23,18 +23,11 @@ const (
 	Success
 )
 
+var stateNames = [...]string{Failed: "Failed", Bootstrapping: "Bootstrapping", WaitingForInput: "WaitingForInput", Transferring: "Transferring", Success: "Success"}
+
 func (s State) String() string {
-	switch s {
-	case Failed:
-		return "Failed"
-	case Bootstrapping:
-		return "Bootstrapping"
-	case WaitingForInput:
-		return "WaitingForInput"
-	case Transferring:
-		return "Transferring"
-	case Success:
-		return "Success"
+	if s >= 0 && int(s) < len(stateNames) {
+		return stateNames[s]
 	}
 	return fmt.Sprintf("State(%d)", int32(s))
 }

@@ -42,12 +42,7 @@ type Layout struct {
 // maxLayoutBufs bounds a layout (80 layers × K and V plus aux fit).
 const maxLayoutBufs = 4096
 
-// Pages is the number of pages of every KV buffer.
-func (l *Layout) Pages() int { return int(l.items(wire.KindKV)) }
-
-// AuxSlots is the number of slots of every aux buffer.
-func (l *Layout) AuxSlots() int { return int(l.items(wire.KindAux)) }
-
+// items is the number of items of every buffer of kind k.
 func (l *Layout) items(k wire.RegionKind) uint32 {
 	for _, b := range l.Bufs {
 		if b.Kind == k {
@@ -62,7 +57,7 @@ func (l *Layout) Validate() error {
 	if len(l.Bufs) > maxLayoutBufs {
 		return fmt.Errorf("room layout: %d buffers, at most %d", len(l.Bufs), maxLayoutBufs)
 	}
-	if l.Pages() == 0 {
+	if l.items(wire.KindKV) == 0 {
 		return errors.New("room layout: no KV buffer")
 	}
 	for i, b := range l.Bufs {

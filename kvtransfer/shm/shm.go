@@ -15,7 +15,7 @@ type Segment struct {
 	Mem []byte
 }
 
-// Create makes a memfd of size bytes and maps it.
+// Create makes a memfd of size bytes and maps it (shared, read-write).
 func Create(name string, size int) (*Segment, error) {
 	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
 	if err != nil {
@@ -25,27 +25,10 @@ func Create(name string, size int) (*Segment, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("ftruncate memfd to %d: %w", size, err)
 	}
-	s, err := Map(fd)
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		unix.Close(fd)
-		return nil, err
-	}
-	return s, nil
-}
-
-// Map maps the whole file behind fd (shared, read-write) and takes
-// ownership of fd.
-func Map(fd int) (*Segment, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("fstat: %w", err)
-	}
-	if st.Size <= 0 {
-		return nil, fmt.Errorf("shared segment is empty")
-	}
-	mem, err := unix.Mmap(fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return nil, fmt.Errorf("mmap %d bytes: %w", st.Size, err)
+		return nil, fmt.Errorf("mmap %d bytes: %w", size, err)
 	}
 	return &Segment{fd: fd, Mem: mem}, nil
 }
