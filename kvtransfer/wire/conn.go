@@ -174,12 +174,18 @@ func (c *Conn) Post(m Msg) {
 	// whole without waiting: a goroutine per answer costs more than the
 	// answer, and this never blocks the reader.
 	if c.wmu.TryLock() {
-		sent := c.writePostedNow()
+		sent := c.writeNow(nil)
 		c.wmu.Unlock()
 		if sent {
 			return
 		}
 	}
+	c.flushLater()
+}
+
+// flushLater writes what Post queued and writeNow left unsent from a
+// goroutine of its own; a failure closes the connection.
+func (c *Conn) flushLater() {
 	go func() {
 		c.wmu.Lock()
 		defer c.wmu.Unlock()
@@ -187,6 +193,37 @@ func (c *Conn) Post(m Msg) {
 			_ = c.nc.Close()
 		}
 	}()
+}
+
+// TryWriteDataThen is WriteDataThen for a caller that must not wait (a
+// control read loop starting a small write). It sends nothing and reports
+// false when another writer holds the connection or nc has no socket;
+// else the frames, copied into one buffer (keep them small), go at once,
+// and what the socket does not take a goroutine writes, ahead of any later
+// frame (a failure there closes the connection, as Post's does).
+func (c *Conn) TryWriteDataThen(pieces []DataPiece, then Msg) bool {
+	for _, p := range pieces {
+		if len(p.Data) > MaxDataLen {
+			return false
+		}
+	}
+	if c.raw == nil || !c.wmu.TryLock() {
+		return false
+	}
+	defer c.wmu.Unlock()
+	sent := c.writeNow(func(b []byte) []byte {
+		for _, p := range pieces {
+			b = append(AppendFrame(b, &Data{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}), p.Data...)
+		}
+		if then != nil {
+			b = AppendFrame(b, then)
+		}
+		return b
+	})
+	if !sent {
+		c.flushLater()
+	}
+	return true
 }
 
 // takePosted encodes what Post queued behind any unsent rest into wbuf;
@@ -214,14 +251,18 @@ func (c *Conn) writePosted() error {
 	return err
 }
 
-// writePostedNow writes the frames Post queued with one non-blocking
-// write; what the socket did not take stays in rest for the next holder
-// of wmu. It reports whether all went; the caller holds wmu.
-func (c *Conn) writePostedNow() bool {
+// writeNow writes the frames Post queued, then those frames appends (nil:
+// none), with one write that never waits for room; what the socket does
+// not take stays in rest for the next holder of wmu. It reports whether
+// all went; the caller holds wmu.
+func (c *Conn) writeNow(frames func([]byte) []byte) bool {
 	if c.raw == nil {
 		return false
 	}
 	c.takePosted()
+	if frames != nil {
+		c.wbuf = frames(c.wbuf)
+	}
 	n := 0
 	if err := c.raw.Write(func(fd uintptr) bool {
 		n, _ = syscall.Write(int(fd), c.wbuf)
