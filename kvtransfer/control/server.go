@@ -298,11 +298,11 @@ func (c *conn) reply(r *Reply) {
 // a started write): what the socket does not take at once, or all of it
 // while another reply is being written, a goroutine sends.
 func (c *conn) replyNow(r *Reply) {
-	b := EncodeReply(r)
 	if !c.wmu.TryLock() {
-		go c.replyBytes(b)
+		go c.reply(r)
 		return
 	}
+	b := EncodeReply(r)
 	n := 0
 	rc, err := c.c.SyscallConn()
 	if err == nil {
@@ -319,12 +319,6 @@ func (c *conn) replyNow(r *Reply) {
 		defer c.wmu.Unlock()
 		_, _ = c.c.Write(b[n:])
 	}()
-}
-
-func (c *conn) replyBytes(b []byte) {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	_, _ = c.c.Write(b)
 }
 
 func isRoomOp(op Op) bool {
