@@ -575,7 +575,9 @@ func (p *MemoryPlane) writeLink(ctx context.Context, l *memLink, ts []Triple) er
 	if err := l.put(ctx, runs); err != nil {
 		return err
 	}
-	p.m.written.Add(float64(runBytes(runs)))
+	for _, r := range runs {
+		p.m.written.Add(float64(r.size))
+	}
 	return nil
 }
 
@@ -587,14 +589,6 @@ func (l *memLink) hostReachable(runs []memRun) error {
 	}
 	_, err := l.pathTo(HostPlace(l.p.host), Place{Kind: wire.MemHost, Device: -1, Host: l.peerHost()})
 	return err
-}
-
-func runBytes(runs []memRun) uint64 {
-	var n uint64
-	for _, r := range runs {
-		n += r.size
-	}
-	return n
 }
 
 // resolve maps the triples onto local and peer regions and merges runs

@@ -86,7 +86,7 @@ func (c *Conn) Write(m Msg) error {
 // WriteData sends a DATA frame whose bytes are taken straight from data
 // (one writev of header and payload, no copy of the payload).
 func (c *Conn) WriteData(region uint32, offset uint64, data []byte) error {
-	return c.WriteDataBatch([]DataPiece{{Region: region, Offset: offset, Data: data}})
+	return c.WriteDataThen([]DataPiece{{Region: region, Offset: offset, Data: data}}, nil)
 }
 
 // DataPiece is one DATA frame: its destination and its bytes.
@@ -96,19 +96,14 @@ type DataPiece struct {
 	Data   []byte
 }
 
-// dataBatchBytes bounds the payload of one writev in WriteDataBatch.
+// dataBatchBytes bounds the payload of one writev in WriteDataThen.
 const dataBatchBytes = 16 << 20
 
-// WriteDataBatch sends the pieces as consecutive DATA frames, many per
+// WriteDataThen sends the pieces as consecutive DATA frames, many per
 // writev (headers and payloads gathered, payloads never copied), so a write
-// of many small pages costs few system calls.
-func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
-	return c.WriteDataThen(pieces, nil)
-}
-
-// WriteDataThen is WriteDataBatch followed by control frame then (nil:
-// none) in the same last writev: a small write and its fence cross as one
-// segment, so the peer wakes once for both.
+// of many small pages costs few system calls, then control frame then
+// (nil: none) in the same last writev: a small write and its fence cross
+// as one segment, so the peer wakes once for both.
 func (c *Conn) WriteDataThen(pieces []DataPiece, then Msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
