@@ -575,9 +575,11 @@ func (p *MemoryPlane) writeLink(ctx context.Context, l *memLink, ts []Triple) er
 	if err := l.put(ctx, runs); err != nil {
 		return err
 	}
+	var total uint64
 	for _, r := range runs {
-		p.m.written.Add(float64(r.size))
+		total += r.size
 	}
+	p.m.written.Add(float64(total))
 	return nil
 }
 
