@@ -1,28 +1,39 @@
 package kvtransfer
 
-import "github.com/pdrouter/pdrouter/kvtransfer/wire"
+import (
+	"slices"
+	"time"
 
-// Bounds of the writes Immediate admits: a copy this small takes less
-// than handing the call to another goroutine.
-const (
-	immediateMax     = 64 << 10
-	immediateTriples = 64
+	"github.com/pdrouter/pdrouter/kvtransfer/wire"
 )
 
-// Immediate reports whether a write of ts to peer completes without
-// waiting on the network: host memory over shm into host memory the link's
-// table already lists (a copy into the peer engine's mapping), the link to
-// peer up, at most immediateTriples ranges and immediateMax bytes. The
-// control server runs such a write in its read loop instead of handing it
-// to a worker; anything else (a GPU end, a destination only a table
-// refresh would find) may wait on the peer and goes to a worker.
-func (p *MemoryPlane) Immediate(peer string, ts []Triple) bool {
-	if p.hostPath != PathSHM || len(ts) == 0 || len(ts) > immediateTriples {
+// Bounds of the writes Start takes: a copy this small, into the peer's
+// mapping (shm) or the link's socket (tcp), takes less than handing the
+// call to another goroutine.
+const (
+	startMax     = 64 << 10
+	startTriples = 64
+)
+
+// Start begins a small write of ts to peer without waiting, if it can,
+// and reports whether it did. It takes host memory into host memory the
+// table of the link to peer (which must be up) lists, at most
+// startTriples ranges and startMax bytes: over shm it copies and calls
+// done before it returns; over tcp it sends the DATA frames and their
+// fence from the caller, and the link's reader calls done with the
+// answer, no goroutine between (or the link's failure calls it, or the
+// watchdog once the write timeout passed). done runs once with what Write
+// would return and must not block. False (nothing sent, done never runs):
+// the write may wait (a GPU end, a destination only a table refresh would
+// find, another write sending on the link): call Write.
+func (s *MemorySession) Start(peer string, ts []Triple, done func(error)) bool {
+	p := s.p
+	if len(ts) == 0 || len(ts) > startTriples || p.gpu.holds(ts) {
 		return false
 	}
 	var n uint64
 	for _, t := range ts {
-		if t.Len > immediateMax-n {
+		if t.Len > startMax-n {
 			return false
 		}
 		n += t.Len
@@ -30,13 +41,32 @@ func (p *MemoryPlane) Immediate(peer string, ts []Triple) bool {
 	p.mu.Lock()
 	l := p.byAddr[peer]
 	p.mu.Unlock()
-	if l == nil || p.gpu.holds(ts) {
+	if l == nil {
 		return false
 	}
-	for _, t := range ts {
-		if r, ok := l.remoteRegion(t.Dst, t.Len); !ok || r.Kind != wire.MemHost {
-			return false
-		}
+	runs, srcs, err := p.resolve(nil, l, ts)
+	for _, r := range srcs {
+		defer r.use.RUnlock()
 	}
-	return true
+	if err != nil || slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind != wire.MemHost }) {
+		return false
+	}
+	finish := func(err error) {
+		if err == nil {
+			p.m.written.Add(float64(n))
+		}
+		done(s.outcome(peer, err))
+	}
+	switch path := l.hostPath(); {
+	case path == PathSHM && !slices.ContainsFunc(runs, needsRing):
+		err := l.hostReachable(runs)
+		if err == nil {
+			err = l.putRMA(s.ctx, runs)
+		}
+		finish(err)
+		return true
+	case path == PathTCP:
+		return l.startTCP(runs, time.Now().Add(writeDeadline(p.cfg.WriteTimeout, ts)), finish)
+	}
+	return false
 }

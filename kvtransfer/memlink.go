@@ -32,10 +32,14 @@ type memLink struct {
 	keys    map[uint32]RemoteKey
 	ep      MemoryEndpoint
 	seq     uint64
-	waiting map[uint64]chan wire.Msg
-	closed  bool
-	err     error
-	gone    chan struct{} // closed once close has finished
+	waiting map[uint64]waiter
+	// watchdog fails the link when a started write's answer is overdue
+	// (watch); watching: it is armed.
+	watchdog *time.Timer
+	watching bool
+	closed   bool
+	err      error
+	gone     chan struct{} // closed once close has finished
 
 	// keyUse is read-held by a write from its first key lookup until its
 	// Put returns, and write-held to forget keys of regions the peer
@@ -98,7 +102,7 @@ func (p *MemoryPlane) handshake(nc net.Conn, dialer bool) (*memLink, error) {
 	}
 	_ = nc.SetDeadline(time.Time{})
 	conn.SetWriteTimeout(p.cfg.WriteTimeout)
-	l := &memLink{p: p, conn: conn, remote: h, pushesSeen: pushes, keys: map[uint32]RemoteKey{}, waiting: map[uint64]chan wire.Msg{}, gone: make(chan struct{})}
+	l := &memLink{p: p, conn: conn, remote: h, pushesSeen: pushes, keys: map[uint32]RemoteKey{}, waiting: map[uint64]waiter{}, gone: make(chan struct{})}
 	l.setRegions(h.Regions)
 	return l, nil
 }
@@ -211,9 +215,17 @@ func (l *memLink) close(cause error) {
 	}
 	defer close(l.gone)
 	l.closed, l.err = true, cause
-	for seq, ch := range l.waiting {
-		close(ch)
-		delete(l.waiting, seq)
+	var started []waiter // failed once a retry would dial anew
+	for _, w := range l.waiting {
+		if w.done != nil {
+			started = append(started, w)
+		} else {
+			close(w.ch)
+		}
+	}
+	l.waiting = nil
+	if l.watchdog != nil {
+		l.watchdog.Stop()
 	}
 	ep := l.ep
 	l.ep, l.keys = nil, nil
@@ -232,6 +244,9 @@ func (l *memLink) close(cause error) {
 	}
 	p.m.peers.Dec()
 	p.mu.Unlock()
+	for _, w := range started {
+		w.done(nil, fmt.Errorf("link lost: %w", cause))
+	}
 	p.roomLinkLost(l, cause)
 	if !errors.Is(cause, ErrClosed) {
 		p.log.Info("memory link closed", zap.String("peer", l.remote.Name), zap.Error(cause))
@@ -385,26 +400,88 @@ func (l *memLink) forget(ep MemoryEndpoint, ids []uint32) {
 	}
 }
 
+// waiter takes the answer to one sequence number: await's channel, or a
+// callback run where the answer is read (a started write's, failed by
+// the watchdog once its deadline passed).
+type waiter struct {
+	ch       chan wire.Msg
+	done     func(wire.Msg, error)
+	deadline time.Time
+}
+
 // ask registers a waiter for the answer to a new sequence number.
 func (l *memLink) ask() (uint64, chan wire.Msg, error) {
+	ch := make(chan wire.Msg, 1)
+	seq, err := l.expect(waiter{ch: ch})
+	return seq, ch, err
+}
+
+// expect registers w under a new sequence number, arming the watchdog
+// for its deadline unless it is armed already: one timer per link, not
+// one per write.
+func (l *memLink) expect(w waiter) (uint64, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
-		return 0, nil, l.err
+		return 0, l.err
 	}
 	l.seq++
-	ch := make(chan wire.Msg, 1)
-	l.waiting[l.seq] = ch
-	return l.seq, ch, nil
+	l.waiting[l.seq] = w
+	if !w.deadline.IsZero() && !l.watching {
+		l.watching = true
+		if l.watchdog == nil {
+			l.watchdog = time.AfterFunc(time.Until(w.deadline), l.watch)
+		} else {
+			l.watchdog.Reset(time.Until(w.deadline))
+		}
+	}
+	return l.seq, nil
+}
+
+// unexpect takes back the waiter of seq, reporting whether it was still
+// waiting (else it was answered or failed meanwhile).
+func (l *memLink) unexpect(seq uint64) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.waiting[seq]
+	delete(l.waiting, seq)
+	return ok
+}
+
+// watch closes the link if an answer is overdue (it could no longer be
+// matched to anything), else re-arms for the earliest deadline.
+func (l *memLink) watch() {
+	l.mu.Lock()
+	now, next, overdue := time.Now(), time.Time{}, uint64(0)
+	for seq, w := range l.waiting {
+		switch {
+		case w.deadline.IsZero():
+		case !now.Before(w.deadline):
+			overdue = seq
+		case next.IsZero() || w.deadline.Before(next):
+			next = w.deadline
+		}
+	}
+	l.watching = overdue == 0 && !next.IsZero() && !l.closed
+	if l.watching {
+		l.watchdog.Reset(next.Sub(now))
+	}
+	l.mu.Unlock()
+	if overdue != 0 {
+		l.close(fmt.Errorf("no answer to %d: %w", overdue, context.DeadlineExceeded))
+	}
 }
 
 func (l *memLink) deliver(seq uint64, m wire.Msg) {
 	l.mu.Lock()
-	ch := l.waiting[seq]
+	w, ok := l.waiting[seq]
 	delete(l.waiting, seq)
 	l.mu.Unlock()
-	if ch != nil {
-		ch <- m
+	switch {
+	case w.done != nil:
+		w.done(m, nil)
+	case ok:
+		w.ch <- m
 	}
 }
 
@@ -492,26 +569,35 @@ func (p *MemoryPlane) writeLink(ctx context.Context, l *memLink, ts []Triple) er
 	if err != nil || len(runs) == 0 {
 		return err
 	}
-	// Host to host: only shm can lack a path (peers on two hosts).
-	if slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemHost }) {
-		if _, err := l.pathTo(HostPlace(p.host), Place{Kind: wire.MemHost, Device: -1, Host: l.peerHost()}); err != nil {
-			return err
-		}
+	if err := l.hostReachable(runs); err != nil {
+		return err
+	}
+	if err := l.put(ctx, runs); err != nil {
+		return err
 	}
 	var total uint64
 	for _, r := range runs {
 		total += r.size
 	}
-	if err := l.put(ctx, runs); err != nil {
-		return err
-	}
 	p.m.written.Add(float64(total))
 	return nil
 }
 
+// hostReachable fails runs into the peer's host memory when no path
+// carries them: only shm can lack one (peers on two hosts).
+func (l *memLink) hostReachable(runs []memRun) error {
+	if !slices.ContainsFunc(runs, func(r memRun) bool { return r.dst.Kind == wire.MemHost }) {
+		return nil
+	}
+	_, err := l.pathTo(HostPlace(l.p.host), Place{Kind: wire.MemHost, Device: -1, Host: l.peerHost()})
+	return err
+}
+
 // resolve maps the triples onto local and peer regions and merges runs
-// contiguous on both sides. The source regions it returns are read-locked
-// (also on error) and must be unlocked by the caller.
+// contiguous on both sides; a destination the link's table lacks is asked
+// for once, unless ctx is nil (Start: then it fails). The source regions
+// it returns are read-locked (also on error) and must be unlocked by the
+// caller.
 func (p *MemoryPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]memRun, []*memRegion, error) {
 	var runs []memRun
 	var srcs []*memRegion
@@ -534,7 +620,7 @@ func (p *MemoryPlane) resolve(ctx context.Context, l *memLink, ts []Triple) ([]m
 			}
 		}
 		dst, ok := l.remoteRegion(t.Dst, t.Len)
-		if !ok && !refreshed {
+		if !ok && !refreshed && ctx != nil {
 			// Registered after our table was fetched: ask once per write.
 			refreshed = true
 			if err := l.refresh(ctx); err != nil {
@@ -571,6 +657,12 @@ func (l *memLink) put(ctx context.Context, runs []memRun) error {
 	if l.hostPath() == PathTCP || toGPU {
 		return l.putTCP(ctx, runs)
 	}
+	return l.putRMA(ctx, runs)
+}
+
+// putRMA moves the runs by the transport's puts (as DATA frames where it
+// has no endpoint: tcp).
+func (l *memLink) putRMA(ctx context.Context, runs []memRun) error {
 	ep, err := l.endpoint()
 	if err != nil {
 		return err
@@ -658,18 +750,47 @@ func (l *memLink) key(ep MemoryEndpoint, r wire.MemRegion) (RemoteKey, error) {
 // putTCP sends the runs as DATA frames then a fence, and waits for the
 // peer to acknowledge that everything before the fence is in memory.
 func (l *memLink) putTCP(ctx context.Context, runs []memRun) error {
+	pieces := tcpPieces(runs)
+	ack, err := l.fencedWith(ctx, func(fence wire.Msg) error { return l.conn.WriteDataThen(pieces, fence) })
+	return fenceResult(ack, err)
+}
+
+// startTCP is putTCP for Start: the frames and fence go out now, from the
+// caller, and the reader hands the answer to done. False (nothing sent,
+// done not to run): another write is sending on the link.
+func (l *memLink) startTCP(runs []memRun, deadline time.Time, done func(error)) bool {
+	if !l.sendMu.TryLock() {
+		return false
+	}
+	defer l.sendMu.Unlock()
+	seq, err := l.expect(waiter{deadline: deadline, done: func(m wire.Msg, err error) {
+		ack, ok := m.(*wire.MemFenceAck)
+		if err == nil && !ok {
+			err = fmt.Errorf("%w: %s answered a fence", wire.ErrMalformed, m.Type())
+		}
+		done(fenceResult(ack, err))
+	}})
+	if err != nil {
+		done(err)
+		return true
+	}
+	return l.conn.TryWriteDataThen(tcpPieces(runs), &wire.MemFence{Seq: seq}) || !l.unexpect(seq)
+}
+
+func tcpPieces(runs []memRun) []wire.DataPiece {
 	var pieces []wire.DataPiece
 	for _, r := range runs {
 		pieces = appendPieces(pieces, r.dst.ID, r.dstOff, r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
-	ack, err := l.fencedWith(ctx, func(fence wire.Msg) error { return l.conn.WriteDataThen(pieces, fence) })
-	if err != nil {
-		return err
+	return pieces
+}
+
+// fenceResult is a write's outcome from its fence's answer.
+func fenceResult(ack *wire.MemFenceAck, err error) error {
+	if err == nil && ack.Err != "" {
+		err = fmt.Errorf("peer dropped data: %s", ack.Err)
 	}
-	if ack.Err != "" {
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
-	}
-	return nil
+	return err
 }
 
 // fenced runs send (a write's DATA frames) and a fence under sendMu, so the

@@ -148,6 +148,7 @@ type quarantined struct {
 type memMetrics struct {
 	regions, bytes, peers prometheus.Gauge
 	writes                *prometheus.CounterVec
+	writesOK, writesErr   prometheus.Counter // writes' two series, looked up once
 	written               prometheus.Counter
 	// Where a GPU write's time goes: resolving triples into runs (CPU) and
 	// the GPU copy including its launch and wait.
@@ -168,6 +169,7 @@ func newMemMetrics(reg prometheus.Registerer) memMetrics {
 		gpuCopy: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvproxy_gpu_write_copy_seconds_total",
 			Help: "Time GPU writes spent in the GPU copy (launch to completion)."}),
 	}
+	m.writesOK, m.writesErr = m.writes.WithLabelValues("ok"), m.writes.WithLabelValues("error")
 	if reg != nil {
 		reg.MustRegister(m.regions, m.bytes, m.peers, m.writes, m.written, m.gpuResolve, m.gpuCopy)
 	}
@@ -461,15 +463,19 @@ func (s *MemorySession) write(ctx context.Context, peer string, deadline time.Du
 	defer cancel()
 	stop := context.AfterFunc(s.ctx, cancel)
 	defer stop()
-	err := move(ctx)
+	return s.outcome(peer, move(ctx))
+}
+
+// outcome counts a write's result and names the peer in its error.
+func (s *MemorySession) outcome(peer string, err error) error {
 	if err != nil {
-		s.p.m.writes.WithLabelValues("error").Inc()
+		s.p.m.writesErr.Inc()
 		if s.ctx.Err() != nil {
 			return fmt.Errorf("write to %s: engine disconnected: %w", peer, err)
 		}
 		return fmt.Errorf("write to %s: %w", peer, err)
 	}
-	s.p.m.writes.WithLabelValues("ok").Inc()
+	s.p.m.writesOK.Inc()
 	return nil
 }
 

@@ -75,6 +75,37 @@ func TestUCXLocalSHMPicksPerPeer(t *testing.T) {
 	}
 }
 
+// TestUCXStartsSmallWrites: kvproxy's ucx transport starts a small write
+// as the path to the peer allows: to a kvproxy of the same host a copy
+// (done when Start returns), to another host without zero-copy puts DATA
+// frames the link's reader answers (issue 28's small write over ucx).
+func TestUCXStartsSmallWrites(t *testing.T) {
+	t.Setenv("UCX_TLS", "tcp")
+	for _, tc := range []struct {
+		hostB  string
+		inline bool
+	}{{"h1", true}, {"h2", false}} {
+		t.Run(tc.hostB, func(t *testing.T) {
+			a, b := localSide(t, "h1", false), localSide(t, tc.hostB, false)
+			src, dst := a.memory(t, page), b.memory(t, page)
+			ts := []Triple{{Src: addrOf(src), Dst: addrOf(dst), Len: 64}}
+			if err := a.s.Write(context.Background(), b.p.PeerAddr(), ts); err != nil {
+				t.Fatal(err)
+			}
+			src[0] = 5
+			ch, ok := startWrite(a.s, b.p.PeerAddr(), ts)
+			if !ok {
+				t.Fatal("a small write on a link that is up is not started")
+			}
+			// Over tcp the answer may come before Start returns: only who
+			// ran done tells the paths apart.
+			if r := <-ch; r.err != nil || tc.inline && !r.inline || r.onReader == tc.inline || dst[0] != 5 {
+				t.Fatalf("%v, done when Start returned: %t, by the link's reader: %t, byte %d", r.err, r.inline, r.onReader, dst[0])
+			}
+		})
+	}
+}
+
 // kvproxy's staging rings have no memfd: UCXLocalSHM registers them with
 // UCX alone, and a peer on another host puts into them (staged-ucx).
 func TestUCXLocalSHMRegistersMemoryWithoutAMemfd(t *testing.T) {

@@ -200,10 +200,11 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 				fd, fds = fds[0], fds[1:]
 			}
 			// Waits and transfers run beside the loop, so one caller's wait
-			// does not hold up another's request; a small write that waits
-			// on nothing (a copy over shm) costs less than the hand-off.
-			if req.Op == OpWrite && c.mem != nil && s.Memory.Immediate(req.Peer, req.Triples) {
-				c.reply(c.handle(ctx, req, -1))
+			// does not hold up another's request; a small write is started
+			// here and answered by whoever completes it (a hand-off to a
+			// worker, and from the link's reader back to it, cost more than
+			// the write).
+			if req.Op == OpWrite && c.mem != nil && c.mem.Start(req.Peer, req.Triples, func(err error) { c.replyNow(memReply(req, err)) }) {
 				continue
 			}
 			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpWritePages || req.Op == OpProbe {
@@ -293,6 +294,33 @@ func (c *conn) reply(r *Reply) {
 	_, _ = c.c.Write(EncodeReply(r))
 }
 
+// replyNow sends r without blocking its caller (a link's reader completing
+// a started write): what the socket does not take at once, or all of it
+// while another reply is being written, a goroutine sends.
+func (c *conn) replyNow(r *Reply) {
+	if !c.wmu.TryLock() {
+		go c.reply(r)
+		return
+	}
+	b := EncodeReply(r)
+	n := 0
+	rc, err := c.c.SyscallConn()
+	if err == nil {
+		err = rc.Write(func(fd uintptr) bool {
+			n, _ = syscall.Write(int(fd), b)
+			return true // never wait for room
+		})
+	}
+	if n = max(n, 0); n == len(b) || err != nil { // sent, or the connection is gone
+		c.wmu.Unlock()
+		return
+	}
+	go func() { // the lock passes to it, keeping the rest together
+		defer c.wmu.Unlock()
+		_, _ = c.c.Write(b[n:])
+	}()
+}
+
 func isRoomOp(op Op) bool {
 	switch op {
 	case OpRoomLayout, OpExpect, OpSend, OpPoll, OpAbort:
@@ -357,14 +385,13 @@ func (c *conn) handle(ctx context.Context, req *Request, fd int) *Reply {
 }
 
 func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
-	r := &Reply{Op: req.Op, ID: req.ID}
 	if c.mem == nil {
 		if fd >= 0 {
 			syscall.Close(fd)
 		}
-		r.Err = errNoMemoryAPI.Error()
-		return r
+		return memReply(req, errNoMemoryAPI)
 	}
+	r := &Reply{Op: req.Op, ID: req.ID}
 	var err error
 	switch req.Op {
 	case OpHello:
@@ -384,6 +411,15 @@ func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
 	case OpProbe:
 		err = c.mem.Probe(ctx, req.Peer)
 	}
+	if err != nil {
+		r.Err = err.Error()
+	}
+	return r
+}
+
+// memReply answers req with err's text (nil: ok).
+func memReply(req *Request, err error) *Reply {
+	r := &Reply{Op: req.Op, ID: req.ID}
 	if err != nil {
 		r.Err = err.Error()
 	}

@@ -33,7 +33,7 @@ func TestDataBatchOverTCP(t *testing.T) {
 			return
 		}
 		defer c.Close()
-		errc <- NewConn(c).WriteDataBatch(pieces)
+		errc <- NewConn(c).WriteDataThen(pieces, nil)
 	}()
 	nc, err := ln.Accept()
 	if err != nil {
@@ -58,7 +58,7 @@ func TestDataBatchOverTCP(t *testing.T) {
 	if err := <-errc; err != nil {
 		t.Fatal(err)
 	}
-	if err := NewConn(nc).WriteDataBatch([]DataPiece{{Data: make([]byte, MaxDataLen+1)}}); err == nil {
+	if err := NewConn(nc).WriteDataThen([]DataPiece{{Data: make([]byte, MaxDataLen+1)}}, nil); err == nil {
 		t.Fatal("an oversized piece was sent")
 	}
 }

@@ -86,7 +86,7 @@ func (c *Conn) Write(m Msg) error {
 // WriteData sends a DATA frame whose bytes are taken straight from data
 // (one writev of header and payload, no copy of the payload).
 func (c *Conn) WriteData(region uint32, offset uint64, data []byte) error {
-	return c.WriteDataBatch([]DataPiece{{Region: region, Offset: offset, Data: data}})
+	return c.WriteDataThen([]DataPiece{{Region: region, Offset: offset, Data: data}}, nil)
 }
 
 // DataPiece is one DATA frame: its destination and its bytes.
@@ -96,19 +96,14 @@ type DataPiece struct {
 	Data   []byte
 }
 
-// dataBatchBytes bounds the payload of one writev in WriteDataBatch.
+// dataBatchBytes bounds the payload of one writev in WriteDataThen.
 const dataBatchBytes = 16 << 20
 
-// WriteDataBatch sends the pieces as consecutive DATA frames, many per
+// WriteDataThen sends the pieces as consecutive DATA frames, many per
 // writev (headers and payloads gathered, payloads never copied), so a write
-// of many small pages costs few system calls.
-func (c *Conn) WriteDataBatch(pieces []DataPiece) error {
-	return c.WriteDataThen(pieces, nil)
-}
-
-// WriteDataThen is WriteDataBatch followed by control frame then (nil:
-// none) in the same last writev: a small write and its fence cross as one
-// segment, so the peer wakes once for both.
+// of many small pages costs few system calls, then control frame then
+// (nil: none) in the same last writev: a small write and its fence cross
+// as one segment, so the peer wakes once for both.
 func (c *Conn) WriteDataThen(pieces []DataPiece, then Msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -174,12 +169,18 @@ func (c *Conn) Post(m Msg) {
 	// whole without waiting: a goroutine per answer costs more than the
 	// answer, and this never blocks the reader.
 	if c.wmu.TryLock() {
-		sent := c.writePostedNow()
+		sent := c.writeNow(nil)
 		c.wmu.Unlock()
 		if sent {
 			return
 		}
 	}
+	c.flushLater()
+}
+
+// flushLater writes what Post queued and writeNow left unsent from a
+// goroutine of its own; a failure closes the connection.
+func (c *Conn) flushLater() {
 	go func() {
 		c.wmu.Lock()
 		defer c.wmu.Unlock()
@@ -187,6 +188,37 @@ func (c *Conn) Post(m Msg) {
 			_ = c.nc.Close()
 		}
 	}()
+}
+
+// TryWriteDataThen is WriteDataThen for a caller that must not wait (a
+// control read loop starting a small write). It sends nothing and reports
+// false when another writer holds the connection or nc has no socket;
+// else the frames, copied into one buffer (keep them small), go at once,
+// and what the socket does not take a goroutine writes, ahead of any later
+// frame (a failure there closes the connection, as Post's does).
+func (c *Conn) TryWriteDataThen(pieces []DataPiece, then Msg) bool {
+	for _, p := range pieces {
+		if len(p.Data) > MaxDataLen {
+			return false
+		}
+	}
+	if c.raw == nil || !c.wmu.TryLock() {
+		return false
+	}
+	defer c.wmu.Unlock()
+	sent := c.writeNow(func(b []byte) []byte {
+		for _, p := range pieces {
+			b = append(AppendFrame(b, &Data{Region: p.Region, Offset: p.Offset, N: uint32(len(p.Data))}), p.Data...)
+		}
+		if then != nil {
+			b = AppendFrame(b, then)
+		}
+		return b
+	})
+	if !sent {
+		c.flushLater()
+	}
+	return true
 }
 
 // takePosted encodes what Post queued behind any unsent rest into wbuf;
@@ -214,14 +246,18 @@ func (c *Conn) writePosted() error {
 	return err
 }
 
-// writePostedNow writes the frames Post queued with one non-blocking
-// write; what the socket did not take stays in rest for the next holder
-// of wmu. It reports whether all went; the caller holds wmu.
-func (c *Conn) writePostedNow() bool {
+// writeNow writes the frames Post queued, then those frames appends (nil:
+// none), with one write that never waits for room; what the socket does
+// not take stays in rest for the next holder of wmu. It reports whether
+// all went; the caller holds wmu.
+func (c *Conn) writeNow(frames func([]byte) []byte) bool {
 	if c.raw == nil {
 		return false
 	}
 	c.takePosted()
+	if frames != nil {
+		c.wbuf = frames(c.wbuf)
+	}
 	n := 0
 	if err := c.raw.Write(func(fd uintptr) bool {
 		n, _ = syscall.Write(int(fd), c.wbuf)
