@@ -124,7 +124,7 @@ type h2cStream struct {
 	off     int     // (*buf)[off:] is unread
 	used    int32   // of the stream's receive window: arrived and not yet credited back
 	unacked int32   // of used: read (or padding), to be credited back
-	sendWin int32   // what the request body may still send
+	sendWin int64   // what the request body may still send (int64: a peer's increments cannot wrap it)
 
 	idle     time.Duration
 	lastRead atomic.Int64 // unix nanoseconds of the last read's return
@@ -163,9 +163,9 @@ type h2cConn struct {
 	nextID     uint32
 	active     int    // streams open or reserved
 	maxStreams int    // the server's SETTINGS_MAX_CONCURRENT_STREAMS
-	initWin    int32  // the server's SETTINGS_INITIAL_WINDOW_SIZE
+	initWin    int64  // the server's SETTINGS_INITIAL_WINDOW_SIZE
 	maxFrame   int    // the server's SETTINGS_MAX_FRAME_SIZE
-	sendWin    int32  // the connection's send window
+	sendWin    int64  // the connection's send window
 	recvCredit uint32 // bytes arrived and not yet credited to the connection
 	ctl        []h2cCtl
 	goaway     bool  // no new streams
@@ -640,9 +640,9 @@ func (c *h2cConn) takeWindow(st *h2cStream, want int) (int, error) {
 		if c.err != nil {
 			return 0, c.err
 		}
-		if n := min(int(c.sendWin), int(st.sendWin), c.maxFrame, want); n > 0 {
-			c.sendWin -= int32(n)
-			st.sendWin -= int32(n)
+		if n := int(min(c.sendWin, st.sendWin, int64(c.maxFrame), int64(want))); n > 0 {
+			c.sendWin -= int64(n)
+			st.sendWin -= int64(n)
 			return n, nil
 		}
 		c.mu.Unlock()
@@ -768,8 +768,8 @@ func (c *h2cConn) handle(f http2.Frame) error {
 				if s.Val > 1<<31-1 {
 					return http2.ConnectionError(http2.ErrCodeFlowControl)
 				}
-				delta := int32(s.Val) - c.initWin
-				c.initWin = int32(s.Val)
+				delta := int64(s.Val) - c.initWin
+				c.initWin = int64(s.Val)
 				for _, st := range c.streams {
 					st.sendWin += delta
 				}
@@ -783,9 +783,9 @@ func (c *h2cConn) handle(f http2.Frame) error {
 		c.queue(h2cCtl{kind: ctlSettingsAck})
 	case *http2.WindowUpdateFrame:
 		if f.StreamID == 0 {
-			c.sendWin += int32(f.Increment)
+			c.sendWin += int64(f.Increment)
 		} else if st := c.streams[f.StreamID]; st != nil {
-			st.sendWin += int32(f.Increment)
+			st.sendWin += int64(f.Increment)
 		}
 		c.sendCond.Broadcast()
 	case *http2.PingFrame:

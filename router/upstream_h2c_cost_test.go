@@ -2,17 +2,23 @@ package router
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 
 	"github.com/pdrouter/pdrouter/mock/mockworker"
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // openStream sends a streamed /generate on a raw connection to the router
@@ -112,7 +118,8 @@ func h2cIdle(srv *Server) bool { a, s := h2cStreamsOpen(srv); return a == 0 && s
 func TestH2COpenStreamCost(t *testing.T) {
 	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
 	runtime.MemProfileRate = 1
-	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: 3 * time.Second})
+	// Tokens far apart: the streams stay open however slowly they open.
+	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: time.Minute})
 	if _, err := streamTokens(context.Background(), base, 1); err != nil { // the connections are up
 		t.Fatal(err)
 	}
@@ -136,19 +143,13 @@ func TestH2COpenStreamCost(t *testing.T) {
 	if active, open := h2cStreamsOpen(srv); active != streams || open != streams {
 		t.Errorf("h2c counts %d active, %d open streams; want %d", active, open, streams)
 	}
+	// The engine going away ends every stream, and nothing stays
+	// (TestH2CStreamsLeaveNothingBehind: clients going away).
+	d.Close()
 	for _, c := range conns {
 		c.Close()
 	}
-	// Each departed client resets its stream alone (noticed at the next
-	// token's write, 3 s on), and nothing stays.
-	deadline := time.Now().Add(20 * time.Second)
-	for d.Stats().ClientGone != streams || !h2cIdle(srv) {
-		if time.Now().After(deadline) {
-			a, s := h2cStreamsOpen(srv)
-			t.Fatalf("engine saw %d of %d clients leave; h2c counts %d active, %d open", d.Stats().ClientGone, streams, a, s)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitFor(t, func() bool { return h2cIdle(srv) })
 }
 
 // Streams that complete, are cancelled by their client, or outlive the
@@ -193,5 +194,102 @@ func TestH2CStreamsLeaveNothingBehind(t *testing.T) {
 	// Shut down, the client dials nothing more.
 	if _, c, err := srv.upstream.h2c.reserve("127.0.0.1:1"); c != nil || err == nil {
 		t.Errorf("a closed h2c client reserved a stream (%v)", err)
+	}
+}
+
+// fakeH2CEngine serves h2c by hand: answer gets each request's stream on
+// the connection-th connection accepted (from 0) and writes what it
+// likes. It returns the engine's address and a count of connections.
+func fakeH2CEngine(t *testing.T, answer func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32)) (string, *atomic.Int32) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	var accepted atomic.Int32
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			n := int(accepted.Add(1)) - 1
+			go func() {
+				defer c.Close()
+				preface := make([]byte, len(http2.ClientPreface))
+				if _, err := io.ReadFull(c, preface); err != nil {
+					return
+				}
+				var buf bytes.Buffer
+				fr := http2.NewFramer(c, c)
+				fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+				enc := hpack.NewEncoder(&buf)
+				fr.WriteSettings()
+				for {
+					f, err := fr.ReadFrame()
+					if err != nil {
+						return
+					}
+					switch f := f.(type) {
+					case *http2.SettingsFrame:
+						if !f.IsAck() {
+							fr.WriteSettingsAck()
+						}
+					case *http2.DataFrame:
+						if f.StreamEnded() {
+							answer(fr, enc, &buf, n, f.StreamID)
+						}
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String(), &accepted
+}
+
+// A stream the engine never processed (GOAWAY below its id, or
+// REFUSED_STREAM) is sent again, once, on a connection that takes it; the
+// refusing connection takes no new streams.
+func TestH2CUnprocessedStreamIsSentAgain(t *testing.T) {
+	for _, refuse := range []string{"goaway", "refused_stream"} {
+		t.Run(refuse, func(t *testing.T) {
+			addr, accepted := fakeH2CEngine(t, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32) {
+				if conn == 0 && stream == 1 {
+					if refuse == "goaway" {
+						fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+					} else {
+						fr.WriteRSTStream(stream, http2.ErrCodeRefusedStream)
+					}
+					return
+				}
+				buf.Reset()
+				enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+				enc.WriteField(hpack.HeaderField{Name: "content-type", Value: "text/event-stream"})
+				fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+				fr.WriteData(stream, true, []byte("data: [DONE]\n\n"))
+			})
+			u := newUpstream(time.Minute)
+			defer u.close()
+			var sc scope
+			var body splice.Body
+			body.Reset([]byte(`{"text":"x"}`))
+			resp, err := u.postH2C(&sc, "http://"+addr, "/generate", &body, nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := io.ReadAll(resp)
+			resp.Close()
+			if err != nil || string(b) != "data: [DONE]\n\n" || resp.StatusCode != 200 {
+				t.Fatalf("status %d, body %q, %v", resp.StatusCode, b, err)
+			}
+			want := int32(1) // a refused stream leaves its connection up
+			if refuse == "goaway" {
+				want = 2
+			}
+			if n := accepted.Load(); n != want {
+				t.Errorf("%d connections accepted, want %d", n, want)
+			}
+		})
 	}
 }
