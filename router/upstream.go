@@ -168,7 +168,10 @@ func (r *upstreamResponse) armIdle() {
 // is left to the read that follows, which meets it again.
 func (r *upstreamResponse) awaitBody() {
 	if r.h2 != nil {
-		r.h2.peek()
+		if r.idle > 0 && r.h2.timer == nil { // the idle timeout covers the wait for the first byte
+			r.h2.armIdle(r.idle)
+		}
+		r.h2.wait()
 		return
 	}
 	if cl := r.Header.ContentLength(); r.conn != nil && (cl == -1 || cl > 0) {
@@ -180,13 +183,13 @@ func (r *upstreamResponse) awaitBody() {
 	}
 }
 
-// buffered reports whether r's connection holds bytes already received:
-// a read of them cannot wait for the network. An h2c reply's body is read
-// from its stream's buffer, into which DATA frames arrive whole, so after
-// a byte of one the rest of it is there (a frame of one byte then makes
-// the next read wait, holding its buffer, which costs memory only).
+// buffered reports whether r's connection (or h2c stream) holds bytes
+// already received: a read of them cannot wait for the network.
 func (r *upstreamResponse) buffered() bool {
-	return r.h2 != nil || (r.conn != nil && r.conn.br.Buffered() > 0)
+	if r.h2 != nil {
+		return r.h2.buffered()
+	}
+	return r.conn != nil && r.conn.br.Buffered() > 0
 }
 
 // readBuffered adds to buf[:n], which the last read of r filled short of

@@ -14,7 +14,9 @@
 # arrivals + 5 s; as in bench-router.sh, so that the decode worker is not generating while they
 # arrive) and each stream may take TIMEOUT (300s); ROUNDS (1); WORKER_FLAGS, given to every
 # mockworker (--enable-http2: they serve h2c too, for a NEW_PDROUTER run with --upstream-http2,
-# e.g. a script that execs pdrouter --upstream-http2 "$@").
+# e.g. a script that execs pdrouter --upstream-http2 "$@"); PROFILE, a folder: routers built with
+# -tags pprof leave there, a third of the way into the largest count's token phase, a heap profile
+# and a goroutine dump (NAME-N.heap, NAME-N.goroutines).
 # Prints one line per run; per-stream figures are (peak − idle) / peak open streams.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,13 +59,21 @@ sample() {
 	done
 }
 
+# profile NAME PORT SECONDS: the router's heap profile and goroutine dump SECONDS from now.
+profile() {
+	mkdir -p "$PROFILE"
+	sleep "$3"
+	curl -sf "http://127.0.0.1:$2/debug/pprof/heap" -o "$PROFILE/$1.heap" || log "no heap profile from $1"
+	curl -sf "http://127.0.0.1:$2/debug/pprof/goroutine?debug=1" -o "$PROFILE/$1.goroutines" || log "no goroutine dump from $1"
+}
+
 # run NAME BINARY N: N streams through a fresh router built from BINARY.
 run() {
-	local name=$1 bin=$2 n=$3 port prom pid dec rate idle_rss idle_fds warm=1 timeout=120s
-	port=$(free_port) prom=$(free_port)
+	local name=$1 bin=$2 n=$3 port prom pprof pid dec rate idle_rss idle_fds warm=1 timeout=120s
+	port=$(free_port) prom=$(free_port) pprof=$(free_port)
 	dec=$D rate=inf
 	if ((n > 1000)); then dec=$DB rate=$RATE warm=0 timeout=$TIMEOUT; fi
-	"$bin" --host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin --log-level warn \
+	PDROUTER_PPROF=127.0.0.1:$pprof "$bin" --host 127.0.0.1 --port "$port" --prometheus-port "$prom" --policy round_robin --log-level warn \
 		--pd-disaggregation --prefill "http://127.0.0.1:$P" 8998 --decode "http://127.0.0.1:$dec" >"$T/router-$name-$n.log" 2>&1 &
 	pid=$!
 	pids+=("$pid")
@@ -74,24 +84,35 @@ run() {
 	rm -f "$s" "$s.stop"
 	sample "$pid" "$s" &
 	local sampler=$!
+	local profiler=
+	if [ -n "${PROFILE:-}" ] && ((n == largest)); then
+		profile "$name-$n" "$pprof" $((${FIRST_TOKEN%s} + TOKENS * ${BIG_TOKEN_DELAY%ms} / 3000)) &
+		profiler=$!
+	fi
 	"$BIN/pdbench" --backend openai-chat --base-url "http://127.0.0.1:$port" --model mock --random-input-len 32 \
 		--random-output-len "$TOKENS" --random-range-ratio 1 --num-prompts "$n" --max-concurrency "$n" \
 		--warmup-requests "$warm" --request-rate "$rate" --request-timeout "$timeout" --output-file "$T/pdbench-$name-$n.jsonl" >"$T/pdbench-$name-$n.txt" 2>&1 || true
 	touch "$s.stop"
 	wait "$sampler" || true
-	local hwm peak_fds done failed open
+	[ -z "$profiler" ] || wait "$profiler" || true
+	local hwm peak_fds done failed open cpu
 	hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$pid/status")
+	cpu=$(awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$pid/stat")
 	peak_fds=$(awk 'BEGIN {m = 0} $2 > m {m = $2} END {print m}' "$s")
 	done=$(tail -n1 "$T/pdbench-$name-$n.jsonl" | grep -o '"completed":[0-9]*' | cut -d: -f2)
 	failed=$(tail -n1 "$T/pdbench-$name-$n.jsonl" | grep -o '"failed":[0-9]*' | cut -d: -f2)
 	open=$(tail -n1 "$T/pdbench-$name-$n.jsonl" | grep -o '"peak_concurrency":[0-9]*' | cut -d: -f2)
 	kill "$pid"
 	wait "$pid" 2>/dev/null || true
+	if [ "${failed:-1}" != 0 ]; then # what failed, most frequent first (for the log, not the table)
+		sed -n 's/.*"errors":\[\([^]]*\)\].*/\1/p' "$T/pdbench-$name-$n.jsonl" | tr ',' '\n' | grep -v '^""$' |
+			sort | uniq -c | sort -rn | head -n3 | while read -r line; do log "$name $n: $line"; done
+	fi
 	awk -v name="$name" -v n="$n" -v done="${done:-0}" -v failed="${failed:-$n}" -v open="${open:-0}" \
-		-v ir="$idle_rss" -v hr="$hwm" -v ifd="$idle_fds" -v pf="$peak_fds" 'BEGIN {
+		-v ir="$idle_rss" -v hr="$hwm" -v ifd="$idle_fds" -v pf="$peak_fds" -v cpu="$cpu" 'BEGIN {
 		o = open > 0 ? open : 1
-		printf "%-4s streams %5d  completed %5d failed %5d peak open %5d  idle RSS %6.1f MiB  peak RSS %6.1f MiB  %5.1f KiB/stream  peak fds %5d  %.2f fds/stream\n",
-			name, n, done, failed, open, ir / 1024, hr / 1024, (hr - ir) / o, pf, (pf - ifd) / o
+		printf "%-4s streams %5d  completed %5d failed %5d peak open %5d  idle RSS %6.1f MiB  peak RSS %6.1f MiB  %5.1f KiB/stream  peak fds %5d  %.2f fds/stream  CPU %.1f s\n",
+			name, n, done, failed, open, ir / 1024, hr / 1024, (hr - ir) / o, pf, (pf - ifd) / o, cpu
 	}'
 }
 

@@ -1,0 +1,295 @@
+package router
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+	"github.com/pdrouter/pdrouter/router/splice"
+)
+
+// openStream sends a streamed /generate on a raw connection to the router
+// at base and returns once its first event has arrived: the stream is
+// then open and waiting for its next token. The test holds no goroutine
+// per stream.
+func openStream(t *testing.T, base string, tokens int) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := fmt.Sprintf(`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":%d}}`, tokens)
+	fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(c)
+	for {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("before the first event: %v", err)
+		}
+		if strings.HasPrefix(line, "data: ") {
+			return c
+		}
+	}
+}
+
+// routerGoroutines counts the goroutines that are not the in-process
+// engine's (its connections' and handlers').
+func routerGoroutines() int {
+	buf := make([]byte, 64<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	n := 0
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if !strings.Contains(g, "mock/mockworker.") && !strings.Contains(g, "net/http.(*http2serverConn)") &&
+			!strings.Contains(g, "net/http.(*conn).serve") {
+			n++
+		}
+	}
+	return n
+}
+
+// h2cStreamsOpen is what the router's h2c connections count as open.
+func h2cStreamsOpen(srv *Server) (active, streams int) {
+	h := srv.upstream.h2c
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, p := range h.pools {
+		for _, c := range p.conns {
+			c.mu.Lock()
+			active += c.active
+			streams += len(c.streams)
+			c.mu.Unlock()
+		}
+	}
+	return active, streams
+}
+
+// h2cClientHeap is the heap in use that the h2c client allocated (by the
+// last garbage collections' memory profile).
+func h2cClientHeap() int64 {
+	runtime.GC()
+	runtime.GC() // the profile is up to two cycles old
+	var records []runtime.MemProfileRecord
+	n, _ := runtime.MemProfile(nil, true)
+	for {
+		records = make([]runtime.MemProfileRecord, n+64)
+		var ok bool
+		if n, ok = runtime.MemProfile(records, true); ok {
+			records = records[:n]
+			break
+		}
+	}
+	var bytes int64
+	for _, r := range records {
+		frames := runtime.CallersFrames(r.Stack())
+		for {
+			f, more := frames.Next()
+			if strings.Contains(f.Function, "pdrouter/router.(*h2c") || strings.Contains(f.Function, "pdrouter/router.(*upstream).postH2C") {
+				bytes += r.InUseBytes()
+				break
+			}
+			if !more {
+				break
+			}
+		}
+	}
+	return bytes
+}
+
+func h2cIdle(srv *Server) bool { a, s := h2cStreamsOpen(srv); return a == 0 && s == 0 }
+
+// An open PD stream waiting for its next token holds one router goroutine
+// (its client connection's), and the h2c client holds about 2 KiB of heap
+// for it: no goroutine, pipe or net/http request per stream (net/http's
+// transport kept a goroutine per stream beside the router's).
+func TestH2COpenStreamCost(t *testing.T) {
+	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
+	runtime.MemProfileRate = 1
+	// Tokens far apart: the streams stay open however slowly they open.
+	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: time.Minute})
+	if _, err := streamTokens(context.Background(), base, 1); err != nil { // the connections are up
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { a, _ := h2cStreamsOpen(srv); return a == 0 })
+	const streams = 200
+	heap := h2cClientHeap()
+	goroutines := routerGoroutines()
+	conns := make([]net.Conn, streams)
+	for i := range conns {
+		conns[i] = openStream(t, base, 3)
+	}
+	perStream := float64(routerGoroutines()-goroutines) / streams
+	kib := float64(h2cClientHeap()-heap) / streams / 1024
+	t.Logf("per open stream: %.2f router goroutines, %.2f KiB of h2c client heap", perStream, kib)
+	if perStream > 1.1 {
+		t.Errorf("%.2f router goroutines per open stream, want 1 (its client connection's)", perStream)
+	}
+	if kib > 3 {
+		t.Errorf("the h2c client holds %.2f KiB per open stream, want at most 3", kib)
+	}
+	if active, open := h2cStreamsOpen(srv); active != streams || open != streams {
+		t.Errorf("h2c counts %d active, %d open streams; want %d", active, open, streams)
+	}
+	// The engine going away ends every stream, and nothing stays
+	// (TestH2CStreamsLeaveNothingBehind: clients going away).
+	d.Close()
+	for _, c := range conns {
+		c.Close()
+	}
+	waitFor(t, func() bool { return h2cIdle(srv) })
+}
+
+// Streams that complete, are cancelled by their client, or outlive the
+// idle timeout leave no stream, slot or goroutine behind, and shutdown
+// closes the connections they ran on.
+func TestH2CStreamsLeaveNothingBehind(t *testing.T) {
+	defer goleak.VerifyNone(t,
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
+		goleak.IgnoreCurrent())
+	p, err := mockworker.Start(mockworker.Config{Role: mockworker.RolePrefill, HTTP2: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	d, err := mockworker.Start(mockworker.Config{Role: mockworker.RoleDecode, HTTP2: true, TokenDelay: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	cfg := DefaultConfig()
+	cfg.PDDisaggregation = true
+	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
+	cfg.Decode = []string{d.URL()}
+	cfg.Manager.UpstreamHTTP2 = true
+	base, srv := serveInProcess(t, cfg)
+	for range 10 {
+		if events, err := streamTokens(context.Background(), base, 3); err != nil || len(events) != 4 {
+			t.Fatalf("%d events, %v", len(events), err)
+		}
+	}
+	var gone []net.Conn
+	for range 10 {
+		gone = append(gone, openStream(t, base, 1000))
+	}
+	for _, c := range gone {
+		c.Close()
+	}
+	waitFor(t, func() bool { return d.Stats().ClientGone == 10 })
+	waitFor(t, func() bool { a, s := h2cStreamsOpen(srv); return a == 0 && s == 0 })
+	srv.Shutdown(context.Background())
+	// Shut down, the client dials nothing more.
+	if _, c, err := srv.upstream.h2c.reserve("127.0.0.1:1"); c != nil || err == nil {
+		t.Errorf("a closed h2c client reserved a stream (%v)", err)
+	}
+}
+
+// fakeH2CEngine serves h2c by hand: answer gets each request's stream on
+// the connection-th connection accepted (from 0) and writes what it
+// likes. It returns the engine's address and a count of connections.
+func fakeH2CEngine(t *testing.T, answer func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32)) (string, *atomic.Int32) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	var accepted atomic.Int32
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			n := int(accepted.Add(1)) - 1
+			go func() {
+				defer c.Close()
+				preface := make([]byte, len(http2.ClientPreface))
+				if _, err := io.ReadFull(c, preface); err != nil {
+					return
+				}
+				var buf bytes.Buffer
+				fr := http2.NewFramer(c, c)
+				fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+				enc := hpack.NewEncoder(&buf)
+				fr.WriteSettings()
+				for {
+					f, err := fr.ReadFrame()
+					if err != nil {
+						return
+					}
+					switch f := f.(type) {
+					case *http2.SettingsFrame:
+						if !f.IsAck() {
+							fr.WriteSettingsAck()
+						}
+					case *http2.DataFrame:
+						if f.StreamEnded() {
+							answer(fr, enc, &buf, n, f.StreamID)
+						}
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String(), &accepted
+}
+
+// A stream the engine never processed (GOAWAY below its id, or
+// REFUSED_STREAM) is sent again, once, on a connection that takes it; the
+// refusing connection takes no new streams.
+func TestH2CUnprocessedStreamIsSentAgain(t *testing.T) {
+	for _, refuse := range []string{"goaway", "refused_stream"} {
+		t.Run(refuse, func(t *testing.T) {
+			addr, accepted := fakeH2CEngine(t, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32) {
+				if conn == 0 && stream == 1 {
+					if refuse == "goaway" {
+						fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+					} else {
+						fr.WriteRSTStream(stream, http2.ErrCodeRefusedStream)
+					}
+					return
+				}
+				buf.Reset()
+				enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+				enc.WriteField(hpack.HeaderField{Name: "content-type", Value: "text/event-stream"})
+				fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+				fr.WriteData(stream, true, []byte("data: [DONE]\n\n"))
+			})
+			u := newUpstream(time.Minute)
+			defer u.close()
+			var sc scope
+			var body splice.Body
+			body.Reset([]byte(`{"text":"x"}`))
+			resp, err := u.postH2C(&sc, "http://"+addr, "/generate", &body, nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := io.ReadAll(resp)
+			resp.Close()
+			if err != nil || string(b) != "data: [DONE]\n\n" || resp.StatusCode != 200 {
+				t.Fatalf("status %d, body %q, %v", resp.StatusCode, b, err)
+			}
+			want := int32(1) // a refused stream leaves its connection up
+			if refuse == "goaway" {
+				want = 2
+			}
+			if n := accepted.Load(); n != want {
+				t.Errorf("%d connections accepted, want %d", n, want)
+			}
+		})
+	}
+}
