@@ -129,7 +129,7 @@ func stageRuns(stage []byte, spans []Span, toStage bool) ([]cuda.Run, error) {
 func (d *cudaDevice) Gather(stage []byte, spans []Span) error {
 	runs, err := stageRuns(stage, spans, true)
 	if err == nil {
-		_, err = d.cp.CopyHost(runs, cuda.CopyAuto)
+		_, err = d.cp.CopyHost(runs, gpuCopyMode)
 	}
 	return err
 }
@@ -137,7 +137,7 @@ func (d *cudaDevice) Gather(stage []byte, spans []Span) error {
 func (d *cudaDevice) Scatter(spans []Span, stage []byte) error {
 	runs, err := stageRuns(stage, spans, false)
 	if err == nil {
-		_, err = d.cp.CopyHost(runs, cuda.CopyAuto)
+		_, err = d.cp.CopyHost(runs, gpuCopyMode)
 	}
 	return err
 }

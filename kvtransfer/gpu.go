@@ -27,8 +27,9 @@ import (
 // copy per run for a few), with contiguous runs merged. That is what UCX's
 // cuda_ipc transport does inside, minus the re-export.
 
-// gpuCopyMode forces the copier's mode (PDROUTER_CUDA_COPY=kernel|memcpy)
-// for benchmarks; the default picks per batch.
+// gpuCopyMode forces the copier's mode (PDROUTER_CUDA_COPY=kernel|memcpy),
+// staged gathers and scatters included, for benchmarks; the default picks
+// per batch.
 var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": cuda.CopyMemcpy}[os.Getenv("PDROUTER_CUDA_COPY")]
 
 // gpuPlane is a MemoryPlane's GPU state; its zero value opens the device on

@@ -16,7 +16,8 @@
 # loopback socket. Results in $OUT (or bench/out): kv-gpu.json
 # (everything), summary.txt (the rows), bench-kv-gpu.log. KV_SCRIPTS
 # (default scripts) is where the Python benchmarks are; STAGED_TOKENS and
-# STAGED_PATTERNS narrow the staged runs; STEPS picks the parts (default
+# STAGED_PATTERNS narrow the staged runs, STAGED_MODES (auto) forces their
+# gather and scatter copies too (e.g. auto,memcpy); STEPS picks the parts (default
 # all: "tests same staged staged-ucx ceilings"), so one 10-minute device
 # call need not hold everything.
 set -uo pipefail
@@ -77,7 +78,7 @@ perf_cuda_tcp() {
 	done
 	# Two host ids: each kvproxy takes the other for another host, so GPU
 	# KV takes the staged path (gather, tcp, scatter) on this one machine.
-	staged=(--modes auto --host-ids node-a,node-b --tokens "${STAGED_TOKENS:-128,4096,32768}"
+	staged=(--modes "${STAGED_MODES:-auto}" --host-ids node-a,node-b --tokens "${STAGED_TOKENS:-128,4096,32768}"
 		--patterns "${STAGED_PATTERNS:-contiguous,scattered,scattered-sglang}")
 	want staged && run python3 "$sc/kv_gpu_bench.py" --kvproxy "$b/bin/kvproxy" --transport tcp "${staged[@]}" \
 		--out "$out/kv-gpu-staged.json"
