@@ -78,7 +78,7 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	}
 	r.rec.startPD()
 	var at vllmSpans
-	splice.FindFields(r.body, vllmFields[:], at[:])
+	_ = splice.FindFields(r.body, vllmFields[:], at[:]) // Inspect has passed it
 	hp := vllmHeaders.Get().(*[]byte)
 	header := appendVLLMHeader((*hp)[:0], r.header, s.hostOf(pw), s.hostOf(dw))
 	if cap(header) <= maxPooledHeader {
@@ -135,9 +135,9 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 	bufp := chunkPool.Get().(*[]byte)
 	defer chunkPool.Put(bufp)
 	reply, err := readUpTo((*bufp)[:0], l.resp, maxPrefillReply)
-	var info splice.Info
-	if err == nil {
-		err = splice.Inspect(reply, &info)
+	var found [1]splice.Span
+	if err == nil { // one pass: the reply is valid JSON, and where its params are
+		err = splice.FindFields(reply, kvParamsKey[:], found[:])
 	}
 	if err != nil {
 		if r.scope.Err() != nil {
@@ -147,8 +147,6 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: reading its reply: " + err.Error()}, false
 	}
 	r.rec.prefilled(time.Since(r.rec.pdStart))
-	var found [1]splice.Span
-	splice.FindFields(reply, []string{"kv_transfer_params"}, found[:])
 	params := jsonNull
 	if found[0].OK() {
 		params = reply[found[0].Start:found[0].End]
@@ -180,6 +178,8 @@ func readUpTo(b []byte, rd io.Reader, limit int) ([]byte, error) {
 }
 
 var (
+	kvParamsKey = [...]string{"kv_transfer_params"}
+
 	jsonNull  = []byte("null")
 	jsonOne   = []byte("1")
 	jsonZero  = []byte("0")
