@@ -78,19 +78,27 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	}
 	r.rec.startPD()
 	var at vllmSpans
-	splice.FindFields(r.body, vllmFields[:], at[:])
+	_ = splice.FindFields(r.body, vllmFields[:], at[:]) // Inspect has passed it
 	hp := vllmHeaders.Get().(*[]byte)
 	header := appendVLLMHeader((*hp)[:0], r.header, s.hostOf(pw), s.hostOf(dw))
 	if cap(header) <= maxPooledHeader {
 		*hp = header[:0]
 		defer vllmHeaders.Put(hp) // both legs' writes are over when the attempt returns
 	}
-	if fail, ok := s.vllmPrefill(r, pw, &at, header); !ok {
+	// One pooled body for both legs, given back when the attempt returns:
+	// by then both are written (HTTP/1.1 writes a body before its reply
+	// arrives; h2c sends a copy).
+	body := vllmBodies.Get().(*splice.Body)
+	defer func() {
+		body.Reuse(nil) // holds no client's buffer while pooled
+		vllmBodies.Put(body)
+	}()
+	if fail, ok := s.vllmPrefill(r, pw, &at, header, body); !ok {
 		return fail, false
 	}
 	l := &r.leg
 	l.open(r, dw, engineRID{}) // no rid: vLLM's engines are not sent SGLang's aborts
-	if err := l.send(&r.scope, r.path, &r.out, header); err != nil {
+	if err := l.send(&r.scope, r.path, body, header); err != nil {
 		l.close()
 		if r.scope.Err() != nil {
 			return nil, false // the client left or the request timed out: serve says which
@@ -108,17 +116,12 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	return s.reply(ctx, r, l, nil)
 }
 
-// vllmPrefill runs the prefill leg on pw and makes r.out the decode's
-// body: the client's with the kv_transfer_params of prefill's reply (JSON
-// null when it has none: decode then computes the prompt itself, as with
-// vllm-router and vLLM's proxy). ok is false when the attempt is over:
-// fail says why, nil when the request's scope ended.
-func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, header []byte) (fail *apiError, ok bool) {
-	body := vllmBodies.Get().(*splice.Body)
-	defer func() { // after l.close: h2c sends a copy, HTTP/1.1 writes it before the reply
-		body.Reset(nil) // holds no client's buffer while pooled
-		vllmBodies.Put(body)
-	}()
+// vllmPrefill runs the prefill leg on pw with body as its body, then makes
+// body the decode's: the client's with the kv_transfer_params of prefill's
+// reply (JSON null when it has none: decode then computes the prompt
+// itself, as with vllm-router and vLLM's proxy). ok is false when the
+// attempt is over: fail says why, nil when the request's scope ended.
+func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, header []byte, body *splice.Body) (fail *apiError, ok bool) {
 	vllmPrefillBody(body, r.body, at)
 	var l leg
 	l.open(r, pw, engineRID{})
@@ -135,9 +138,9 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 	bufp := chunkPool.Get().(*[]byte)
 	defer chunkPool.Put(bufp)
 	reply, err := readUpTo((*bufp)[:0], l.resp, maxPrefillReply)
-	var info splice.Info
-	if err == nil {
-		err = splice.Inspect(reply, &info)
+	var found [1]splice.Span
+	if err == nil { // one pass: the reply is valid JSON, and where its params are
+		err = splice.FindFields(reply, kvParamsKey[:], found[:])
 	}
 	if err != nil {
 		if r.scope.Err() != nil {
@@ -147,15 +150,12 @@ func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, hea
 		return &apiError{Status: 502, Code: "prefill_server_error", Message: "Prefill server error: reading its reply: " + err.Error()}, false
 	}
 	r.rec.prefilled(time.Since(r.rec.pdStart))
-	var found [1]splice.Span
-	splice.FindFields(reply, []string{"kv_transfer_params"}, found[:])
 	params := jsonNull
 	if found[0].OK() {
 		params = reply[found[0].Start:found[0].End]
 	}
-	// Attempts run one after the other: each may reuse the request's body.
-	r.out.Reset(r.body)
-	r.out.Set("kv_transfer_params", at[vfKVParams], params) // a copy: the reply's buffer goes back to its pool
+	body.Reuse(r.body)                                     // prefill's body is written: the decode's takes its place
+	body.Set("kv_transfer_params", at[vfKVParams], params) // a copy: the reply's buffer goes back to its pool
 	return nil, true
 }
 
@@ -180,6 +180,8 @@ func readUpTo(b []byte, rd io.Reader, limit int) ([]byte, error) {
 }
 
 var (
+	kvParamsKey = [...]string{"kv_transfer_params"}
+
 	jsonNull  = []byte("null")
 	jsonOne   = []byte("1")
 	jsonZero  = []byte("0")
@@ -193,7 +195,7 @@ var (
 // streamed (its kv_transfer_params come in the JSON reply), and asking for
 // the KV to be kept. A client's own kv_transfer_params are replaced.
 func vllmPrefillBody(b *splice.Body, src []byte, at *vllmSpans) {
-	b.Reset(src)
+	b.Reuse(src)
 	b.Set("max_tokens", at[vfMaxTokens], jsonOne)
 	if at[vfMaxCompletionTokens].OK() {
 		b.Set("max_completion_tokens", at[vfMaxCompletionTokens], jsonOne)
@@ -215,12 +217,19 @@ func vllmPrefillBody(b *splice.Body, src []byte, at *vllmSpans) {
 // attempt. vLLM's P2P NCCL connector reads the peer's address from it;
 // the others only need both legs to carry the same id.
 func appendVLLMRequestID(b []byte, prefill, decode string) []byte {
-	var u [16]byte
-	_, _ = rand.Read(u[:])
 	b = append(append(b, "___prefill_addr_"...), prefill...)
 	b = append(append(b, "___decode_addr_"...), decode...)
-	return hex.AppendEncode(append(b, '_'), u[:])
+	b = append(b, '_')
+	// The random bytes go past the hex's end in b itself: an array of
+	// their own escapes to the heap through rand.Read.
+	n := len(b)
+	b = append(b, make([]byte, 2*uuidLen+uuidLen)...)
+	_, _ = rand.Read(b[n+2*uuidLen:])
+	hex.Encode(b[n:n+2*uuidLen], b[n+2*uuidLen:])
+	return b[:n+2*uuidLen]
 }
+
+const uuidLen = 16
 
 // hostOf is w's HOST:PORT as its URL writes it (vllm-router's spelling),
 // from the upstream's table of registered workers.
@@ -231,7 +240,7 @@ func (s *Server) hostOf(w *balancer.Worker) string {
 	return w.BaseURL
 }
 
-// vllmHeaders and vllmBodies keep an attempt's header lines and prefill
+// vllmHeaders and vllmBodies keep an attempt's header lines and legs'
 // body from costing an allocation each per request.
 var (
 	vllmHeaders = sync.Pool{New: func() any { b := make([]byte, 0, 1024); return &b }}

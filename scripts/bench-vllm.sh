@@ -6,9 +6,10 @@
 #
 #   req/s, CPU:   non-streamed completions (8 tokens) in a closed loop of CONC, N_REQ each round,
 #                 ROUNDS rounds alternating the routers; CPU µs per request from the router's own
-#                 utime+stime over the round (/proc/PID/stat). Twice: on bench/stubengine's vLLM
-#                 roles (fixed replies, so the routers set the pace) and on the mocks (which take
-#                 most of the 2 cores: compressed req/s; CPU per request is the router's alone).
+#                 utime+stime over the round (/proc/PID/stat), and the two engines' over the same
+#                 round beside it. Twice: on bench/stubengine's vLLM roles (fixed replies, so the
+#                 routers set the pace) and on the mocks (a few times a router's CPU per request:
+#                 compressed req/s; CPU per request is the router's alone).
 #                 Then both again pinned: each router (a process of its own, started under
 #                 taskset, so both size their thread pools to one core) on ROUTER_CPU, the engines
 #                 and pdbench on LOAD_CPU, so that the load generator and engines cannot take the
@@ -108,6 +109,13 @@ start_router() {
 	printf -v "$2" %s "$pid"
 }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# engine_ticks ENGINES: the CPU ticks so far of the rows' two engines (stub or mock)
+engine_ticks() {
+	local p t=0
+	if [[ $1 == stub* ]]; then p=("${STUB_PIDS[@]}"); else p=("${ENGINE_PIDS[@]}"); fi
+	for pid in "${p[@]}"; do t=$((t + $(cpu_ticks "$pid"))); done
+	echo "$t"
+}
 # core_ticks CPU: that core's busy and total ticks so far (/proc/stat; idle and iowait are not busy)
 core_ticks() { awk -v c="cpu$1" '$1 == c {t = 0; for (i = 2; i <= NF; i++) t += $i; print t - $5 - $6, t}' /proc/stat; }
 TCK=$(getconf CLK_TCK)
@@ -127,9 +135,10 @@ py() { python3 -c "print($1)"; }
 
 start_stub BP vllm-prefill
 start_stub BD vllm-decode
+STUB_PIDS=("${pids[@]}")
 start_engine FP vllm-prefill
 start_engine FD vllm-decode --tokens 8
-ENGINE_PIDS=("${pids[@]}")
+ENGINE_PIDS=("${pids[@]:2}")
 start_engine SP vllm-prefill --prefill-delay "$SLOW_PREFILL" --vllm-kv-timeout 30s
 start_engine SD vllm-decode --tokens 16 --token-delay 10ms
 start_stub TD vllm-decode
@@ -151,7 +160,7 @@ start_nginx "$NGINX=$SP"
 wait_health "$NGINX"
 : >"$OUT/vllm.json"
 
-declare -A RPS CPU BUSY_R BUSY_L
+declare -A RPS CPU ECPU BUSY_R BUSY_L
 for engines in "${rows[@]}"; do
 	LOADPIN=()
 	if [[ $engines == *-pinned ]]; then
@@ -163,24 +172,28 @@ for engines in "${rows[@]}"; do
 		((round % 2)) || order=(vllm-router pdrouter)
 		for k in "${order[@]}"; do
 			c0=$(cpu_ticks "${PID[$engines-$k]}")
+			e0=$(engine_ticks "$engines")
 			read -r rb0 rt0 < <(core_ticks "$ROUTER_CPU")
 			read -r lb0 lt0 < <(core_ticks "$LOAD_CPU")
 			bench "${PORT[$engines-$k]}" "$T/rps.json" --num-prompts "$N_REQ" --max-concurrency "$CONC" --random-input-len 64 \
 				--random-output-len 8 --disable-stream
 			c1=$(cpu_ticks "${PID[$engines-$k]}")
+			e1=$(engine_ticks "$engines")
 			read -r rb1 rt1 < <(core_ticks "$ROUTER_CPU")
 			read -r lb1 lt1 < <(core_ticks "$LOAD_CPU")
 			[ "$(field "$T/rps.json" failed)" = 0 ] || { log "$engines $k: failed requests"; exit 1; }
 			rps=$(field "$T/rps.json" request_throughput)
 			cpu=$(py "round(($c1-$c0)*1e6/$TCK/$N_REQ, 1)")
+			ecpu=$(py "round(($e1-$e0)*1e6/$TCK/$N_REQ, 1)")
 			busy_r=$(py "round(100*($rb1-$rb0)/max($rt1-$rt0,1))")
 			busy_l=$(py "round(100*($lb1-$lb0)/max($lt1-$lt0,1))")
 			RPS[$engines-$k]+="$rps "
 			CPU[$engines-$k]+="$cpu "
+			ECPU[$engines-$k]+="$ecpu "
 			BUSY_R[$engines-$k]+="$busy_r "
 			BUSY_L[$engines-$k]+="$busy_l "
-			echo "{\"row\":\"rps\",\"engines\":\"$engines\",\"router\":\"$k\",\"round\":$round,\"req_s\":$rps,\"cpu_us_per_req\":$cpu,\"router_core_busy_pct\":$busy_r,\"load_core_busy_pct\":$busy_l}" >>"$OUT/vllm.json"
-			log "$engines round $round $k: $rps req/s, $cpu µs CPU/request, cores $ROUTER_CPU/$LOAD_CPU busy $busy_r/$busy_l %"
+			echo "{\"row\":\"rps\",\"engines\":\"$engines\",\"router\":\"$k\",\"round\":$round,\"req_s\":$rps,\"cpu_us_per_req\":$cpu,\"engines_cpu_us_per_req\":$ecpu,\"router_core_busy_pct\":$busy_r,\"load_core_busy_pct\":$busy_l}" >>"$OUT/vllm.json"
+			log "$engines round $round $k: $rps req/s, $cpu µs CPU/request (engines $ecpu), cores $ROUTER_CPU/$LOAD_CPU busy $busy_r/$busy_l %"
 		done
 	done
 	if [[ $engines == *-pinned ]]; then
@@ -236,6 +249,7 @@ for engines in "${rows[@]}"; do
 	P_CPU=$(echo "${CPU[$engines-pdrouter]}" | median) V_CPU=$(echo "${CPU[$engines-vllm-router]}" | median)
 	echo "| $label: req/s, non-streamed, $CONC in flight (median of $ROUNDS) | $P_RPS | $V_RPS | ×$(ratio "$P_RPS/$V_RPS") |"
 	echo "| $label: router CPU µs per request (median of $ROUNDS) | $P_CPU | $V_CPU | ×$(ratio "$P_CPU/$V_CPU") |"
+	echo "| $label: the two engines' CPU µs per request, same rounds (median) | $(echo "${ECPU[$engines-pdrouter]}" | median) | $(echo "${ECPU[$engines-vllm-router]}" | median) | |"
 	share() { py "round($(echo "${CPU[$engines-$1]}" | median) * $(echo "${RPS[$engines-$1]}" | median) / 1e4)"; }
 	echo "| $label: the router's CPU in % of one core; core $ROUTER_CPU / core $LOAD_CPU busy % (medians) | $(share pdrouter); $(echo "${BUSY_R[$engines-pdrouter]}" | median) / $(echo "${BUSY_L[$engines-pdrouter]}" | median) | $(share vllm-router); $(echo "${BUSY_R[$engines-vllm-router]}" | median) / $(echo "${BUSY_L[$engines-vllm-router]}" | median) | |"
 done

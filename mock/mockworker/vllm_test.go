@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"net"
 	"net/http"
+	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -319,5 +323,44 @@ func TestVLLMKVSendEndsAtClose(t *testing.T) {
 		}
 	default:
 		t.Fatal("Close returned with the transfer still under way")
+	}
+}
+
+// A decode's pulls share one kept-alive connection to the prefill's side
+// channel: a connection per pull made the mock, not the router, the bench's
+// biggest cost (make bench-vllm).
+func TestVLLMDecodePullsReuseOneConnection(t *testing.T) {
+	p := start(t, Config{Role: RoleVLLMPrefill})
+	d := start(t, Config{Role: RoleVLLMDecode, Tokens: 2})
+	var conns atomic.Int32
+	side := httptest.NewUnstartedServer(p.s.srv.Handler)
+	side.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	side.Start()
+	t.Cleanup(side.Close)
+	_, sidePort, _ := net.SplitHostPort(side.Listener.Addr().String())
+	const pulls = 5
+	for i := range pulls {
+		xid := "rid-" + strconv.Itoa(i)
+		params := vllmPrefill(t, p, "one two three", xid)
+		var m map[string]any
+		if err := json.Unmarshal(params, &m); err != nil {
+			t.Fatal(err)
+		}
+		m["remote_port"], _ = strconv.Atoi(sidePort) // pull through the counting listener
+		params, _ = json.Marshal(m)
+		req := `{"model":"mock","prompt":"one two three","kv_transfer_params":` + string(params) + `}`
+		if status, _, body := d.post("/v1/completions", req, "X-Request-Id", xid); status != 200 {
+			t.Fatalf("decode %d: %d %s", i, status, body)
+		}
+	}
+	if n := conns.Load(); n != 1 {
+		t.Errorf("%d pulls opened %d connections to the prefill, want 1", pulls, n)
+	}
+	if pulls := d.s.VLLMPulls(); len(pulls) != 5 {
+		t.Errorf("decode recorded %d pulls, want 5", len(pulls))
 	}
 }

@@ -48,6 +48,22 @@ func (b *Body) Reset(src []byte) {
 	b.vals = b.space[:0]
 }
 
+// Reuse is Reset for a pooled body: it keeps the heap buffer an earlier
+// use's edits outgrew the inline space into (up to maxKeptVals), so that a
+// long value (a vLLM prefill's kv_transfer_params) costs no allocation
+// once the pool is warm. What Set returned before is overwritten.
+func (b *Body) Reuse(src []byte) {
+	vals := b.vals
+	b.Reset(src)
+	if c := cap(vals); c > len(b.space) && c <= maxKeptVals { // beyond space: a heap buffer
+		b.vals = vals[:0]
+	}
+}
+
+// maxKeptVals bounds the buffer Reuse keeps: a huge edit is not worth
+// holding memory for.
+const maxKeptVals = 16 << 10
+
 // Set gives the top-level key the JSON value val: in place of the client's
 // value at at when at.OK() (key order survives), else as a new member
 // before the closing brace. val is copied; the copy inside b, valid while b

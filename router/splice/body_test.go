@@ -89,6 +89,35 @@ func TestBodyValuesSurviveGrowth(t *testing.T) {
 	}
 }
 
+// A pooled body (vLLM's legs) keeps the heap buffer a long value grew it
+// into: the next use's long value costs no allocation, and the bytes are
+// the new use's alone. One too large to keep is let go.
+func TestBodyReuseKeepsItsGrownBuffer(t *testing.T) {
+	long := []byte(`{"remote_engine_id":"` + strings.Repeat("e", 300) + `"}`)
+	var b Body
+	use := func(src []byte, val []byte) string {
+		b.Reuse(src)
+		b.Set("kv_transfer_params", Span{}, val)
+		return string(b.AppendTo(nil))
+	}
+	use([]byte(`{"a":1}`), long)
+	src := []byte(`{"b":2}`)
+	if n := testing.AllocsPerRun(100, func() {
+		b.Reuse(src)
+		b.Set("kv_transfer_params", Span{}, long)
+	}); n != 0 {
+		t.Errorf("%v allocations per reuse with a long value, want 0", n)
+	}
+	if got, want := use([]byte(`{"b":2}`), []byte(`null`)), `{"b":2,"kv_transfer_params":null}`; got != want {
+		t.Errorf("reused body %q, want %q", got, want)
+	}
+	use([]byte(`{}`), bytes.Repeat([]byte("1"), maxKeptVals+1))
+	b.Reuse(nil)
+	if cap(b.vals) > len(b.space) {
+		t.Errorf("a body keeps a %d-byte buffer, more than %d", cap(b.vals), maxKeptVals)
+	}
+}
+
 func TestBodyUneditedIsTheClientBody(t *testing.T) {
 	src := []byte(`{"a":1}`)
 	var b Body

@@ -1,43 +1,57 @@
 package splice
 
-// FindFields locates the top-level members of body named keys in one pass:
+// FindFields validates body as Inspect does (exactly one JSON object: the
+// same errors) and locates its top-level members named keys, in one pass:
 // out[k] is the value of keys[k] (the last one when a key repeats, as a
-// JSON decoder keeps), or absent. body should have passed Inspect; on
-// anything else FindFields stops where the JSON breaks, leaving the keys
-// not yet seen absent.
-func FindFields(body []byte, keys []string, out []Span) {
+// JSON decoder keeps), or absent. On a broken body the keys not seen
+// before the break are left absent.
+func FindFields(body []byte, keys []string, out []Span) error {
 	clear(out)
 	s := scanner{b: body}
 	s.skipWS()
 	if s.i >= len(s.b) || s.b[s.i] != '{' {
-		return
+		if s.i < len(s.b) && s.value(0) == nil {
+			return ErrNotObject
+		}
+		return ErrBadJSON
 	}
 	s.i++
 	s.skipWS()
-	for s.i < len(s.b) && s.b[s.i] == '"' {
+	if s.i < len(s.b) && s.b[s.i] == '}' {
+		s.i++
+		return s.end()
+	}
+	for {
+		s.skipWS()
 		keyStart := s.i
-		if s.str() != nil {
-			return
+		if s.i >= len(s.b) || s.b[s.i] != '"' {
+			return ErrBadJSON
+		}
+		if err := s.str(); err != nil {
+			return err
 		}
 		key := s.b[keyStart+1 : s.i-1]
 		s.skipWS()
 		if s.i >= len(s.b) || s.b[s.i] != ':' {
-			return
+			return ErrBadJSON
 		}
 		s.i++
 		s.skipWS()
 		valStart := s.i
-		if s.value(1) != nil {
-			return
+		if err := s.value(1); err != nil {
+			return err
 		}
 		for k, name := range keys {
 			if bstr(key) == name {
 				out[k] = Span{int32(valStart), int32(s.i)}
 			}
 		}
-		if done, err := s.next('}'); done || err != nil {
-			return
+		done, err := s.next('}')
+		if err != nil {
+			return err
 		}
-		s.skipWS()
+		if done {
+			return s.end()
+		}
 	}
 }

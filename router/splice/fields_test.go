@@ -3,6 +3,7 @@ package splice
 import (
 	"bytes"
 	"encoding/json"
+	"strings"
 	"testing"
 )
 
@@ -11,7 +12,9 @@ func TestFindFields(t *testing.T) {
 	body := []byte(` { "messages":[{"content":"stream"}], "max_tokens" : 7,"stream":true,` +
 		`"nested":{"max_tokens":1},"kv_transfer_params":{"a":[1,{"b":null}]},"max_tokens":9 }`)
 	out := make([]Span, len(keys))
-	FindFields(body, keys, out)
+	if err := FindFields(body, keys, out); err != nil {
+		t.Fatal(err)
+	}
 	want := []string{"true", "9", `{"a":[1,{"b":null}]}`, ""}
 	for k, w := range want {
 		got := ""
@@ -28,9 +31,30 @@ func TestFindFieldsBrokenBodiesFindNothingPastTheBreak(t *testing.T) {
 	keys := []string{"a", "b"}
 	for _, body := range []string{``, `[]`, `{"a":1,`, `{"a":1 "b":2}`, `{"a":}`, `{"a"`, `"x"`} {
 		out := []Span{{1, 2}, {1, 2}}
-		FindFields([]byte(body), keys, out)
+		err := FindFields([]byte(body), keys, out)
 		if out[1].OK() {
 			t.Errorf("%q: b found at %v", body, out[1])
+		}
+		if err == nil {
+			t.Errorf("%q: no error", body)
+		}
+	}
+}
+
+// FindFields is the one pass over a vLLM prefill's reply: it refuses what
+// Inspect refuses, with the same error, wherever the break is (after the
+// keys too), and finds the keys of a whole object.
+func TestFindFieldsValidatesAsInspect(t *testing.T) {
+	keys := []string{"kv_transfer_params"}
+	deep := strings.Repeat("[", maxDepth+2) + strings.Repeat("]", maxDepth+2)
+	for _, body := range []string{`{"kv_transfer_params":{"a":1}} x`, `{"kv_transfer_params":{"a":1}}}`, `{"kv_transfer_params":1,"b":tru}`,
+		`{"kv_transfer_params":1,"b":"\q"}`, `{"kv_transfer_params":1,"b":` + deep + `}`, `[1]`, `7`, ` `, `{} {}`,
+		`{"kv_transfer_params":{"a":1}}`, ` {} `, "{\"b\":[1,2,{}],\n\"kv_transfer_params\":null}\n"} {
+		var info Info
+		want := Inspect([]byte(body), &info)
+		out := make([]Span, 1)
+		if got := FindFields([]byte(body), keys, out); got != want {
+			t.Errorf("%.40q: FindFields says %v, Inspect %v", body, got, want)
 		}
 	}
 }
@@ -44,9 +68,12 @@ func FuzzFindFields(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		keys := []string{"a", "b"}
 		out := make([]Span, 2)
-		FindFields(body, keys, out)
+		err := FindFields(body, keys, out)
 		var info Info
-		if Inspect(body, &info) != nil {
+		if want := Inspect(body, &info); err != want {
+			t.Fatalf("FindFields says %v, Inspect %v", err, want)
+		}
+		if err != nil {
 			return
 		}
 		if bytes.IndexByte(body, '\\') >= 0 {
