@@ -1,7 +1,11 @@
 package router
 
 import (
+	"bufio"
+	"net"
 	runtimemetrics "runtime/metrics"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/valyala/fasthttp"
@@ -9,7 +13,8 @@ import (
 
 // pdPoster serves PD 1P+1D in process on canned engines that answer at
 // once, and returns a function posting one non-streamed /generate to it
-// over one keep-alive connection.
+// over one keep-alive connection (by hand: a client of fasthttp or net/http
+// would leave goroutines of its own behind).
 func pdPoster(t *testing.T) func() {
 	t.Helper()
 	cfg := DefaultConfig()
@@ -18,15 +23,21 @@ func pdPoster(t *testing.T) func() {
 	cfg.Decode = []string{cannedBackend(t, false)}
 	base, srv := serveInProcess(t, cfg)
 	t.Cleanup(func() { shutdown(t, srv) })
-	c := &fasthttp.Client{MaxConnsPerHost: 1}
-	req, resp := fasthttp.AcquireRequest(), fasthttp.AcquireResponse()
-	t.Cleanup(func() { fasthttp.ReleaseRequest(req); fasthttp.ReleaseResponse(resp) })
-	body := []byte(`{"text":"The quick brown fox","sampling_params":{"max_new_tokens":4},"stream":false}`)
+	conn, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	body := `{"text":"The quick brown fox","sampling_params":{"max_new_tokens":4},"stream":false}`
+	req := []byte("POST /generate HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: " +
+		strconv.Itoa(len(body)) + "\r\n\r\n" + body)
+	br := bufio.NewReader(conn)
+	var resp fasthttp.Response
 	return func() {
-		req.SetRequestURI(base + "/generate")
-		req.Header.SetMethod("POST")
-		req.SetBody(body)
-		if err := c.Do(req, resp); err != nil || resp.StatusCode() != 200 {
+		if _, err := conn.Write(req); err != nil {
+			t.Fatal(err)
+		}
+		if err := resp.Read(br); err != nil || resp.StatusCode() != 200 {
 			t.Fatalf("%v %d %s", err, resp.StatusCode(), resp.Body())
 		}
 	}
