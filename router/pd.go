@@ -190,7 +190,8 @@ func (a *attempt) prefillOver(err *apiError, logp []byte) {
 // sendBoth is startPrefill and openDecode for a non-streamed request over
 // HTTP/1.1, without a goroutine where it can: the handler writes both legs,
 // then reads prefill's reply, which SGLang's prefill sends whole before
-// decode can answer (decode needs its KV), and then decode's. A prefill
+// decode can answer (decode needs its KV), and then decode's; a prefill
+// reply begun is read to its end here. A prefill
 // silent for prefillHeadGrace is watched from a goroutine after all, so
 // that decode's reply is never held for a prefill that is late.
 func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
@@ -273,10 +274,12 @@ func (a *attempt) failure() *apiError {
 }
 
 // prefillHeadGrace is how long a stream whose decode answered first waits
-// for prefill's reply head. SGLang's prefill answers its head at once and
-// decode's first token needs prefill's KV, so this wait costs nothing
-// there; an engine or mock whose prefill head comes late costs a stream at
-// most this, and a prefill failing after it is an SSE error event.
+// for prefill's reply head, and how long sendBoth waits for prefill's first
+// byte before it watches prefill from a goroutine. SGLang's prefill answers
+// its head at once and decode's first token needs prefill's KV, so this
+// wait costs nothing there; an engine or mock whose prefill head comes late
+// costs a stream at most this, and a prefill failing after it is an SSE
+// error event.
 const prefillHeadGrace = 200 * time.Millisecond
 
 // prefillVerdict returns prefill's failure if its reply head (or its send)
