@@ -295,16 +295,21 @@ def main():
                 json.dump(plan, f)
             aborted = plan[len(plan) // 2]["room"] if ph == "normal" and a.abort and len(plan) > 1 else -1
             t0 = time.time()
+            faulty = ph in ("kill-decode", "kill-prefill-kvproxy", "kill-decode-kvproxy")
+            struck = os.path.join(work, "%s.struck" % ph)
+            hold = dict(after=a.fault_after, until=struck) if faulty else None
             for role in alive:
-                sides[role].send(json.dumps(dict(cmd="run", plan=plan_path, out=os.path.join(work, "%s-%s.json" % (ph, role)), abort_room=aborted)))
+                sides[role].send(json.dumps(dict(cmd="run", plan=plan_path, out=os.path.join(work, "%s-%s.json" % (ph, role)),
+                                                 abort_room=aborted, hold=hold)))
             fault_at = None
-            if ph in ("kill-decode", "kill-prefill-kvproxy", "kill-decode-kvproxy"):
+            if faulty:
                 # Strike with rooms done and rooms still moving.
                 sides["prefill"].wait_line(lambda l: '"progress": %d,' % a.fault_after in l, a.bound * 2)
                 fault_at = time.time()
                 victim = sides["decode"] if ph == "kill-decode" else kvp[ph.split("-")[1]]
                 victim.kill()
                 victim.p.wait()
+                open(struck, "w").close()
                 if ph == "kill-decode":
                     alive = ["prefill"]
             res, notifs = {}, {}

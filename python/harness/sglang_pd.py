@@ -230,6 +230,19 @@ def kv_class(a, kind):
     return get_kv_class(TransferBackend(a.backend), getattr(KVClassType, kind))
 
 
+def held(a, i):
+    """A fault phase holds the rooms after the first a.hold["after"] in
+    WaitingForInput until the driver has struck (its file exists), so the
+    fault always meets rooms still to move, however fast the others went."""
+    h = a.hold
+    if not h or i < h["after"]:
+        return False
+    if os.path.exists(h["until"]):
+        a.hold = None
+        return False
+    return True
+
+
 def run_prefill(side, plan, a, res):
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -251,12 +264,15 @@ def run_prefill(side, plan, a, res):
             pending.pop(0)
             s = KVSender(side.mgr, boot, r["room"], **side.sender_args)
             s.init(npages, aux)
-            live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False, calls0=list(side.calls))
+            live[r["room"]] = dict(r=r, s=s, pages=pages, aux=aux, t0=time.perf_counter(), sent=False, calls0=list(side.calls),
+                                   i=len(plan) - len(pending) - 1)
         for room, st in list(live.items()):
             s = st["s"]
             p = s.poll()
             now = time.perf_counter()
             if not st["sent"] and p == KVPoll.WaitingForInput:
+                if held(a, st["i"]):
+                    continue
                 tf = time.perf_counter()
                 side.fill(room, st["pages"])
                 st["fill_s"] = time.perf_counter() - tf
@@ -370,6 +386,7 @@ def worker(a):
         with open(cmd["plan"]) as f:
             plan = json.load(f)
         a.abort_room = cmd.get("abort_room", -1)
+        a.hold = cmd.get("hold")
         res = []
         t1, notifs0 = time.perf_counter(), side.notifs
         (run_prefill if a.role == "prefill" else run_decode)(side, plan, a, res)
