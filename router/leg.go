@@ -32,8 +32,11 @@ type leg struct {
 	trace  *legSpan       // nil unless traced (trace.go)
 	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
 
-	lost   bool            // the send failed after the dial: the engine may hold the request
-	aborts *sync.WaitGroup // the request's: a retry waits for its engine aborts
+	lost    bool             // the send failed after the dial: the engine may hold the request
+	call    upCall           // an HTTP/1.1 leg's request
+	reply   upstreamResponse // its reply (resp): no allocation of its own
+	written bool             // write sent it; its reply head is still to be read
+	aborts  *sync.WaitGroup  // the request's: a retry waits for its engine aborts
 }
 
 // open binds a leg of r, whose engine knows it by rid, to w and takes w's
@@ -110,21 +113,52 @@ func (l *leg) record(ok bool) {
 // send posts body to the leg's worker under sc and waits for the reply's
 // head (then in l.resp). A failure is the worker's unless sc ended first
 // for another reason than the request timeout: a client gone, a failed
-// prefill or an abandoned attempt says nothing about this worker.
+// prefill or an abandoned attempt says nothing about this worker. A leg
+// that write sent already only waits.
 func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) error {
-	l.sc = sc
-	header = l.trace.start(l, path, header)
-	l.w.AwaitReply()
-	var resp *upstreamResponse
-	var err error
-	if l.w.HTTP2 {
-		resp, err = l.s.upstream.postH2C(sc, l.w.BaseURL, path, body, header, l.guard)
-	} else {
-		resp, err = l.s.upstream.post(sc, l.w.BaseURL, path, body, header, l.guard)
+	if l.written {
+		return l.await()
 	}
+	if l.w.HTTP2 {
+		l.begin(sc, path, &header)
+		resp, err := l.s.upstream.postH2C(sc, l.w.BaseURL, path, body, header, l.guard)
+		return l.answered(resp, err)
+	}
+	if err := l.write(sc, path, body, header); err != nil {
+		return err
+	}
+	return l.await()
+}
+
+// write sends the request of an HTTP/1.1 leg without waiting for its
+// reply (await): a PD attempt writes both legs before it waits for either.
+func (l *leg) write(sc *scope, path string, body *splice.Body, header []byte) error {
+	l.begin(sc, path, &header)
+	if err := l.call.write(l.s.upstream, sc, l.w.BaseURL, path, body, header, l.guard); err != nil {
+		return l.answered(nil, err)
+	}
+	l.written = true
+	return nil
+}
+
+// await waits for the reply's head of the request write sent.
+func (l *leg) await() error {
+	l.written = false
+	l.call.into = &l.reply
+	return l.answered(l.call.head())
+}
+
+func (l *leg) begin(sc *scope, path string, header *[]byte) {
+	l.sc = sc
+	*header = l.trace.start(l, path, *header)
+	l.w.AwaitReply()
+}
+
+// answered ends the wait begin started.
+func (l *leg) answered(resp *upstreamResponse, err error) error {
 	l.w.ReplyDone(err == nil) // a reply head, of any status: the worker answers
 	if err != nil {
-		cause := sc.Cause()
+		cause := l.sc.Cause()
 		l.blame = (cause == nil || errors.Is(cause, context.DeadlineExceeded)) && !outOfLocalResources(err)
 		l.lost = !errors.As(err, new(dialError))
 		return err
@@ -163,6 +197,11 @@ func (l *leg) close() {
 		return
 	}
 	l.closed = true
+	if l.written { // sent, and its reply never awaited (the attempt ended first)
+		l.written = false
+		l.w.ReplyDone(false)
+		l.call.abandon()
+	}
 	l.trace.end(l)
 	l.abortIfHeld()
 	switch {

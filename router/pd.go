@@ -15,10 +15,14 @@ import (
 //
 //  1. pick a prefill and a decode worker with each side's policy;
 //  2. splice bootstrap_host/port/room into the body bytes (splice/);
-//  3. start the prefill leg on its own goroutine; if it fails, the decode
-//     leg is cancelled and the client gets prefill's error (before the
-//     first byte) or an SSE error frame (after it);
-//  4. open the decode leg with the same body, at once, not after prefill;
+//  3. send the prefill leg; if it fails, the decode leg is cancelled and
+//     the client gets prefill's error (before the first byte) or an SSE
+//     error frame (after it);
+//  4. send the decode leg with the same body, at once, not after prefill;
+//     a non-streamed request over HTTP/1.1 writes both legs from the
+//     handler and reads prefill's reply there too when it comes within
+//     prefillHeadGrace (sendBoth), any other watches prefill on a
+//     goroutine of its own;
 //  5. reply with decode's answer as it arrives (reply.go, stream.go),
 //     never waiting for prefill's body (unlike sglang-router,
 //     sgl-project/sglang#22853) except to merge logprobs.
@@ -34,8 +38,14 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 		return fail, false
 	}
 	r.rec.startPD()
-	a := s.startPrefill(r, pw, dw)
-	fail, ok := s.openDecode(r, a, dw)
+	a := s.newAttempt(r, pw, dw)
+	var ok bool
+	if r.info.Stream || pw.HTTP2 || dw.HTTP2 {
+		s.startPrefill(r, a)
+		fail, ok = s.openDecode(r, a, dw)
+	} else {
+		fail, ok = s.sendBoth(r, a, dw)
+	}
 	streaming := false
 	if ok {
 		fail, streaming = s.reply(ctx, r, &r.leg, a)
@@ -102,7 +112,7 @@ func (a *attempt) setRanks(r *request, pw, dw *balancer.Worker) {
 type attempt struct {
 	scope   scope // ends both legs: prefill failed, or the attempt is over
 	prefill leg
-	done    chan struct{} // closed when the prefill leg has ended
+	done    chan struct{} // closed when the prefill leg has ended (closedDone: it had)
 	err     *apiError     // set before done closes when prefill failed
 	logp    []byte        // prefill's reply, kept only for logprob merging
 	rid     engineRID     // both legs'
@@ -123,32 +133,51 @@ type attempt struct {
 	headOK bool
 }
 
-// startPrefill opens the prefill leg and runs it on its own goroutine; it
-// holds a reference to r, since it may outlive the handler.
-func (s *Server) startPrefill(r *request, pw, dw *balancer.Worker) *attempt {
-	a := &attempt{done: make(chan struct{}), rec: &r.rec, start: r.rec.pdStart}
+// newAttempt opens the prefill leg of a fresh attempt on pw.
+func (s *Server) newAttempt(r *request, pw, dw *balancer.Worker) *attempt {
+	a := &attempt{rec: &r.rec, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(r, pw, a.rid)
 	a.prefill.guard = &a.guard
+	return a
+}
+
+// closedDone is the done of an attempt whose prefill leg ended on the
+// handler's goroutine: nothing to allocate or close for it.
+var closedDone = func() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}()
+
+// startPrefill runs the prefill leg (or the rest of it) on its own
+// goroutine; it holds a reference to r, since it may outlive the handler.
+func (s *Server) startPrefill(r *request, a *attempt) {
+	a.done = make(chan struct{})
 	r.hold()
 	s.background.Add(1)
 	if r.info.Stream {
 		a.headed = make(chan struct{})
 	}
 	go s.runPrefill(a, r)
-	return a
 }
 
 // runPrefill is the prefill leg's goroutine (a method with arguments rather
-// than a closure: nothing to allocate for it). The leg closes before its
-// failure cancels the attempt, so that its connection may be pooled, and
-// before done, so that its breaker has heard of it when the client does.
+// than a closure: nothing to allocate for it).
 func (s *Server) runPrefill(a *attempt, r *request) {
 	defer s.background.Done()
 	defer r.release()
 	defer close(a.done)
-	a.err, a.logp = a.readPrefill(r)
+	a.prefillOver(a.readPrefill(r))
+}
+
+// prefillOver ends the prefill leg with its outcome. The leg closes before
+// its failure cancels the attempt, so that its connection may be pooled,
+// and before done, so that its breaker has heard of it when the client
+// does.
+func (a *attempt) prefillOver(err *apiError, logp []byte) {
+	a.err, a.logp = err, logp
 	if a.err == nil && a.scope.Err() == nil {
 		a.rec.prefilled(time.Since(a.start))
 	}
@@ -156,6 +185,44 @@ func (s *Server) runPrefill(a *attempt, r *request) {
 	if a.err != nil {
 		a.scope.cancel(errPrefillFailed)
 	}
+}
+
+// sendBoth is startPrefill and openDecode for a non-streamed request over
+// HTTP/1.1, without a goroutine where it can: the handler writes both legs,
+// then reads prefill's reply, which SGLang's prefill sends whole before
+// decode can answer (decode needs its KV), and then decode's; a prefill
+// reply begun is read to its end here. A prefill
+// silent for prefillHeadGrace is watched from a goroutine after all, so
+// that decode's reply is never held for a prefill that is late.
+func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
+	p, d := &a.prefill, &r.leg
+	if err := p.write(&a.scope, r.path, &a.body, r.header); err != nil {
+		a.prefillOver(a.sendFailed(err), nil)
+		a.done = closedDone
+		return a.err, false // nil when the scope ended: serve says why
+	}
+	d.open(r, dw, a.rid)
+	if err := d.write(&a.scope, r.path, a.decodeBody(), r.header); err != nil {
+		d.close()
+		a.abandon()
+		p.close()
+		a.done = closedDone
+		if r.clientGone() {
+			return nil, false
+		}
+		return decodeSendError(err), false
+	}
+	if !p.call.answered(prefillHeadGrace) {
+		s.startPrefill(r, a)
+		return s.decodeReply(r, a, d.await())
+	}
+	a.prefillOver(a.readPrefill(r))
+	a.done = closedDone
+	if a.err != nil {
+		d.close()
+		return a.err, false
+	}
+	return s.decodeReply(r, a, d.await())
 }
 
 // readPrefill sends the prefill leg and reads its reply. An error caused by
@@ -168,11 +235,7 @@ func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 		close(a.headed)
 	}
 	if err != nil {
-		if a.scope.Err() != nil {
-			return nil, nil
-		}
-		return &apiError{Status: 502, Code: "prefill_server_error",
-			Message: "Prefill server error: " + err.Error() + ". This will cause decode timeout."}, nil
+		return a.sendFailed(err), nil
 	}
 	if status := l.resp.StatusCode; status/100 != 2 {
 		return upstreamError("prefill", status, readError(l.resp)), nil
@@ -191,6 +254,16 @@ func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 	return nil, out
 }
 
+// sendFailed is the failure of prefill's send; nil when the attempt ended
+// first for another reason, which is then why.
+func (a *attempt) sendFailed(err error) *apiError {
+	if a.scope.Err() != nil {
+		return nil
+	}
+	return &apiError{Status: 502, Code: "prefill_server_error",
+		Message: "Prefill server error: " + err.Error() + ". This will cause decode timeout."}
+}
+
 // failure returns prefill's error if prefill is what ended the attempt.
 func (a *attempt) failure() *apiError {
 	if a == nil || a.scope.Cause() != errPrefillFailed {
@@ -201,10 +274,12 @@ func (a *attempt) failure() *apiError {
 }
 
 // prefillHeadGrace is how long a stream whose decode answered first waits
-// for prefill's reply head. SGLang's prefill answers its head at once and
-// decode's first token needs prefill's KV, so this wait costs nothing
-// there; an engine or mock whose prefill head comes late costs a stream at
-// most this, and a prefill failing after it is an SSE error event.
+// for prefill's reply head, and how long sendBoth waits for prefill's first
+// byte before it watches prefill from a goroutine. SGLang's prefill answers
+// its head at once and decode's first token needs prefill's KV, so this
+// wait costs nothing there; an engine or mock whose prefill head comes late
+// costs a stream at most this, and a prefill failing after it is an SSE
+// error event.
 const prefillHeadGrace = 200 * time.Millisecond
 
 // prefillVerdict returns prefill's failure if its reply head (or its send)
@@ -296,11 +371,26 @@ func (r *request) mergeLogprobs() bool {
 func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	l := &r.leg
 	l.open(r, dw, a.rid)
-	body := &a.body
+	return s.decodeReply(r, a, l.send(&a.scope, r.path, a.decodeBody(), r.header))
+}
+
+// decodeBody is what the decode leg sends.
+func (a *attempt) decodeBody() *splice.Body {
 	if a.decode != nil {
-		body = a.decode
+		return a.decode
 	}
-	if err := l.send(&a.scope, r.path, body, r.header); err != nil {
+	return &a.body
+}
+
+func decodeSendError(err error) *apiError {
+	return &apiError{Status: 502, Code: "decode_server_error", Message: "Decode server error: " + err.Error()}
+}
+
+// decodeReply judges decode's reply head, or err, its send's failure, as
+// openDecode returns it.
+func (s *Server) decodeReply(r *request, a *attempt, err error) (*apiError, bool) {
+	l := &r.leg
+	if err != nil {
 		l.close()
 		if f := a.failure(); f != nil {
 			return f, false // JSON even for a stream: nothing was sent yet (as OpenAI and SGLang)
@@ -309,7 +399,7 @@ func (s *Server) openDecode(r *request, a *attempt, dw *balancer.Worker) (*apiEr
 		if r.clientGone() {
 			return nil, false
 		}
-		return &apiError{Status: 502, Code: "decode_server_error", Message: "Decode server error: " + err.Error()}, false
+		return decodeSendError(err), false
 	}
 	if status := l.resp.StatusCode; status/100 != 2 {
 		eb := readError(l.resp)

@@ -311,3 +311,34 @@ func bodyRID(t *testing.T, body string) string {
 	}
 	return v.RID
 }
+
+// A non-streamed request reads prefill's reply on the handler's goroutine
+// only while prefill answers within prefillHeadGrace: a prefill silent
+// longer is watched beside decode, so decode's reply is not held for it,
+// and its failure still cancels a decode that waits for its KV.
+func TestPDSlowPrefillNonStreamed(t *testing.T) {
+	t.Parallel()
+	slow := startWorker(t, "prefill", "--prefill-delay", "3s")
+	d := startWorker(t, "decode", "--tokens", "4")
+	r := pd(t, []worker{slow}, []worker{d})
+	start := time.Now()
+	resp, body := post(t, r.url+"/generate", `{"text":"hi"}`)
+	if took := time.Since(start); resp.StatusCode != 200 || took > 2*time.Second {
+		t.Fatalf("status %d after %v (decode answers at once, prefill after 3 s): %s", resp.StatusCode, took, body)
+	}
+
+	failing := startWorker(t, "prefill", "--prefill-delay", "600ms", "--status-code", "400")
+	waiting := startWorker(t, "decode", "--prefill-delay", "20s")
+	r = pd(t, []worker{failing}, []worker{waiting}, "--disable-retries")
+	start = time.Now()
+	resp, body = post(t, r.url+"/generate", `{"text":"hi"}`)
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("prefill's error after 600 ms took %v to reach the client", took)
+	}
+	if resp.StatusCode != 400 || resp.Header.Get("X-SMG-Error-Code") != "prefill_bad_request" {
+		t.Fatalf("status %d code %q: %s", resp.StatusCode, resp.Header.Get("X-SMG-Error-Code"), body)
+	}
+	waiting.waitStats(t, 3*time.Second, "decode leg cancelled", func(s mockworker.Stats) bool {
+		return s.InFlight == 0 && s.Completed == 0 && s.ClientGone == 1
+	})
+}

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -289,34 +290,108 @@ func (r *upstreamResponse) Close() error {
 // guard, when not nil, is how the body's owner takes it back while the
 // call may still be writing it (guard.release).
 func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
-	addr, host, tlsHost, err := u.endpoint(baseURL)
-	if err != nil {
+	var c upCall
+	if err := c.write(u, sc, baseURL, path, body, extra, guard); err != nil {
 		return nil, err
 	}
-	for attempt := 0; ; attempt++ {
-		var conn *upConn
-		reused := false
-		if attempt == 0 { // the other pooled connections may be as dead as the first
-			conn, reused = u.get(addr)
-		}
-		if conn == nil {
-			c, err := u.dial(sc, addr, tlsHost)
-			if err != nil {
-				if cause := sc.Cause(); cause != nil { // say why the dial was cut short
-					return nil, cause
-				}
-				return nil, dialError{err}
-			}
-			conn = &upConn{c: c, br: bufio.NewReaderSize(c, upReadBuffer), addr: addr}
-		}
-		resp, err := u.roundTrip(sc, conn, host, path, body, extra, guard)
-		// A reused connection the worker closed while idle fails before any
-		// reply byte: send again on a fresh one, as net/http does.
-		if err != nil && reused && attempt == 0 && sc.Err() == nil && errors.Is(err, errUpstreamClosed) {
-			continue
-		}
-		return resp, err
+	return c.head()
+}
+
+// upCall is post in two steps, so that a caller can write two requests
+// before it waits for either reply (a PD attempt): write sends the request,
+// head reads the reply's head. A leg holds one, so it allocates nothing.
+type upCall struct {
+	u                *upstream
+	sc               *scope
+	addr, host, path string
+	tlsHost          string
+	body             *splice.Body
+	extra            []byte
+	guard            *writeGuard
+	conn             *upConn           // the connection written on, until head
+	reused           bool              // conn came from the pool
+	into             *upstreamResponse // where head puts the reply; nil: a new one
+}
+
+// write sends the request (post's arguments) on a pooled connection, or a
+// fresh one.
+func (c *upCall) write(u *upstream, sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard) error {
+	addr, host, tlsHost, err := u.endpoint(baseURL)
+	if err != nil {
+		return err
 	}
+	*c = upCall{u: u, sc: sc, addr: addr, host: host, path: path, tlsHost: tlsHost, body: body, extra: extra, guard: guard}
+	return c.send(true)
+}
+
+// send writes the request on a pooled connection (pooled) or a fresh one.
+// A reused connection the worker closed while idle fails before any reply
+// byte: the request goes again on a fresh one, as net/http does (the other
+// pooled connections may be as dead as the first).
+func (c *upCall) send(pooled bool) error {
+	var conn *upConn
+	reused := false
+	if pooled {
+		conn, reused = c.u.get(c.addr)
+	}
+	if conn == nil {
+		nc, err := c.u.dial(c.sc, c.addr, c.tlsHost)
+		if err != nil {
+			if cause := c.sc.Cause(); cause != nil { // say why the dial was cut short
+				return cause
+			}
+			return dialError{err}
+		}
+		conn = &upConn{c: nc, br: bufio.NewReaderSize(nc, upReadBuffer), addr: c.addr}
+	}
+	c.conn, c.reused = conn, reused
+	err := c.u.writeRequest(c.sc, conn, c.host, c.path, c.body, c.extra, c.guard)
+	if err != nil && c.retryable(err) {
+		return c.send(false)
+	}
+	return err
+}
+
+func (c *upCall) retryable(err error) bool {
+	return c.reused && c.sc.Err() == nil && errors.Is(err, errUpstreamClosed)
+}
+
+// head reads the reply's head of the request write sent.
+func (c *upCall) head() (*upstreamResponse, error) {
+	resp, err := c.u.readHead(c.sc, c.conn, c.into)
+	if err != nil && c.retryable(err) {
+		if err := c.send(false); err != nil {
+			return nil, err
+		}
+		resp, err = c.u.readHead(c.sc, c.conn, c.into)
+	}
+	c.conn = nil
+	return resp, err
+}
+
+// abandon closes the connection of a request written whose reply is not
+// wanted any more.
+func (c *upCall) abandon() {
+	_ = upFail(c.sc, c.conn, nil)
+	c.conn = nil
+}
+
+// answered reports whether the reply's first byte arrives within d (or the
+// wait ended for another reason, which head then meets again): false means
+// the worker is still silent, and nothing of its reply has been read.
+func (c *upCall) answered(d time.Duration) bool {
+	conn := c.conn
+	_ = conn.c.SetReadDeadline(time.Now().Add(d))
+	if c.sc.Cause() != nil { // a cancellation's deadline, just replaced
+		conn.cancelled(nil)
+	}
+	_, err := conn.br.Peek(1)
+	_ = conn.c.SetReadDeadline(time.Time{})
+	if c.sc.Cause() != nil {
+		conn.cancelled(nil)
+		return true
+	}
+	return err == nil || !errors.Is(err, os.ErrDeadlineExceeded)
 }
 
 // dialError is a send that failed before a connection to the worker
@@ -325,21 +400,26 @@ type dialError struct{ error }
 
 func (e dialError) Unwrap() error { return e.error }
 
-func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
-	fail := func(err error) (*upstreamResponse, error) {
-		sc.unregister(conn)
-		conn.c.Close()
-		if cause := sc.Cause(); cause != nil {
-			return nil, cause
-		}
-		return nil, err
+// upFail ends a request on conn that failed: the connection is closed, and
+// the error is the scope's cause if the scope ended (which is then why).
+func upFail(sc *scope, conn *upConn, err error) error {
+	sc.unregister(conn)
+	conn.c.Close()
+	if cause := sc.Cause(); cause != nil {
+		return cause
 	}
+	return err
+}
+
+// writeRequest writes the request on conn, which the scope's end then
+// cancels until the reply is closed.
+func (u *upstream) writeRequest(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) error {
 	if !sc.register(conn) {
-		return fail(nil)
+		return upFail(sc, conn, nil)
 	}
 	if !guard.begin() { // the reply is over: this attempt has nothing left to send
 		sc.cancel(errBodyReleased)
-		return fail(nil)
+		return upFail(sc, conn, nil)
 	}
 	bw := requestWriters.Get().(*bufio.Writer)
 	bw.Reset(conn.c)
@@ -362,8 +442,14 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *s
 	bw.Reset(nil)
 	requestWriters.Put(bw)
 	if err != nil {
-		return fail(fmt.Errorf("%w: %v", errUpstreamClosed, err))
+		return upFail(sc, conn, fmt.Errorf("%w: %v", errUpstreamClosed, err))
 	}
+	return nil
+}
+
+// readHead reads the head of the reply to the request written on conn into
+// r (nil: a new one).
+func (u *upstream) readHead(sc *scope, conn *upConn, r *upstreamResponse) (*upstreamResponse, error) {
 	resp := fasthttp.AcquireResponse()
 	resp.StreamBody = true
 	if err := resp.Read(conn.br); err != nil {
@@ -371,9 +457,12 @@ func (u *upstream) roundTrip(sc *scope, conn *upConn, host, path string, body *s
 		if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || isReset(err) {
 			err = fmt.Errorf("%w: %v", errUpstreamClosed, err)
 		}
-		return fail(err)
+		return nil, upFail(sc, conn, err)
 	}
-	r := &upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, scope: sc}
+	if r == nil {
+		r = new(upstreamResponse)
+	}
+	*r = upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, resp: resp, conn: conn, u: u, scope: sc}
 	r.body = resp.BodyStream()
 	if r.body == nil { // no body (e.g. 204)
 		r.body = strings.NewReader("")
