@@ -21,7 +21,7 @@ import (
 //  4. send the decode leg with the same body, at once, not after prefill;
 //     a non-streamed request over HTTP/1.1 writes both legs from the
 //     handler and reads prefill's reply there too when it comes within
-//     prefillHeadGrace (sendBoth), any other watches prefill on a
+//     prefillQuickAnswer (sendBoth), any other watches prefill on a
 //     goroutine of its own;
 //  5. reply with decode's answer as it arrives (reply.go, stream.go),
 //     never waiting for prefill's body (unlike sglang-router,
@@ -192,7 +192,7 @@ func (a *attempt) prefillOver(err *apiError, logp []byte) {
 // then reads prefill's reply, which SGLang's prefill sends whole before
 // decode can answer (decode needs its KV), and then decode's; a prefill
 // reply begun is read to its end here. A prefill
-// silent for prefillHeadGrace is watched from a goroutine after all, so
+// silent for prefillQuickAnswer is watched from a goroutine after all, so
 // that decode's reply is never held for a prefill that is late.
 func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	p, d := &a.prefill, &r.leg
@@ -212,7 +212,7 @@ func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiErro
 		}
 		return decodeSendError(err), false
 	}
-	if !p.call.answered(prefillHeadGrace) {
+	if !p.call.answered(prefillQuickAnswer) {
 		s.startPrefill(r, a)
 		return s.decodeReply(r, a, d.await())
 	}
@@ -273,9 +273,14 @@ func (a *attempt) failure() *apiError {
 	return a.err
 }
 
+// prefillQuickAnswer is how long sendBoth waits for prefill's first byte
+// before it watches prefill from a goroutine and reads decode's reply. It
+// is short because decode's reply waits meanwhile: a decode failing at once
+// (its KV lost) would otherwise answer late on every retry.
+const prefillQuickAnswer = 5 * time.Millisecond
+
 // prefillHeadGrace is how long a stream whose decode answered first waits
-// for prefill's reply head, and how long sendBoth waits for prefill's first
-// byte before it watches prefill from a goroutine. SGLang's prefill answers
+// for prefill's reply head. SGLang's prefill answers
 // its head at once and decode's first token needs prefill's KV, so this
 // wait costs nothing there; an engine or mock whose prefill head comes late
 // costs a stream at most this, and a prefill failing after it is an SSE

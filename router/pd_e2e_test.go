@@ -313,7 +313,7 @@ func bodyRID(t *testing.T, body string) string {
 }
 
 // A non-streamed request reads prefill's reply on the handler's goroutine
-// only while prefill answers within prefillHeadGrace: a prefill silent
+// only while prefill answers within prefillQuickAnswer: a prefill silent
 // longer is watched beside decode, so decode's reply is not held for it,
 // and its failure still cancels a decode that waits for its KV.
 func TestPDSlowPrefillNonStreamed(t *testing.T) {
