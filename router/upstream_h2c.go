@@ -914,11 +914,7 @@ func (st *h2cStream) read(p []byte) (int, error) {
 	c := st.conn
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for st.unread() == 0 && !st.eof && st.err == nil {
-		c.mu.Unlock()
-		<-st.wake
-		c.mu.Lock()
-	}
+	st.waitLocked()
 	if st.unread() > 0 {
 		n := copy(p, (*st.buf)[st.off:])
 		st.off += n
@@ -942,9 +938,14 @@ func (st *h2cStream) read(p []byte) (int, error) {
 // wait returns once the stream has body bytes unread, has ended or failed:
 // awaitBody's wait, which holds no relay buffer.
 func (st *h2cStream) wait() {
+	st.conn.mu.Lock()
+	defer st.conn.mu.Unlock()
+	st.waitLocked()
+}
+
+// waitLocked is wait with the connection's lock held.
+func (st *h2cStream) waitLocked() {
 	c := st.conn
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	for st.unread() == 0 && !st.eof && st.err == nil {
 		c.mu.Unlock()
 		<-st.wake
