@@ -156,26 +156,14 @@ func TestH2COpenStreamCost(t *testing.T) {
 // idle timeout leave no stream, slot or goroutine behind, and shutdown
 // closes the connections they ran on.
 func TestH2CStreamsLeaveNothingBehind(t *testing.T) {
-	defer goleak.VerifyNone(t,
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
-		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
-		goleak.IgnoreCurrent())
-	p, err := mockworker.Start(mockworker.Config{Role: mockworker.RolePrefill, HTTP2: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
-	d, err := mockworker.Start(mockworker.Config{Role: mockworker.RoleDecode, HTTP2: true, TokenDelay: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	cfg := DefaultConfig()
-	cfg.PDDisaggregation = true
-	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
-	cfg.Decode = []string{d.URL()}
-	cfg.Manager.UpstreamHTTP2 = true
-	base, srv := serveInProcess(t, cfg)
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { // the last cleanup: after the router's and the engines'
+		goleak.VerifyNone(t,
+			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+			goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"),
+			ignore)
+	})
+	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: 20 * time.Millisecond})
 	for range 10 {
 		if events, err := streamTokens(context.Background(), base, 3); err != nil || len(events) != 4 {
 			t.Fatalf("%d events, %v", len(events), err)
