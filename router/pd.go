@@ -191,14 +191,14 @@ func (a *attempt) prefillOver(err *apiError, logp []byte) {
 // HTTP/1.1, without a goroutine where it can: the handler writes both legs,
 // then reads prefill's reply, which SGLang's prefill sends whole before
 // decode can answer (decode needs its KV), and then decode's; a prefill
-// reply begun is read to its end here. A prefill
-// silent for prefillQuickAnswer is watched from a goroutine after all, so
-// that decode's reply is never held for a prefill that is late.
+// reply begun is read to its end here. A prefill silent for
+// prefillQuickAnswer is watched from a goroutine after all, so that
+// decode's reply is never held for a prefill that is late.
 func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	p, d := &a.prefill, &r.leg
+	a.done = closedDone // the prefill leg ends here, unless startPrefill takes it
 	if err := p.write(&a.scope, r.path, &a.body, r.header); err != nil {
 		a.prefillOver(a.sendFailed(err), nil)
-		a.done = closedDone
 		return a.err, false // nil when the scope ended: serve says why
 	}
 	d.open(r, dw, a.rid)
@@ -206,7 +206,6 @@ func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiErro
 		d.close()
 		a.abandon()
 		p.close()
-		a.done = closedDone
 		if r.clientGone() {
 			return nil, false
 		}
@@ -217,7 +216,6 @@ func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiErro
 		return s.decodeReply(r, a, d.await())
 	}
 	a.prefillOver(a.readPrefill(r))
-	a.done = closedDone
 	if a.err != nil {
 		d.close()
 		return a.err, false
@@ -280,11 +278,10 @@ func (a *attempt) failure() *apiError {
 const prefillQuickAnswer = 5 * time.Millisecond
 
 // prefillHeadGrace is how long a stream whose decode answered first waits
-// for prefill's reply head. SGLang's prefill answers
-// its head at once and decode's first token needs prefill's KV, so this
-// wait costs nothing there; an engine or mock whose prefill head comes late
-// costs a stream at most this, and a prefill failing after it is an SSE
-// error event.
+// for prefill's reply head. SGLang's prefill answers its head at once and
+// decode's first token needs prefill's KV, so this wait costs nothing
+// there; an engine or mock whose prefill head comes late costs a stream at
+// most this, and a prefill failing after it is an SSE error event.
 const prefillHeadGrace = 200 * time.Millisecond
 
 // prefillVerdict returns prefill's failure if its reply head (or its send)

@@ -360,7 +360,7 @@ func (c *h2cConn) reserve() bool {
 	return true
 }
 
-// unreserve gives back a slot that never became a stream (under mu);
+// unreserveLocked gives back a slot that never became a stream (under mu);
 // a failed connection has dropped its count already.
 func (c *h2cConn) unreserveLocked() {
 	if c.err == nil {
