@@ -299,7 +299,7 @@ func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 		}
 		return errors.Join(err, fs.wait())
 	})
-	return stagedResult(ack, err, nil)
+	return fenceResult(ack, err)
 }
 
 // postHost posts a slot of host pieces (from: their sources), through a

@@ -357,15 +357,10 @@ func (l *memLink) sendInline(c stagedChunk) error {
 // stagedResult is a staged write's outcome from its fence's answer, the
 // send's error and the gather's.
 func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
-	switch {
-	case err != nil:
-		return err
-	case gerr != nil:
+	if err == nil && gerr != nil {
 		return fmt.Errorf("gather: %w", gerr)
-	case ack.Err != "":
-		return fmt.Errorf("peer dropped data: %s", ack.Err)
 	}
-	return nil
+	return fenceResult(ack, err)
 }
 
 // pipeline gathers runs into pool's buffers, chunk bytes at most each, on
