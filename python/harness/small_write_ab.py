@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""A/B of one small write (batch_transfer_sync_write of 64 bytes, a full round
+trip until the bytes are in the peer's memory) against Mooncake's TCP engine,
+in one run: Mooncake and each side on each transport take turns call batch by
+call batch, the order reversed every round (the box is shared and its load
+moves). A side is a kvproxy binary and the python/ tree its pdrouter_kv comes
+from. Prints per engine the median over rounds of p50 and p99 (µs), the ratio
+Mooncake / ours, and CPU per write (µs): every process of the pair, kvproxies
+included, over the timed calls alone.
+
+  UCX_NET_DEVICES=lo nice -n 10 $VENV/bin/python python/harness/small_write_ab.py \\
+      --rounds 5 --calls 1000 --mooncake-path $MOONCAKE old=/tmp/kvproxy-main:/tmp/main/python new=bin/kvproxy
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import bench_control
+import children
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cpu_s(pid):
+    """User + system CPU seconds of process pid, all its threads."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_s():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def child(calls):
+    from mooncake.engine import TransferEngine
+    engines = []
+    for sock in os.environ.get("BENCH_SOCKS", ",").split(","):
+        if sock:
+            os.environ["PDROUTER_KVPROXY_SOCK"] = sock
+        e = TransferEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        engines.append(e)
+    src_eng, dst_eng = engines
+    size = 1 << 20
+    (ms, sp), (md, dp) = bench_control.region(size), bench_control.region(size)
+    assert src_eng.register_memory(sp, size) == 0
+    assert dst_eng.register_memory(dp, size) == 0
+    peer = "127.0.0.1:%d" % dst_eng.get_rpc_port()
+    pids = [int(p) for p in os.environ.get("BENCH_PIDS", "").split(",") if p]
+    for _ in range(200):
+        assert src_eng.batch_transfer_sync_write(peer, [sp], [dp], [64]) == 0
+    ts = []
+    cpu0 = self_cpu_s() + sum(map(cpu_s, pids))
+    for _ in range(calls):
+        t = time.perf_counter()
+        src_eng.batch_transfer_sync_write(peer, [sp], [dp], [64])
+        ts.append(time.perf_counter() - t)
+    cpu = self_cpu_s() + sum(map(cpu_s, pids)) - cpu0
+    ts.sort()
+    print(json.dumps(dict(p50_us=ts[len(ts) // 2] * 1e6, p99_us=ts[len(ts) * 99 // 100] * 1e6,
+                          cpu_us=cpu / calls * 1e6)))
+    del ms, md
+
+
+def run_child(env, calls):
+    r = subprocess.run([sys.executable, __file__, "--child", "--calls", str(calls)], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def kvproxy_round(kvproxy, pythonpath, transport, calls):
+    d = tempfile.mkdtemp(prefix="small-write-ab-")
+    procs, socks = [], []
+    try:
+        for role in ("prefill", "decode"):
+            sock = os.path.join(d, role + ".sock")
+            argv = [kvproxy, "--role", role, "--transport", transport, "--control", sock, "--host", "127.0.0.1",
+                    "--metrics-port", "0", "--log-level", "warn"] + (["--bootstrap-port", "0"] if role == "prefill" else [])
+            pr = children.spawn(argv, stdout=subprocess.PIPE, text=True)
+            procs.append(pr)
+            assert pr.stdout.readline().startswith("kvproxy ready")
+            socks.append(sock)
+        env = dict(os.environ, BENCH_SOCKS=",".join(socks), BENCH_PIDS=",".join(str(p.pid) for p in procs),
+                   PYTHONPATH=pythonpath)
+        return run_child(env, calls)
+    finally:
+        for pr in procs:
+            children.stop(pr)
+        for s in socks:
+            if os.path.exists(s):
+                os.unlink(s)
+        os.rmdir(d)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=1000)
+    p.add_argument("--transports", default="tcp,ucx,shm")
+    p.add_argument("--mooncake-path", default=os.environ.get("MOONCAKE", ""))
+    p.add_argument("--child", action="store_true")
+    p.add_argument("sides", nargs="*", help="label=kvproxy[:python dir] (default python dir: this tree's)")
+    a = p.parse_args()
+    if a.child:
+        child(a.calls)
+        return
+    children.exit_on_signals()
+    runs = {"mooncake-tcp": lambda: run_child(dict(os.environ, MC_FORCE_TCP="1", PYTHONPATH=a.mooncake_path), a.calls)}
+    for side in a.sides:
+        label, _, spec = side.partition("=")
+        kvproxy, _, py = spec.partition(":")
+        for t in a.transports.split(","):
+            runs["%s-%s" % (label, t)] = lambda k=kvproxy, py=py or os.path.dirname(HERE), t=t: kvproxy_round(k, py, t, a.calls)
+    rounds = {name: [] for name in runs}
+    names = list(runs)
+    for i in range(a.rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            rounds[name].append(runs[name]())
+    out = {}
+    for name, rs in rounds.items():
+        out[name] = {k: round(statistics.median(r[k] for r in rs), 1) for k in ("p50_us", "p99_us", "cpu_us")}
+    base = out["mooncake-tcp"]
+    for name, r in out.items():
+        if name != "mooncake-tcp":
+            r["vs_mooncake_p50"] = round(base["p50_us"] / r["p50_us"], 2)
+            r["vs_mooncake_p99"] = round(base["p99_us"] / r["p99_us"], 2)
+    for name, r in out.items():
+        print("%-16s %s" % (name, json.dumps(r)))
+
+
+if __name__ == "__main__":
+    main()
