@@ -10,7 +10,10 @@
 // /health, /metrics and /status (each peer link's path per pair of memory
 // places, JSON) are on the metrics port. The sidecar itself is package
 // kvtransfer/sidecar; this command parses flags and runs it until SIGINT or
-// SIGTERM.
+// SIGTERM. It first re-executes itself with GODEBUG's schedtrace set
+// (package internal/sysmon: an idle spell between small writes then does
+// not cost a wake of the runtime's monitor thread; GODEBUG=schedtrace=0
+// opts out).
 //
 // Once everything listens it prints one line:
 //
@@ -30,10 +33,12 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/pdrouter/pdrouter/internal/netutil"
+	"github.com/pdrouter/pdrouter/internal/sysmon"
 	"github.com/pdrouter/pdrouter/kvtransfer/sidecar"
 )
 
 func main() {
+	sysmon.KeepAwake() // before anything else: it may re-execute kvproxy
 	cfg, logLevel := flags(flag.CommandLine)
 	flag.Parse()
 	if flag.NArg() > 0 {
