@@ -49,10 +49,6 @@ _SNDBUF = 4 << 20
 # Longest single wait (s): poll() and Event.wait() refuse ~24 days and up; the
 # loops around them wait on to the caller's deadline.
 _MAX_WAIT = 3600.0
-# A reader blocks in recv() at most this long (SO_RCVTIMEO) before it looks
-# at its deadline again: a reply costs one system call, not poll() + recv().
-# Deadlines closer than this are waited for by poll().
-_RECV_SLICE = 0.05
 
 _U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
 
@@ -162,7 +158,6 @@ class Client:
         try:
             self._sock.connect(self.sock_path)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(_RECV_SLICE * 1e6)))
         except OSError as e:
             self._sock.close()
             raise ControlClosed("connect to kvproxy at %s: %s" % (self.sock_path, e)) from e
@@ -175,6 +170,7 @@ class Client:
         self._buf = bytearray()
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
+        self._hup = threading.local()
         self.features = None  # what hello() learnt; None: not asked yet
 
     def close(self):
@@ -183,7 +179,7 @@ class Client:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        with self._read_lock:  # a reader in recv returns at the shutdown
+        with self._read_lock:  # a reader in poll returns at the shutdown
             self._sock.close()
 
     def __enter__(self):
@@ -198,9 +194,14 @@ class Client:
         with their callers)."""
         if self._closed is not None:
             return False
-        p = select.poll()  # one per call: a poll object must not be shared between threads
+        # One poll object per thread (one must not be shared between
+        # threads), kept: the engine asks before every call.
+        p = getattr(self._hup, "poll", None)
         try:
-            p.register(self._sock.fileno(), 0)  # HUP, ERR and NVAL are always reported
+            if p is None:
+                p = select.poll()
+                p.register(self._sock, 0)  # HUP, ERR and NVAL are always reported
+                self._hup.poll = p
             return not p.poll(int(timeout * 1000))
         except (OSError, ValueError):
             return False
@@ -402,11 +403,15 @@ class Client:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                if left < _RECV_SLICE and not self._poll.poll(max(1, int(left * 1000))):
-                    return
+                # Asleep in poll(), not in recv(): a unix socket wakes a
+                # reader blocked in recv() whenever its send buffer drains
+                # (kvproxy taking in our request), and poll() for POLLIN
+                # sleeps through that.
+                if not self._poll.poll(min(left, _MAX_WAIT) * 1000):
+                    continue
                 try:
-                    chunk = self._sock.recv(1 << 16)
-                except BlockingIOError:  # SO_RCVTIMEO: nothing for _RECV_SLICE
+                    chunk = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                except BlockingIOError:
                     continue
                 if not chunk:
                     raise ControlClosed("kvproxy closed the control connection")

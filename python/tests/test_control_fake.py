@@ -3,6 +3,8 @@
 import os
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -171,6 +173,29 @@ class FakeServerTest(unittest.TestCase):
         self.kp.reply(control.OP_PROBE, id0)
         self.assertIsNotNone(self.cl.wait(posted, 5))
 
+    def test_alive_from_many_threads_at_once(self):
+        # The engine asks before each call while its watcher waits in alive()
+        # for a hang-up: each thread polls with its own poll object.
+        stop, seen = threading.Event(), []
+
+        def watch():
+            while not stop.is_set():
+                try:
+                    seen.append(self.cl.alive(0.001))
+                except RuntimeError as e:  # "concurrent poll() invocation"
+                    seen.append(e)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            self.assertTrue(all(self.cl.alive() for _ in range(2000)))
+        finally:
+            stop.set()
+            watcher.join(5)
+        self.assertTrue(seen and all(x is True for x in seen), seen[:3])
+        self.kp.conn.close()
+        wait_until(lambda: not self.cl.alive(), "alive() sees kvproxy hang up")
+
     def test_error_text_that_is_not_utf8_is_an_error_reply(self):
         out = {}
         t = self.call_in_thread(10, out)
@@ -184,6 +209,55 @@ class FakeServerTest(unittest.TestCase):
         self.kp.reply(control.OP_PROBE, rid)
         t.join(5)
         self.assertIsNotNone(out.get("reply"))
+
+
+# A kvproxy that takes in each request 5 ms after it came and answers 5 ms
+# later, in a process of its own (no GIL between it and the caller).
+_SLOW_KVPROXY = r"""
+import select, socket, struct, sys, time
+ln = socket.socket(socket.AF_UNIX)
+ln.bind(sys.argv[1])
+ln.listen(1)
+print("ready", flush=True)
+c, _ = ln.accept()
+while select.select([c], [], [])[0]:
+    time.sleep(0.005)
+    head = c.recv(4, socket.MSG_WAITALL)
+    if not head:
+        break
+    body = c.recv(struct.unpack("<I", head)[0], socket.MSG_WAITALL)
+    time.sleep(0.005)
+    reply = struct.pack("<BQI", body[0], struct.unpack_from("<Q", body, 1)[0], 0)
+    c.sendall(struct.pack("<I", len(reply)) + reply)
+"""
+
+
+def _voluntary_switches():
+    with open("/proc/thread-self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt_switches"))
+
+
+class WakeTest(unittest.TestCase):
+    def test_a_waiting_caller_sleeps_through_kvproxy_taking_its_request(self):
+        # kvproxy reading a request drains the caller's send buffer, which
+        # wakes a caller blocked in recv(); one asleep in poll() wakes only
+        # for the reply: one context switch a call, not two.
+        d = tempfile.mkdtemp(prefix="slow-kvproxy-")
+        path = os.path.join(d, "ctl.sock")
+        srv = subprocess.Popen([sys.executable, "-c", _SLOW_KVPROXY, path], stdout=subprocess.PIPE)
+        self.addCleanup(os.rmdir, d)
+        self.addCleanup(os.unlink, path)
+        self.addCleanup(srv.wait)
+        self.addCleanup(srv.kill)
+        self.assertEqual(srv.stdout.readline(), b"ready\n")
+        cl = control.Client(path)
+        self.addCleanup(cl.close)
+        cl.probe("p")
+        calls, before = 20, _voluntary_switches()
+        for _ in range(calls):
+            cl.probe("p")
+        per_call = (_voluntary_switches() - before) / calls
+        self.assertLessEqual(per_call, 1.5, "the caller woke %.2f times a call" % per_call)
 
 
 class RegisterTimeoutTest(unittest.TestCase):
