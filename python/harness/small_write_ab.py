@@ -5,8 +5,9 @@ in one run: Mooncake and each side on each transport take turns call batch by
 call batch, the order reversed every round (the box is shared and its load
 moves). A side is a kvproxy binary and the python/ tree its pdrouter_kv comes
 from. Prints per engine the median over rounds of p50 and p99 (µs), the ratio
-Mooncake / ours, and CPU per write (µs): every process of the pair, kvproxies
-included, over the timed calls alone.
+Mooncake / ours, CPU per write (µs) and context switches per write, over the
+timed calls alone: every process of the pair, kvproxies included (and the
+engine's process alone: engine_cpu_us, engine_switches).
 
   UCX_NET_DEVICES=lo nice -n 10 $VENV/bin/python python/harness/small_write_ab.py \\
       --rounds 5 --calls 1000 --mooncake-path $MOONCAKE old=/tmp/kvproxy-main:/tmp/main/python new=bin/kvproxy
@@ -40,6 +41,23 @@ def self_cpu_s():
     return r.ru_utime + r.ru_stime
 
 
+def switches(pid):
+    """Context switches of process pid so far, all its threads."""
+    n = 0
+    for t in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, t)) as f:
+                n += sum(int(l.split()[1]) for l in f if "ctxt_switches" in l)
+        except FileNotFoundError:  # the thread ended
+            pass
+    return n
+
+
+def self_switches():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_nvcsw + r.ru_nivcsw
+
+
 def child(calls):
     from mooncake.engine import TransferEngine
     engines = []
@@ -59,15 +77,17 @@ def child(calls):
     for _ in range(200):
         assert src_eng.batch_transfer_sync_write(peer, [sp], [dp], [64]) == 0
     ts = []
-    cpu0 = self_cpu_s() + sum(map(cpu_s, pids))
+    cpu0 = [self_cpu_s()] + [cpu_s(p) for p in pids]
+    sw0 = [self_switches()] + [switches(p) for p in pids]
     for _ in range(calls):
         t = time.perf_counter()
         src_eng.batch_transfer_sync_write(peer, [sp], [dp], [64])
         ts.append(time.perf_counter() - t)
-    cpu = self_cpu_s() + sum(map(cpu_s, pids)) - cpu0
+    cpu = [(b - a) / calls * 1e6 for a, b in zip(cpu0, [self_cpu_s()] + [cpu_s(p) for p in pids])]
+    sw = [(b - a) / calls for a, b in zip(sw0, [self_switches()] + [switches(p) for p in pids])]
     ts.sort()
     print(json.dumps(dict(p50_us=ts[len(ts) // 2] * 1e6, p99_us=ts[len(ts) * 99 // 100] * 1e6,
-                          cpu_us=cpu / calls * 1e6)))
+                          cpu_us=sum(cpu), engine_cpu_us=cpu[0], switches=sum(sw), engine_switches=sw[0])))
     del ms, md
 
 
@@ -127,7 +147,8 @@ def main():
             rounds[name].append(runs[name]())
     out = {}
     for name, rs in rounds.items():
-        out[name] = {k: round(statistics.median(r[k] for r in rs), 1) for k in ("p50_us", "p99_us", "cpu_us")}
+        out[name] = {k: round(statistics.median(r[k] for r in rs), 1) for k in ("p50_us", "p99_us", "cpu_us", "engine_cpu_us")}
+        out[name].update((k, round(statistics.median(r[k] for r in rs), 2)) for k in ("switches", "engine_switches"))
     base = out["mooncake-tcp"]
     for name, r in out.items():
         if name != "mooncake-tcp":
