@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A/B of one small write (batch_transfer_sync_write of 64 bytes, a full round
 trip until the bytes are in the peer's memory) against Mooncake's TCP engine,
-in one run: Mooncake and each side on each transport take turns call batch by
-call batch, the order reversed every round (the box is shared and its load
+in one run: Mooncake and each side on each transport take turns, a batch of
+calls each, the order reversed every round (the box is shared and its load
 moves). A side is a kvproxy binary and the python/ tree its pdrouter_kv comes
 from. Prints per engine the median over rounds of p50 and p99 (µs), the ratio
 Mooncake / ours, CPU per write (µs) and context switches per write, over the
@@ -79,12 +79,15 @@ def child(calls):
     ts = []
     cpu0 = [self_cpu_s()] + [cpu_s(p) for p in pids]
     sw0 = [self_switches()] + [switches(p) for p in pids]
+    failed = 0
     for _ in range(calls):
         t = time.perf_counter()
-        src_eng.batch_transfer_sync_write(peer, [sp], [dp], [64])
+        failed += src_eng.batch_transfer_sync_write(peer, [sp], [dp], [64]) != 0
         ts.append(time.perf_counter() - t)
     cpu = [(b - a) / calls * 1e6 for a, b in zip(cpu0, [self_cpu_s()] + [cpu_s(p) for p in pids])]
     sw = [(b - a) / calls for a, b in zip(sw0, [self_switches()] + [switches(p) for p in pids])]
+    if failed:
+        sys.exit("%d of %d writes failed" % (failed, calls))
     ts.sort()
     print(json.dumps(dict(p50_us=ts[len(ts) // 2] * 1e6, p99_us=ts[len(ts) * 99 // 100] * 1e6,
                           cpu_us=sum(cpu), engine_cpu_us=cpu[0], switches=sum(sw), engine_switches=sw[0])))
