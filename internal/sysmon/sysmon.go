@@ -5,9 +5,10 @@
 // the first system call after that: for a kvproxy relaying a small write
 // (engine -> kvproxy -> peer kvproxy -> back), that is a futex wake on the
 // write's path and two more context switches, in each process, every write.
-// With GODEBUG's schedtrace set, sysmon never takes that sleep (it prints
-// scheduler lines every schedtrace ms instead, so the period is the longest
-// it takes: 24.8 days) and ticks on its own, at most every 10 ms when idle.
+// With GODEBUG's schedtrace set, sysmon never takes that sleep (it prints a
+// scheduler line to stderr every schedtrace ms instead, so the period is the
+// longest GODEBUG takes, 24.8 days; a host up longer than that gets one line
+// at start too) and ticks on its own, at most every 10 ms when idle.
 package sysmon
 
 import (
@@ -16,15 +17,15 @@ import (
 	"syscall"
 )
 
-// Period is the schedtrace period set, in ms: the most GODEBUG takes.
-const Period = "2147483647"
+// period is the schedtrace period set, in ms: the most GODEBUG takes.
+const period = "2147483647"
 
 // KeepAwake re-executes the program (same pid and arguments) with
 // schedtrace added to GODEBUG, unless GODEBUG names schedtrace already
 // (GODEBUG=schedtrace=0 opts out). It returns only when it does not
 // re-execute, or when exec fails: the program then runs as it is.
 func KeepAwake() {
-	env, ok := Environ(os.Environ())
+	env, ok := schedtraceEnv(os.Environ())
 	if !ok {
 		return
 	}
@@ -33,10 +34,10 @@ func KeepAwake() {
 	}
 }
 
-// Environ is environ with schedtrace=Period added to its GODEBUG (the
+// schedtraceEnv is environ with schedtrace=period added to its GODEBUG (the
 // runtime reads the first GODEBUG, so it replaces it in place); false:
 // GODEBUG names schedtrace already.
-func Environ(environ []string) ([]string, bool) {
+func schedtraceEnv(environ []string) ([]string, bool) {
 	out := make([]string, 0, len(environ)+1)
 	seen := false
 	for _, kv := range environ {
@@ -49,11 +50,11 @@ func Environ(environ []string) ([]string, bool) {
 			return environ, false
 		default:
 			seen = true
-			out = append(out, "GODEBUG="+strings.TrimPrefix(v+",schedtrace="+Period, ","))
+			out = append(out, "GODEBUG="+strings.TrimPrefix(v+",schedtrace="+period, ","))
 		}
 	}
 	if !seen {
-		out = append(out, "GODEBUG=schedtrace="+Period)
+		out = append(out, "GODEBUG=schedtrace="+period)
 	}
 	return out, true
 }

@@ -13,8 +13,8 @@ import (
 	"time"
 )
 
-func TestEnviron(t *testing.T) {
-	set := "schedtrace=" + Period
+func TestSchedtraceEnv(t *testing.T) {
+	set := "schedtrace=" + period
 	for _, c := range []struct {
 		in, want []string
 		ok       bool
@@ -26,9 +26,9 @@ func TestEnviron(t *testing.T) {
 		{[]string{"GODEBUG=schedtrace=5"}, []string{"GODEBUG=schedtrace=5"}, false},
 		{[]string{"GODEBUG=noschedtrace=1"}, []string{"GODEBUG=noschedtrace=1," + set}, true},
 	} {
-		got, ok := Environ(c.in)
+		got, ok := schedtraceEnv(c.in)
 		if ok != c.ok || !slices.Equal(got, c.want) {
-			t.Errorf("Environ(%q) = %q, %v; want %q, %v", c.in, got, ok, c.want, c.ok)
+			t.Errorf("schedtraceEnv(%q) = %q, %v; want %q, %v", c.in, got, ok, c.want, c.ok)
 		}
 	}
 }
@@ -115,7 +115,7 @@ func TestKeepAwake(t *testing.T) {
 	}
 	const n = 300
 	kept, pid, started, godebug := pingPong(t, "gctrace=0", n)
-	if pid != started || godebug != "gctrace=0,schedtrace="+Period {
+	if pid != started || godebug != "gctrace=0,schedtrace="+period {
 		t.Fatalf("helper pid %d (started %d), GODEBUG %q", pid, started, godebug)
 	}
 	asleep, _, _, godebug := pingPong(t, "schedtrace=0", n)
