@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"crypto/tls"
 	"errors"
+	"io"
 	"net"
+	"os"
 	"sync"
 	"syscall"
 )
@@ -16,6 +18,12 @@ import (
 // is still whole on the connection, for the router to read at its size
 // (readBody). What a socket read brings past a head waits in a pooled
 // buffer, normally only until fasthttp's next read.
+//
+// fasthttp waits for a keep-alive connection's next request with a read of
+// one byte (ReduceMemoryUsage: no buffer held while idle), then reads the
+// rest: two system calls for what arrives in one. A headConn over a socket
+// waits for that byte without a buffer too, but then reads all that came
+// into a pooled one, and the read of the rest takes it from there.
 
 // headListener wraps ln's connections in headConns.
 type headListener struct{ net.Listener }
@@ -29,15 +37,30 @@ func (l headListener) Accept() (net.Conn, error) {
 	if t, ok := c.(*tls.Conn); ok { // fasthttp tells TLS by its methods
 		return &headTLSConn{headConn: h, tls: t}, nil
 	}
+	if sc, ok := c.(syscall.Conn); ok {
+		h.raw, _ = sc.SyscallConn()
+		h.readFn = h.readSocket
+	}
 	return h, nil
 }
 
 type headConn struct {
 	net.Conn
-	rest  *[]byte // bytes read past a head's end, from off on; pooled
+	raw   syscall.RawConn // the socket, for readAhead; nil: none (TLS, tests)
+	rest  *[]byte         // bytes read and not yet returned, from off on; pooled
 	off   int
 	state lineState
+
+	// readFn is readSocket, made once per connection rather than once per
+	// request; it leaves its read's outcome in readN and readErr.
+	readFn  func(fd uintptr) bool
+	readN   int
+	readErr error
 }
+
+// firstByteRead is the largest read that readAhead serves: fasthttp's wait
+// for a request's first byte reads one.
+const firstByteRead = 1
 
 // lineState is how far the bytes read so far end in an empty line.
 type lineState uint8
@@ -54,6 +77,11 @@ var restPool = sync.Pool{New: func() any { b := make([]byte, 0, 16<<10); return 
 // Read is fasthttp's: it ends at the end of the first empty line ("\n\n"
 // or "\n\r\n", the end of a head; fasthttp accepts no other).
 func (c *headConn) Read(p []byte) (int, error) {
+	if c.rest == nil && len(p) <= firstByteRead && c.raw != nil {
+		if err := c.readAhead(); err != nil {
+			return 0, err
+		}
+	}
 	if c.rest != nil {
 		n := copy(p, (*c.rest)[c.off:])
 		n = c.headEnd(p[:n])
@@ -66,6 +94,42 @@ func (c *headConn) Read(p []byte) (int, error) {
 		n = k
 	}
 	return n, err
+}
+
+// readAhead waits until the socket is readable, holding no buffer, then
+// reads all it holds (up to a pooled buffer's size) into rest.
+func (c *headConn) readAhead() error {
+	err := c.raw.Read(c.readFn)
+	switch {
+	case err != nil: // closed, or the read deadline passed
+		return err
+	case c.readErr != nil:
+		return os.NewSyscallError("read", c.readErr)
+	case c.readN == 0:
+		return io.EOF
+	}
+	return nil
+}
+
+// readSocket is readAhead's read, false when the socket had nothing yet.
+func (c *headConn) readSocket(fd uintptr) bool {
+	buf := restPool.Get().(*[]byte)
+	var err error
+	n := 0
+	for {
+		n, err = syscall.Read(int(fd), (*buf)[:cap(*buf)])
+		if err != syscall.EINTR {
+			break
+		}
+	}
+	if n > 0 {
+		*buf = (*buf)[:n]
+		c.rest, c.off = buf, 0
+	} else {
+		restPool.Put(buf)
+	}
+	c.readN, c.readErr = n, err
+	return err != syscall.EAGAIN
 }
 
 // readBody is the router's read of a body fasthttp left on the connection:

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/router/splice"
@@ -124,10 +125,24 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 		resp, err := l.s.upstream.postH2C(sc, l.w.BaseURL, path, body, header, l.guard)
 		return l.answered(resp, err)
 	}
-	if err := l.write(sc, path, body, header); err != nil {
+	if _, err := l.writeWait(sc, path, body, header, nil, 0); err != nil {
 		return err
 	}
 	return l.await()
+}
+
+// writeWait is write, after, then a wait of up to d (0: no limit) for the
+// reply's first byte in one (upCall.writeWait): it returns write's failure,
+// or whether the reply began within d. A PD attempt writes its decode leg
+// in after, before it waits for prefill.
+func (l *leg) writeWait(sc *scope, path string, body *splice.Body, header []byte, after afterWrite, d time.Duration) (bool, error) {
+	l.begin(sc, path, &header)
+	began, err := l.call.writeWait(l.s.upstream, sc, l.w.BaseURL, path, body, header, l.guard, after, d)
+	if err != nil {
+		return false, l.answered(nil, err)
+	}
+	l.written = true
+	return began, nil
 }
 
 // write sends the request of an HTTP/1.1 leg without waiting for its

@@ -131,6 +131,12 @@ type attempt struct {
 	// is in (headOK: a 2xx) or its send failed (prefillVerdict).
 	headed chan struct{}
 	headOK bool
+
+	// sendBoth's, for afterWrite: the request, the decode worker and the
+	// decode leg's write failure.
+	r            *request
+	dw           *balancer.Worker
+	decodeFailed error
 }
 
 // newAttempt opens the prefill leg of a fresh attempt on pw.
@@ -197,12 +203,13 @@ func (a *attempt) prefillOver(err *apiError, logp []byte) {
 func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	p, d := &a.prefill, &r.leg
 	a.done = closedDone // the prefill leg ends here, unless startPrefill takes it
-	if err := p.write(&a.scope, r.path, &a.body, r.header); err != nil {
+	a.r, a.dw = r, dw   // for afterWrite, which writes the decode leg
+	quick, err := p.writeWait(&a.scope, r.path, &a.body, r.header, a, prefillQuickAnswer)
+	if err != nil {
 		a.prefillOver(a.sendFailed(err), nil)
 		return a.err, false // nil when the scope ended: serve says why
 	}
-	d.open(r, dw, a.rid)
-	if err := d.write(&a.scope, r.path, a.decodeBody(), r.header); err != nil {
+	if err := a.decodeFailed; err != nil {
 		d.close()
 		a.abandon()
 		p.close()
@@ -211,7 +218,7 @@ func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiErro
 		}
 		return decodeSendError(err), false
 	}
-	if !p.call.answered(prefillQuickAnswer) {
+	if !quick {
 		s.startPrefill(r, a)
 		return s.decodeReply(r, a, d.await())
 	}
@@ -221,6 +228,15 @@ func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiErro
 		return a.err, false
 	}
 	return s.decodeReply(r, a, d.await())
+}
+
+// afterWrite opens and writes the decode leg once sendBoth has written
+// prefill's request, before it waits for prefill's reply.
+func (a *attempt) afterWrite() bool {
+	r, d := a.r, &a.r.leg
+	d.open(r, a.dw, a.rid)
+	a.decodeFailed = d.write(&a.scope, r.path, a.decodeBody(), r.header)
+	return a.decodeFailed == nil
 }
 
 // readPrefill sends the prefill leg and reads its reply. An error caused by

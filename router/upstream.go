@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/valyala/fasthttp"
@@ -78,6 +79,26 @@ type upConn struct {
 	br       *bufio.Reader
 	addr     string
 	lastUsed time.Time
+
+	// raw is a plain TCP connection's socket (nil over TLS), through which
+	// writeWait writes a request from inside the wait for its reply; step
+	// is writeStep, made once per connection, call the request it writes
+	// and wrote, failed its outcome.
+	raw    syscall.RawConn
+	step   func(uintptr) bool
+	call   *upCall
+	wrote  bool
+	failed error
+}
+
+func newUpConn(nc net.Conn, addr string) *upConn {
+	c := &upConn{c: nc, br: bufio.NewReaderSize(nc, upReadBuffer), addr: addr}
+	if tc, ok := nc.(*net.TCPConn); ok {
+		if raw, err := tc.SyscallConn(); err == nil {
+			c.raw, c.step = raw, c.writeStep
+		}
+	}
+	return c
 }
 
 // A connection keeps a reader the size of fasthttp's own default (its
@@ -291,7 +312,7 @@ func (r *upstreamResponse) Close() error {
 // call may still be writing it (guard.release).
 func (u *upstream) post(sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
 	var c upCall
-	if err := c.write(u, sc, baseURL, path, body, extra, guard); err != nil {
+	if _, err := c.writeWait(u, sc, baseURL, path, body, extra, guard, nil, 0); err != nil {
 		return nil, err
 	}
 	return c.head()
@@ -308,6 +329,8 @@ type upCall struct {
 	body             *splice.Body
 	extra            []byte
 	guard            *writeGuard
+	after            afterWrite // writeWait's, and its wait
+	wait             time.Duration
 	conn             *upConn           // the connection written on, until head
 	reused           bool              // conn came from the pool
 	into             *upstreamResponse // where head puts the reply; nil: a new one
@@ -342,14 +365,119 @@ func (c *upCall) send(pooled bool) error {
 			}
 			return dialError{err}
 		}
-		conn = &upConn{c: nc, br: bufio.NewReaderSize(nc, upReadBuffer), addr: c.addr}
+		conn = newUpConn(nc, c.addr)
 	}
+	return c.sendOn(conn, reused)
+}
+
+// sendOn writes the request on conn, which reused says came from the pool.
+func (c *upCall) sendOn(conn *upConn, reused bool) error {
 	c.conn, c.reused = conn, reused
 	err := c.u.writeRequest(c.sc, conn, c.host, c.path, c.body, c.extra, c.guard)
 	if err != nil && c.retryable(err) {
 		return c.send(false)
 	}
 	return err
+}
+
+// afterWrite is what writeWait runs once its request is written, before it
+// waits for the reply; false: no wait (the caller knows why).
+type afterWrite interface{ afterWrite() bool }
+
+// writeWait is write, after, then answered(d) (d 0: no limit) in one. On a
+// pooled plain TCP connection the request is written from inside the wait
+// for the reply's first byte (RawConn.Read), whose readiness is reset
+// before the write, so that no read is tried before the reply can have
+// come: one that finds nothing costs a system call, then waits anyway. A
+// worker that closed the pooled connection meanwhile answers the write
+// with a reset, which ends the wait as a reply would. It returns write's
+// failure, or whether the reply began within d.
+func (c *upCall) writeWait(u *upstream, sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard, after afterWrite, d time.Duration) (bool, error) {
+	addr, host, tlsHost, err := u.endpoint(baseURL)
+	if err != nil {
+		return false, err
+	}
+	*c = upCall{u: u, sc: sc, addr: addr, host: host, path: path, tlsHost: tlsHost, body: body, extra: extra, guard: guard, after: after}
+	conn, reused := u.get(addr)
+	if conn == nil || conn.raw == nil {
+		if conn == nil {
+			err = c.send(false)
+		} else {
+			err = c.sendOn(conn, reused)
+		}
+		return c.then(after, d, err)
+	}
+	c.conn, c.reused, c.wait = conn, true, d
+	conn.call, conn.wrote, conn.failed = c, false, nil
+	werr := conn.raw.Read(conn.step)
+	conn.call = nil
+	if d > 0 {
+		_ = conn.c.SetReadDeadline(time.Time{})
+		if sc.Cause() != nil { // a cancellation's deadline, just replaced
+			conn.cancelled(nil)
+		}
+	}
+	switch {
+	case !conn.wrote: // the wait failed before the write (never on a pooled connection)
+		err = upFail(sc, conn, fmt.Errorf("%w: %v", errUpstreamClosed, werr))
+	case conn.failed == errWriteFailed:
+		err = upFail(sc, conn, nil)
+	case conn.failed != nil:
+		err = upFail(sc, conn, conn.failed)
+	default:
+		if werr != nil && errors.Is(werr, os.ErrDeadlineExceeded) && sc.Cause() == nil {
+			return false, nil // silent for d
+		}
+		return true, nil // a reply began, or the wait's failure, which head meets again
+	}
+	if c.retryable(err) {
+		err = c.send(false)
+		return c.then(after, d, err)
+	}
+	return false, err
+}
+
+// then is writeWait's after and wait once write sent the request on a
+// connection it could not wait on that way.
+func (c *upCall) then(after afterWrite, d time.Duration, err error) (bool, error) {
+	if err != nil {
+		return false, err
+	}
+	if after != nil && !after.afterWrite() {
+		return true, nil
+	}
+	if d == 0 {
+		return true, nil // head waits
+	}
+	return c.answered(d), nil
+}
+
+// errWriteFailed is writeOn's failure that the scope's cause explains.
+var errWriteFailed = errors.New("write failed")
+
+// writeStep is writeWait's RawConn.Read function: its first call writes
+// the request and runs the call's after, the next reports the reply begun.
+// It never closes the connection, whose read lock the wait holds (Close
+// would wait for it).
+func (c *upConn) writeStep(uintptr) bool {
+	if c.wrote {
+		return true
+	}
+	c.wrote = true
+	call := c.call
+	if c.failed = call.u.writeOn(call.sc, c, call.host, call.path, call.body, call.extra, call.guard); c.failed != nil {
+		return true
+	}
+	if call.after != nil && !call.after.afterWrite() {
+		return true
+	}
+	if call.wait > 0 { // from now, as answered's
+		_ = c.c.SetReadDeadline(time.Now().Add(call.wait))
+		if call.sc.Cause() != nil { // a cancellation's deadline, just replaced
+			c.cancelled(nil)
+		}
+	}
+	return false
 }
 
 func (c *upCall) retryable(err error) bool {
@@ -414,12 +542,25 @@ func upFail(sc *scope, conn *upConn, err error) error {
 // writeRequest writes the request on conn, which the scope's end then
 // cancels until the reply is closed.
 func (u *upstream) writeRequest(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) error {
-	if !sc.register(conn) {
+	switch err := u.writeOn(sc, conn, host, path, body, extra, guard); err {
+	case nil:
+		return nil
+	case errWriteFailed:
 		return upFail(sc, conn, nil)
+	default:
+		return upFail(sc, conn, err)
+	}
+}
+
+// writeOn is writeRequest but for closing conn when it fails (upFail's
+// error: errWriteFailed where the scope's cause says why).
+func (u *upstream) writeOn(sc *scope, conn *upConn, host, path string, body *splice.Body, extra []byte, guard *writeGuard) error {
+	if !sc.register(conn) {
+		return errWriteFailed
 	}
 	if !guard.begin() { // the reply is over: this attempt has nothing left to send
 		sc.cancel(errBodyReleased)
-		return upFail(sc, conn, nil)
+		return errWriteFailed
 	}
 	bw := requestWriters.Get().(*bufio.Writer)
 	bw.Reset(conn.c)
@@ -442,7 +583,7 @@ func (u *upstream) writeRequest(sc *scope, conn *upConn, host, path string, body
 	bw.Reset(nil)
 	requestWriters.Put(bw)
 	if err != nil {
-		return upFail(sc, conn, fmt.Errorf("%w: %v", errUpstreamClosed, err))
+		return fmt.Errorf("%w: %v", errUpstreamClosed, err)
 	}
 	return nil
 }

@@ -513,3 +513,65 @@ func TestWholeChunk(t *testing.T) {
 		}
 	}
 }
+
+// A request's reply is read with one system call: none is tried before the
+// reply can have come (before: one that found nothing, then the wait, then
+// the read). The worker answers 20 ms late, by hand, so that its own reads
+// are known: one for each request.
+func TestUpstreamReadsAReplyOnce(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	next := make(chan bool, 1) // the worker reads the next request when told
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		br := bufio.NewReader(c)
+		for <-next {
+			for {
+				line, err := br.ReadString('\n')
+				if err != nil {
+					return
+				}
+				if line == "\r\n" {
+					break
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+			io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		}
+	}()
+	defer close(next)
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
+	defer u.close()
+	post := func() {
+		resp, err := u.post(&scope{}, "http://"+ln.Addr().String(), "/", bodyOf(nil), nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, err := io.ReadAll(resp); err != nil || string(b) != "ok" {
+			t.Fatalf("%q %v", b, err)
+		}
+		resp.Close()
+	}
+	next <- true
+	post() // the connection is pooled
+	fewest := 1 << 30
+	for range 5 { // other goroutines' reads count too: the fewest is this one's
+		next <- true
+		time.Sleep(20 * time.Millisecond) // the worker waits in its read
+		own := readSyscalls(t)            // reading the count takes reads of its own
+		before := readSyscalls(t)
+		own = before - own
+		post()
+		fewest = min(fewest, readSyscalls(t)-before-own)
+	}
+	if fewest != 2 {
+		t.Fatalf("%d read system calls for a request and its reply, want 2 (the worker's and the router's)", fewest)
+	}
+}

@@ -137,7 +137,9 @@ launch() {
 	case $kind in
 	pdrouter) "$BIN/pdrouter" "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
 	sglang) "$VENV/bin/python" -m sglang_router.launch_router "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
-	smg) "$VENV/bin/smg" launch "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
+	# Not $VENV/bin/smg: sglang-router 0.3.2 installs a console script of that name too, and
+	# whichever wheel pip installs last owns it (here 0.3.2's: "sgl-model-gateway 0.3.2").
+	smg) "$VENV/bin/python" -m smg launch "${common[@]}" >"$T/router-$port.log" 2>&1 & ;;
 	esac
 	pids+=($!)
 	printf -v "${var}_PID" %s "$!"
