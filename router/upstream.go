@@ -79,6 +79,9 @@ type upConn struct {
 	br       *bufio.Reader
 	addr     string
 	lastUsed time.Time
+	// warm: taken from the pool within warmReuse of its last reply, too
+	// soon for a worker's close of it to be waiting unread.
+	warm bool
 
 	// raw is a plain TCP connection's socket (nil over TLS), through which
 	// writeWait writes a request from inside the wait for its reply; step
@@ -399,7 +402,7 @@ func (c *upCall) writeWait(u *upstream, sc *scope, baseURL, path string, body *s
 	}
 	*c = upCall{u: u, sc: sc, addr: addr, host: host, path: path, tlsHost: tlsHost, body: body, extra: extra, guard: guard, after: after}
 	conn, reused := u.get(addr)
-	if conn == nil || conn.raw == nil {
+	if conn == nil || conn.raw == nil || !conn.warm {
 		if conn == nil {
 			err = c.send(false)
 		} else {
@@ -451,6 +454,14 @@ func (c *upCall) then(after afterWrite, d time.Duration, err error) (bool, error
 	}
 	return c.answered(d), nil
 }
+
+// warmReuse bounds how long a connection may have idled for writeWait's
+// path. That path resets the socket's readiness, so a worker's FIN that
+// arrived while the connection idled is not seen until the worker answers
+// the write: a half-closed worker, or one whose host vanished, never does.
+// The plain path reads first and retries such a connection at once; under
+// load connections come back within microseconds and take writeWait's.
+const warmReuse = 50 * time.Millisecond
 
 // errWriteFailed is writeOn's failure that the scope's cause explains.
 var errWriteFailed = errors.New("write failed")
@@ -697,7 +708,8 @@ func (u *upstream) get(addr string) (*upConn, bool) {
 		conns = conns[:len(conns)-1]
 		// No deadline to clear: a connection whose cancellation hook ran
 		// is closed, never pooled (upstreamResponse.Close).
-		if time.Since(c.lastUsed) < u.idleTimeout {
+		if idle := time.Since(c.lastUsed); idle < u.idleTimeout {
+			c.warm = idle < warmReuse
 			u.idle[addr] = conns
 			return c, true
 		}

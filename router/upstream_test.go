@@ -564,8 +564,8 @@ func TestUpstreamReadsAReplyOnce(t *testing.T) {
 	fewest := 1 << 30
 	for range 5 { // other goroutines' reads count too: the fewest is this one's
 		next <- true
-		time.Sleep(20 * time.Millisecond) // the worker waits in its read
-		own := readSyscalls(t)            // reading the count takes reads of its own
+		time.Sleep(5 * time.Millisecond) // the worker waits in its read (well within warmReuse)
+		own := readSyscalls(t)           // reading the count takes reads of its own
 		before := readSyscalls(t)
 		own = before - own
 		post()
@@ -573,5 +573,81 @@ func TestUpstreamReadsAReplyOnce(t *testing.T) {
 	}
 	if fewest != 2 {
 		t.Fatalf("%d read system calls for a request and its reply, want 2 (the worker's and the router's)", fewest)
+	}
+}
+
+// A worker that half-closes an idle keep-alive connection (its FIN sent,
+// its socket still open, so the router's next write draws no reset) must
+// not hold the next request on it: the router reads that FIN before it
+// waits for a reply, and retries on a fresh connection.
+func TestUpstreamRetriesAConnectionHalfClosedWhileIdle(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var accepted []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range accepted {
+			c.Close()
+		}
+	})
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			first := len(accepted) == 0
+			accepted = append(accepted, c)
+			mu.Unlock()
+			go func() {
+				br := bufio.NewReader(c)
+				req, err := http.ReadRequest(br)
+				if err != nil {
+					return
+				}
+				io.Copy(io.Discard, req.Body)
+				io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+				if first {
+					time.Sleep(10 * time.Millisecond)
+					c.(*net.TCPConn).CloseWrite()
+					io.Copy(io.Discard, c) // reads on, answers nothing
+				}
+			}()
+		}
+	}()
+	u := newUpstream(DefaultConfig().UpstreamIdleTimeout)
+	defer u.close()
+	url := "http://" + ln.Addr().String()
+	for i := range 2 {
+		got := make(chan error, 1)
+		go func() {
+			resp, err := u.post(&scope{}, url, "/", bodyOf(nil), nil, nil)
+			if err == nil {
+				_, err = io.Copy(io.Discard, resp)
+				resp.Close()
+			}
+			got <- err
+		}()
+		select {
+		case err := <-got:
+			if err != nil {
+				t.Fatalf("request %d: %v", i, err)
+			}
+		case <-time.After(3 * time.Second):
+			t.Fatalf("request %d waits on a connection its worker half-closed", i)
+		}
+		time.Sleep(100 * time.Millisecond) // the FIN arrives while the connection idles
+	}
+	mu.Lock()
+	n := len(accepted)
+	mu.Unlock()
+	if n != 2 {
+		t.Errorf("want a fresh connection after the idle one was half-closed: %d", n)
 	}
 }
