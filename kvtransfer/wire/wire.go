@@ -12,6 +12,7 @@
 package wire
 
 import (
+	"encoding/binary"
 	"fmt"
 )
 
@@ -54,36 +55,14 @@ const (
 	lastType = TMemStageFree
 )
 
+var typeNames = [...]string{TXferReq: "XFER_REQ", TData: "DATA", TDone: "DONE", TAbort: "ABORT", THeartbeat: "HEARTBEAT",
+	TMemHello: "MEM_HELLO", TMemRegionsReq: "MEM_REGIONS_REQ", TMemRegions: "MEM_REGIONS", TMemFence: "MEM_FENCE",
+	TMemFenceAck: "MEM_FENCE_ACK", TMemStageReq: "MEM_STAGE_REQ", TMemStageRing: "MEM_STAGE_RING",
+	TMemStaged: "MEM_STAGED", TMemStageFree: "MEM_STAGE_FREE"}
+
 func (t Type) String() string {
-	switch t {
-	case TXferReq:
-		return "XFER_REQ"
-	case TData:
-		return "DATA"
-	case TDone:
-		return "DONE"
-	case TAbort:
-		return "ABORT"
-	case THeartbeat:
-		return "HEARTBEAT"
-	case TMemHello:
-		return "MEM_HELLO"
-	case TMemRegionsReq:
-		return "MEM_REGIONS_REQ"
-	case TMemRegions:
-		return "MEM_REGIONS"
-	case TMemFence:
-		return "MEM_FENCE"
-	case TMemFenceAck:
-		return "MEM_FENCE_ACK"
-	case TMemStageReq:
-		return "MEM_STAGE_REQ"
-	case TMemStageRing:
-		return "MEM_STAGE_RING"
-	case TMemStaged:
-		return "MEM_STAGED"
-	case TMemStageFree:
-		return "MEM_STAGE_FREE"
+	if int(t) < len(typeNames) && typeNames[t] != "" {
+		return typeNames[t]
 	}
 	return fmt.Sprintf("Type(%d)", uint8(t))
 }
@@ -258,12 +237,8 @@ func AppendFrame(b []byte, m Msg) []byte {
 	if d, ok := m.(*Data); ok {
 		n += int(d.N)
 	}
-	putU32(e.B[start+4:], uint32(n))
+	binary.LittleEndian.PutUint32(e.B[start+4:], uint32(n))
 	return e.B
-}
-
-func putU32(b []byte, v uint32) {
-	b[0], b[1], b[2], b[3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
 }
 
 // ParseHeader checks a frame header and returns its type and payload length.
@@ -278,7 +253,7 @@ func ParseHeader(h []byte) (Type, uint32, error) {
 		return 0, 0, fmt.Errorf("%w: version %d, want %d", ErrMalformed, h[2], Version)
 	}
 	t := Type(h[3])
-	n := uint32(h[4]) | uint32(h[5])<<8 | uint32(h[6])<<16 | uint32(h[7])<<24
+	n := binary.LittleEndian.Uint32(h[4:])
 	switch {
 	case t < TXferReq || t > lastType:
 		return 0, 0, fmt.Errorf("%w: unknown type %d", ErrMalformed, h[3])
