@@ -50,14 +50,11 @@ type stagePool struct {
 func (sp *stagePool) get() ([]byte, error) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
+	var b []byte
+	var err error
 	if n := len(sp.idle); n > 0 {
-		b := sp.idle[n-1]
-		sp.idle = sp.idle[:n-1]
-		sp.out++
-		return b, nil
-	}
-	b, err := sp.alloc(stageBytes)
-	if err != nil {
+		b, sp.idle = sp.idle[n-1], sp.idle[:n-1]
+	} else if b, err = sp.alloc(stageBytes); err != nil {
 		return nil, fmt.Errorf("allocate a staging buffer: %w", err)
 	}
 	sp.out++
@@ -133,15 +130,11 @@ func (sp *stagePool) unregisterLocked(b []byte) error {
 func (sp *stagePool) getRing(n int) ([]byte, error) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	for i, b := range sp.rings {
-		if len(b) == n {
-			sp.rings = slices.Delete(sp.rings, i, i+1)
-			sp.lent++
-			return b, nil
-		}
-	}
-	b, err := sp.alloc(n)
-	if err != nil {
+	var b []byte
+	var err error
+	if i := slices.IndexFunc(sp.rings, func(b []byte) bool { return len(b) == n }); i >= 0 {
+		b, sp.rings = sp.rings[i], slices.Delete(sp.rings, i, i+1)
+	} else if b, err = sp.alloc(n); err != nil {
 		return nil, fmt.Errorf("allocate a staging ring: %w", err)
 	}
 	sp.lent++
@@ -340,7 +333,10 @@ func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, ru
 		}
 		return serr
 	})
-	return stagedResult(ack, err, gerr)
+	if err == nil && gerr != nil {
+		return fmt.Errorf("gather: %w", gerr)
+	}
+	return fenceResult(ack, err)
 }
 
 // sendInline sends a gathered chunk as one frame: MEM_STAGED names its
@@ -352,15 +348,6 @@ func (l *memLink) sendInline(c stagedChunk) error {
 		return err
 	}
 	return l.conn.WriteData(0, 0, c.buf)
-}
-
-// stagedResult is a staged write's outcome from its fence's answer, the
-// send's error and the gather's.
-func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
-	if err == nil && gerr != nil {
-		return fmt.Errorf("gather: %w", gerr)
-	}
-	return fenceResult(ack, err)
 }
 
 // pipeline gathers runs into pool's buffers, chunk bytes at most each, on
