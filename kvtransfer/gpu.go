@@ -531,18 +531,11 @@ const gpuChunk = 4096
 
 // write moves GPU triples into the peer engine's GPU memory behind l.
 func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple) error {
-	dev, staged, err := g.route(ctx, l, ts[0])
-	if err != nil {
-		return err
-	}
-	if staged {
-		return g.writeStaged(ctx, p, l, dev, ts)
-	}
 	pieces := 0
 	for _, t := range ts {
 		pieces += cuda.Pieces(t.Len)
 	}
-	return g.move(ctx, p, l, dev, len(ts) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+	return g.move(ctx, p, l, ts, len(ts) > 2*gpuChunk, pieces, func(dev Device, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
 		runs := gpuRuns.Get().(*[]cuda.Run)
 		defer gpuRuns.Put(runs)
 		var total uint64
@@ -565,13 +558,6 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 // writePages moves a page write of GPU memory (ts: w.mergedTriples()) into
 // the peer engine behind l.
 func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite, ts []Triple) error {
-	dev, staged, err := g.route(ctx, l, ts[0])
-	if err != nil {
-		return err
-	}
-	if staged {
-		return g.writeStaged(ctx, p, l, dev, ts)
-	}
 	prs := w.runs()
 	pieces := 0
 	for _, b := range w.Bufs {
@@ -579,23 +565,29 @@ func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w
 			pieces += cuda.Pieces(r.count * b.PageLen)
 		}
 	}
-	return g.move(ctx, p, l, dev, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+	return g.move(ctx, p, l, ts, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(dev Device, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
 		srcs, err := g.pageRuns(ctx, l, dev, w, prs, srcs, emit)
 		return srcs, w.Bytes(), err
 	})
 }
 
-// move copies the runs list hands to emit (in parts of at most gpuChunk;
-// list read-locks the source regions and adds them to srcs, as resolve
-// does). A write of few runs goes in one copy, for which the copier picks
-// a kernel or a copy per run; a big one (parts) in one kernel launch per
-// part (pieces: the descriptors they need), each queued as soon as it is
-// listed, so listing the next overlaps copying this one. Resolve time
-// counts listing (and queueing); copy time what the GPU still needed after.
-func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Device, parts bool, pieces int,
-	list func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error)) error {
-	if err := g.prune(l); err != nil {
-		p.log.Warn("close peer GPU mappings: " + err.Error())
+// move writes ts: by the staged path where route says so, else by copying
+// the runs list hands to emit (in parts of at most gpuChunk; list reads
+// the sources on dev, read-locking their regions and adding them to srcs,
+// as resolve does). A write of few runs goes in one copy, for which the
+// copier picks a kernel or a copy per run; a big one (parts) in one kernel
+// launch per part (pieces: the descriptors they need), each queued as soon
+// as it is listed, so listing the next overlaps copying this one. Resolve
+// time counts listing (and queueing); copy time what the GPU still needed
+// after.
+func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple, parts bool, pieces int,
+	list func(dev Device, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error)) error {
+	dev, staged, err := g.route(ctx, l, ts[0]) // prunes l's stale imports
+	if err != nil {
+		return err
+	}
+	if staged {
+		return g.writeStaged(ctx, p, l, dev, ts)
 	}
 	g.pmu.RLock()
 	defer g.pmu.RUnlock()
@@ -611,7 +603,6 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Dev
 	emit := func(rs []cuda.Run) error { *all = append(*all, rs...); return nil }
 	var b CopyBatch
 	if parts = parts && gpuCopyMode != cuda.CopyMemcpy; parts {
-		var err error
 		if b, err = dev.Begin(pieces); err != nil {
 			return fmt.Errorf("GPU copy: %w", err)
 		}
@@ -619,8 +610,7 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Dev
 	}
 	start := time.Now()
 	var total uint64
-	var err error
-	srcs, total, err = list(srcs, emit)
+	srcs, total, err = list(dev, srcs, emit)
 	if err == nil {
 		err = ctx.Err()
 	}
