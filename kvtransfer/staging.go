@@ -149,13 +149,6 @@ func (sp *stagePool) putRing(b []byte) error {
 	return nil
 }
 
-// outstanding counts buffers and rings handed out and not yet returned.
-func (sp *stagePool) outstanding() (bufs, rings int) {
-	sp.mu.Lock()
-	defer sp.mu.Unlock()
-	return sp.out, sp.lent
-}
-
 // close frees the pool's buffers; every one must have come back.
 func (sp *stagePool) close() error {
 	sp.mu.Lock()
@@ -201,22 +194,6 @@ func (g *gpuPlane) devPool() *stagePool {
 	dev := g.dev
 	g.mu.Unlock()
 	return g.pool(dev)
-}
-
-// stagedOut is the number of staging buffers (and rings) handed out on
-// every device.
-func (g *gpuPlane) stagedOut() (bufs, rings int) {
-	g.mu.Lock()
-	pools := make([]*stagePool, 0, len(g.pools))
-	for _, sp := range g.pools {
-		pools = append(pools, sp)
-	}
-	g.mu.Unlock()
-	for _, sp := range pools {
-		b, r := sp.outstanding()
-		bufs, rings = bufs+b, rings+r
-	}
-	return bufs, rings
 }
 
 func (g *gpuPlane) closePools() error {
