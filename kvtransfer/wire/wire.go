@@ -193,12 +193,12 @@ func Decode(t Type, p []byte) (Msg, error) {
 		x := &XferReq{Room: d.U64(), AuxSlot: d.I32(), PageSize: d.U32(), Dtype: d.String()}
 		n := d.U32()
 		if n > maxRegions {
-			return nil, fmt.Errorf("%w: %d buffers", ErrMalformed, n)
+			d.failf("%d buffers", n)
 		}
 		for i := uint32(0); i < n && d.Err == nil; i++ {
 			b := RoomBuf{Kind: RegionKind(d.U8()), Addr: d.U64(), ItemLen: d.U32(), Items: d.U32()}
 			if d.Err == nil && (b.Kind != KindKV && b.Kind != KindAux || b.ItemLen == 0) {
-				return nil, fmt.Errorf("%w: bad buffer %d", ErrMalformed, i)
+				d.failf("bad buffer %d", i)
 			}
 			x.Bufs = append(x.Bufs, b)
 		}
@@ -207,7 +207,7 @@ func Decode(t Type, p []byte) (Msg, error) {
 	case TDone:
 		dn := &Done{Room: d.U64(), Chunk: d.U32(), Last: d.Bool(), Status: Status(d.U8()), Pages: d.U32(), Bytes: d.U64(), Nanos: d.U64()}
 		if d.Err == nil && dn.Status > StatusFailed {
-			return nil, fmt.Errorf("%w: status %d", ErrMalformed, dn.Status)
+			d.failf("status %d", dn.Status)
 		}
 		m = dn
 	case TAbort:
@@ -215,10 +215,7 @@ func Decode(t Type, p []byte) (Msg, error) {
 	case THeartbeat:
 		m = &Heartbeat{Seq: d.U64()}
 	default:
-		var err error
-		if m, err = decodeMem(t, &d); err != nil {
-			return nil, err
-		}
+		m = decodeMem(t, &d)
 	}
 	if err := d.End(); err != nil {
 		return nil, fmt.Errorf("%s: %w", t, err)
