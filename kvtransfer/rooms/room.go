@@ -329,7 +329,11 @@ func (e *Rooms) bootstrap(r *decodeRoom) {
 		case <-ctx.Done():
 		}
 	}()
-	l, err := e.linkFor(ctx, r.boot)
+	var l kvtransfer.Link
+	addr, err := e.cfg.Resolve(ctx, r.boot)
+	if err == nil {
+		l, err = e.p.Link(ctx, addr)
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err != nil {
@@ -345,15 +349,6 @@ func (e *Rooms) bootstrap(r *decodeRoom) {
 		rl.enqueue(item{msg: &wire.XferReq{Room: r.id, AuxSlot: r.aux, PageSize: r.layout.PageSize, Dtype: r.layout.Dtype,
 			Bufs: r.layout.Bufs, DstPages: r.pages}})
 	}
-}
-
-// linkFor returns the link to the kvproxy behind a bootstrap address.
-func (e *Rooms) linkFor(ctx context.Context, bootstrapAddr string) (kvtransfer.Link, error) {
-	addr, err := e.cfg.Resolve(ctx, bootstrapAddr)
-	if err != nil {
-		return kvtransfer.Link{}, err
-	}
-	return e.p.Link(ctx, addr)
 }
 
 // Send (prefill) queues one chunk of room's pages; last marks the final
@@ -607,7 +602,7 @@ func (e *Rooms) Abort(id uint64, reason string) error {
 		defer t.Stop()
 		select {
 		case <-sent:
-		case <-rl.done:
+		case <-rl.ctx.Done():
 		case <-t.C:
 		}
 	}

@@ -242,7 +242,7 @@ func (e *Rooms) Close() error {
 	}
 	e.mu.Unlock()
 	for _, rl := range links {
-		rl.stop()
+		rl.cancel()
 	}
 	e.cancel()
 	e.wg.Wait()
