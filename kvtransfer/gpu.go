@@ -137,35 +137,28 @@ func (g *gpuPlane) importLocked(dev Device, h cuda.Handle) (*gpuImport, error) {
 	return imp, nil
 }
 
-// importOwnLocked opens h in the context of the device its memory is on:
-// opened from device 0 first (peer access comes lazily), then again from
-// its own device if that is another.
-func (g *gpuPlane) importOwnLocked(h cuda.Handle) (*gpuImport, error) {
-	imp, err := g.importLocked(g.dev, h)
-	if err != nil {
-		return nil, err
+// importHomeLocked opens h from dev's context first (peer access comes
+// lazily) and, if its memory is on another device ord and stay(ord) is
+// false, again in ord's context instead (moved).
+func (g *gpuPlane) importHomeLocked(dev Device, h cuda.Handle, stay func(ord int) bool) (imp *gpuImport, moved bool, err error) {
+	if imp, err = g.importLocked(dev, h); err != nil {
+		return nil, false, err
 	}
-	ord, err := g.dev.Locate(imp.ptr)
-	if err != nil {
-		return nil, errors.Join(err, g.releaseLocked(imp))
+	ord, err := dev.Locate(imp.ptr)
+	if err == nil && (ord == dev.Ordinal() || stay(ord)) {
+		return imp, false, nil
 	}
-	if ord == g.dev.Ordinal() {
-		return imp, nil
+	var home Device
+	if err == nil {
+		home, err = g.devs.get(ord)
 	}
-	return g.reimportLocked(imp, h, ord)
-}
-
-// reimportLocked opens h, opened as imp, again in device ord's context
-// instead.
-func (g *gpuPlane) reimportLocked(imp *gpuImport, h cuda.Handle, ord int) (*gpuImport, error) {
-	dev, err := g.devs.get(ord)
-	if err != nil {
-		return nil, errors.Join(err, g.releaseLocked(imp))
+	if rerr := g.releaseLocked(imp); err != nil || rerr != nil {
+		return nil, false, errors.Join(err, rerr)
 	}
-	if err := g.releaseLocked(imp); err != nil {
-		return nil, err
+	if imp, err = g.importLocked(home, h); err != nil {
+		return nil, false, fmt.Errorf("on GPU %d: %w", ord, err)
 	}
-	return g.importLocked(dev, h)
+	return imp, true, nil
 }
 
 func (g *gpuPlane) releaseLocked(imp *gpuImport) error {
@@ -226,7 +219,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 			replaced = r
 		}
 	}
-	imp, err := g.importOwnLocked(h)
+	imp, _, err := g.importHomeLocked(g.dev, h, func(int) bool { return false })
 	if err != nil {
 		g.mu.Unlock()
 		return fmt.Errorf("register cuda memory: open IPC handle: %w", err)
@@ -503,19 +496,9 @@ func (g *gpuPlane) peerLocked(l *memLink, r wire.MemRegion, dev Device) (gpuPeer
 	if host != g.host {
 		return gpuPeer{}, errStaged
 	}
-	imp, err := g.importLocked(dev, h)
+	imp, local, err := g.importHomeLocked(dev, h, func(ord int) bool { return g.devs.gpus.PeerAccess(dev.Ordinal(), ord) })
 	if err != nil {
 		return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
-	}
-	ord, err := dev.Locate(imp.ptr)
-	if err != nil {
-		return gpuPeer{}, errors.Join(err, g.releaseLocked(imp))
-	}
-	local := ord != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), ord)
-	if local {
-		if imp, err = g.reimportLocked(imp, h, ord); err != nil {
-			return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle on GPU %d: %w", r.ID, ord, err)
-		}
 	}
 	if imp.size != 0 && off+r.Len > imp.size {
 		return gpuPeer{}, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
