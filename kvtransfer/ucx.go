@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/pdrouter/pdrouter/ucx"
@@ -190,12 +191,9 @@ func (e *ucxEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
 // dropFlush frees the pending flush that reports to done, if it is still
 // pending; on the loop goroutine.
 func (u *UCX) dropFlush(done chan error) {
-	for i, p := range u.pending {
-		if p.done == done {
-			p.req.Free()
-			u.pending = append(u.pending[:i], u.pending[i+1:]...)
-			return
-		}
+	if i := slices.IndexFunc(u.pending, func(p pendingFlush) bool { return p.done == done }); i >= 0 {
+		u.pending[i].req.Free()
+		u.pending = slices.Delete(u.pending, i, i+1)
 	}
 }
 
