@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"sync"
 	"unsafe"
 
 	"github.com/pdrouter/pdrouter/cuda"
@@ -140,38 +139,3 @@ func (d *cudaDevice) AllocStage(n int) ([]byte, error) { return d.AllocHost(n) }
 func (d *cudaDevice) FreeStage(b []byte) error         { return d.FreeHost(b) }
 
 func (d *cudaDevice) Close() error { return errors.Join(d.cp.Close(), d.Device.Close()) }
-
-// devices opens each device once, on first use, and closes them together.
-type devices struct {
-	gpus GPUs
-	mu   sync.Mutex
-	open map[int]Device
-}
-
-func (ds *devices) get(ordinal int) (Device, error) {
-	ds.mu.Lock()
-	defer ds.mu.Unlock()
-	if d := ds.open[ordinal]; d != nil {
-		return d, nil
-	}
-	d, err := ds.gpus.Open(ordinal)
-	if err != nil {
-		return nil, fmt.Errorf("open GPU %d: %w", ordinal, err)
-	}
-	if ds.open == nil {
-		ds.open = map[int]Device{}
-	}
-	ds.open[ordinal] = d
-	return d, nil
-}
-
-func (ds *devices) close() error {
-	ds.mu.Lock()
-	defer ds.mu.Unlock()
-	var err error
-	for o, d := range ds.open {
-		err = errors.Join(err, d.Close())
-		delete(ds.open, o)
-	}
-	return err
-}

@@ -36,14 +36,15 @@ var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": 
 // first use.
 type gpuPlane struct {
 	init sync.Once
-	devs devices
+	gpus GPUs
 	dev  Device // where engines' allocations are opened (device 0)
 	err  error
 	host string // the plane's host id: peers' handles open only on the same host
 
 	mu      sync.Mutex
-	closed  bool         // set by close: no device opens, no region joins
-	regions []*gpuRegion // sorted by base
+	closed  bool           // set by close: no device opens, no region joins
+	opened  map[int]Device // each device opened once, on first use, by ordinal
+	regions []*gpuRegion   // sorted by base
 	imports map[gpuImportKey]*gpuImport
 	// peers maps a peer region (by link and ID) to where it is mapped here;
 	// pmu is write-held to drop imports no peer table names any more.
@@ -105,8 +106,8 @@ func (g *gpuPlane) place(r *gpuRegion) Place {
 
 func (g *gpuPlane) open(p *MemoryPlane) error {
 	g.init.Do(func() {
-		g.devs.gpus = p.cfg.GPUs
-		if g.dev, g.err = g.devs.get(0); g.err != nil {
+		g.gpus = p.cfg.GPUs
+		if g.dev, g.err = g.deviceLocked(0); g.err != nil {
 			return
 		}
 		g.host = p.host
@@ -150,7 +151,7 @@ func (g *gpuPlane) importHomeLocked(dev Device, h cuda.Handle, stay func(ord int
 	}
 	var home Device
 	if err == nil {
-		home, err = g.devs.get(ord)
+		home, err = g.deviceLocked(ord)
 	}
 	if rerr := g.releaseLocked(imp); err != nil || rerr != nil {
 		return nil, false, errors.Join(err, rerr)
@@ -295,25 +296,46 @@ func (g *gpuPlane) dropSession(p *MemoryPlane, s *MemorySession, push bool) erro
 	return err
 }
 
-// close drops every region and peer import and frees the device.
+// deviceLocked opens device ordinal once, on first use.
+func (g *gpuPlane) deviceLocked(ordinal int) (Device, error) {
+	if d := g.opened[ordinal]; d != nil {
+		return d, nil
+	}
+	d, err := g.gpus.Open(ordinal)
+	if err != nil {
+		return nil, fmt.Errorf("open GPU %d: %w", ordinal, err)
+	}
+	if g.opened == nil {
+		g.opened = map[int]Device{}
+	}
+	g.opened[ordinal] = d
+	return d, nil
+}
+
+// close drops every region and peer import, then frees the staging memory
+// (staging.go) and the devices it is pinned on.
 func (g *gpuPlane) close(p *MemoryPlane) error {
 	g.mu.Lock()
 	g.closed = true
-	opened := g.dev != nil
 	g.mu.Unlock()
-	if !opened {
-		return g.closePools() // host staging memory (staging.go)
-	}
 	err := g.dropSession(p, nil, false)
 	g.pmu.Lock()
+	defer g.pmu.Unlock()
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	for k, pr := range g.peers {
 		delete(g.peers, k)
 		err = errors.Join(err, g.releaseLocked(pr.imp))
 	}
-	g.mu.Unlock()
-	g.pmu.Unlock()
-	return errors.Join(err, g.closePools(), g.devs.close())
+	for o, sp := range g.pools {
+		err = errors.Join(err, sp.close())
+		delete(g.pools, o)
+	}
+	for o, d := range g.opened {
+		err = errors.Join(err, d.Close())
+		delete(g.opened, o)
+	}
+	return err
 }
 
 func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
@@ -496,7 +518,7 @@ func (g *gpuPlane) peerLocked(l *memLink, r wire.MemRegion, dev Device) (gpuPeer
 	if host != g.host {
 		return gpuPeer{}, errStaged
 	}
-	imp, local, err := g.importHomeLocked(dev, h, func(ord int) bool { return g.devs.gpus.PeerAccess(dev.Ordinal(), ord) })
+	imp, local, err := g.importHomeLocked(dev, h, func(ord int) bool { return g.gpus.PeerAccess(dev.Ordinal(), ord) })
 	if err != nil {
 		return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
 	}

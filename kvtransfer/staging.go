@@ -196,17 +196,6 @@ func (g *gpuPlane) devPool() *stagePool {
 	return g.pool(dev)
 }
 
-func (g *gpuPlane) closePools() error {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	var err error
-	for o, sp := range g.pools {
-		err = errors.Join(err, sp.close())
-		delete(g.pools, o)
-	}
-	return err
-}
-
 // stagedRun is one merged range of a staged write: n bytes from device
 // address src into the peer's region dst at dstOff.
 type stagedRun struct {
