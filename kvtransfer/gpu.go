@@ -35,7 +35,6 @@ var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": 
 // gpuPlane is a MemoryPlane's GPU state; its zero value opens the device on
 // first use.
 type gpuPlane struct {
-	init sync.Once
 	gpus GPUs
 	dev  Device // where engines' allocations are opened (device 0)
 	err  error
@@ -99,20 +98,13 @@ type gpuRegion struct {
 
 func (r *gpuRegion) end() uint64 { return r.base + r.n }
 
-// place is where r's memory lives.
-func (g *gpuPlane) place(r *gpuRegion) Place {
-	return Place{Kind: wire.MemCUDA, Device: r.dev.Ordinal(), Host: g.host}
-}
-
-func (g *gpuPlane) open(p *MemoryPlane) error {
-	g.init.Do(func() {
-		g.gpus = p.cfg.GPUs
-		if g.dev, g.err = g.deviceLocked(0); g.err != nil {
-			return
-		}
-		g.host = p.host
+// openLocked opens device 0 on first use; a failure sticks.
+func (g *gpuPlane) openLocked(p *MemoryPlane) error {
+	if g.dev == nil && g.err == nil {
+		g.gpus, g.host = p.cfg.GPUs, p.host
 		g.imports, g.peers, g.seen = map[gpuImportKey]*gpuImport{}, map[gpuPeerKey]gpuPeer{}, map[*memLink]*wire.MemRegion{}
-	})
+		g.dev, g.err = g.deviceLocked(0)
+	}
 	return g.err
 }
 
@@ -188,7 +180,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	g.mu.Lock()
 	err := ErrClosed
 	if !g.closed {
-		err = g.open(p)
+		err = g.openLocked(p)
 	}
 	g.mu.Unlock()
 	if err != nil {

@@ -60,7 +60,7 @@ func (p *MemoryPlane) localPlaces() []Place {
 	places := []Place{HostPlace(p.host)}
 	p.gpu.mu.Lock()
 	for _, r := range p.gpu.regions {
-		if pl := p.gpu.place(r); !slices.Contains(places, pl) {
+		if pl := (Place{Kind: wire.MemCUDA, Device: r.dev.Ordinal(), Host: p.gpu.host}); !slices.Contains(places, pl) {
 			places = append(places, pl)
 		}
 	}
