@@ -175,17 +175,6 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	case length > maxMemoryRegion:
 		return fmt.Errorf("register cuda memory: %d bytes is too large", length)
 	}
-	// Opened under mu, which close takes first: a device opened after close
-	// would never be closed.
-	g.mu.Lock()
-	err := ErrClosed
-	if !g.closed {
-		err = g.openLocked(p)
-	}
-	g.mu.Unlock()
-	if err != nil {
-		return fmt.Errorf("register cuda memory: %w", err)
-	}
 	var h cuda.Handle
 	copy(h[:], handle)
 	// The ID comes first: table() holds p.mu while it takes g.mu.
@@ -197,10 +186,16 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	if closed {
 		return ErrClosed
 	}
+	// The device opens under mu, which close takes first: one opened after
+	// close would never be closed (and close's drop would miss this region).
 	g.mu.Lock()
-	if g.closed { // close ran since: its drop would miss this region
+	err := ErrClosed
+	if !g.closed {
+		err = g.openLocked(p)
+	}
+	if err != nil {
 		g.mu.Unlock()
-		return ErrClosed
+		return fmt.Errorf("register cuda memory: %w", err)
 	}
 	var replaced *gpuRegion
 	for _, r := range g.regions {
