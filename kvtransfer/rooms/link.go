@@ -167,9 +167,7 @@ func (e *Rooms) linkLost(l kvtransfer.Link, cause error) {
 		for _, r := range rl.rooms {
 			e.failLocked(r, "peer lost: "+cause.Error(), false)
 		}
-	}
-	e.mu.Unlock()
-	if rl != nil {
 		rl.cancel() // its goroutines end, not the link
 	}
+	e.mu.Unlock()
 }
