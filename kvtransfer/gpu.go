@@ -416,14 +416,12 @@ func parseGPUKey(k []byte) (h cuda.Handle, off uint64, dev int, host string, err
 
 // peerPlace is where a peer region lives, as its table says.
 func peerPlace(r wire.MemRegion) Place {
-	if r.Kind != wire.MemCUDA {
-		return Place{Kind: r.Kind, Device: -1}
+	if r.Kind == wire.MemCUDA {
+		if _, _, dev, host, err := parseGPUKey(r.RKey); err == nil {
+			return Place{Kind: r.Kind, Device: dev, Host: host}
+		}
 	}
-	_, _, dev, host, err := parseGPUKey(r.RKey)
-	if err != nil {
-		return Place{Kind: r.Kind, Device: -1}
-	}
-	return Place{Kind: r.Kind, Device: dev, Host: host}
+	return Place{Kind: r.Kind, Device: -1}
 }
 
 // prune drops peer imports whose region left l's table (or whose link
