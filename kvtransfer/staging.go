@@ -133,7 +133,8 @@ func (sp *stagePool) getRing(n int) ([]byte, error) {
 	var b []byte
 	var err error
 	if i := slices.IndexFunc(sp.rings, func(b []byte) bool { return len(b) == n }); i >= 0 {
-		b, sp.rings = sp.rings[i], slices.Delete(sp.rings, i, i+1)
+		b = sp.rings[i] // before Delete, which clears the slot it vacates
+		sp.rings = slices.Delete(sp.rings, i, i+1)
 	} else if b, err = sp.alloc(n); err != nil {
 		return nil, fmt.Errorf("allocate a staging ring: %w", err)
 	}
