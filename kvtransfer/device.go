@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"sync"
 	"unsafe"
 
 	"github.com/pdrouter/pdrouter/cuda"
@@ -13,22 +12,6 @@ import (
 // Span is a range of memory in a Device's address space: a device address
 // for a GPU.
 type Span struct{ Addr, Len uint64 }
-
-// Copier moves bytes between a device's memory and host staging buffers,
-// the two ends of every staged path: the writer gathers source pages into
-// a staging buffer, the bytes cross the link, the receiver scatters them.
-type Copier interface {
-	// Gather copies the spans, in order and back to back, into stage and
-	// returns once they are all there. len(stage) >= their total.
-	Gather(stage []byte, spans []Span) error
-	// Scatter copies stage, back to back, into the spans in order and
-	// returns once the bytes are in the device's memory.
-	Scatter(spans []Span, stage []byte) error
-	// AllocStage returns n bytes of host memory the device copies to and
-	// from fastest (pinned for a GPU); FreeStage frees it.
-	AllocStage(n int) ([]byte, error)
-	FreeStage([]byte) error
-}
 
 // CopyBatch is a device-to-device copy in parts: each Add is queued at
 // once, Wait returns when all of them are done (also after an error, so
@@ -42,7 +25,21 @@ type CopyBatch interface {
 // opens engines' allocations by IPC handle and copies between, into and
 // out of them.
 type Device interface {
-	Copier
+	// Gather and Scatter move bytes between the device's memory and host
+	// staging buffers, the two ends of every staged path: the writer
+	// gathers source pages into a staging buffer, the bytes cross the
+	// link, the receiver scatters them.
+	//
+	// Gather copies the spans, in order and back to back, into stage and
+	// returns once they are all there. len(stage) >= their total.
+	Gather(stage []byte, spans []Span) error
+	// Scatter copies stage, back to back, into the spans in order and
+	// returns once the bytes are in the device's memory.
+	Scatter(spans []Span, stage []byte) error
+	// AllocStage returns n bytes of host memory the device copies to and
+	// from fastest (pinned for a GPU); FreeStage frees it.
+	AllocStage(n int) ([]byte, error)
+	FreeStage([]byte) error
 	Ordinal() int
 	// OpenIPC maps an engine's allocation and returns its base here.
 	OpenIPC(cuda.Handle) (uint64, error)
@@ -107,44 +104,34 @@ func (d *cudaDevice) Locate(ptr uint64) (int, error) {
 
 func (d *cudaDevice) Begin(pieces int) (CopyBatch, error) { return d.cp.Begin(pieces) }
 
-// stageRuns pairs the spans with consecutive ranges of stage, in the
-// direction toStage says.
-func stageRuns(stage []byte, spans []Span, toStage bool) ([]cuda.Run, error) {
-	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(stage))))
-	runs := make([]cuda.Run, 0, len(spans))
-	var off uint64
-	for _, s := range spans {
-		if s.Len > uint64(len(stage))-off {
-			return nil, fmt.Errorf("spans of more than the %d-byte staging buffer", len(stage))
-		}
-		if toStage {
-			runs = append(runs, cuda.Run{Src: s.Addr, Dst: base + off, Len: s.Len})
-		} else {
-			runs = append(runs, cuda.Run{Src: base + off, Dst: s.Addr, Len: s.Len})
-		}
-		off += s.Len
-	}
-	return runs, nil
-}
-
 // stageCopyMode: staging copies go as one cuMemcpy per run, on the copy
 // engines; on the H200 the kernel through mapped pinned memory staged every
 // other page at 2.96 GB/s against 4.73 (bench/RESULTS.md, issue 28).
 var stageCopyMode = cmp.Or(gpuCopyMode, cuda.CopyMemcpy)
 
-func (d *cudaDevice) Gather(stage []byte, spans []Span) error {
-	runs, err := stageRuns(stage, spans, true)
-	if err == nil {
-		_, err = d.cp.CopyHost(runs, stageCopyMode)
-	}
-	return err
+func (d *cudaDevice) Gather(stage []byte, spans []Span) error { return d.copyStage(stage, spans, true) }
+func (d *cudaDevice) Scatter(spans []Span, stage []byte) error {
+	return d.copyStage(stage, spans, false)
 }
 
-func (d *cudaDevice) Scatter(spans []Span, stage []byte) error {
-	runs, err := stageRuns(stage, spans, false)
-	if err == nil {
-		_, err = d.cp.CopyHost(runs, stageCopyMode)
+// copyStage copies between the spans and consecutive ranges of stage, into
+// stage or out of it as toStage says.
+func (d *cudaDevice) copyStage(stage []byte, spans []Span, toStage bool) error {
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(stage))))
+	runs := make([]cuda.Run, 0, len(spans))
+	var off uint64
+	for _, s := range spans {
+		if s.Len > uint64(len(stage))-off {
+			return fmt.Errorf("spans of more than the %d-byte staging buffer", len(stage))
+		}
+		r := cuda.Run{Src: s.Addr, Dst: base + off, Len: s.Len}
+		if !toStage {
+			r.Src, r.Dst = r.Dst, r.Src
+		}
+		runs = append(runs, r)
+		off += s.Len
 	}
+	_, err := d.cp.CopyHost(runs, stageCopyMode)
 	return err
 }
 
@@ -152,38 +139,3 @@ func (d *cudaDevice) AllocStage(n int) ([]byte, error) { return d.AllocHost(n) }
 func (d *cudaDevice) FreeStage(b []byte) error         { return d.FreeHost(b) }
 
 func (d *cudaDevice) Close() error { return errors.Join(d.cp.Close(), d.Device.Close()) }
-
-// devices opens each device once, on first use, and closes them together.
-type devices struct {
-	gpus GPUs
-	mu   sync.Mutex
-	open map[int]Device
-}
-
-func (ds *devices) get(ordinal int) (Device, error) {
-	ds.mu.Lock()
-	defer ds.mu.Unlock()
-	if d := ds.open[ordinal]; d != nil {
-		return d, nil
-	}
-	d, err := ds.gpus.Open(ordinal)
-	if err != nil {
-		return nil, fmt.Errorf("open GPU %d: %w", ordinal, err)
-	}
-	if ds.open == nil {
-		ds.open = map[int]Device{}
-	}
-	ds.open[ordinal] = d
-	return d, nil
-}
-
-func (ds *devices) close() error {
-	ds.mu.Lock()
-	defer ds.mu.Unlock()
-	var err error
-	for o, d := range ds.open {
-		err = errors.Join(err, d.Close())
-		delete(ds.open, o)
-	}
-	return err
-}

@@ -6,7 +6,7 @@ import (
 )
 
 // dialOnce shares one dial per address among the callers that ask for it
-// at the same time (room peers and memory links alike).
+// at the same time.
 type dialOnce[T any] map[string]*dialCall[T]
 
 type dialCall[T any] struct {

@@ -35,15 +35,15 @@ var gpuCopyMode = map[string]cuda.CopyMode{"kernel": cuda.CopyKernel, "memcpy": 
 // gpuPlane is a MemoryPlane's GPU state; its zero value opens the device on
 // first use.
 type gpuPlane struct {
-	init sync.Once
-	devs devices
+	gpus GPUs
 	dev  Device // where engines' allocations are opened (device 0)
 	err  error
 	host string // the plane's host id: peers' handles open only on the same host
 
 	mu      sync.Mutex
-	closed  bool         // set by close: no device opens, no region joins
-	regions []*gpuRegion // sorted by base
+	closed  bool           // set by close: no device opens, no region joins
+	opened  map[int]Device // each device opened once, on first use, by ordinal
+	regions []*gpuRegion   // sorted by base
 	imports map[gpuImportKey]*gpuImport
 	// peers maps a peer region (by link and ID) to where it is mapped here;
 	// pmu is write-held to drop imports no peer table names any more.
@@ -98,20 +98,13 @@ type gpuRegion struct {
 
 func (r *gpuRegion) end() uint64 { return r.base + r.n }
 
-// place is where r's memory lives.
-func (g *gpuPlane) place(r *gpuRegion) Place {
-	return Place{Kind: wire.MemCUDA, Device: r.dev.Ordinal(), Host: g.host}
-}
-
-func (g *gpuPlane) open(p *MemoryPlane) error {
-	g.init.Do(func() {
-		g.devs.gpus = p.cfg.GPUs
-		if g.dev, g.err = g.devs.get(0); g.err != nil {
-			return
-		}
-		g.host = p.host
+// openLocked opens device 0 on first use; a failure sticks.
+func (g *gpuPlane) openLocked(p *MemoryPlane) error {
+	if g.dev == nil && g.err == nil {
+		g.gpus, g.host = p.cfg.GPUs, p.host
 		g.imports, g.peers, g.seen = map[gpuImportKey]*gpuImport{}, map[gpuPeerKey]gpuPeer{}, map[*memLink]*wire.MemRegion{}
-	})
+		g.dev, g.err = g.deviceLocked(0)
+	}
 	return g.err
 }
 
@@ -137,35 +130,28 @@ func (g *gpuPlane) importLocked(dev Device, h cuda.Handle) (*gpuImport, error) {
 	return imp, nil
 }
 
-// importOwnLocked opens h in the context of the device its memory is on:
-// opened from device 0 first (peer access comes lazily), then again from
-// its own device if that is another.
-func (g *gpuPlane) importOwnLocked(h cuda.Handle) (*gpuImport, error) {
-	imp, err := g.importLocked(g.dev, h)
-	if err != nil {
-		return nil, err
+// importHomeLocked opens h from dev's context first (peer access comes
+// lazily) and, if its memory is on another device ord and stay(ord) is
+// false, again in ord's context instead (moved).
+func (g *gpuPlane) importHomeLocked(dev Device, h cuda.Handle, stay func(ord int) bool) (imp *gpuImport, moved bool, err error) {
+	if imp, err = g.importLocked(dev, h); err != nil {
+		return nil, false, err
 	}
-	ord, err := g.dev.Locate(imp.ptr)
-	if err != nil {
-		return nil, errors.Join(err, g.releaseLocked(imp))
+	ord, err := dev.Locate(imp.ptr)
+	if err == nil && (ord == dev.Ordinal() || stay(ord)) {
+		return imp, false, nil
 	}
-	if ord == g.dev.Ordinal() {
-		return imp, nil
+	var home Device
+	if err == nil {
+		home, err = g.deviceLocked(ord)
 	}
-	return g.reimportLocked(imp, h, ord)
-}
-
-// reimportLocked opens h, opened as imp, again in device ord's context
-// instead.
-func (g *gpuPlane) reimportLocked(imp *gpuImport, h cuda.Handle, ord int) (*gpuImport, error) {
-	dev, err := g.devs.get(ord)
-	if err != nil {
-		return nil, errors.Join(err, g.releaseLocked(imp))
+	if rerr := g.releaseLocked(imp); err != nil || rerr != nil {
+		return nil, false, errors.Join(err, rerr)
 	}
-	if err := g.releaseLocked(imp); err != nil {
-		return nil, err
+	if imp, err = g.importLocked(home, h); err != nil {
+		return nil, false, fmt.Errorf("on GPU %d: %w", ord, err)
 	}
-	return g.importLocked(dev, h)
+	return imp, true, nil
 }
 
 func (g *gpuPlane) releaseLocked(imp *gpuImport) error {
@@ -189,17 +175,6 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	case length > maxMemoryRegion:
 		return fmt.Errorf("register cuda memory: %d bytes is too large", length)
 	}
-	// Opened under mu, which close takes first: a device opened after close
-	// would never be closed.
-	g.mu.Lock()
-	err := ErrClosed
-	if !g.closed {
-		err = g.open(p)
-	}
-	g.mu.Unlock()
-	if err != nil {
-		return fmt.Errorf("register cuda memory: %w", err)
-	}
 	var h cuda.Handle
 	copy(h[:], handle)
 	// The ID comes first: table() holds p.mu while it takes g.mu.
@@ -211,10 +186,16 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	if closed {
 		return ErrClosed
 	}
+	// The device opens under mu, which close takes first: one opened after
+	// close would never be closed (and close's drop would miss this region).
 	g.mu.Lock()
-	if g.closed { // close ran since: its drop would miss this region
+	err := ErrClosed
+	if !g.closed {
+		err = g.openLocked(p)
+	}
+	if err != nil {
 		g.mu.Unlock()
-		return ErrClosed
+		return fmt.Errorf("register cuda memory: %w", err)
 	}
 	var replaced *gpuRegion
 	for _, r := range g.regions {
@@ -226,7 +207,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 			replaced = r
 		}
 	}
-	imp, err := g.importOwnLocked(h)
+	imp, _, err := g.importHomeLocked(g.dev, h, func(int) bool { return false })
 	if err != nil {
 		g.mu.Unlock()
 		return fmt.Errorf("register cuda memory: open IPC handle: %w", err)
@@ -302,25 +283,46 @@ func (g *gpuPlane) dropSession(p *MemoryPlane, s *MemorySession, push bool) erro
 	return err
 }
 
-// close drops every region and peer import and frees the device.
+// deviceLocked opens device ordinal once, on first use.
+func (g *gpuPlane) deviceLocked(ordinal int) (Device, error) {
+	if d := g.opened[ordinal]; d != nil {
+		return d, nil
+	}
+	d, err := g.gpus.Open(ordinal)
+	if err != nil {
+		return nil, fmt.Errorf("open GPU %d: %w", ordinal, err)
+	}
+	if g.opened == nil {
+		g.opened = map[int]Device{}
+	}
+	g.opened[ordinal] = d
+	return d, nil
+}
+
+// close drops every region and peer import, then frees the staging memory
+// (staging.go) and the devices it is pinned on.
 func (g *gpuPlane) close(p *MemoryPlane) error {
 	g.mu.Lock()
 	g.closed = true
-	opened := g.dev != nil
 	g.mu.Unlock()
-	if !opened {
-		return g.closePools() // host staging memory (staging.go)
-	}
 	err := g.dropSession(p, nil, false)
 	g.pmu.Lock()
+	defer g.pmu.Unlock()
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	for k, pr := range g.peers {
 		delete(g.peers, k)
 		err = errors.Join(err, g.releaseLocked(pr.imp))
 	}
-	g.mu.Unlock()
-	g.pmu.Unlock()
-	return errors.Join(err, g.closePools(), g.devs.close())
+	for o, sp := range g.pools {
+		err = errors.Join(err, sp.close())
+		delete(g.pools, o)
+	}
+	for o, d := range g.opened {
+		err = errors.Join(err, d.Close())
+		delete(g.opened, o)
+	}
+	return err
 }
 
 func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
@@ -414,14 +416,12 @@ func parseGPUKey(k []byte) (h cuda.Handle, off uint64, dev int, host string, err
 
 // peerPlace is where a peer region lives, as its table says.
 func peerPlace(r wire.MemRegion) Place {
-	if r.Kind != wire.MemCUDA {
-		return Place{Kind: r.Kind, Device: -1}
+	if r.Kind == wire.MemCUDA {
+		if _, _, dev, host, err := parseGPUKey(r.RKey); err == nil {
+			return Place{Kind: r.Kind, Device: dev, Host: host}
+		}
 	}
-	_, _, dev, host, err := parseGPUKey(r.RKey)
-	if err != nil {
-		return Place{Kind: r.Kind, Device: -1}
-	}
-	return Place{Kind: r.Kind, Device: dev, Host: host}
+	return Place{Kind: r.Kind, Device: -1}
 }
 
 // prune drops peer imports whose region left l's table (or whose link
@@ -503,19 +503,9 @@ func (g *gpuPlane) peerLocked(l *memLink, r wire.MemRegion, dev Device) (gpuPeer
 	if host != g.host {
 		return gpuPeer{}, errStaged
 	}
-	imp, err := g.importLocked(dev, h)
+	imp, local, err := g.importHomeLocked(dev, h, func(ord int) bool { return g.gpus.PeerAccess(dev.Ordinal(), ord) })
 	if err != nil {
 		return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle: %w", r.ID, err)
-	}
-	ord, err := dev.Locate(imp.ptr)
-	if err != nil {
-		return gpuPeer{}, errors.Join(err, g.releaseLocked(imp))
-	}
-	local := ord != dev.Ordinal() && !g.devs.gpus.PeerAccess(dev.Ordinal(), ord)
-	if local {
-		if imp, err = g.reimportLocked(imp, h, ord); err != nil {
-			return gpuPeer{}, fmt.Errorf("open peer region %d's IPC handle on GPU %d: %w", r.ID, ord, err)
-		}
 	}
 	if imp.size != 0 && off+r.Len > imp.size {
 		return gpuPeer{}, errors.Join(fmt.Errorf("peer region %d runs past its allocation", r.ID), g.releaseLocked(imp))
@@ -531,18 +521,11 @@ const gpuChunk = 4096
 
 // write moves GPU triples into the peer engine's GPU memory behind l.
 func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple) error {
-	dev, staged, err := g.route(ctx, l, ts[0])
-	if err != nil {
-		return err
-	}
-	if staged {
-		return g.writeStaged(ctx, p, l, dev, ts)
-	}
 	pieces := 0
 	for _, t := range ts {
 		pieces += cuda.Pieces(t.Len)
 	}
-	return g.move(ctx, p, l, dev, len(ts) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+	return g.move(ctx, p, l, ts, len(ts) > 2*gpuChunk, pieces, func(dev Device, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
 		runs := gpuRuns.Get().(*[]cuda.Run)
 		defer gpuRuns.Put(runs)
 		var total uint64
@@ -565,13 +548,6 @@ func (g *gpuPlane) write(ctx context.Context, p *MemoryPlane, l *memLink, ts []T
 // writePages moves a page write of GPU memory (ts: w.mergedTriples()) into
 // the peer engine behind l.
 func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w *PageWrite, ts []Triple) error {
-	dev, staged, err := g.route(ctx, l, ts[0])
-	if err != nil {
-		return err
-	}
-	if staged {
-		return g.writeStaged(ctx, p, l, dev, ts)
-	}
 	prs := w.runs()
 	pieces := 0
 	for _, b := range w.Bufs {
@@ -579,23 +555,29 @@ func (g *gpuPlane) writePages(ctx context.Context, p *MemoryPlane, l *memLink, w
 			pieces += cuda.Pieces(r.count * b.PageLen)
 		}
 	}
-	return g.move(ctx, p, l, dev, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
+	return g.move(ctx, p, l, ts, len(w.Bufs)*len(prs) > 2*gpuChunk, pieces, func(dev Device, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error) {
 		srcs, err := g.pageRuns(ctx, l, dev, w, prs, srcs, emit)
 		return srcs, w.Bytes(), err
 	})
 }
 
-// move copies the runs list hands to emit (in parts of at most gpuChunk;
-// list read-locks the source regions and adds them to srcs, as resolve
-// does). A write of few runs goes in one copy, for which the copier picks
-// a kernel or a copy per run; a big one (parts) in one kernel launch per
-// part (pieces: the descriptors they need), each queued as soon as it is
-// listed, so listing the next overlaps copying this one. Resolve time
-// counts listing (and queueing); copy time what the GPU still needed after.
-func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Device, parts bool, pieces int,
-	list func(srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error)) error {
-	if err := g.prune(l); err != nil {
-		p.log.Warn("close peer GPU mappings: " + err.Error())
+// move writes ts: by the staged path where route says so, else by copying
+// the runs list hands to emit (in parts of at most gpuChunk; list reads
+// the sources on dev, read-locking their regions and adding them to srcs,
+// as resolve does). A write of few runs goes in one copy, for which the
+// copier picks a kernel or a copy per run; a big one (parts) in one kernel
+// launch per part (pieces: the descriptors they need), each queued as soon
+// as it is listed, so listing the next overlaps copying this one. Resolve
+// time counts listing (and queueing); copy time what the GPU still needed
+// after.
+func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, ts []Triple, parts bool, pieces int,
+	list func(dev Device, srcs []*gpuRegion, emit func([]cuda.Run) error) ([]*gpuRegion, uint64, error)) error {
+	dev, staged, err := g.route(ctx, l, ts[0]) // prunes l's stale imports
+	if err != nil {
+		return err
+	}
+	if staged {
+		return g.writeStaged(ctx, p, l, dev, ts)
 	}
 	g.pmu.RLock()
 	defer g.pmu.RUnlock()
@@ -611,7 +593,6 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Dev
 	emit := func(rs []cuda.Run) error { *all = append(*all, rs...); return nil }
 	var b CopyBatch
 	if parts = parts && gpuCopyMode != cuda.CopyMemcpy; parts {
-		var err error
 		if b, err = dev.Begin(pieces); err != nil {
 			return fmt.Errorf("GPU copy: %w", err)
 		}
@@ -619,8 +600,7 @@ func (g *gpuPlane) move(ctx context.Context, p *MemoryPlane, l *memLink, dev Dev
 	}
 	start := time.Now()
 	var total uint64
-	var err error
-	srcs, total, err = list(srcs, emit)
+	srcs, total, err = list(dev, srcs, emit)
 	if err == nil {
 		err = ctx.Err()
 	}

@@ -59,7 +59,7 @@ func TestRegisterCUDAFailsCleanly(t *testing.T) {
 }
 
 // A handle whose memory the driver cannot place fails the registration
-// and is closed again (importOwnLocked used to keep it open).
+// and is closed again (importHomeLocked used to keep it open).
 func TestRegisterCUDAClosesWhatItCannotLocate(t *testing.T) {
 	gpus := newHostGPUs(t)
 	m := gpuSide(t, gpus, "tcp", "h1", time.Second)

@@ -2,6 +2,7 @@ package kvtransfer
 
 import (
 	"cmp"
+	"maps"
 	"slices"
 	"strings"
 
@@ -41,10 +42,7 @@ type PlaneStatus struct {
 // Paths reports every link's paths, computed from the current tables.
 func (p *MemoryPlane) Paths() PlaneStatus {
 	p.mu.Lock()
-	links := make([]*memLink, 0, len(p.links))
-	for l := range p.links {
-		links = append(links, l)
-	}
+	links := slices.Collect(maps.Keys(p.links))
 	p.mu.Unlock()
 	st := PlaneStatus{Host: p.host, Links: make([]LinkStatus, 0, len(links))}
 	for _, l := range links {
@@ -60,7 +58,7 @@ func (p *MemoryPlane) localPlaces() []Place {
 	places := []Place{HostPlace(p.host)}
 	p.gpu.mu.Lock()
 	for _, r := range p.gpu.regions {
-		if pl := p.gpu.place(r); !slices.Contains(places, pl) {
+		if pl := (Place{Kind: wire.MemCUDA, Device: r.dev.Ordinal(), Host: p.gpu.host}); !slices.Contains(places, pl) {
 			places = append(places, pl)
 		}
 	}
@@ -124,12 +122,11 @@ func (l *memLink) status() LinkStatus {
 	st := LinkStatus{Peer: l.remote.Name, Addr: l.remote.ListenAddr, PeerHost: host, Transport: l.p.cfg.Transport.Name(), Paths: []PairPath{}}
 	for _, src := range l.p.localPlaces() {
 		for _, dst := range l.remotePlaces(host) {
-			pp := PairPath{Src: src.String(), Dst: dst.String()}
 			path, err := l.pathTo(src, dst)
+			pp := PairPath{Src: src.String(), Dst: dst.String(), Path: path}
 			if err != nil {
 				pp.Error = err.Error()
 			}
-			pp.Path = path
 			st.Paths = append(st.Paths, pp)
 		}
 	}

@@ -17,7 +17,8 @@ type PagePair struct{ Src, Dst uint32 }
 // PageWrite moves every pair of pages in every buffer: SGLang moves the same
 // page indexes in each layer's K and V buffer, so this holds a
 // 32-layer write of n pages in 64 buffers and n pairs instead of 64n
-// triples. It means the triples Triples lists, in that order.
+// triples. It means those triples buffer by buffer, each buffer's pairs in
+// order.
 type PageWrite struct {
 	Bufs  []PageBuf
 	Pairs []PagePair
@@ -68,17 +69,6 @@ func (w *PageWrite) Check() error {
 		}
 	}
 	return nil
-}
-
-// Triples lists w's ranges: each buffer's pairs in order.
-func (w *PageWrite) Triples() []Triple {
-	ts := make([]Triple, 0, w.Count())
-	for _, b := range w.Bufs {
-		for _, p := range w.Pairs {
-			ts = append(ts, Triple{Src: b.Src + uint64(p.Src)*b.PageLen, Dst: b.Dst + uint64(p.Dst)*b.PageLen, Len: b.PageLen})
-		}
-	}
-	return ts
 }
 
 // pageRun is count pages following Src and Dst on both sides.

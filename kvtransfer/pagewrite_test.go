@@ -10,6 +10,18 @@ import (
 	"github.com/pdrouter/pdrouter/cuda"
 )
 
+// Triples lists w's ranges: each buffer's pairs in order (what a page
+// write means).
+func (w *PageWrite) Triples() []Triple {
+	ts := make([]Triple, 0, w.Count())
+	for _, b := range w.Bufs {
+		for _, p := range w.Pairs {
+			ts = append(ts, Triple{Src: b.Src + uint64(p.Src)*b.PageLen, Dst: b.Dst + uint64(p.Dst)*b.PageLen, Len: b.PageLen})
+		}
+	}
+	return ts
+}
+
 func TestPageWriteExpands(t *testing.T) {
 	w := PageWrite{
 		Bufs:  []PageBuf{{Src: 1000, Dst: 5000, PageLen: 10}, {Src: 2000, Dst: 6000, PageLen: 4}},

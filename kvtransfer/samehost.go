@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -214,12 +215,9 @@ func (e *shmEndpoint) Forget(k RemoteKey) {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for i, x := range e.maps {
-		if x == m {
-			_ = unmap(m.mem)
-			e.maps = append(e.maps[:i], e.maps[i+1:]...)
-			return
-		}
+	if i := slices.Index(e.maps, m); i >= 0 {
+		_ = unmap(m.mem)
+		e.maps = slices.Delete(e.maps, i, i+1)
 	}
 }
 
@@ -344,27 +342,19 @@ func (l *shmLiveness) make() error {
 		return fmt.Errorf("shm transport: liveness memfd: %w", err)
 	}
 	var st unix.Stat_t
-	if err := unix.Ftruncate(fd, shmLiveBytes); err == nil {
+	var ptr unsafe.Pointer
+	if err = unix.Ftruncate(fd, shmLiveBytes); err == nil {
 		err = unix.Fstat(fd, &st)
 	}
-	var w []uint64
 	if err == nil {
-		w, err = mapWords(fd)
+		ptr, err = unix.MmapPtr(fd, 0, nil, shmLiveBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	}
 	if err != nil {
 		unix.Close(fd)
 		return fmt.Errorf("shm transport: liveness memfd: %w", err)
 	}
-	l.fd, l.ino, l.words = fd, st.Ino, w
+	l.fd, l.ino, l.words = fd, st.Ino, unsafe.Slice((*uint64)(ptr), shmLiveWords)
 	return nil
-}
-
-func mapWords(fd int) ([]uint64, error) {
-	ptr, err := unix.MmapPtr(fd, 0, nil, shmLiveBytes, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		return nil, fmt.Errorf("shm transport: map liveness words: %w", err)
-	}
-	return unsafe.Slice((*uint64)(ptr), shmLiveWords), nil
 }
 
 func wordBytes(w []uint64) []byte {

@@ -317,12 +317,7 @@ func (l *memLink) postHost(fs *flights, f slotFill, from []memRun) error {
 	for _, r := range from {
 		off += copy(buf[off:], r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
-	reg, err := pool.registration(l.p.mt, buf)
-	if err != nil {
-		return errors.Join(err, pool.put(buf))
-	}
-	f.ops = []MemoryOp{{Local: reg, Len: uint64(off)}}
-	return fs.post(f, func() error { return pool.put(buf) })
+	return l.putChunk(fs, pool, stagedChunk{buf: buf[:off], pieces: f.pieces})
 }
 
 // needsRing reports whether host run r cannot go by a direct put: UCX

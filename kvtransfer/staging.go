@@ -50,14 +50,11 @@ type stagePool struct {
 func (sp *stagePool) get() ([]byte, error) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
+	var b []byte
+	var err error
 	if n := len(sp.idle); n > 0 {
-		b := sp.idle[n-1]
-		sp.idle = sp.idle[:n-1]
-		sp.out++
-		return b, nil
-	}
-	b, err := sp.alloc(stageBytes)
-	if err != nil {
+		b, sp.idle = sp.idle[n-1], sp.idle[:n-1]
+	} else if b, err = sp.alloc(stageBytes); err != nil {
 		return nil, fmt.Errorf("allocate a staging buffer: %w", err)
 	}
 	sp.out++
@@ -133,15 +130,12 @@ func (sp *stagePool) unregisterLocked(b []byte) error {
 func (sp *stagePool) getRing(n int) ([]byte, error) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	for i, b := range sp.rings {
-		if len(b) == n {
-			sp.rings = slices.Delete(sp.rings, i, i+1)
-			sp.lent++
-			return b, nil
-		}
-	}
-	b, err := sp.alloc(n)
-	if err != nil {
+	var b []byte
+	var err error
+	if i := slices.IndexFunc(sp.rings, func(b []byte) bool { return len(b) == n }); i >= 0 {
+		b = sp.rings[i] // before Delete, which clears the slot it vacates
+		sp.rings = slices.Delete(sp.rings, i, i+1)
+	} else if b, err = sp.alloc(n); err != nil {
 		return nil, fmt.Errorf("allocate a staging ring: %w", err)
 	}
 	sp.lent++
@@ -154,13 +148,6 @@ func (sp *stagePool) putRing(b []byte) error {
 	sp.lent--
 	sp.rings = append(sp.rings, b)
 	return nil
-}
-
-// outstanding counts buffers and rings handed out and not yet returned.
-func (sp *stagePool) outstanding() (bufs, rings int) {
-	sp.mu.Lock()
-	defer sp.mu.Unlock()
-	return sp.out, sp.lent
 }
 
 // close frees the pool's buffers; every one must have come back.
@@ -208,33 +195,6 @@ func (g *gpuPlane) devPool() *stagePool {
 	dev := g.dev
 	g.mu.Unlock()
 	return g.pool(dev)
-}
-
-// stagedOut is the number of staging buffers (and rings) handed out on
-// every device.
-func (g *gpuPlane) stagedOut() (bufs, rings int) {
-	g.mu.Lock()
-	pools := make([]*stagePool, 0, len(g.pools))
-	for _, sp := range g.pools {
-		pools = append(pools, sp)
-	}
-	g.mu.Unlock()
-	for _, sp := range pools {
-		b, r := sp.outstanding()
-		bufs, rings = bufs+b, rings+r
-	}
-	return bufs, rings
-}
-
-func (g *gpuPlane) closePools() error {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	var err error
-	for o, sp := range g.pools {
-		err = errors.Join(err, sp.close())
-		delete(g.pools, o)
-	}
-	return err
 }
 
 // stagedRun is one merged range of a staged write: n bytes from device
@@ -340,7 +300,10 @@ func (l *memLink) sendStaged(ctx context.Context, pool *stagePool, chunk int, ru
 		}
 		return serr
 	})
-	return stagedResult(ack, err, gerr)
+	if err == nil && gerr != nil {
+		return fmt.Errorf("gather: %w", gerr)
+	}
+	return fenceResult(ack, err)
 }
 
 // sendInline sends a gathered chunk as one frame: MEM_STAGED names its
@@ -352,15 +315,6 @@ func (l *memLink) sendInline(c stagedChunk) error {
 		return err
 	}
 	return l.conn.WriteData(0, 0, c.buf)
-}
-
-// stagedResult is a staged write's outcome from its fence's answer, the
-// send's error and the gather's.
-func stagedResult(ack *wire.MemFenceAck, err, gerr error) error {
-	if err == nil && gerr != nil {
-		return fmt.Errorf("gather: %w", gerr)
-	}
-	return fenceResult(ack, err)
 }
 
 // pipeline gathers runs into pool's buffers, chunk bytes at most each, on

@@ -29,6 +29,29 @@ const (
 	testChunk = 64 << 10
 )
 
+// stagedOut is the number of staging buffers (and rings) handed out on
+// every device.
+func (g *gpuPlane) stagedOut() (bufs, rings int) {
+	g.mu.Lock()
+	pools := make([]*stagePool, 0, len(g.pools))
+	for _, sp := range g.pools {
+		pools = append(pools, sp)
+	}
+	g.mu.Unlock()
+	for _, sp := range pools {
+		b, r := sp.outstanding()
+		bufs, rings = bufs+b, rings+r
+	}
+	return bufs, rings
+}
+
+// outstanding counts buffers and rings handed out and not yet returned.
+func (sp *stagePool) outstanding() (bufs, rings int) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	return sp.out, sp.lent
+}
+
 func newStagedPair(t *testing.T, transport string, size int, timeout time.Duration) *stagedPair {
 	t.Cleanup(func() { goleak.VerifyNone(t, goleak.IgnoreCurrent()) })
 	if transport == "ucx" {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/pdrouter/pdrouter/ucx"
@@ -137,9 +138,22 @@ func addToBatch(batches []batch, m *ucx.Memory, rk *ucx.Rkey, op ucx.Op) []batch
 	return batches
 }
 
-// write posts the batches and one endpoint flush, then waits for the flush
-// or for ctx to end (peer lost, deadline).
-func (e *ucxEndpoint) write(ctx context.Context, batches []batch) error {
+// Put groups the ops by (local registration, remote key), posts one batch
+// per group (one cgo call each) and one endpoint flush, then waits for the
+// flush or for ctx to end (peer lost, deadline).
+func (e *ucxEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
+	if len(ops) == 0 {
+		return nil
+	}
+	var batches []batch
+	for i, o := range ops {
+		reg, ok1 := o.Local.(*ucxRegistration)
+		rk, ok2 := o.Key.(*ucx.Rkey)
+		if !ok1 || !ok2 {
+			return fmt.Errorf("ucx put: op %d has a registration or key of another transport", i)
+		}
+		batches = addToBatch(batches, reg.m, rk, ucx.Op{LocalOff: o.LocalOff, RemoteOff: o.Remote, Len: o.Len})
+	}
 	done := make(chan error, 1)
 	err := e.u.loop.Submit(func(*ucx.Worker) {
 		if e.closed {
@@ -177,12 +191,9 @@ func (e *ucxEndpoint) write(ctx context.Context, batches []batch) error {
 // dropFlush frees the pending flush that reports to done, if it is still
 // pending; on the loop goroutine.
 func (u *UCX) dropFlush(done chan error) {
-	for i, p := range u.pending {
-		if p.done == done {
-			p.req.Free()
-			u.pending = append(u.pending[:i], u.pending[i+1:]...)
-			return
-		}
+	if i := slices.IndexFunc(u.pending, func(p pendingFlush) bool { return p.done == done }); i >= 0 {
+		u.pending[i].req.Free()
+		u.pending = slices.Delete(u.pending, i, i+1)
 	}
 }
 
@@ -278,7 +289,7 @@ func (u *UCX) WorkerAddress() ([]byte, error) {
 }
 
 func (u *UCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
-	e := &ucxMemEndpoint{ucxEndpoint{u: u}}
+	e := &ucxEndpoint{u: u}
 	err := u.loop.Do(func(w *ucx.Worker) error {
 		var err error
 		e.ep, err = w.ConnectAddress(addr)
@@ -290,10 +301,7 @@ func (u *UCX) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
 	return e, nil
 }
 
-// ucxMemEndpoint is one endpoint to a peer worker for memory writes.
-type ucxMemEndpoint struct{ ucxEndpoint }
-
-func (e *ucxMemEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
+func (e *ucxEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
 	var rk *ucx.Rkey
 	err := e.u.loop.Do(func(*ucx.Worker) error {
 		if e.closed {
@@ -306,25 +314,7 @@ func (e *ucxMemEndpoint) Unpack(rkey []byte) (RemoteKey, error) {
 	return rk, err
 }
 
-// Put groups the ops by (local registration, remote key), posts one batch
-// per group (one cgo call each) and one endpoint flush.
-func (e *ucxMemEndpoint) Put(ctx context.Context, ops []MemoryOp) error {
-	if len(ops) == 0 {
-		return nil
-	}
-	var batches []batch
-	for i, o := range ops {
-		reg, ok1 := o.Local.(*ucxRegistration)
-		rk, ok2 := o.Key.(*ucx.Rkey)
-		if !ok1 || !ok2 {
-			return fmt.Errorf("ucx put: op %d has a registration or key of another transport", i)
-		}
-		batches = addToBatch(batches, reg.m, rk, ucx.Op{LocalOff: o.LocalOff, RemoteOff: o.Remote, Len: o.Len})
-	}
-	return e.write(ctx, batches)
-}
-
-func (e *ucxMemEndpoint) Forget(k RemoteKey) {
+func (e *ucxEndpoint) Forget(k RemoteKey) {
 	rk, ok := k.(*ucx.Rkey)
 	if !ok {
 		return

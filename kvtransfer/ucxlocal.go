@@ -43,12 +43,7 @@ type localRegistration struct {
 
 func (r *localRegistration) RKey() []byte { return r.key }
 
-func (r *localRegistration) Close() error {
-	if r.shm == nil {
-		return r.ucx.Close()
-	}
-	return errors.Join(r.shm.Close(), r.ucx.Close())
-}
+func (r *localRegistration) Close() error { return errors.Join(r.shm.Close(), r.ucx.Close()) }
 
 func (t *UCXLocalSHM) RegisterMemory(b []byte, fd int) (MemoryRegistration, error) {
 	if fd < 0 {
@@ -58,7 +53,7 @@ func (t *UCXLocalSHM) RegisterMemory(b []byte, fd int) (MemoryRegistration, erro
 		if err != nil {
 			return nil, err
 		}
-		return &localRegistration{ucx: u, key: append(make([]byte, shmKeyLen), u.RKey()...)}, nil
+		return &localRegistration{shm: tcpRegistration{}, ucx: u, key: append(make([]byte, shmKeyLen), u.RKey()...)}, nil
 	}
 	s, err := t.shm.RegisterMemory(b, fd)
 	if err != nil {
@@ -103,9 +98,8 @@ func (t *UCXLocalSHM) PeerHost(addr []byte) string {
 
 // sameHost reports whether the peer behind addr shares our host id.
 func (t *UCXLocalSHM) sameHost(addr []byte) bool {
-	host, _, err := splitAddr(addr)
-	ours, oerr := t.shm.WorkerAddress()
-	return err == nil && oerr == nil && host == string(ours)
+	ours, err := t.shm.WorkerAddress()
+	return err == nil && t.PeerHost(addr) == string(ours)
 }
 
 // PeerPath is how host memory moves to the peer behind addr: shm on one
@@ -122,18 +116,17 @@ func (t *UCXLocalSHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	if t.sameHost(addr) {
-		ep, err := t.shm.MemoryEndpoint([]byte(host))
-		if err != nil {
-			return nil, err
-		}
-		return localEndpoint{MemoryEndpoint: ep, shm: true}, nil
+	var ep MemoryEndpoint
+	shm := t.sameHost(addr)
+	if shm {
+		ep, err = t.shm.MemoryEndpoint([]byte(host))
+	} else {
+		ep, err = t.UCX.MemoryEndpoint(ua)
 	}
-	ep, err := t.UCX.MemoryEndpoint(ua)
 	if err != nil {
 		return nil, err
 	}
-	return localEndpoint{MemoryEndpoint: ep}, nil
+	return localEndpoint{MemoryEndpoint: ep, shm: shm}, nil
 }
 
 // localEndpoint is one transport's endpoint, given that transport's half

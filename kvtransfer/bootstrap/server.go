@@ -217,31 +217,24 @@ func (s *Server) register(data body) (int, string) {
 }
 
 func (s *Server) registerLocked(data body) *httpError {
-	var n [10]int64
-	for i, key := range []string{"attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size",
-		"attn_dp_rank", "pp_size", "pp_rank", "system_dp_size", "system_dp_rank"} {
-		v, herr := data.needInt(key)
+	// Read in SGLang's order: the first key missing or not a number is
+	// the one its 500 names.
+	n := map[string]int64{}
+	var ip, dtype any
+	for _, key := range []string{"attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank", "attn_dp_size", "attn_dp_rank",
+		"pp_size", "pp_rank", "system_dp_size", "system_dp_rank", "rank_ip", "rank_port", "page_size", "kv_cache_dtype"} {
+		var herr *httpError
+		switch key {
+		case "rank_ip":
+			ip, herr = data.need(key)
+		case "kv_cache_dtype":
+			dtype, herr = data.need(key)
+		default:
+			n[key], herr = data.needInt(key)
+		}
 		if herr != nil {
 			return herr
 		}
-		n[i] = v
-	}
-	tpSize, tpRank, cpSize, cpRank, dpSize, dpRank, ppSize, ppRank, sysDPSize, sysDPRank := n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], n[8], n[9]
-	ip, herr := data.need("rank_ip")
-	if herr != nil {
-		return herr
-	}
-	port, herr := data.needInt("rank_port")
-	if herr != nil {
-		return herr
-	}
-	pageSize, herr := data.needInt("page_size")
-	if herr != nil {
-		return herr
-	}
-	dtype, herr := data.need("kv_cache_dtype")
-	if herr != nil {
-		return herr
 	}
 	var httpPort *int64
 	if v := data["prefill_http_port"]; v != nil {
@@ -263,15 +256,17 @@ func (s *Server) registerLocked(data body) *httpError {
 		return &httpError{http.StatusBadRequest, "Inconsistent prefill allocation policies"}
 	}
 	s.dsv41SpecLayout, s.decodeAllocationPolicy = spec, policy
-	setOnce(&s.attnTPSize, tpSize)
-	setOnce(&s.attnCPSize, cpSize)
-	if sysDPSize == 1 {
-		setOnce(&s.dpSize, dpSize)
+	setOnce(&s.attnTPSize, n["attn_tp_size"])
+	setOnce(&s.attnCPSize, n["attn_cp_size"])
+	group := n["attn_dp_rank"]
+	if n["system_dp_size"] == 1 {
+		setOnce(&s.dpSize, n["attn_dp_size"])
 	} else {
-		setOnce(&s.dpSize, sysDPSize)
+		setOnce(&s.dpSize, n["system_dp_size"])
+		group = n["system_dp_rank"]
 	}
-	setOnce(&s.ppSize, ppSize)
-	setOnce(&s.pageSize, pageSize)
+	setOnce(&s.ppSize, n["pp_size"])
+	setOnce(&s.pageSize, n["page_size"])
 	if s.kvCacheDtype == nil {
 		s.kvCacheDtype = dtype
 	}
@@ -290,11 +285,7 @@ func (s *Server) registerLocked(data body) *httpError {
 	}
 	setOnce(&s.enableDSA, truthy(data["enable_dsa_cache_layer_split"]))
 	setOnce(&s.enableSharding, truthy(data["enable_kv_cache_sharding"]))
-	group := dpRank
-	if sysDPSize != 1 {
-		group = sysDPRank
-	}
-	s.ranks[rankKey{group, cpRank, tpRank, ppRank}] = RankAddr{RankIP: pyStr(ip), RankPort: port}
+	s.ranks[rankKey{group, n["attn_cp_rank"], n["attn_tp_rank"], n["pp_rank"]}] = RankAddr{RankIP: pyStr(ip), RankPort: n["rank_port"]}
 	s.registered++
 	return nil
 }
@@ -564,11 +555,7 @@ func (s *Server) topologyLocked() pyObject {
 	}
 	o.set("decode_allocation_policy", s.decodeAllocationPolicy)
 	o.set("enable_kv_cache_sharding", s.enableSharding != nil && *s.enableSharding)
-	if s.prefillHTTPPort == nil {
-		o.set("prefill_http_port", nil)
-	} else {
-		o.set("prefill_http_port", *s.prefillHTTPPort)
-	}
+	o.set("prefill_http_port", s.prefillHTTPPort) // nil: null
 	for _, k := range []string{"target_tp_rank", "target_tp_ranks", "target_cp_ranks", "target_pp_ranks", "required_dst_info_num", "required_prefill_response_num"} {
 		o.set(k, nil)
 	}

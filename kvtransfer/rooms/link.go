@@ -29,10 +29,8 @@ type roomLink struct {
 
 	since time.Time // when rooms started using the link
 
-	ctx    context.Context // ends when the link is lost or rooms close
+	ctx    context.Context // ends when the link is lost or rooms close: stops its goroutines
 	cancel context.CancelFunc
-	done   chan struct{} // closed by stop
-	once   sync.Once
 }
 
 // item is one entry of a link's send queue: a message, or a job. sent,
@@ -53,7 +51,7 @@ func (e *Rooms) roomLinkLocked(l kvtransfer.Link) *roomLink {
 		return nil
 	}
 	ctx, cancel := context.WithCancel(e.ctx)
-	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), ctx: ctx, cancel: cancel, done: make(chan struct{})}
+	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
 	rl.since = time.Now()
 	e.links[l] = rl
 	e.wg.Add(2)
@@ -72,19 +70,11 @@ func (rl *roomLink) enqueue(it item) {
 	}
 }
 
-// stop ends the link's goroutines (not the link).
-func (rl *roomLink) stop() {
-	rl.once.Do(func() {
-		close(rl.done)
-		rl.cancel()
-	})
-}
-
 func (rl *roomLink) send() {
 	defer rl.e.wg.Done()
 	for {
 		select {
-		case <-rl.done:
+		case <-rl.ctx.Done():
 			return
 		case <-rl.wake:
 		}
@@ -118,7 +108,7 @@ func (rl *roomLink) heartbeat() {
 	var seq uint64
 	for {
 		select {
-		case <-rl.done:
+		case <-rl.ctx.Done():
 			return
 		case <-t.C:
 		}
@@ -177,9 +167,7 @@ func (e *Rooms) linkLost(l kvtransfer.Link, cause error) {
 		for _, r := range rl.rooms {
 			e.failLocked(r, "peer lost: "+cause.Error(), false)
 		}
+		rl.cancel() // its goroutines end, not the link
 	}
 	e.mu.Unlock()
-	if rl != nil {
-		rl.stop()
-	}
 }

@@ -99,25 +99,10 @@ func next(s State, ev event) (to State, ok bool) {
 	return s, false
 }
 
-// role is the side of a transfer a room is on.
-type role uint8
-
-const (
-	prefillRole role = iota
-	decodeRole
-)
-
-func (k role) String() string {
-	if k == prefillRole {
-		return "prefill"
-	}
-	return "decode"
-}
-
 // room is what both roles' rooms hold. Everything is guarded by Rooms.mu.
 type room struct {
 	id    uint64
-	role  role
+	role  string // prefill or decode: the side of the transfer it is on
 	st    Status
 	link  *roomLink // the link it is matched over, set with matched
 	start time.Time // when it was matched
@@ -185,9 +170,9 @@ func (e *Rooms) admitLocked(id uint64) error {
 	return nil
 }
 
-func (e *Rooms) newRoom(id uint64, k role) room {
-	e.m.roomsActive.WithLabelValues(k.String()).Inc()
-	return room{id: id, role: k, st: Status{State: Bootstrapping}, done: make(chan struct{})}
+func (e *Rooms) newRoom(id uint64, role string) room {
+	e.m.roomsActive.WithLabelValues(role).Inc()
+	return room{id: id, role: role, st: Status{State: Bootstrapping}, done: make(chan struct{})}
 }
 
 // stepLocked applies ev to r and reports whether it was legal (an illegal
@@ -255,21 +240,17 @@ func (e *Rooms) finishLocked(r *room, s State, reason string) {
 	if !r.start.IsZero() {
 		r.st.Wall = time.Since(r.start)
 	}
-	if r.role == prefillRole {
-		delete(e.prefills, r.id)
-	} else {
-		delete(e.decodes, r.id)
-	}
+	delete(e.prefills, r.id) // it is in one of them
+	delete(e.decodes, r.id)
 	e.tombs[r.id] = tomb{st: r.st, end: time.Now()}
 	close(r.done)
-	role := r.role.String()
-	e.m.roomsActive.WithLabelValues(role).Dec()
-	e.m.roomsDone.WithLabelValues(role, s.String()).Inc()
+	e.m.roomsActive.WithLabelValues(r.role).Dec()
+	e.m.roomsDone.WithLabelValues(r.role, s.String()).Inc()
 	if s == Success {
-		e.m.duration.WithLabelValues(role).Observe(r.st.Transfer.Seconds())
+		e.m.duration.WithLabelValues(r.role).Observe(r.st.Transfer.Seconds())
 	}
 	if s == Failed {
-		e.log.Info("room failed", zap.Uint64("room", r.id), zap.String("role", role), zap.String("reason", reason))
+		e.log.Info("room failed", zap.Uint64("room", r.id), zap.String("role", r.role), zap.String("reason", reason))
 	}
 }
 
@@ -308,7 +289,7 @@ func (e *Rooms) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot in
 	if err := e.admitLocked(id); err != nil {
 		return err
 	}
-	r := &decodeRoom{room: e.newRoom(id, decodeRole), boot: bootstrapAddr, pages: dst, aux: auxSlot, layout: e.layout}
+	r := &decodeRoom{room: e.newRoom(id, "decode"), boot: bootstrapAddr, pages: dst, aux: auxSlot, layout: e.layout}
 	e.decodes[id] = r
 	e.armLocked(&r.room, e.cfg.BootstrapTimeout, "bootstrap timeout")
 	e.wg.Add(1)
@@ -329,7 +310,11 @@ func (e *Rooms) bootstrap(r *decodeRoom) {
 		case <-ctx.Done():
 		}
 	}()
-	l, err := e.linkFor(ctx, r.boot)
+	var l kvtransfer.Link
+	addr, err := e.cfg.Resolve(ctx, r.boot)
+	if err == nil {
+		l, err = e.p.Link(ctx, addr)
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err != nil {
@@ -345,15 +330,6 @@ func (e *Rooms) bootstrap(r *decodeRoom) {
 		rl.enqueue(item{msg: &wire.XferReq{Room: r.id, AuxSlot: r.aux, PageSize: r.layout.PageSize, Dtype: r.layout.Dtype,
 			Bufs: r.layout.Bufs, DstPages: r.pages}})
 	}
-}
-
-// linkFor returns the link to the kvproxy behind a bootstrap address.
-func (e *Rooms) linkFor(ctx context.Context, bootstrapAddr string) (kvtransfer.Link, error) {
-	addr, err := e.cfg.Resolve(ctx, bootstrapAddr)
-	if err != nil {
-		return kvtransfer.Link{}, err
-	}
-	return e.p.Link(ctx, addr)
 }
 
 // Send (prefill) queues one chunk of room's pages; last marks the final
@@ -389,7 +365,7 @@ func (e *Rooms) Send(id uint64, src []uint32, last bool, srcAux int32) error {
 }
 
 func (e *Rooms) newPrefillLocked(id uint64) *prefillRoom {
-	r := &prefillRoom{room: e.newRoom(id, prefillRole), dstAux: -1}
+	r := &prefillRoom{room: e.newRoom(id, "prefill"), dstAux: -1}
 	e.prefills[id] = r
 	return r
 }
@@ -607,7 +583,7 @@ func (e *Rooms) Abort(id uint64, reason string) error {
 		defer t.Stop()
 		select {
 		case <-sent:
-		case <-rl.done:
+		case <-rl.ctx.Done():
 		case <-t.C:
 		}
 	}

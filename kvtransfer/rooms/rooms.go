@@ -236,15 +236,8 @@ func (e *Rooms) Close() error {
 	}
 	e.closed = true
 	e.failAllLocked("kvproxy closing")
-	links := make([]*roomLink, 0, len(e.links))
-	for _, rl := range e.links {
-		links = append(links, rl)
-	}
 	e.mu.Unlock()
-	for _, rl := range links {
-		rl.stop()
-	}
-	e.cancel()
+	e.cancel() // and every link's context, which derives from it
 	e.wg.Wait()
 	e.p.ClearRoomHandler(planeHook{e})
 	return nil

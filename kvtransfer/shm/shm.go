@@ -4,6 +4,7 @@
 package shm
 
 import (
+	"errors"
 	"fmt"
 
 	"golang.org/x/sys/unix"
@@ -38,10 +39,7 @@ func (s *Segment) Fd() int { return s.fd }
 
 // Close unmaps the segment and closes the fd.
 func (s *Segment) Close() error {
-	err := unix.Munmap(s.Mem)
+	err := errors.Join(unix.Munmap(s.Mem), unix.Close(s.fd))
 	s.Mem = nil
-	if cerr := unix.Close(s.fd); err == nil {
-		err = cerr
-	}
 	return err
 }

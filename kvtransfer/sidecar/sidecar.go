@@ -132,10 +132,6 @@ func Start(cfg Config) (*Sidecar, error) {
 		Logger: log, Registry: reg,
 		BootstrapTimeout: cfg.BootstrapTimeout, WaitingTimeout: cfg.WaitingTimeout, Heartbeat: cfg.Heartbeat,
 	}
-	var boot *bootstrap.Server
-	if cfg.Role == "prefill" && cfg.BootstrapPort >= 0 {
-		boot = bootstrap.NewServer()
-	}
 	if cfg.Role == "decode" {
 		s.resolver = bootstrap.NewResolver(0, "")
 		// Its own connections, so Close leaves no idle ones behind.
@@ -156,16 +152,6 @@ func Start(cfg Config) (*Sidecar, error) {
 		return nil, err
 	}
 	s.ctl = &control.Server{Rooms: s.rooms, Memory: s.mem, Log: log}
-	if boot != nil {
-		peerPort := lns.peer.Addr().(*net.TCPAddr).Port
-		s.ctl.OnLayout = func(l rooms.Layout) {
-			boot.Register(bootstrap.RankInfo{
-				AttnTPSize: 1, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
-				RankIP: cfg.Host, RankPort: peerPort, PageSize: int(l.PageSize), KVCacheDtype: l.Dtype,
-				LoadBalanceMethod: "follow_bootstrap_room",
-			})
-		}
-	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/status", func(w http.ResponseWriter, _ *http.Request) {
@@ -177,7 +163,16 @@ func Start(cfg Config) (*Sidecar, error) {
 	})
 	s.addrs = Addrs{Control: cfg.Control, Metrics: lns.metrics.Addr().String(), Peer: lns.peer.Addr().String()}
 	s.serve(newHTTPServer(mux), lns.metrics)
-	if boot != nil {
+	if lns.boot != nil { // prefill, unless SGLang serves its own
+		boot := bootstrap.NewServer()
+		peerPort := lns.peer.Addr().(*net.TCPAddr).Port
+		s.ctl.OnLayout = func(l rooms.Layout) {
+			boot.Register(bootstrap.RankInfo{
+				AttnTPSize: 1, AttnCPSize: 1, AttnDPSize: 1, PPSize: 1, SystemDPSize: 1,
+				RankIP: cfg.Host, RankPort: peerPort, PageSize: int(l.PageSize), KVCacheDtype: l.Dtype,
+				LoadBalanceMethod: "follow_bootstrap_room",
+			})
+		}
 		s.addrs.Bootstrap = lns.boot.Addr().String()
 		srv := newHTTPServer(lns.boot.vouch(boot))
 		srv.ConnState = lns.boot.track

@@ -3,6 +3,7 @@ package wire
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"math"
 	"unicode/utf8"
 )
@@ -78,6 +79,13 @@ type Dec struct {
 func (d *Dec) fail() {
 	if d.Err == nil {
 		d.Err = ErrMalformed
+	}
+}
+
+// failf fails d saying what was wrong, unless it failed already.
+func (d *Dec) failf(format string, a ...any) {
+	if d.Err == nil {
+		d.Err = fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, a...))
 	}
 }
 

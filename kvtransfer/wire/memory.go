@@ -150,20 +150,20 @@ func encodeMemRegions(e *Enc, rs []MemRegion) {
 	}
 }
 
-func decodeMemRegions(d *Dec) ([]MemRegion, error) {
+func decodeMemRegions(d *Dec) []MemRegion {
 	n := d.U32()
 	if n > maxRegions {
-		return nil, fmt.Errorf("%w: %d regions", ErrMalformed, n)
+		d.failf("%d regions", n)
 	}
 	var rs []MemRegion
 	for i := uint32(0); i < n && d.Err == nil; i++ {
 		r := MemRegion{ID: d.U32(), Kind: MemKind(d.U8()), Base: d.U64(), Len: d.U64(), Addr: d.U64(), RKey: d.Bytes()}
 		if d.Err == nil && (r.Kind > MemCUDA || r.Len == 0 || r.Base+r.Len < r.Base) {
-			return nil, fmt.Errorf("%w: bad memory region %d", ErrMalformed, i)
+			d.failf("bad memory region %d", i)
 		}
 		rs = append(rs, r)
 	}
-	return rs, nil
+	return rs
 }
 
 func (m *MemHello) encode(e *Enc) {
@@ -219,45 +219,37 @@ func (m *MemStageFree) encode(e *Enc) { e.U32(m.Slot) }
 // bytes, and pieces under 512 bytes are not worth staging one by one.
 const maxStagedPieces = MaxDataLen / 512
 
-// decodeMem parses the engine-memory payloads (see Decode).
-func decodeMem(t Type, d *Dec) (Msg, error) {
+// decodeMem parses the engine-memory payloads (see Decode); a bad one
+// fails d.
+func decodeMem(t Type, d *Dec) Msg {
 	switch t {
 	case TMemHello:
-		h := &MemHello{Name: d.String(), Transport: d.String(), WorkerAddr: d.Bytes(), ListenAddr: d.String()}
-		var err error
-		if h.Regions, err = decodeMemRegions(d); err != nil {
-			return nil, err
-		}
-		return h, nil
+		return &MemHello{Name: d.String(), Transport: d.String(), WorkerAddr: d.Bytes(), ListenAddr: d.String(), Regions: decodeMemRegions(d)}
 	case TMemRegionsReq:
-		return &MemRegionsReq{Seq: d.U64()}, nil
+		return &MemRegionsReq{Seq: d.U64()}
 	case TMemRegions:
-		m := &MemRegions{Seq: d.U64()}
-		var err error
-		if m.Regions, err = decodeMemRegions(d); err != nil {
-			return nil, err
-		}
-		return m, nil
+		return &MemRegions{Seq: d.U64(), Regions: decodeMemRegions(d)}
 	case TMemFence:
-		return &MemFence{Seq: d.U64()}, nil
+		return &MemFence{Seq: d.U64()}
 	case TMemFenceAck:
-		return &MemFenceAck{Seq: d.U64(), Err: d.String()}, nil
+		return &MemFenceAck{Seq: d.U64(), Err: d.String()}
 	case TMemStageReq:
-		return &MemStageReq{Seq: d.U64(), SlotLen: d.U32(), Slots: d.U32()}, nil
+		return &MemStageReq{Seq: d.U64(), SlotLen: d.U32(), Slots: d.U32()}
 	case TMemStageRing:
-		return &MemStageRing{Seq: d.U64(), Addr: d.U64(), SlotLen: d.U32(), Slots: d.U32(), RKey: d.Bytes(), Err: d.String()}, nil
+		return &MemStageRing{Seq: d.U64(), Addr: d.U64(), SlotLen: d.U32(), Slots: d.U32(), RKey: d.Bytes(), Err: d.String()}
 	case TMemStaged:
 		m := &MemStaged{Slot: d.U32()}
 		n := d.U32()
 		if n > maxStagedPieces {
-			return nil, fmt.Errorf("%w: %d staged pieces", ErrMalformed, n)
+			d.failf("%d staged pieces", n)
 		}
 		for i := uint32(0); i < n && d.Err == nil; i++ {
 			m.Pieces = append(m.Pieces, StagedPiece{Region: d.U32(), Offset: d.U64(), N: d.U32()})
 		}
-		return m, nil
+		return m
 	case TMemStageFree:
-		return &MemStageFree{Slot: d.U32()}, nil
+		return &MemStageFree{Slot: d.U32()}
 	}
-	return nil, fmt.Errorf("%w: type %s has no control payload", ErrMalformed, t)
+	d.failf("type %s has no control payload", t)
+	return nil
 }

@@ -12,6 +12,7 @@
 package wire
 
 import (
+	"encoding/binary"
 	"fmt"
 )
 
@@ -54,36 +55,14 @@ const (
 	lastType = TMemStageFree
 )
 
+var typeNames = [...]string{TXferReq: "XFER_REQ", TData: "DATA", TDone: "DONE", TAbort: "ABORT", THeartbeat: "HEARTBEAT",
+	TMemHello: "MEM_HELLO", TMemRegionsReq: "MEM_REGIONS_REQ", TMemRegions: "MEM_REGIONS", TMemFence: "MEM_FENCE",
+	TMemFenceAck: "MEM_FENCE_ACK", TMemStageReq: "MEM_STAGE_REQ", TMemStageRing: "MEM_STAGE_RING",
+	TMemStaged: "MEM_STAGED", TMemStageFree: "MEM_STAGE_FREE"}
+
 func (t Type) String() string {
-	switch t {
-	case TXferReq:
-		return "XFER_REQ"
-	case TData:
-		return "DATA"
-	case TDone:
-		return "DONE"
-	case TAbort:
-		return "ABORT"
-	case THeartbeat:
-		return "HEARTBEAT"
-	case TMemHello:
-		return "MEM_HELLO"
-	case TMemRegionsReq:
-		return "MEM_REGIONS_REQ"
-	case TMemRegions:
-		return "MEM_REGIONS"
-	case TMemFence:
-		return "MEM_FENCE"
-	case TMemFenceAck:
-		return "MEM_FENCE_ACK"
-	case TMemStageReq:
-		return "MEM_STAGE_REQ"
-	case TMemStageRing:
-		return "MEM_STAGE_RING"
-	case TMemStaged:
-		return "MEM_STAGED"
-	case TMemStageFree:
-		return "MEM_STAGE_FREE"
+	if int(t) < len(typeNames) && typeNames[t] != "" {
+		return typeNames[t]
 	}
 	return fmt.Sprintf("Type(%d)", uint8(t))
 }
@@ -214,12 +193,12 @@ func Decode(t Type, p []byte) (Msg, error) {
 		x := &XferReq{Room: d.U64(), AuxSlot: d.I32(), PageSize: d.U32(), Dtype: d.String()}
 		n := d.U32()
 		if n > maxRegions {
-			return nil, fmt.Errorf("%w: %d buffers", ErrMalformed, n)
+			d.failf("%d buffers", n)
 		}
 		for i := uint32(0); i < n && d.Err == nil; i++ {
 			b := RoomBuf{Kind: RegionKind(d.U8()), Addr: d.U64(), ItemLen: d.U32(), Items: d.U32()}
 			if d.Err == nil && (b.Kind != KindKV && b.Kind != KindAux || b.ItemLen == 0) {
-				return nil, fmt.Errorf("%w: bad buffer %d", ErrMalformed, i)
+				d.failf("bad buffer %d", i)
 			}
 			x.Bufs = append(x.Bufs, b)
 		}
@@ -228,7 +207,7 @@ func Decode(t Type, p []byte) (Msg, error) {
 	case TDone:
 		dn := &Done{Room: d.U64(), Chunk: d.U32(), Last: d.Bool(), Status: Status(d.U8()), Pages: d.U32(), Bytes: d.U64(), Nanos: d.U64()}
 		if d.Err == nil && dn.Status > StatusFailed {
-			return nil, fmt.Errorf("%w: status %d", ErrMalformed, dn.Status)
+			d.failf("status %d", dn.Status)
 		}
 		m = dn
 	case TAbort:
@@ -236,10 +215,7 @@ func Decode(t Type, p []byte) (Msg, error) {
 	case THeartbeat:
 		m = &Heartbeat{Seq: d.U64()}
 	default:
-		var err error
-		if m, err = decodeMem(t, &d); err != nil {
-			return nil, err
-		}
+		m = decodeMem(t, &d)
 	}
 	if err := d.End(); err != nil {
 		return nil, fmt.Errorf("%s: %w", t, err)
@@ -258,12 +234,8 @@ func AppendFrame(b []byte, m Msg) []byte {
 	if d, ok := m.(*Data); ok {
 		n += int(d.N)
 	}
-	putU32(e.B[start+4:], uint32(n))
+	binary.LittleEndian.PutUint32(e.B[start+4:], uint32(n))
 	return e.B
-}
-
-func putU32(b []byte, v uint32) {
-	b[0], b[1], b[2], b[3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
 }
 
 // ParseHeader checks a frame header and returns its type and payload length.
@@ -278,7 +250,7 @@ func ParseHeader(h []byte) (Type, uint32, error) {
 		return 0, 0, fmt.Errorf("%w: version %d, want %d", ErrMalformed, h[2], Version)
 	}
 	t := Type(h[3])
-	n := uint32(h[4]) | uint32(h[5])<<8 | uint32(h[6])<<16 | uint32(h[7])<<24
+	n := binary.LittleEndian.Uint32(h[4:])
 	switch {
 	case t < TXferReq || t > lastType:
 		return 0, 0, fmt.Errorf("%w: unknown type %d", ErrMalformed, h[3])

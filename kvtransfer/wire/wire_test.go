@@ -2,6 +2,7 @@ package wire
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -171,7 +172,7 @@ func TestMalformed(t *testing.T) {
 }
 
 func withLen(f []byte, n int) []byte {
-	putU32(f[4:], uint32(n))
+	binary.LittleEndian.PutUint32(f[4:], uint32(n))
 	return f
 }
 
