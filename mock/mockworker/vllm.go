@@ -1,7 +1,6 @@
 package mockworker
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -91,7 +90,9 @@ type vllmKV struct {
 	held   map[string]*heldKV
 	next   int
 	pulls  []VLLMPull
-	client *http.Client
+	// idle are the decode's side-channel connections not in use, by
+	// prefill address (vllmpull.go).
+	idle map[string][]*pullConn
 	// sends are the prefill's transfers through kvproxy, which outlive
 	// their requests; stop ends them at Close.
 	sends sync.WaitGroup
@@ -145,10 +146,7 @@ func (s *Server) vllmRoutes(mux *http.ServeMux) http.Handler {
 	s.vkv.engine = "mock-engine-" + s.idPrefix
 	s.vkv.held = map[string]*heldKV{}
 	s.vkv.ctx, s.vkv.stop = context.WithCancel(context.Background())
-	// Pulls reuse their connections, as vLLM's side channels do: a fresh
-	// one per pull cost the mock more CPU than a router's whole request.
-	// close drops the idle ones, so a closed mock leaves none behind.
-	s.vkv.client = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 256, IdleConnTimeout: 30 * time.Second}}
+	s.vkv.idle = map[string][]*pullConn{}
 	mux.HandleFunc("POST /_mock/vllm/pull", s.vllmPull)
 	mux.HandleFunc("GET /_mock/vllm/held", func(w http.ResponseWriter, _ *http.Request) { s.writeAny(w, s.VLLMHeldKV()) })
 	mux.HandleFunc("GET /_mock/vllm/pulls", func(w http.ResponseWriter, _ *http.Request) { s.writeAny(w, s.VLLMPulls()) })
@@ -162,11 +160,8 @@ func (s *Server) vllmRoutes(mux *http.ServeMux) http.Handler {
 }
 
 // vllmAnswer answers a chat or completions request in a vLLM role.
-func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
-	var raw struct {
-		Params json.RawMessage `json:"kv_transfer_params"`
-	}
-	_ = json.Unmarshal(body, &raw) // parseRequest accepted it
+func (s *Server) vllmAnswer(a *answer, r *http.Request) error {
+	params := a.req.kvParams // parseRequest read it
 	fail := func(e *apiError) error {
 		if a.ev != nil { // the stream's head is out
 			return a.ev.write(errorBody(e.status, e.message))
@@ -174,7 +169,7 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 		return writeError(a.w, e)
 	}
 	if s.cfg.Role == RoleVLLMDecode {
-		kv, e := s.vllmFetch(a.ctx, r, raw.Params, a.seqs)
+		kv, e := s.vllmFetch(a.ctx, r, params, a.seqs)
 		if e != nil {
 			if a.ctx.Err() != nil {
 				return errClientGone
@@ -187,8 +182,8 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 		return a.vllmReply()
 	}
 	var p vllmParams
-	if !isNull(raw.Params) {
-		if err := json.Unmarshal(raw.Params, &p); err != nil {
+	if !isNull(params) {
+		if err := json.Unmarshal(params, &p); err != nil {
 			return fail(badRequest("kv_transfer_params: %v", err))
 		}
 	}
@@ -268,9 +263,7 @@ func (k *vllmKV) close() {
 		k.stop()
 	}
 	k.sends.Wait()
-	if k.client != nil {
-		k.client.CloseIdleConnections()
-	}
+	k.closeIdle()
 }
 
 // vllmRoom is the kvproxy room of a held request: both sides derive it from
@@ -453,33 +446,4 @@ func (s *Server) receiveKV(ctx context.Context, xid string, p *decodeParams, seq
 		return nil, errorf(status, "KV transfer failed: from the prefill's kvproxy at %s (room %d): %v", addr, req.Room, err)
 	}
 	return kv, nil
-}
-
-func (s *Server) pullKV(ctx context.Context, xid string, p *decodeParams, digest string) *apiError {
-	b, _ := json.Marshal(pullRequest{EngineID: p.engineID, RequestID: p.requestID, Blocks: p.blocks})
-	url := "http://" + net.JoinHostPort(p.host, strconv.Itoa(p.port)) + "/_mock/vllm/pull"
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
-	if err != nil {
-		return errorf(http.StatusInternalServerError, "KV transfer failed: %v", err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Request-Id", xid)
-	resp, err := s.vkv.client.Do(req)
-	if err != nil {
-		return errorf(http.StatusInternalServerError, "KV transfer failed: prefill %s unreachable: %v", url, err)
-	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	var got struct {
-		Digest  string `json:"digest"`
-		Message string `json:"message"`
-	}
-	_ = json.Unmarshal(out, &got)
-	switch {
-	case resp.StatusCode != http.StatusOK:
-		return errorf(http.StatusInternalServerError, "KV transfer failed: prefill refused (%d): %s", resp.StatusCode, got.Message)
-	case got.Digest != digest:
-		return errorf(http.StatusInternalServerError, "KV transfer failed: the KV pulled is another prompt's")
-	}
-	return nil
 }
