@@ -119,6 +119,20 @@ type vllmParams struct {
 	TPSize          *int            `json:"tp_size"`
 }
 
+// prefillParams is the kv_transfer_params of a vllm-prefill's reply, keys
+// sorted as the map it replaces wrote them (a map cost every reply's
+// encoding a sort and a reflection per key).
+type prefillParams struct {
+	DoRemoteDecode  bool   `json:"do_remote_decode"`
+	DoRemotePrefill bool   `json:"do_remote_prefill"`
+	RemoteBlockIDs  []int  `json:"remote_block_ids"`
+	RemoteEngineID  string `json:"remote_engine_id"`
+	RemoteHost      string `json:"remote_host"`
+	RemotePort      int    `json:"remote_port"`
+	RemoteRequestID string `json:"remote_request_id"`
+	TPSize          int    `json:"tp_size"`
+}
+
 // VLLMHeldKV returns the requests whose KV the prefill keeps.
 func (s *Server) VLLMHeldKV() []VLLMHeld {
 	s.vkv.mu.Lock()
@@ -197,9 +211,8 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request) error {
 		portN = s.cfg.BootstrapPort
 		s.vllmSend(held, a.seqs)
 	}
-	a.vllmParams = map[string]any{"do_remote_prefill": true, "do_remote_decode": false,
-		"remote_block_ids": held.Blocks, "remote_engine_id": s.vkv.engine, "remote_request_id": held.RequestID,
-		"remote_host": host, "remote_port": portN, "tp_size": s.cfg.Engine.TPSize}
+	a.vllmParams = &prefillParams{DoRemotePrefill: true, RemoteBlockIDs: held.Blocks, RemoteEngineID: s.vkv.engine,
+		RemoteRequestID: held.RequestID, RemoteHost: host, RemotePort: portN, TPSize: s.cfg.Engine.TPSize}
 	err := a.vllmReply()
 	if err != nil || a.ctx.Err() != nil { // vLLM aborts a request whose client left: its blocks are freed
 		s.vkv.drop(held.RequestID)
