@@ -21,10 +21,11 @@
 #                 in the same rounds: the prefill alone (its own time, P), the decode alone (its
 #                 first token, D), the prefill behind one nginx hop (nginx adds H) and the
 #                 decode behind one (streamed: H' without the prefill's timer in it). A router
-#                 adds TTFT - P - D, to set against H and H'. The rounds' medians move by about as much
-#                 as what is measured, so each round's added times come from its own P, D and
-#                 H, the targets' order reverses every other round, and the table gives the
-#                 median over LAT_ROUNDS rounds with the rounds' spread (min–max).
+#                 adds TTFT - P - D, to set against H and H'. The box's load moves TTFT by more
+#                 than what is measured from one second to the next, so all targets are timed at
+#                 the same time (a pdbench each), each round's added times come from its own P, D
+#                 and H, and the table gives the median over LAT_ROUNDS rounds with the rounds'
+#                 spread (min–max).
 #   streams:      STREAMS streams opened at once (mocks: 16 tokens 10 ms apart, the slow prefill,
 #                 the KV pulled): errors and time to the last.
 #
@@ -220,31 +221,34 @@ done
 LOADPIN=()
 
 if [ "$LAT_ROUNDS" -gt 0 ]; then
-# TTFT: the routers over (slow prefill, stub decode) and the parts alone in each of LAT_ROUNDS
-# rounds, the order reversed every other round; each round's added times against its own parts.
-lat() { # PORT ARGS...: the median TTFT of LAT_N requests at LAT_RATE req/s, to 3 decimals
-	local port=$1
-	shift
-	bench "$port" "$T/lat.json" --num-prompts "$LAT_N" --request-rate "$LAT_RATE" --random-input-len 64 "$@"
-	[ "$(field "$T/lat.json" failed)" = 0 ] || { log "TTFT run on port $port: failed requests"; exit 1; }
-	field "$T/lat.json" median_ttft_ms 3
+# TTFT: the routers over (slow prefill, stub decode) and the parts alone, all at the same time
+# (one pdbench each), so that the box's load, which moves by more than what is measured from one
+# second to the next, hits them alike; LAT_ROUNDS rounds, each round's added times against its
+# own parts.
+lat() { # KEY PORT ARGS...: starts LAT_N requests at LAT_RATE req/s to PORT, results in $T/lat-KEY.json
+	local k=$1 port=$2
+	shift 2
+	"$BIN/pdbench" --backend openai --base-url "http://127.0.0.1:$port" --model mock --output-file "$T/lat-$k.json" \
+		--num-prompts "$LAT_N" --request-rate "$LAT_RATE" --random-input-len 64 "$@" >"$T/lat-$k.log" 2>&1 &
+	latp+=($!)
 }
 ASK_PREFILL='{"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}'
 AS_DECODE='{"kv_transfer_params":{"do_remote_decode":false,"do_remote_prefill":true}}'
 declare -A TTFT ADD
 targets=("${routers[@]}" prefill nginx decode nginx-decode)
 for round in $(seq "$LAT_ROUNDS"); do
-	order=("${targets[@]}")
-	((round % 2)) || mapfile -t order < <(printf '%s\n' "${targets[@]}" | tac)
 	declare -A now=()
-	for k in "${order[@]}"; do
-		case $k in
-		prefill) now[$k]=$(lat "$SP" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL") ;;
-		nginx) now[$k]=$(lat "$NGINX" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL") ;;
-		decode) now[$k]=$(lat "$TD" --random-output-len 8 --extra-request-body "$AS_DECODE") ;;
-		nginx-decode) now[$k]=$(lat "$NGINX_D" --random-output-len 8 --extra-request-body "$AS_DECODE") ;;
-		*) now[$k]=$(lat "${TPORT[$k]}" --random-output-len 8) ;;
-		esac
+	latp=()
+	lat prefill "$SP" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL"
+	lat nginx "$NGINX" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL"
+	lat decode "$TD" --random-output-len 8 --extra-request-body "$AS_DECODE"
+	lat nginx-decode "$NGINX_D" --random-output-len 8 --extra-request-body "$AS_DECODE"
+	for k in "${routers[@]}"; do lat "$k" "${TPORT[$k]}" --random-output-len 8; done
+	for p in "${latp[@]}"; do wait "$p" || true; done # a failure shows in its results below
+	for k in "${targets[@]}"; do
+		[ -s "$T/lat-$k.json" ] && [ "$(field "$T/lat-$k.json" failed)" = 0 ] || { log "TTFT run to $k failed:"; tail -5 "$T/lat-$k.log" >&2; exit 1; }
+		now[$k]=$(field "$T/lat-$k.json" median_ttft_ms 3)
+		rm -f "$T/lat-$k.json"
 		TTFT[$k]+="${now[$k]} "
 	done
 	for k in "${routers[@]}"; do
@@ -274,14 +278,14 @@ if [ "$STREAMS" -gt 0 ]; then
 	done
 fi
 
-ratio() { py "f'{$1:.2f}'"; }
+ratio() { py "f'{$1/$2:.2f}' if $2 else '–'"; } # A B: A ÷ B
 # cells MAP ROW: a row's cells (pdrouter, vllm-router, ratio; with BASE also base, pdrouter ÷ base)
 cells() {
 	local -n m=$1
 	local p v
 	p=$(echo "${m[$2-pdrouter]}" | median) v=$(echo "${m[$2-vllm-router]}" | median)
-	printf '| %s | %s | ×%s |' "$p" "$v" "$(ratio "$p/$v")"
-	[ -z "$BASE" ] || { v=$(echo "${m[$2-base]}" | median); printf ' %s | ×%s |' "$v" "$(ratio "$p/$v")"; }
+	printf '| %s | %s | ×%s |' "$p" "$v" "$(ratio "$p" "$v")"
+	[ -z "$BASE" ] || { v=$(echo "${m[$2-base]}" | median); printf ' %s | ×%s |' "$v" "$(ratio "$p" "$v")"; }
 }
 more=
 [ -z "$BASE" ] || more=" base ($BASE) | pdrouter ÷ base |"
