@@ -94,8 +94,8 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 		vllmBodies.Put(body)
 	}()
 	var pl leg
+	defer pl.close() // on the ways out before the close below
 	if fail, ok := s.vllmPrefill(r, pw, &pl, &at, header, body); !ok {
-		pl.close()
 		return fail, false
 	}
 	if pl.trace != nil { // its span ends before decode's starts
