@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -350,7 +351,7 @@ func (s *Server) vllmPull(w http.ResponseWriter, r *http.Request) {
 		e = errorf(http.StatusConflict, "engine %q is not this prefill's (%q)", p.EngineID, k.engine)
 	case h == nil:
 		e = errorf(http.StatusNotFound, "no KV held for request %q", p.RequestID)
-	case fmt.Sprint(h.Blocks) != fmt.Sprint(p.Blocks):
+	case !slices.Equal(h.Blocks, p.Blocks):
 		e = errorf(http.StatusConflict, "blocks %v are not request %q's %v", p.Blocks, p.RequestID, h.Blocks)
 	case h.XRequestID != r.Header.Get("X-Request-Id"):
 		e = errorf(http.StatusConflict, "decode's X-Request-Id %q is not the prefill's %q", r.Header.Get("X-Request-Id"), h.XRequestID)
@@ -363,7 +364,9 @@ func (s *Server) vllmPull(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, e)
 		return
 	}
-	s.writeAny(w, map[string]string{"digest": h.digest})
+	s.writeAny(w, struct {
+		Digest string `json:"digest"`
+	}{h.digest})
 }
 
 // vllmFetch checks a decode's kv_transfer_params and pulls the KV they
