@@ -34,9 +34,9 @@
 # ("base") to every row and round, for a same-run before/after of a pdrouter change. Writes
 # bench/out/vllm.json (one line per row) and prints a Markdown table for bench/RESULTS.md. Needs
 # nginx (make bench installs it). Knobs (environment): BIN (bin), BASE (none), CONC (32), N_REQ
-# (3000), ROUNDS (4), ROWS (stub mock stub-pinned mock-pinned; none: TTFT and streams only), SLOW_PREFILL (300ms), LAT_RATE
-# (20), LAT_N (100), LAT_ROUNDS (8; 0 leaves TTFT out), STREAMS (1000; 0 leaves them out),
-# ROUTER_CPU (0), LOAD_CPU (1), PIN (1; 0 leaves the pinned rows out).
+# (3000), ROUNDS (4), ROWS (stub mock stub-pinned mock-pinned; none: TTFT and streams only),
+# SLOW_PREFILL (300ms), LAT_RATE (20), LAT_N (100), LAT_ROUNDS (8; 0 leaves TTFT out), STREAMS
+# (1000; 0 leaves them out), ROUTER_CPU (0), LOAD_CPU (1), PIN (1; 0 leaves the pinned rows out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/bench-lib.sh
