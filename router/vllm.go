@@ -93,12 +93,27 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 		body.Reuse(nil) // holds no client's buffer while pooled
 		vllmBodies.Put(body)
 	}()
-	if fail, ok := s.vllmPrefill(r, pw, &at, header, body); !ok {
+	var pl leg
+	defer pl.close() // on the ways out before the close below
+	if fail, ok := s.vllmPrefill(r, pw, &pl, &at, header, body); !ok {
 		return fail, false
+	}
+	if pl.trace != nil { // its span ends before decode's starts
+		pl.close()
 	}
 	l := &r.leg
 	l.open(r, dw, engineRID{}) // no rid: vLLM's engines are not sent SGLang's aborts
-	if err := l.send(&r.scope, r.path, body, header); err != nil {
+	var err error
+	if !l.w.HTTP2 { // decode's request goes out first: closing prefill's leg waits for nothing
+		err = l.write(&r.scope, r.path, body, header)
+	}
+	// Prefill's leg closes (its connection pooled, the breaker and the
+	// load told, about 10 µs) while decode works on its first token.
+	pl.close()
+	if err == nil {
+		err = l.send(&r.scope, r.path, body, header) // HTTP/1.1: waits for the head of what write sent
+	}
+	if err != nil {
 		l.close()
 		if r.scope.Err() != nil {
 			return nil, false // the client left or the request timed out: serve says which
@@ -116,16 +131,15 @@ func (s *Server) vllmAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, b
 	return s.reply(ctx, r, l, nil)
 }
 
-// vllmPrefill runs the prefill leg on pw with body as its body, then makes
-// body the decode's: the client's with the kv_transfer_params of prefill's
-// reply (JSON null when it has none: decode then computes the prompt
-// itself, as with vllm-router and vLLM's proxy). ok is false when the
-// attempt is over: fail says why, nil when the request's scope ended.
-func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, at *vllmSpans, header []byte, body *splice.Body) (fail *apiError, ok bool) {
+// vllmPrefill runs the prefill leg l on pw with body as its body, then
+// makes body the decode's: the client's with the kv_transfer_params of
+// prefill's reply (JSON null when it has none: decode then computes the
+// prompt itself, as with vllm-router and vLLM's proxy). ok is false when
+// the attempt is over: fail says why, nil when the request's scope ended.
+// The caller closes l.
+func (s *Server) vllmPrefill(r *request, pw *balancer.Worker, l *leg, at *vllmSpans, header []byte, body *splice.Body) (fail *apiError, ok bool) {
 	vllmPrefillBody(body, r.body, at)
-	var l leg
 	l.open(r, pw, engineRID{})
-	defer l.close()
 	if err := l.send(&r.scope, r.path, body, header); err != nil {
 		if r.scope.Err() != nil {
 			return nil, false

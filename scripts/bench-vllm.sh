@@ -19,16 +19,24 @@
 #   TTFT:         streamed requests at LAT_RATE req/s through the mock prefill answering after
 #                 SLOW_PREFILL and stubengine's decode (whose first token can be timed alone), and
 #                 in the same rounds: the prefill alone (its own time, P), the decode alone (its
-#                 first token, D) and the prefill behind one nginx hop (nginx adds H). A router
-#                 adds TTFT - P - D, to set against H.
+#                 first token, D), the prefill behind one nginx hop (nginx adds H) and the
+#                 decode behind one (streamed: H' without the prefill's timer in it). A router
+#                 adds TTFT - P - D, to set against H and H'. The box's load moves TTFT by more
+#                 than what is measured from one second to the next, so all targets are timed at
+#                 the same time (a pdbench each), each round's added times come from its own P, D
+#                 and H, and the table gives the median over LAT_ROUNDS rounds with the rounds'
+#                 spread (min–max).
 #   streams:      STREAMS streams opened at once (mocks: 16 tokens 10 ms apart, the slow prefill,
 #                 the KV pulled): errors and time to the last.
 #
 # Every router gets: --vllm-pd-disaggregation --prefill URL --decode URL --policy round_robin
-# --host --port --prometheus-port. Writes bench/out/vllm.json (one line per row) and prints a
-# Markdown table for bench/RESULTS.md. Needs nginx (make bench installs it). Knobs (environment):
-# BIN (bin), CONC (32), N_REQ (3000), ROUNDS (4), SLOW_PREFILL (300ms), LAT_RATE (20), LAT_N
-# (200), STREAMS (1000), ROUTER_CPU (0), LOAD_CPU (1), PIN (1; 0 leaves the pinned rows out).
+# --host --port --prometheus-port. BASE=PDROUTER_BINARY adds that build as a third router
+# ("base") to every row and round, for a same-run before/after of a pdrouter change. Writes
+# bench/out/vllm.json (one line per row) and prints a Markdown table for bench/RESULTS.md. Needs
+# nginx (make bench installs it). Knobs (environment): BIN (bin), BASE (none), CONC (32), N_REQ
+# (3000), ROUNDS (4), ROWS (stub mock stub-pinned mock-pinned; none: TTFT and streams only),
+# SLOW_PREFILL (300ms), LAT_RATE (20), LAT_N (100), LAT_ROUNDS (8; 0 leaves TTFT out), STREAMS
+# (1000; 0 leaves them out), ROUTER_CPU (0), LOAD_CPU (1), PIN (1; 0 leaves the pinned rows out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/bench-lib.sh
@@ -38,7 +46,9 @@ N_REQ=${N_REQ:-3000}
 ROUNDS=${ROUNDS:-4}
 SLOW_PREFILL=${SLOW_PREFILL:-300ms}
 LAT_RATE=${LAT_RATE:-20}
-LAT_N=${LAT_N:-200}
+LAT_N=${LAT_N:-100}
+LAT_ROUNDS=${LAT_ROUNDS:-8}
+BASE=${BASE:-}
 STREAMS=${STREAMS:-1000}
 ROUTER_CPU=${ROUTER_CPU:-0}
 LOAD_CPU=${LOAD_CPU:-1}
@@ -47,6 +57,7 @@ OUT=bench/out
 for b in pdrouter mockworker stubengine pdbench; do
 	[ -x "$BIN/$b" ] || { echo "bench-vllm: $BIN/$b missing; run make build" >&2; exit 1; }
 done
+[ -z "$BASE" ] || [ -x "$BASE" ] || { echo "bench-vllm: BASE=$BASE is not an executable" >&2; exit 1; }
 command -v nginx >/dev/null || { echo "bench-vllm: nginx missing (scripts/install-deps.sh bench installs it)" >&2; exit 1; }
 bench_setup bench-vllm
 mkdir -p "$OUT"
@@ -97,6 +108,8 @@ start_router() {
 		--policy round_robin --host 127.0.0.1 --port "$port" --prometheus-port "$prom")
 	if [ "$3" = pdrouter ]; then
 		"${pin[@]}" "$BIN/pdrouter" "${args[@]}" --log-level warn >"$T/r-$port.log" 2>&1 &
+	elif [ "$3" = base ]; then
+		"${pin[@]}" "$BASE" "${args[@]}" --log-level warn >"$T/r-$port.log" 2>&1 &
 	else
 		"${pin[@]}" "$venv/bin/vllm-router" "${args[@]}" --log-level warning >"$T/r-$port.log" 2>&1 &
 	fi
@@ -145,7 +158,11 @@ start_stub TD vllm-decode
 declare -A PORT PID SPORT TPORT
 rows=(stub mock)
 [ "$PIN" = 1 ] && rows+=(stub-pinned mock-pinned)
-for k in pdrouter vllm-router; do
+[ -z "${ROWS:-}" ] || read -ra rows <<<"$ROWS"
+[ "${ROWS:-}" != none ] || rows=()
+routers=(pdrouter vllm-router)
+[ -z "$BASE" ] || routers+=(base)
+for k in "${routers[@]}"; do
 	start_router "PORT[stub-$k]" "PID[stub-$k]" "$k" "$BP" "$BD"
 	start_router "PORT[mock-$k]" "PID[mock-$k]" "$k" "$FP" "$FD"
 	if [ "$PIN" = 1 ]; then
@@ -156,8 +173,10 @@ for k in pdrouter vllm-router; do
 	start_router "TPORT[$k]" SPID "$k" "$SP" "$TD"
 done
 NGINX=$(free_port)
-start_nginx "$NGINX=$SP"
+NGINX_D=$(free_port)
+start_nginx "$NGINX=$SP" "$NGINX_D=$TD"
 wait_health "$NGINX"
+wait_health "$NGINX_D"
 : >"$OUT/vllm.json"
 
 declare -A RPS CPU ECPU BUSY_R BUSY_L
@@ -168,8 +187,8 @@ for engines in "${rows[@]}"; do
 		LOADPIN=(taskset -c "$LOAD_CPU")
 	fi
 	for round in $(seq "$ROUNDS"); do
-		order=(pdrouter vllm-router)
-		((round % 2)) || order=(vllm-router pdrouter)
+		order=("${routers[@]}")
+		((round % 2)) || mapfile -t order < <(printf '%s\n' "${routers[@]}" | tac)
 		for k in "${order[@]}"; do
 			c0=$(cpu_ticks "${PID[$engines-$k]}")
 			e0=$(engine_ticks "$engines")
@@ -202,60 +221,101 @@ for engines in "${rows[@]}"; do
 done
 LOADPIN=()
 
-# TTFT: both routers over (slow prefill, stub decode), and the parts alone, one after the other in
-# each of ROUNDS rounds; the median of the rounds' medians.
-lat() { # PORT ARGS...: the median TTFT of LAT_N requests at LAT_RATE req/s, to 2 decimals
-	local port=$1
-	shift
-	bench "$port" "$T/lat.json" --num-prompts "$LAT_N" --request-rate "$LAT_RATE" --random-input-len 64 "$@"
-	[ "$(field "$T/lat.json" failed)" = 0 ] || { log "TTFT run on port $port: failed requests"; exit 1; }
-	field "$T/lat.json" median_ttft_ms 2
+if [ "$LAT_ROUNDS" -gt 0 ]; then
+# TTFT: the routers over (slow prefill, stub decode) and the parts alone, all at the same time
+# (one pdbench each), so that the box's load, which moves by more than what is measured from one
+# second to the next, hits them alike; LAT_ROUNDS rounds, each round's added times against its
+# own parts.
+lat() { # KEY PORT ARGS...: starts LAT_N requests at LAT_RATE req/s to PORT, results in $T/lat-KEY.json
+	local k=$1 port=$2
+	shift 2
+	"$BIN/pdbench" --backend openai --base-url "http://127.0.0.1:$port" --model mock --output-file "$T/lat-$k.json" \
+		--num-prompts "$LAT_N" --request-rate "$LAT_RATE" --random-input-len 64 "$@" >"$T/lat-$k.log" 2>&1 &
+	latp+=($!)
 }
 ASK_PREFILL='{"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}'
 AS_DECODE='{"kv_transfer_params":{"do_remote_decode":false,"do_remote_prefill":true}}'
-declare -A TTFT
-for round in $(seq "$ROUNDS"); do
-	for k in pdrouter vllm-router; do
-		TTFT[$k]+="$(lat "${TPORT[$k]}" --random-output-len 8) "
+declare -A TTFT ADD
+targets=("${routers[@]}" prefill nginx decode nginx-decode)
+for round in $(seq "$LAT_ROUNDS"); do
+	declare -A now=()
+	latp=()
+	lat prefill "$SP" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL"
+	lat nginx "$NGINX" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL"
+	lat decode "$TD" --random-output-len 8 --extra-request-body "$AS_DECODE"
+	lat nginx-decode "$NGINX_D" --random-output-len 8 --extra-request-body "$AS_DECODE"
+	for k in "${routers[@]}"; do lat "$k" "${TPORT[$k]}" --random-output-len 8; done
+	for p in "${latp[@]}"; do wait "$p" || true; done # a failure shows in its results below
+	for k in "${targets[@]}"; do
+		[ -s "$T/lat-$k.json" ] && [ "$(field "$T/lat-$k.json" failed)" = 0 ] || { log "TTFT run to $k failed:"; tail -5 "$T/lat-$k.log" >&2; exit 1; }
+		now[$k]=$(field "$T/lat-$k.json" median_ttft_ms 3)
+		rm -f "$T/lat-$k.json"
+		TTFT[$k]+="${now[$k]} "
 	done
-	TTFT[prefill]+="$(lat "$SP" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL") "
-	TTFT[nginx]+="$(lat "$NGINX" --random-output-len 1 --disable-stream --extra-request-body "$ASK_PREFILL") "
-	TTFT[decode]+="$(lat "$TD" --random-output-len 8 --extra-request-body "$AS_DECODE") "
-	log "TTFT round $round, ms (pdrouter vllm-router prefill nginx decode): $(for k in pdrouter vllm-router prefill nginx decode; do echo "${TTFT[$k]}" | awk '{printf "%s ", $NF}'; done)"
+	for k in "${routers[@]}"; do
+		ADD[$k]+="$(py "round(${now[$k]} - ${now[prefill]} - ${now[decode]}, 3)") "
+	done
+	ADD[nginx]+="$(py "round(${now[nginx]} - ${now[prefill]}, 3)") "
+	ADD[nginx-decode]+="$(py "round(${now[nginx-decode]} - ${now[decode]}, 3)") "
+	log "TTFT round $round, ms: $(for k in "${targets[@]}"; do printf '%s %s  ' "$k" "${now[$k]}"; done); added: $(for k in "${routers[@]}" nginx nginx-decode; do printf '%s %s  ' "$k" "$(echo "${ADD[$k]}" | awk '{print $NF}')"; done)"
 done
-for k in "${!TTFT[@]}"; do
-	TTFT[$k]=$(echo "${TTFT[$k]}" | median)
+spread() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {printf "%s–%s", a[1], a[NR]}'; }
+declare -A TMED ASPREAD
+for k in "${!TTFT[@]}"; do TMED[$k]=$(echo "${TTFT[$k]}" | median); done
+for k in "${!ADD[@]}"; do
+	ASPREAD[$k]=$(echo "${ADD[$k]}" | spread)
+	ADD[$k]=$(echo "${ADD[$k]}" | median)
 done
-P_ADD=$(py "round(${TTFT[pdrouter]} - ${TTFT[prefill]} - ${TTFT[decode]}, 2)")
-V_ADD=$(py "round(${TTFT[vllm-router]} - ${TTFT[prefill]} - ${TTFT[decode]}, 2)")
-HOP=$(py "round(${TTFT[nginx]} - ${TTFT[prefill]}, 2)")
-echo "{\"row\":\"ttft\",\"prefill_ms\":${TTFT[prefill]},\"decode_first_token_ms\":${TTFT[decode]},\"nginx_prefill_ms\":${TTFT[nginx]},\"pdrouter_ms\":${TTFT[pdrouter]},\"vllm_router_ms\":${TTFT[vllm-router]},\"pdrouter_added_ms\":$P_ADD,\"vllm_router_added_ms\":$V_ADD,\"nginx_hop_ms\":$HOP}" >>"$OUT/vllm.json"
+echo "{\"row\":\"ttft\",\"rounds\":$LAT_ROUNDS,\"prefill_ms\":${TMED[prefill]},\"decode_first_token_ms\":${TMED[decode]},\"nginx_prefill_ms\":${TMED[nginx]},$(for k in "${routers[@]}"; do printf '\"%s_ms\":%s,\"%s_added_ms\":%s,' "${k//-/_}" "${TMED[$k]}" "${k//-/_}" "${ADD[$k]}"; done)\"nginx_hop_ms\":${ADD[nginx]},\"nginx_decode_hop_ms\":${ADD[nginx-decode]}}" >>"$OUT/vllm.json"
+fi
 
 declare -A SDUR SFAIL
-for k in pdrouter vllm-router; do
-	bench "${SPORT[$k]}" "$T/streams.json" --num-prompts "$STREAMS" --random-input-len 32 --random-output-len 16
-	SDUR[$k]=$(field "$T/streams.json" duration)
-	SFAIL[$k]=$(field "$T/streams.json" failed)
-	echo "{\"row\":\"streams\",\"router\":\"$k\",\"streams\":$STREAMS,\"streams_failed\":${SFAIL[$k]},\"streams_s\":${SDUR[$k]}}" >>"$OUT/vllm.json"
-done
+if [ "$STREAMS" -gt 0 ]; then
+	for k in pdrouter vllm-router; do
+		bench "${SPORT[$k]}" "$T/streams.json" --num-prompts "$STREAMS" --random-input-len 32 --random-output-len 16
+		SDUR[$k]=$(field "$T/streams.json" duration)
+		SFAIL[$k]=$(field "$T/streams.json" failed)
+		echo "{\"row\":\"streams\",\"router\":\"$k\",\"streams\":$STREAMS,\"streams_failed\":${SFAIL[$k]},\"streams_s\":${SDUR[$k]}}" >>"$OUT/vllm.json"
+	done
+fi
 
-ratio() { py "f'{$1:.2f}'"; }
-echo "| vLLM PD, 1 prefill + 1 decode ($(date -u +%H:%M) UTC, load $(cut -d' ' -f1-3 /proc/loadavg)) | pdrouter | vllm-router 0.1.17 | ratio |"
-echo "| --- | ---: | ---: | ---: |"
+ratio() { py "f'{$1/$2:.2f}' if $2 else '–'"; } # A B: A ÷ B
+# cells MAP ROW: a row's cells (pdrouter, vllm-router, ratio; with BASE also base, pdrouter ÷ base)
+cells() {
+	local -n m=$1
+	local p v
+	p=$(echo "${m[$2-pdrouter]}" | median) v=$(echo "${m[$2-vllm-router]}" | median)
+	printf '| %s | %s | ×%s |' "$p" "$v" "$(ratio "$p" "$v")"
+	[ -z "$BASE" ] || { v=$(echo "${m[$2-base]}" | median); printf ' %s | ×%s |' "$v" "$(ratio "$p" "$v")"; }
+}
+more=
+[ -z "$BASE" ] || more=" base ($BASE) | pdrouter ÷ base |"
+echo "| vLLM PD, 1 prefill + 1 decode ($(date -u +%H:%M) UTC, load $(cut -d' ' -f1-3 /proc/loadavg)) | pdrouter | vllm-router 0.1.17 | ratio |$more"
+echo "| --- | ---: | ---: | ---: |${more:+ ---: | ---: |}"
 for engines in "${rows[@]}"; do
 	label="${engines%-pinned} engines"
 	[[ $engines == *-pinned ]] && label+=", router pinned to core $ROUTER_CPU, engines and pdbench to core $LOAD_CPU"
-	P_RPS=$(echo "${RPS[$engines-pdrouter]}" | median) V_RPS=$(echo "${RPS[$engines-vllm-router]}" | median)
-	P_CPU=$(echo "${CPU[$engines-pdrouter]}" | median) V_CPU=$(echo "${CPU[$engines-vllm-router]}" | median)
-	echo "| $label: req/s, non-streamed, $CONC in flight (median of $ROUNDS) | $P_RPS | $V_RPS | ×$(ratio "$P_RPS/$V_RPS") |"
-	echo "| $label: router CPU µs per request (median of $ROUNDS) | $P_CPU | $V_CPU | ×$(ratio "$P_CPU/$V_CPU") |"
-	echo "| $label: the two engines' CPU µs per request, same rounds (median) | $(echo "${ECPU[$engines-pdrouter]}" | median) | $(echo "${ECPU[$engines-vllm-router]}" | median) | |"
+	echo "| $label: req/s, non-streamed, $CONC in flight (median of $ROUNDS) $(cells RPS "$engines")"
+	echo "| $label: router CPU µs per request (median of $ROUNDS) $(cells CPU "$engines")"
+	echo "| $label: the two engines' CPU µs per request, same rounds (median) $(cells ECPU "$engines")"
 	share() { py "round($(echo "${CPU[$engines-$1]}" | median) * $(echo "${RPS[$engines-$1]}" | median) / 1e4)"; }
-	echo "| $label: the router's CPU in % of one core; core $ROUTER_CPU / core $LOAD_CPU busy % (medians) | $(share pdrouter); $(echo "${BUSY_R[$engines-pdrouter]}" | median) / $(echo "${BUSY_L[$engines-pdrouter]}" | median) | $(share vllm-router); $(echo "${BUSY_R[$engines-vllm-router]}" | median) / $(echo "${BUSY_L[$engines-vllm-router]}" | median) | |"
+	line="| $label: the router's CPU in % of one core; core $ROUTER_CPU / core $LOAD_CPU busy % (medians) |"
+	for k in "${routers[@]}"; do
+		line+=" $(share "$k"); $(echo "${BUSY_R[$engines-$k]}" | median) / $(echo "${BUSY_L[$engines-$k]}" | median) |"
+		[ "$k" = vllm-router ] && line+=" |"
+	done
+	echo "$line${BASE:+ |}"
 done
-cat <<EOF
-| TTFT p50, mock prefill $SLOW_PREFILL + stub decode, $LAT_RATE req/s (ms; median of $ROUNDS rounds) | ${TTFT[pdrouter]} | ${TTFT[vllm-router]} | |
-| added by the router: TTFT − the prefill alone (${TTFT[prefill]}) − the decode's first token alone (${TTFT[decode]}) | $P_ADD | $V_ADD | |
-| one nginx hop in front of the prefill, same rounds: ${TTFT[nginx]} − ${TTFT[prefill]} | $HOP | $HOP | |
-| $STREAMS streams at once (mocks, KV pulled): failed, seconds to the last | ${SFAIL[pdrouter]}, ${SDUR[pdrouter]} | ${SFAIL[vllm-router]}, ${SDUR[vllm-router]} | |
+if [ "$LAT_ROUNDS" -gt 0 ]; then
+	b1= b2= b3=
+	[ -z "$BASE" ] || b1=" ${TMED[base]} | |" b2=" ${ADD[base]} (${ASPREAD[base]}) | |" b3=" | |"
+	cat <<EOF
+| TTFT p50, mock prefill $SLOW_PREFILL + stub decode, $LAT_RATE req/s (ms; median of $LAT_ROUNDS rounds) | ${TMED[pdrouter]} | ${TMED[vllm-router]} | |$b1
+| added by the router: TTFT − the prefill alone (${TMED[prefill]}) − the decode's first token alone (${TMED[decode]}), per round; median (rounds' min–max) | ${ADD[pdrouter]} (${ASPREAD[pdrouter]}) | ${ADD[vllm-router]} (${ASPREAD[vllm-router]}) | |$b2
+| one nginx hop in front of the prefill, per round: nginx − the prefill alone; median (min–max) | ${ADD[nginx]} (${ASPREAD[nginx]}) | | |$b3
+| one nginx hop in front of the decode (streamed, as the routers' replies), per round: nginx − the decode alone; median (min–max) | ${ADD[nginx-decode]} (${ASPREAD[nginx-decode]}) | | |$b3
 EOF
+fi
+if [ "$STREAMS" -gt 0 ]; then
+	echo "| $STREAMS streams at once (mocks, KV pulled): failed, seconds to the last | ${SFAIL[pdrouter]}, ${SDUR[pdrouter]} | ${SFAIL[vllm-router]}, ${SDUR[vllm-router]} | |${BASE:+ | |}"
+fi

@@ -61,6 +61,8 @@ type rawBody struct {
 	RoutedDPRank        json.RawMessage `json:"routed_dp_rank"`
 	DataParallelRank    json.RawMessage `json:"data_parallel_rank"`
 	DisaggPrefillDPRank json.RawMessage `json:"disagg_prefill_dp_rank"`
+
+	KVTransferParams json.RawMessage `json:"kv_transfer_params"` // the vLLM roles'
 }
 
 type chatMessage struct {
@@ -114,6 +116,7 @@ type request struct {
 	// raw bootstrap and rank values, for introspection
 	bootHost, bootPort, bootRoom            json.RawMessage
 	routedRank, legacyRank, prefillRankJSON json.RawMessage
+	kvParams                                json.RawMessage // vLLM's kv_transfer_params
 }
 
 func badRequest(format string, args ...any) *apiError {
@@ -129,7 +132,8 @@ func parseRequest(ep endpoint, body []byte, dpSize int) (*request, *apiError) {
 	}
 	r := &request{ep: ep, stream: raw.Stream, model: raw.Model,
 		bootHost: raw.BootstrapHost, bootPort: raw.BootstrapPort, bootRoom: raw.BootstrapRoom,
-		routedRank: raw.RoutedDPRank, legacyRank: raw.DataParallelRank, prefillRankJSON: raw.DisaggPrefillDPRank}
+		routedRank: raw.RoutedDPRank, legacyRank: raw.DataParallelRank, prefillRankJSON: raw.DisaggPrefillDPRank,
+		kvParams: raw.KVTransferParams}
 	var err *apiError
 	if r.ranks, err = parseRanks(&raw, dpSize); err != nil {
 		return nil, err

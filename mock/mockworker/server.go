@@ -356,7 +356,7 @@ func (s *Server) serveGeneration(w *statusWriter, r *http.Request, ep endpoint, 
 	}
 	a := &answer{s: s, w: w, ctx: ctx, req: req, seqs: seqs, kv: kv, start: time.Unix(0, rec.StartedUnixNano), ev: ev}
 	if s.cfg.Role.vllm() && (ep == epChat || ep == epCompletions) {
-		return s.vllmAnswer(a, r, body)
+		return s.vllmAnswer(a, r)
 	}
 	switch ep {
 	case epGenerate:

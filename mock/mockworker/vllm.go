@@ -1,7 +1,6 @@
 package mockworker
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -10,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -91,7 +91,9 @@ type vllmKV struct {
 	held   map[string]*heldKV
 	next   int
 	pulls  []VLLMPull
-	client *http.Client
+	// idle are the decode's side-channel connections not in use, by
+	// prefill address (vllmpull.go).
+	idle map[string][]*pullConn
 	// sends are the prefill's transfers through kvproxy, which outlive
 	// their requests; stop ends them at Close.
 	sends sync.WaitGroup
@@ -116,6 +118,20 @@ type vllmParams struct {
 	RemoteHost      *string         `json:"remote_host"`
 	RemotePort      json.RawMessage `json:"remote_port"`
 	TPSize          *int            `json:"tp_size"`
+}
+
+// prefillParams is the kv_transfer_params of a vllm-prefill's reply, keys
+// sorted as the map it replaces wrote them (a map cost every reply's
+// encoding a sort and a reflection per key).
+type prefillParams struct {
+	DoRemoteDecode  bool   `json:"do_remote_decode"`
+	DoRemotePrefill bool   `json:"do_remote_prefill"`
+	RemoteBlockIDs  []int  `json:"remote_block_ids"`
+	RemoteEngineID  string `json:"remote_engine_id"`
+	RemoteHost      string `json:"remote_host"`
+	RemotePort      int    `json:"remote_port"`
+	RemoteRequestID string `json:"remote_request_id"`
+	TPSize          int    `json:"tp_size"`
 }
 
 // VLLMHeldKV returns the requests whose KV the prefill keeps.
@@ -145,10 +161,7 @@ func (s *Server) vllmRoutes(mux *http.ServeMux) http.Handler {
 	s.vkv.engine = "mock-engine-" + s.idPrefix
 	s.vkv.held = map[string]*heldKV{}
 	s.vkv.ctx, s.vkv.stop = context.WithCancel(context.Background())
-	// Pulls reuse their connections, as vLLM's side channels do: a fresh
-	// one per pull cost the mock more CPU than a router's whole request.
-	// close drops the idle ones, so a closed mock leaves none behind.
-	s.vkv.client = &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 256, IdleConnTimeout: 30 * time.Second}}
+	s.vkv.idle = map[string][]*pullConn{}
 	mux.HandleFunc("POST /_mock/vllm/pull", s.vllmPull)
 	mux.HandleFunc("GET /_mock/vllm/held", func(w http.ResponseWriter, _ *http.Request) { s.writeAny(w, s.VLLMHeldKV()) })
 	mux.HandleFunc("GET /_mock/vllm/pulls", func(w http.ResponseWriter, _ *http.Request) { s.writeAny(w, s.VLLMPulls()) })
@@ -162,11 +175,8 @@ func (s *Server) vllmRoutes(mux *http.ServeMux) http.Handler {
 }
 
 // vllmAnswer answers a chat or completions request in a vLLM role.
-func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
-	var raw struct {
-		Params json.RawMessage `json:"kv_transfer_params"`
-	}
-	_ = json.Unmarshal(body, &raw) // parseRequest accepted it
+func (s *Server) vllmAnswer(a *answer, r *http.Request) error {
+	params := a.req.kvParams // parseRequest read it
 	fail := func(e *apiError) error {
 		if a.ev != nil { // the stream's head is out
 			return a.ev.write(errorBody(e.status, e.message))
@@ -174,7 +184,7 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 		return writeError(a.w, e)
 	}
 	if s.cfg.Role == RoleVLLMDecode {
-		kv, e := s.vllmFetch(a.ctx, r, raw.Params, a.seqs)
+		kv, e := s.vllmFetch(a.ctx, r, params, a.seqs)
 		if e != nil {
 			if a.ctx.Err() != nil {
 				return errClientGone
@@ -187,8 +197,8 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 		return a.vllmReply()
 	}
 	var p vllmParams
-	if !isNull(raw.Params) {
-		if err := json.Unmarshal(raw.Params, &p); err != nil {
+	if !isNull(params) {
+		if err := json.Unmarshal(params, &p); err != nil {
 			return fail(badRequest("kv_transfer_params: %v", err))
 		}
 	}
@@ -202,9 +212,8 @@ func (s *Server) vllmAnswer(a *answer, r *http.Request, body []byte) error {
 		portN = s.cfg.BootstrapPort
 		s.vllmSend(held, a.seqs)
 	}
-	a.vllmParams = map[string]any{"do_remote_prefill": true, "do_remote_decode": false,
-		"remote_block_ids": held.Blocks, "remote_engine_id": s.vkv.engine, "remote_request_id": held.RequestID,
-		"remote_host": host, "remote_port": portN, "tp_size": s.cfg.Engine.TPSize}
+	a.vllmParams = &prefillParams{DoRemotePrefill: true, RemoteBlockIDs: held.Blocks, RemoteEngineID: s.vkv.engine,
+		RemoteRequestID: held.RequestID, RemoteHost: host, RemotePort: portN, TPSize: s.cfg.Engine.TPSize}
 	err := a.vllmReply()
 	if err != nil || a.ctx.Err() != nil { // vLLM aborts a request whose client left: its blocks are freed
 		s.vkv.drop(held.RequestID)
@@ -268,9 +277,7 @@ func (k *vllmKV) close() {
 		k.stop()
 	}
 	k.sends.Wait()
-	if k.client != nil {
-		k.client.CloseIdleConnections()
-	}
+	k.closeIdle()
 }
 
 // vllmRoom is the kvproxy room of a held request: both sides derive it from
@@ -344,7 +351,7 @@ func (s *Server) vllmPull(w http.ResponseWriter, r *http.Request) {
 		e = errorf(http.StatusConflict, "engine %q is not this prefill's (%q)", p.EngineID, k.engine)
 	case h == nil:
 		e = errorf(http.StatusNotFound, "no KV held for request %q", p.RequestID)
-	case fmt.Sprint(h.Blocks) != fmt.Sprint(p.Blocks):
+	case !slices.Equal(h.Blocks, p.Blocks):
 		e = errorf(http.StatusConflict, "blocks %v are not request %q's %v", p.Blocks, p.RequestID, h.Blocks)
 	case h.XRequestID != r.Header.Get("X-Request-Id"):
 		e = errorf(http.StatusConflict, "decode's X-Request-Id %q is not the prefill's %q", r.Header.Get("X-Request-Id"), h.XRequestID)
@@ -357,7 +364,9 @@ func (s *Server) vllmPull(w http.ResponseWriter, r *http.Request) {
 		_ = writeError(w, e)
 		return
 	}
-	s.writeAny(w, map[string]string{"digest": h.digest})
+	s.writeAny(w, struct {
+		Digest string `json:"digest"`
+	}{h.digest})
 }
 
 // vllmFetch checks a decode's kv_transfer_params and pulls the KV they
@@ -453,33 +462,4 @@ func (s *Server) receiveKV(ctx context.Context, xid string, p *decodeParams, seq
 		return nil, errorf(status, "KV transfer failed: from the prefill's kvproxy at %s (room %d): %v", addr, req.Room, err)
 	}
 	return kv, nil
-}
-
-func (s *Server) pullKV(ctx context.Context, xid string, p *decodeParams, digest string) *apiError {
-	b, _ := json.Marshal(pullRequest{EngineID: p.engineID, RequestID: p.requestID, Blocks: p.blocks})
-	url := "http://" + net.JoinHostPort(p.host, strconv.Itoa(p.port)) + "/_mock/vllm/pull"
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
-	if err != nil {
-		return errorf(http.StatusInternalServerError, "KV transfer failed: %v", err)
-	}
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Request-Id", xid)
-	resp, err := s.vkv.client.Do(req)
-	if err != nil {
-		return errorf(http.StatusInternalServerError, "KV transfer failed: prefill %s unreachable: %v", url, err)
-	}
-	defer resp.Body.Close()
-	out, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	var got struct {
-		Digest  string `json:"digest"`
-		Message string `json:"message"`
-	}
-	_ = json.Unmarshal(out, &got)
-	switch {
-	case resp.StatusCode != http.StatusOK:
-		return errorf(http.StatusInternalServerError, "KV transfer failed: prefill refused (%d): %s", resp.StatusCode, got.Message)
-	case got.Digest != digest:
-		return errorf(http.StatusInternalServerError, "KV transfer failed: the KV pulled is another prompt's")
-	}
-	return nil
 }

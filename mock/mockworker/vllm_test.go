@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -362,5 +363,53 @@ func TestVLLMDecodePullsReuseOneConnection(t *testing.T) {
 	}
 	if pulls := d.s.VLLMPulls(); len(pulls) != 5 {
 		t.Errorf("decode recorded %d pulls, want 5", len(pulls))
+	}
+}
+
+// A pull runs on the decode handler's goroutine: a kept side-channel
+// connection costs the decode no goroutine, where net/http's client held
+// two per connection and handed each pull between them.
+func TestVLLMDecodePullsKeepNoClientGoroutines(t *testing.T) {
+	p := start(t, Config{Role: RoleVLLMPrefill})
+	d := start(t, Config{Role: RoleVLLMDecode, Tokens: 2})
+	p.get("/health") // the harness's own connections, and their goroutines, first
+	d.get("/health")
+	time.Sleep(50 * time.Millisecond)
+	before := runtime.NumGoroutine()
+	for i := range 3 {
+		xid := "rid-g" + strconv.Itoa(i)
+		params := vllmPrefill(t, p, "one two", xid)
+		if status, _, body := d.post("/v1/completions", `{"prompt":"one two","kv_transfer_params":`+string(params)+`}`, "X-Request-Id", xid); status != 200 {
+			t.Fatalf("decode: %d %s", status, body)
+		}
+	}
+	// One kept side-channel connection: the prefill's server goroutine for it, nothing on the decode's side.
+	var now int
+	for range 100 {
+		if now = runtime.NumGoroutine(); now <= before+1 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Errorf("%d goroutines after 3 pulls over one kept connection, %d before: want at most 1 more", now, before)
+}
+
+// A kept side-channel connection the prefill has closed costs the next pull
+// nothing: it goes out on a fresh one.
+func TestVLLMDecodePullSurvivesAClosedKeptConnection(t *testing.T) {
+	p := start(t, Config{Role: RoleVLLMPrefill})
+	d := start(t, Config{Role: RoleVLLMDecode, Tokens: 2})
+	for i := range 2 {
+		xid := "rid-c" + strconv.Itoa(i)
+		params := vllmPrefill(t, p, "one two", xid)
+		if status, _, body := d.post("/v1/completions", `{"prompt":"one two","kv_transfer_params":`+string(params)+`}`, "X-Request-Id", xid); status != 200 {
+			t.Fatalf("decode %d: %d %s", i, status, body)
+		}
+		p.s.srv.SetKeepAlivesEnabled(false) // closes the idle side-channel connection (and the harness's)
+		p.s.srv.SetKeepAlivesEnabled(true)
+		p.client.CloseIdleConnections()
+	}
+	if pulls := d.s.VLLMPulls(); len(pulls) != 2 || pulls[1].Error != "" {
+		t.Errorf("pulls %+v", pulls)
 	}
 }
