@@ -246,6 +246,7 @@ func (s *Server) Serve(ln net.Listener) error {
 // until ctx ends, then cancels what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
 	err := s.srv.ShutdownWithContext(ctx)
+	s.awaitStreams(ctx) // hijacked streams (streamconn.go), which fasthttp does not wait for
 	s.cancelBase()
 	s.inflight.close()
 	s.awaitRequests(s.cfg.AbortTimeout + time.Second)
