@@ -331,7 +331,9 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	} else {
 		label = s.route(ctx, string(ctx.Path()), method)
 	}
-	s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+	if !ctx.Hijacked() { // a stream is counted when its attempts are done (serveStream)
+		s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+	}
 }
 
 // knownMethod returns m as one of the methods the router serves (a

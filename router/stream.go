@@ -12,11 +12,22 @@ import (
 // startStream waits for the first body bytes of l's reply and, in PD
 // mode, for prefill's reply head, so that a failure before them can still
 // be answered with a proper status (and retried), then makes the rest the
-// response body (streamRelay, on the hijacked connection: streamconn.go),
-// which now owns the leg. a is nil in regular mode.
+// response body (streamRelay, r.relay, written on the hijacked connection:
+// streamconn.go), which now owns the leg. a is nil in regular mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
-	l.resp.awaitBody()
+	// In a small frame: the stack parked here is the stream's while it
+	// waits for its first token (streamconn.go).
+	if l.resp.h2 != nil {
+		l.resp.awaitH2C()
+	} else {
+		l.resp.awaitBody()
+	}
+	return s.firstChunk(ctx, r, l, a)
+}
+
+// firstChunk is startStream once the first body bytes have arrived.
+func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
 	if err == nil {
@@ -66,7 +77,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 		first = merge.feed(first)
 	}
 	sr.pending = first
-	sr.hijack(ctx)
+	r.relay = sr
 	return nil, true
 }
 
@@ -90,7 +101,6 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 // the worker's SSE chunks through it and writes what each read returns
 // (every chunk the worker's connection holds) as one HTTP chunk.
 type streamRelay struct {
-	ctx     *fasthttp.RequestCtx // valid until serve returns
 	r       *request
 	leg     *leg     // the worker's reply, whose body is relayed
 	attempt *attempt // the PD attempt, for prefill's failure; nil in regular mode
@@ -98,9 +108,9 @@ type streamRelay struct {
 	pending []byte   // next bytes for the client
 	readErr error    // how the worker's body ended, once it has
 	merge   *logprobMerger
-	sent    bool // the first byte went out
-	ended   bool // the last bytes are pending: nothing more to read
-	first   [1]byte // WriteTo's wait for the next event reads its first byte here
+	sent    bool    // the first byte went out
+	ended   bool    // the last bytes are pending: nothing more to read
+	first   [1]byte // relay's wait for the next event reads its first byte here
 
 	tail  [16]byte // the last bytes the worker sent (see)
 	tailN int
@@ -155,12 +165,21 @@ func (sr *streamRelay) cleanEnd() bool {
 	return bytes.HasSuffix(bytes.TrimRight(sr.tail[:sr.tailN], " \r\n"), []byte("data: [DONE]"))
 }
 
-// WriteTo writes the stream to w, one Write a chunk: each pass waits for the worker's next event holding no buffer, reads what has
-// arrived into a pooled one, writes it as one flushed HTTP chunk and gives
-// the buffer back, so an open stream holds none between events.
-func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) {
-	var written int64
+// relay writes the stream to w, one Write a chunk: each pass waits for the
+// worker's next event holding no buffer, reads what has arrived into a
+// pooled one, writes it as one HTTP chunk and gives the buffer back, so an
+// open stream holds none between events. An h2c stream waits here, in a
+// frame shallow enough that the stack of the stream's goroutine shrinks to
+// 4 KiB (streamconn.go); an HTTP/1.1 one waits in its read, which alone
+// knows whether its body has more to come.
+func (sr *streamRelay) relay(w io.Writer) error {
 	for {
+		if resp := sr.leg.resp; resp.h2 != nil && len(sr.pending) == 0 && sr.readErr == nil {
+			if sr.merge == nil {
+				sr.releaseBuf() // the first chunk's, written
+			}
+			resp.awaitH2C()
+		}
 		out, bufp := sr.nextOut()
 		var err error
 		if len(out) > 0 {
@@ -168,15 +187,13 @@ func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) {
 				sr.r.observeFirstByte()
 				sr.sent = true
 			}
-			var n int
-			n, err = w.Write(out)
-			written += int64(n)
+			_, err = w.Write(out)
 		}
 		if bufp != nil {
 			chunkPool.Put(bufp)
 		}
 		if err != nil || sr.ended {
-			return written, err
+			return err
 		}
 	}
 }

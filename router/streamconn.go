@@ -10,40 +10,52 @@ import (
 	"github.com/valyala/fasthttp"
 )
 
-// A stream's client connection is hijacked once the handler returns:
-// fasthttp's connection goroutine (whose stack, deep in serveConn and the
-// response writer, held about 8 KiB for the whole stream) and its 4 KiB
-// connection writer go back to their pools, and a goroutine of the
-// stream's own, parked in a shallow frame (a few hundred bytes, so the
-// collector keeps its stack at the minimum), relays the worker's chunks
-// and writes each straight to the socket. The connection closes when the
-// stream ends (the head says so): a stream is long beside a new
-// connection's cost.
+// A streaming request's client connection is hijacked before its
+// attempts run: fasthttp's connection goroutine (whose stack, deep in
+// serveConn, held 16-32 KiB through the wait for the first token) goes
+// back to its pool, and a goroutine of the request's own, started in a
+// shallow frame, runs the attempts, waits for the first token and relays
+// the stream, writing each chunk straight to the socket (no 4 KiB
+// connection writer either). The connection closes when the response
+// ends (its head says so): a stream is long beside a new connection's
+// cost.
 
-// hijack makes the client connection sr's once the handler returns.
-// fasthttp calls serve unless the connection is already closed (its
-// SetDeadline failed): no peer is then left to stream to, and the request
-// is ended by its scope (the disconnect watch, the request timeout).
-func (sr *streamRelay) hijack(ctx *fasthttp.RequestCtx) {
-	sr.ctx = ctx
+// serveStream serves r, a streaming request, on its hijacked connection.
+// fasthttp hands the connection over unless it is already closed (its
+// SetDeadline failed): no peer is then left to answer, and r is left
+// unserved, as by a client gone before the handler returned.
+func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 	ctx.HijackSetNoResponse(true)
-	ctx.Hijack(sr.serve)
+	ctx.Hijack(func(net.Conn) {
+		s.metrics.httpConnections.Inc() // fasthttp counted it out at the hijack
+		s.serve(ctx, r)                 // parks in its wait for the first token: a small frame above it
+		s.answerStream(ctx, r)
+		s.metrics.httpConnections.Dec()
+	})
 }
 
-// serve writes the head and the stream to c, then ends the stream. ctx
-// stays valid until it returns (fasthttp releases it after).
-func (sr *streamRelay) serve(c net.Conn) {
-	s := sr.r.s
-	s.metrics.httpConnections.Inc() // fasthttp counted it out at the hijack
-	defer s.metrics.httpConnections.Dec()
+// answerStream writes r's response, its stream or its error, to its
+// connection (fasthttp's hijacked one is r.conn, wrapped for reads).
+func (s *Server) answerStream(ctx *fasthttp.RequestCtx, r *request) {
+	c := r.conn
+	s.metrics.observeHTTP("POST", r.path, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(r.start))
 	// A client that stops reading frees its stream, as fasthttp's
-	// WriteTimeout did for the response it wrote.
+	// WriteTimeout did for the responses it wrote.
 	if t := s.srv.WriteTimeout; t > 0 {
 		_ = c.SetWriteDeadline(time.Now().Add(t))
 	}
-	h := &sr.ctx.Response.Header
-	h.SetConnectionClose()
-	cw := chunkWriter{c: c, chunked: sr.ctx.Request.Header.IsHTTP11()}
+	ctx.Response.SetConnectionClose()
+	if sr := r.relay; sr != nil {
+		sr.serve(ctx, c)
+		return
+	}
+	_, _ = ctx.Response.WriteTo(c) // an error, or nothing for a client gone
+}
+
+// serve writes the stream's head and chunks to c, then ends the stream.
+func (sr *streamRelay) serve(ctx *fasthttp.RequestCtx, c net.Conn) {
+	h := &ctx.Response.Header
+	cw := chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
 	if cw.chunked {
 		h.SetContentLength(-1)
 	} else { // HTTP/1.0: the body ends with the connection
@@ -51,7 +63,7 @@ func (sr *streamRelay) serve(c net.Conn) {
 		h.Del(fasthttp.HeaderTransferEncoding)
 	}
 	cw.head = h.Header()
-	_, err := sr.WriteTo(&cw)
+	err := sr.relay(&cw)
 	if err == nil {
 		err = cw.end()
 	}
