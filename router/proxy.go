@@ -54,7 +54,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	}
 	r.rec.admission = admitted
 	r.admit = admit
-	if r.info.Stream {
+	if r.info.Stream && s.cfg.PDDisaggregation {
 		s.serveStream(ctx, r) // on its own goroutine (streamconn.go)
 		return path
 	}

@@ -12,8 +12,9 @@ import (
 // startStream waits for the first body bytes of l's reply and, in PD
 // mode, for prefill's reply head, so that a failure before them can still
 // be answered with a proper status (and retried), then makes the rest the
-// response body (streamRelay, r.relay, written on the hijacked connection:
-// streamconn.go), which now owns the leg. a is nil in regular mode.
+// response body (streamRelay: in PD mode written on the hijacked
+// connection, streamconn.go; in regular mode by fasthttp), which now owns
+// the leg. a is nil in regular mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
 	// In a small frame: the stack parked here is the stream's while it
@@ -77,7 +78,11 @@ func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *att
 		first = merge.feed(first)
 	}
 	sr.pending = first
-	r.relay = sr
+	if s.cfg.PDDisaggregation {
+		r.relay = sr // written on the hijacked connection (streamconn.go)
+	} else {
+		ctx.Response.SetBodyStream(sr, -1)
+	}
 	return nil, true
 }
 
@@ -97,9 +102,10 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 	}
 }
 
-// streamRelay is the client's response body: the stream's goroutine pulls
-// the worker's SSE chunks through it and writes what each read returns
-// (every chunk the worker's connection holds) as one HTTP chunk.
+// streamRelay is the client's response body: the stream's goroutine (in
+// regular mode fasthttp's connection goroutine) pulls the worker's SSE
+// chunks through it and writes what each read returns (every chunk the
+// worker's connection holds) as one HTTP chunk.
 type streamRelay struct {
 	r       *request
 	leg     *leg     // the worker's reply, whose body is relayed
@@ -110,6 +116,7 @@ type streamRelay struct {
 	merge   *logprobMerger
 	sent    bool    // the first byte went out
 	ended   bool    // the last bytes are pending: nothing more to read
+	closed  bool    // CloseWithError ran
 	first   [1]byte // relay's wait for the next event reads its first byte here
 
 	tail  [16]byte // the last bytes the worker sent (see)
@@ -196,6 +203,47 @@ func (sr *streamRelay) relay(w io.Writer) error {
 			return err
 		}
 	}
+}
+
+// WriteTo is how fasthttp writes a regular-mode stream
+// (fasthttp.BodyWriterTo, instead of Read through a copy buffer it would
+// hold for the whole stream).
+func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) { return 0, sr.relay(w) }
+
+// SupportsBodyWriteTo tells fasthttp that WriteTo writes what Read returns.
+func (sr *streamRelay) SupportsBodyWriteTo() bool { return true }
+
+// Read is the io.Reader fasthttp's SetBodyStream takes; WriteTo is what it
+// uses. Once the first chunk is out, chunks are read straight into p.
+func (sr *streamRelay) Read(p []byte) (int, error) {
+	for len(sr.pending) == 0 {
+		if sr.ended {
+			return 0, io.EOF
+		}
+		if sr.merge == nil {
+			sr.releaseBuf()
+			sr.pending = sr.next(p)
+		} else {
+			sr.pending = sr.next(*sr.bufp)
+		}
+	}
+	if !sr.sent {
+		sr.r.observeFirstByte()
+		sr.sent = true
+	}
+	n := copy(p, sr.pending)
+	sr.pending = sr.pending[n:]
+	return n, nil
+}
+
+// CloseWithError is fasthttp's end of a regular-mode stream, written or
+// not.
+func (sr *streamRelay) CloseWithError(writeErr error) error {
+	if !sr.closed {
+		sr.closed = true
+		sr.end(writeErr)
+	}
+	return nil
 }
 
 // nextOut returns the client's next bytes and, when they are in a pooled

@@ -68,11 +68,11 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 		conns[i] = c
 	}
 	waitFor(t, func() bool {
-		return countStacks(routerStacks(), "(*Server).startStream", "(*upstreamResponse).awaitBody") == streams
+		return countStacks(routerStacks(), "(*Server).startStream", "(*upstreamResponse).awaitH2C") == streams
 	})
 	stacks := routerStacks()
-	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted("); n != 0 {
-		t.Errorf("%d goroutines in fasthttp's serveConn while %d streams wait for their first token, want none", n, streams)
+	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
+		t.Errorf("%d streams in fasthttp's serveConn while %d streams wait for their first token, want none", n, streams)
 	}
 	if n := countStacks(stacks, "fasthttp.hijackConnHandler", "(*Server).startStream"); n != streams {
 		t.Errorf("%d streams wait on their own goroutine, want %d", n, streams)
@@ -91,11 +91,11 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 		}
 	}
 	waitFor(t, func() bool {
-		return countStacks(routerStacks(), "(*streamRelay).relay", "(*upstreamResponse).awaitBody") == streams
+		return countStacks(routerStacks(), "(*streamRelay).relay", "(*upstreamResponse).awaitH2C") == streams
 	})
 	stacks = routerStacks()
-	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted("); n != 0 {
-		t.Errorf("%d goroutines in fasthttp's serveConn while %d streams wait between events, want none", n, streams)
+	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
+		t.Errorf("%d streams in fasthttp's serveConn while %d streams wait between events, want none", n, streams)
 	}
 	if n := countStacks(stacks, "(*streamRelay).nextOut"); n != 0 {
 		t.Errorf("%d streams wait deep in a read, want all %d in the relay's loop", n, streams)
@@ -105,30 +105,41 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 	}
 }
 
-// A stream's head says that the connection closes with it, and it does;
-// the stream before was whole.
-func TestStreamClosesItsConnectionAtItsEnd(t *testing.T) {
+// A stream's connection, hijacked, serves the client's next requests as
+// fasthttp's own would: another stream, then a plain request; one that
+// asks for Connection: close is then closed.
+func TestStreamConnectionServesTheNextRequests(t *testing.T) {
 	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{})
 	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`
-	fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	c.SetDeadline(time.Now().Add(10 * time.Second))
 	br := bufio.NewReader(c)
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := io.ReadAll(resp.Body)
-	if err != nil || resp.StatusCode != 200 || !resp.Close || !strings.HasSuffix(string(b), "data: [DONE]\n\n") ||
-		strings.Count(string(b), "data: ") != 4 {
-		t.Fatalf("status %d, close %v, err %v: %q", resp.StatusCode, resp.Close, err, b)
+	for i, req := range []struct {
+		body   string
+		header string
+	}{
+		{`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`, ""},
+		{`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`, ""},
+		{`{"text":"a b c","sampling_params":{"max_new_tokens":3}}`, ""},
+		{`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`, "Connection: close\r\n"},
+	} {
+		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\n%sContent-Length: %d\r\n\r\n%s", req.header, len(req.body), req.body)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		stream := strings.Contains(req.body, `"stream":true`)
+		if err != nil || resp.StatusCode != 200 || resp.Close != (req.header != "") ||
+			stream && !strings.HasSuffix(string(b), "data: [DONE]\n\n") || !stream && !strings.Contains(string(b), `"text"`) {
+			t.Fatalf("request %d: status %d, close %v, err %v: %q", i, resp.StatusCode, resp.Close, err, b)
+		}
 	}
 	if n, err := br.Read(make([]byte, 1)); n != 0 || err != io.EOF {
-		t.Errorf("after the stream: %d bytes, %v; want the connection closed", n, err)
+		t.Errorf("after Connection: close: %d bytes, %v; want the connection closed", n, err)
 	}
 }
 
