@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"runtime"
 	"strings"
 	"testing"
@@ -181,5 +182,62 @@ func TestStreamFailingBeforeItsFirstByteIsAnswered(t *testing.T) {
 	counted := srv.metrics.httpResponses.WithLabelValues(fmt.Sprint(resp.StatusCode), resp.Header.Get("X-SMG-Error-Code"))
 	if got := counterValue(t, counted); got != 1 {
 		t.Errorf("smg_http_responses_total for the %d = %v, want 1", resp.StatusCode, got)
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skip("no /proc/self/fd")
+	}
+	return len(entries)
+}
+
+// Streams whose clients read them whole and streams whose clients leave
+// midway leave no descriptor, goroutine or request behind on the
+// hijacked path: each client connection closes once its client has.
+func TestHijackedStreamsLeaveNoDescriptors(t *testing.T) {
+	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: 5 * time.Millisecond})
+	if _, err := streamTokens(context.Background(), base, 1); err != nil { // the engine connections are up
+		t.Fatal(err)
+	}
+	http.DefaultClient.CloseIdleConnections()
+	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	fds, goroutines := openFDs(t), routerGoroutines()
+	for i := range 20 {
+		c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":40}}`
+		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		br := bufio.NewReader(c)
+		want := "data: [DONE]"
+		if i%2 == 0 { // leaves after its first event
+			want = "data: "
+		}
+		for {
+			line, err := br.ReadString('\n')
+			if err != nil {
+				t.Fatalf("stream %d before %q: %v", i, want, err)
+			}
+			if strings.HasPrefix(line, want) {
+				break
+			}
+		}
+		c.Close()
+	}
+	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	if gone := d.Stats().ClientGone; gone < 10 {
+		t.Errorf("the decode engine saw %d of the 10 clients leave", gone)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for (openFDs(t) > fds || routerGoroutines() > goroutines) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n, g := openFDs(t), routerGoroutines(); n > fds || g > goroutines {
+		t.Errorf("%d descriptors and %d router goroutines after the streams, %d and %d before", n, g, fds, goroutines)
 	}
 }
