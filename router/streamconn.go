@@ -32,15 +32,21 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(hc net.Conn) {
 		s.metrics.httpConnections.Inc() // fasthttp counted it out at the hijack
-		s.serve(ctx, r)                 // parks in its wait for the first token: a small frame above it
-		keep := s.answerStream(ctx, r)
-		s.metrics.httpConnections.Dec()
-		if keep && !readsAhead(hc, r.conn) {
-			go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
-			return
-		}
-		_ = r.conn.Close()
+		s.serve(ctx, r)                 // parks in its wait for the first token: keep this frame small
+		s.endStream(ctx, r, hc)
 	})
+}
+
+// endStream answers r on hc and then closes the connection, or has
+// fasthttp serve its next requests.
+func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
+	keep := s.answerStream(ctx, r)
+	s.metrics.httpConnections.Dec()
+	if keep && !readsAhead(hc, r.conn) {
+		go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
+		return
+	}
+	_ = r.conn.Close()
 }
 
 // answerStream writes r's response, its stream or its error, to its
