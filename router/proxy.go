@@ -54,6 +54,10 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	}
 	r.rec.admission = admitted
 	r.admit = admit
+	if r.info.Stream && s.cfg.PDDisaggregation {
+		s.serveStream(ctx, r) // on its own goroutine (streamconn.go)
+		return path
+	}
 	s.serve(ctx, r)
 	return path
 }

@@ -14,28 +14,35 @@ func (s *Server) reply(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt)
 	if r.info.Stream {
 		return s.startStream(ctx, r, l, a)
 	}
+	return s.replyWhole(ctx, r, l, a), false
+}
+
+// replyWhole is reply for a non-stream. Apart, so that reply's frame is
+// small on the stack of a stream waiting for its first token
+// (streamconn.go).
+func (s *Server) replyWhole(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) *apiError {
 	defer l.close()
 	if err := readReply(ctx, l.resp); err != nil {
 		l.bodyFailed()
 		if f := a.failure(); f != nil {
-			return f, false
+			return f
 		}
 		a.abandon()
 		if r.clientGone() {
-			return nil, false
+			return nil
 		}
 		side := "worker"
 		if a != nil {
 			side = "decode"
 		}
-		return &apiError{Status: 502, Code: "read_response_failed", Message: "Failed to read " + side + " response: " + err.Error()}, false
+		return &apiError{Status: 502, Code: "read_response_failed", Message: "Failed to read " + side + " response: " + err.Error()}
 	}
 	a.scanWhole(ctx.Response.Body())
 	if prefill, ok := a.logprobs(r); ok {
 		ctx.SetBody(mergeLogprobsJSON(prefill, ctx.Response.Body()))
 	}
 	r.observeFirstByte()
-	return nil, false
+	return nil
 }
 
 // readReply makes a worker's complete reply the client's: status, headers,

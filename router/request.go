@@ -32,8 +32,9 @@ type request struct {
 	// are done (refs), because a prefill leg may outlive its handler.
 	scope  scope // embedded: no allocation of its own
 	refs   atomic.Int32
-	admit  func() // returns the admission token
-	leg    leg    // the worker leg whose reply is the client's (decode in PD mode)
+	admit  func()       // returns the admission token
+	leg    leg          // the worker leg whose reply is the client's (decode in PD mode)
+	relay  *streamRelay // the stream to write, once an attempt has started one
 	policy balancer.Request
 	conn   net.Conn
 

@@ -61,6 +61,7 @@ type Server struct {
 	needsText bool         // some policy reads the request's routing text
 	upstream  *upstream    // generation requests to workers
 	inflight  *inflight    // generation requests in progress
+	draining  atomic.Bool  // Shutdown has begun
 	infoCalls *http.Client // info endpoints, their fan-out, the doctor and engine aborts
 	info      *info.Endpoints
 	admin     *admin.API // the control plane: worker API, /flush_cache, /get_loads, /doctor
@@ -165,6 +166,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		// request, within the noise of PD's own cost but ~10 % of a regular
 		// request's, so regular mode keeps its buffer (bench/RESULTS.md).
 		ReduceMemoryUsage: cfg.PDDisaggregation,
+		KeepHijackedConns: true, // a PD stream's connection is served again after it (streamconn.go)
 		ConnState: func(_ net.Conn, st fasthttp.ConnState) {
 			switch st {
 			case fasthttp.StateNew:
@@ -245,7 +247,9 @@ func (s *Server) Serve(ln net.Listener) error {
 // Shutdown stops accepting, lets in-flight requests and streams finish
 // until ctx ends, then cancels what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
+	s.draining.Store(true) // a stream's connection closes at its end (streamconn.go)
 	err := s.srv.ShutdownWithContext(ctx)
+	s.awaitStreams(ctx) // hijacked streams, which fasthttp does not wait for
 	s.cancelBase()
 	s.inflight.close()
 	s.awaitRequests(s.cfg.AbortTimeout + time.Second)
@@ -330,7 +334,9 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	} else {
 		label = s.route(ctx, string(ctx.Path()), method)
 	}
-	s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+	if !ctx.Hijacked() { // a stream is counted when its attempts are done (serveStream)
+		s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+	}
 }
 
 // knownMethod returns m as one of the methods the router serves (a

@@ -12,11 +12,23 @@ import (
 // startStream waits for the first body bytes of l's reply and, in PD
 // mode, for prefill's reply head, so that a failure before them can still
 // be answered with a proper status (and retried), then makes the rest the
-// response body (streamRelay), which now owns the leg. a is nil in regular
-// mode.
+// response body (streamRelay: in PD mode written on the hijacked
+// connection, streamconn.go; in regular mode by fasthttp), which now owns
+// the leg. a is nil in regular mode.
 func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	l.resp.idleTimeout(s.cfg.StreamIdleTimeout)
-	l.resp.awaitBody()
+	// In a small frame: the stack parked here is the stream's while it
+	// waits for its first token (streamconn.go).
+	if l.resp.h2 != nil {
+		l.resp.awaitH2C()
+	} else {
+		l.resp.awaitBody()
+	}
+	return s.firstChunk(ctx, r, l, a)
+}
+
+// firstChunk is startStream once the first body bytes have arrived.
+func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *attempt) (*apiError, bool) {
 	bufp := chunkPool.Get().(*[]byte)
 	n, err := readSome(l.resp, *bufp)
 	if err == nil {
@@ -66,7 +78,11 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 		first = merge.feed(first)
 	}
 	sr.pending = first
-	ctx.Response.SetBodyStream(sr, -1)
+	if s.cfg.PDDisaggregation {
+		r.relay = sr // written on the hijacked connection (streamconn.go)
+	} else {
+		ctx.Response.SetBodyStream(sr, -1)
+	}
 	return nil, true
 }
 
@@ -86,11 +102,10 @@ func readSome(r io.Reader, buf []byte) (int, error) {
 	}
 }
 
-// streamRelay is the client's response body: fasthttp's connection
-// goroutine pulls the worker's SSE chunks through it and writes what each
-// read returns (every chunk the worker's connection holds) as one flushed
-// HTTP chunk. (SetBodyStreamWriter would put a goroutine and an
-// in-memory pipe between the two for every stream.)
+// streamRelay is the client's response body: the stream's goroutine (in
+// regular mode fasthttp's connection goroutine) pulls the worker's SSE
+// chunks through it and writes what each read returns (every chunk the
+// worker's connection holds) as one HTTP chunk.
 type streamRelay struct {
 	r       *request
 	leg     *leg     // the worker's reply, whose body is relayed
@@ -99,10 +114,10 @@ type streamRelay struct {
 	pending []byte   // next bytes for the client
 	readErr error    // how the worker's body ended, once it has
 	merge   *logprobMerger
-	sent    bool // the first byte went out
-	ended   bool // the last bytes are pending: nothing more to read
-	closed  bool
-	first   [1]byte // WriteTo's wait for the next event reads its first byte here
+	sent    bool    // the first byte went out
+	ended   bool    // the last bytes are pending: nothing more to read
+	closed  bool    // CloseWithError ran
+	first   [1]byte // relay's wait for the next event reads its first byte here
 
 	tail  [16]byte // the last bytes the worker sent (see)
 	tailN int
@@ -157,14 +172,21 @@ func (sr *streamRelay) cleanEnd() bool {
 	return bytes.HasSuffix(bytes.TrimRight(sr.tail[:sr.tailN], " \r\n"), []byte("data: [DONE]"))
 }
 
-// WriteTo is how fasthttp writes the stream (fasthttp.BodyWriterTo, instead
-// of Read through a copy buffer it would hold for the whole stream): each
-// pass waits for the worker's next event holding no buffer, reads what has
-// arrived into a pooled one, writes it as one flushed HTTP chunk and gives
-// the buffer back, so an open stream holds none between events.
-func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) {
-	var written int64
+// relay writes the stream to w, one Write a chunk: each pass waits for the
+// worker's next event holding no buffer, reads what has arrived into a
+// pooled one, writes it as one HTTP chunk and gives the buffer back, so an
+// open stream holds none between events. An h2c stream waits here, in a
+// frame shallow enough that the stack of the stream's goroutine shrinks to
+// 4 KiB (streamconn.go); an HTTP/1.1 one waits in its read, which alone
+// knows whether its body has more to come.
+func (sr *streamRelay) relay(w io.Writer) error {
 	for {
+		if resp := sr.leg.resp; resp.h2 != nil && len(sr.pending) == 0 && sr.readErr == nil {
+			if sr.merge == nil {
+				sr.releaseBuf() // the first chunk's, written
+			}
+			resp.awaitH2C()
+		}
 		out, bufp := sr.nextOut()
 		var err error
 		if len(out) > 0 {
@@ -172,21 +194,57 @@ func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) {
 				sr.r.observeFirstByte()
 				sr.sent = true
 			}
-			var n int
-			n, err = w.Write(out)
-			written += int64(n)
+			_, err = w.Write(out)
 		}
 		if bufp != nil {
 			chunkPool.Put(bufp)
 		}
 		if err != nil || sr.ended {
-			return written, err
+			return err
 		}
 	}
 }
 
+// WriteTo is how fasthttp writes a regular-mode stream
+// (fasthttp.BodyWriterTo, instead of Read through a copy buffer it would
+// hold for the whole stream).
+func (sr *streamRelay) WriteTo(w io.Writer) (int64, error) { return 0, sr.relay(w) }
+
 // SupportsBodyWriteTo tells fasthttp that WriteTo writes what Read returns.
 func (sr *streamRelay) SupportsBodyWriteTo() bool { return true }
+
+// Read is the io.Reader fasthttp's SetBodyStream takes; WriteTo is what it
+// uses. Once the first chunk is out, chunks are read straight into p.
+func (sr *streamRelay) Read(p []byte) (int, error) {
+	for len(sr.pending) == 0 {
+		if sr.ended {
+			return 0, io.EOF
+		}
+		if sr.merge == nil {
+			sr.releaseBuf()
+			sr.pending = sr.next(p)
+		} else {
+			sr.pending = sr.next(*sr.bufp)
+		}
+	}
+	if !sr.sent {
+		sr.r.observeFirstByte()
+		sr.sent = true
+	}
+	n := copy(p, sr.pending)
+	sr.pending = sr.pending[n:]
+	return n, nil
+}
+
+// CloseWithError is fasthttp's end of a regular-mode stream, written or
+// not.
+func (sr *streamRelay) CloseWithError(writeErr error) error {
+	if !sr.closed {
+		sr.closed = true
+		sr.end(writeErr)
+	}
+	return nil
+}
 
 // nextOut returns the client's next bytes and, when they are in a pooled
 // buffer of their own, that buffer, to be given back once they are written.
@@ -235,29 +293,6 @@ func (sr *streamRelay) mergeBuf() []byte {
 		return nil
 	}
 	return *sr.bufp
-}
-
-// Read is the io.Reader fasthttp's SetBodyStream takes; WriteTo is what it
-// uses. Once the first chunk is out, chunks are read straight into p.
-func (sr *streamRelay) Read(p []byte) (int, error) {
-	for len(sr.pending) == 0 {
-		if sr.ended {
-			return 0, io.EOF
-		}
-		if sr.merge == nil {
-			sr.releaseBuf()
-			sr.pending = sr.next(p)
-		} else {
-			sr.pending = sr.next(*sr.bufp)
-		}
-	}
-	if !sr.sent {
-		sr.r.observeFirstByte()
-		sr.sent = true
-	}
-	n := copy(p, sr.pending)
-	sr.pending = sr.pending[n:]
-	return n, nil
 }
 
 // next reads the worker's next chunk into buf and returns what the client
@@ -320,21 +355,16 @@ func (sr *streamRelay) next(buf []byte) []byte {
 	return e.sseFrame()
 }
 
-// CloseWithError is fasthttp's end of the body, written or not. A stream
-// cut short (the client gone, the server shutting down) cancels both legs.
-func (sr *streamRelay) CloseWithError(writeErr error) error {
-	if sr.closed {
-		return nil
-	}
-	sr.closed = true
+// end ends the stream, written or not. A stream cut short (the client
+// gone, the server shutting down) cancels both legs.
+func (sr *streamRelay) end(writeErr error) {
 	if writeErr != nil || !sr.ended || len(sr.pending) > 0 {
 		sr.r.cancel(errClientGone)
 	}
 	sr.leg.close()
-	sr.attempt.releaseBody() // fasthttp reuses the client's buffer next
+	sr.attempt.releaseBody() // fasthttp reuses the client's buffer once serve returns
 	sr.releaseBuf()
 	sr.r.finish()
-	return nil
 }
 
 func (sr *streamRelay) releaseBuf() {

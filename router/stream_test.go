@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/valyala/fasthttp"
 	"go.uber.org/zap"
 )
 
@@ -155,11 +154,10 @@ func TestStreamWaitingForItsFirstEventHoldsNoBuffer(t *testing.T) {
 	}
 }
 
-// Nor does a stream between two events: fasthttp writes it through
-// WriteTo, not through a 4 KiB copy buffer of its own for the whole stream
-// (21-30 KiB per stream here, 38-42 through Read).
+// Nor does a stream between two events: its chunks are framed in pooled
+// buffers, not in a copy buffer or connection writer of its own (21-30 KiB
+// per stream here, 38-42 through a copy buffer).
 func TestStreamBetweenEventsHoldsNoBuffer(t *testing.T) {
-	var _ fasthttp.BodyWriterTo = (*streamRelay)(nil)
 	// The lesser of two runs: a process's first one also pays for pools
 	// filling up (21-25 KiB per stream after it, up to 30 in it).
 	first := "data: {\"text\":\"a\"}\n\n"

@@ -193,10 +193,7 @@ func (r *upstreamResponse) armIdle() {
 // is left to the read that follows, which meets it again.
 func (r *upstreamResponse) awaitBody() {
 	if r.h2 != nil {
-		if r.idle > 0 && r.h2.timer == nil { // the idle timeout covers the wait for the first byte
-			r.h2.armIdle(r.idle)
-		}
-		r.h2.wait()
+		r.awaitH2C()
 		return
 	}
 	if cl := r.Header.ContentLength(); r.conn != nil && (cl == -1 || cl > 0) {

@@ -935,23 +935,36 @@ func (st *h2cStream) read(p []byte) (int, error) {
 	return 0, io.EOF
 }
 
-// wait returns once the stream has body bytes unread, has ended or failed:
-// awaitBody's wait, which holds no relay buffer.
-func (st *h2cStream) wait() {
-	st.conn.mu.Lock()
-	defer st.conn.mu.Unlock()
-	st.waitLocked()
+// awaitH2C is awaitBody for an h2c reply: it returns once the stream has
+// body bytes unread, has ended or failed, holding no relay buffer. One
+// frame, with no defer: a stream's goroutine parks here (streamconn.go).
+func (r *upstreamResponse) awaitH2C() {
+	st := r.h2
+	if r.idle > 0 && st.timer == nil { // the idle timeout covers the wait for the first byte
+		st.armIdle(r.idle)
+	}
+	c := st.conn
+	c.mu.Lock()
+	for !st.ready() {
+		c.mu.Unlock()
+		<-st.wake
+		c.mu.Lock()
+	}
+	c.mu.Unlock()
 }
 
-// waitLocked is wait with the connection's lock held.
+// waitLocked is awaitH2C's wait with the connection's lock held.
 func (st *h2cStream) waitLocked() {
 	c := st.conn
-	for st.unread() == 0 && !st.eof && st.err == nil {
+	for !st.ready() {
 		c.mu.Unlock()
 		<-st.wake
 		c.mu.Lock()
 	}
 }
+
+// ready reports whether a read of the stream would not wait (under mu).
+func (st *h2cStream) ready() bool { return st.unread() > 0 || st.eof || st.err != nil }
 
 // buffered reports whether the stream holds body bytes unread.
 func (st *h2cStream) buffered() bool {

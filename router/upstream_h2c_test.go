@@ -292,12 +292,36 @@ func startFatStreamWorker(t *testing.T, size int, pause time.Duration) *fatStrea
 	return w
 }
 
-func TestH2CSlowClientDoesNotStallTheOthers(t *testing.T) {
-	w := startFatStreamWorker(t, 16<<10, 0)
+// fatConfig routes to w: in regular mode alone, in PD mode as the decode
+// worker beside an h2c mock prefill (PD streams are relayed on their
+// hijacked client connections, streamconn.go).
+func fatConfig(t *testing.T, w *fatStreamWorker, pd bool) Config {
 	cfg := DefaultConfig()
-	cfg.WorkerURLs = []string{w.url}
 	cfg.Manager.UpstreamHTTP2 = true
-	base, srv := serveInProcess(t, cfg)
+	if !pd {
+		cfg.WorkerURLs = []string{w.url}
+		return cfg
+	}
+	p, err := mockworker.Start(mockworker.Config{Role: mockworker.RolePrefill, HTTP2: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Close() })
+	cfg.PDDisaggregation = true
+	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
+	cfg.Decode = []string{w.url}
+	return cfg
+}
+
+func TestH2CSlowClientDoesNotStallTheOthers(t *testing.T) {
+	for _, pd := range []bool{false, true} {
+		t.Run(map[bool]string{false: "regular", true: "pd"}[pd], func(t *testing.T) { testSlowClient(t, pd) })
+	}
+}
+
+func testSlowClient(t *testing.T, pd bool) {
+	w := startFatStreamWorker(t, 16<<10, 0)
+	base, srv := serveInProcess(t, fatConfig(t, w, pd))
 	defer srv.Shutdown(context.Background())
 
 	// The slow client asks for 64 MiB and reads none of it.
@@ -351,12 +375,16 @@ func TestH2CSlowClientDoesNotStallTheOthers(t *testing.T) {
 }
 
 func TestH2CWorkerDroppingItsConnectionEndsEachStreamWithAnError(t *testing.T) {
+	for _, pd := range []bool{false, true} {
+		t.Run(map[bool]string{false: "regular", true: "pd"}[pd], func(t *testing.T) { testWorkerDrop(t, pd) })
+	}
+}
+
+func testWorkerDrop(t *testing.T, pd bool) {
 	w := startFatStreamWorker(t, 10, 10*time.Millisecond)
-	cfg := DefaultConfig()
-	cfg.WorkerURLs = []string{w.url}
-	cfg.Manager.UpstreamHTTP2 = true
-	base, srv := serveInProcess(t, cfg)
+	base, srv := serveInProcess(t, fatConfig(t, w, pd))
 	defer srv.Shutdown(context.Background())
+	code := map[bool]string{false: "regular_stream_error", true: "decode_stream_error"}[pd]
 	const streams = 3
 	bodies := make([]string, streams)
 	var wg, started sync.WaitGroup
@@ -394,11 +422,18 @@ func TestH2CWorkerDroppingItsConnectionEndsEachStreamWithAnError(t *testing.T) {
 	for i, b := range bodies {
 		events := strings.Split(strings.TrimSpace(b), "\n\n")
 		last := events[len(events)-1]
-		if len(events) < 2 || !strings.HasPrefix(last, `data: {"error":`) || !strings.Contains(last, "regular_stream_error") {
-			t.Errorf("stream %d: want events then one regular_stream_error event, got %d events, last %q", i, len(events), last)
+		if len(events) < 2 || !strings.HasPrefix(last, `data: {"error":`) || !strings.Contains(last, code) {
+			t.Errorf("stream %d: want events then one %s event, got %d events, last %q", i, code, len(events), last)
 		}
 	}
-	waitFor(t, func() bool { return srv.reg.Snapshot().All[0].Load() == 0 })
+	waitFor(t, func() bool {
+		for _, wk := range srv.reg.Snapshot().All {
+			if wk.Load() != 0 {
+				return false
+			}
+		}
+		return true
+	})
 }
 
 func TestH2CIdleStreamEndsWithOneErrorEventAndResetsTheStream(t *testing.T) {

@@ -1,0 +1,177 @@
+package router
+
+import (
+	"context"
+	"net"
+	"reflect"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/valyala/fasthttp"
+)
+
+// In PD mode a streaming request's client connection is hijacked before
+// its attempts run: fasthttp's connection goroutine (whose stack, deep in
+// serveConn, shrank to no less than 16 KiB while it waited for the first
+// token) goes back to its pool, and a goroutine of the request's own,
+// started in a shallow frame, runs the attempts, waits for the first token
+// and relays the stream, writing each chunk straight to the socket (no
+// 4 KiB connection writer either). Its stack shrinks to 4 KiB while it
+// waits: the frames above its two waits (startStream's, relay's) are kept
+// small for that, 1,232 and 904 bytes (the collector halves a stack only
+// while its use, plus 800 bytes, is under a quarter of it: under 1,248
+// bytes for 4 KiB; TestWaitingStreamStackFitsIn4KiB). Once the
+// response is written, fasthttp serves the connection again
+// (KeepHijackedConns: the router closes or serves it).
+
+// serveStream serves r, a PD streaming request, on its hijacked
+// connection. fasthttp hands the connection over unless it is already
+// closed (its SetDeadline failed): no peer is then left to answer, and r
+// is left unserved, as by a client gone before the handler returned.
+func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
+	ctx.HijackSetNoResponse(true)
+	ctx.Hijack(func(hc net.Conn) {
+		s.metrics.httpConnections.Inc() // fasthttp counted it out at the hijack
+		s.serve(ctx, r)                 // parks in its wait for the first token: keep this frame small
+		s.endStream(ctx, r, hc)
+	})
+}
+
+// endStream answers r on hc and then closes the connection, or has
+// fasthttp serve its next requests.
+func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
+	keep := s.answerStream(ctx, r)
+	s.metrics.httpConnections.Dec()
+	if keep && !readsAhead(hc, r.conn) {
+		go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
+		return
+	}
+	_ = r.conn.Close()
+}
+
+// answerStream writes r's response, its stream or its error, to its
+// connection (r.conn, which fasthttp's hijacked one wraps), and reports
+// whether the connection may serve the client's next request.
+func (s *Server) answerStream(ctx *fasthttp.RequestCtx, r *request) bool {
+	c := r.conn
+	s.metrics.observeHTTP("POST", r.path, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(r.start))
+	// A client that stops reading frees its stream, as fasthttp's
+	// WriteTimeout did for the responses it wrote.
+	if t := s.srv.WriteTimeout; t > 0 {
+		_ = c.SetWriteDeadline(time.Now().Add(t))
+	}
+	keep := ctx.Request.Header.IsHTTP11() && !ctx.Request.Header.ConnectionClose() && !s.draining.Load()
+	if !keep {
+		ctx.Response.SetConnectionClose()
+	}
+	if sr := r.relay; sr != nil {
+		return sr.serve(ctx, c) && keep
+	}
+	_, err := ctx.Response.WriteTo(c) // an error, or nothing for a client gone
+	return err == nil && keep && !r.clientGone()
+}
+
+// readsAhead reports whether fasthttp's hijacked connection hc reads
+// through a buffer of its own rather than straight from c: bytes a
+// pipelining client sent behind the stream's request may wait there, which
+// serving c would lose (the connection then closes instead). fasthttp
+// keeps that reader unexported; a hijackConn of another shape counts as
+// reading ahead.
+func readsAhead(hc, c net.Conn) bool {
+	v := reflect.ValueOf(hc)
+	if v.Kind() != reflect.Pointer || v.Elem().Kind() != reflect.Struct {
+		return true
+	}
+	rd := v.Elem().FieldByName("r")
+	if !rd.IsValid() || rd.Kind() != reflect.Interface || rd.IsNil() {
+		return true
+	}
+	inner := rd.Elem()
+	return inner.Type() != reflect.TypeOf(c) || inner.Kind() != reflect.Pointer || inner.Pointer() != reflect.ValueOf(c).Pointer()
+}
+
+// serve writes the stream's head and chunks to c, then ends the stream;
+// it reports whether the response went out whole.
+func (sr *streamRelay) serve(ctx *fasthttp.RequestCtx, c net.Conn) bool {
+	h := &ctx.Response.Header
+	cw := chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
+	if cw.chunked {
+		h.SetContentLength(-1)
+	} else { // HTTP/1.0: the body ends with the connection
+		h.SetContentLength(-2)
+		h.Del(fasthttp.HeaderTransferEncoding)
+	}
+	cw.head = h.Header()
+	err := sr.relay(&cw)
+	if err == nil {
+		err = cw.end()
+	}
+	sr.end(err)
+	return err == nil
+}
+
+// chunkWriter writes each Write as one HTTP chunk in one write to the
+// socket (the head before the first), from a pooled buffer.
+type chunkWriter struct {
+	c       net.Conn
+	head    []byte // not written yet
+	chunked bool
+}
+
+// framePool holds the buffers chunks are framed in, only while written.
+var framePool = sync.Pool{New: func() any { b := make([]byte, 0, 4<<10); return &b }}
+
+func (cw *chunkWriter) Write(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if _, err := cw.write(p, false); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// end writes the last chunk (and the head, for an empty stream).
+func (cw *chunkWriter) end() error {
+	_, err := cw.write(nil, true)
+	return err
+}
+
+func (cw *chunkWriter) write(p []byte, last bool) (int, error) {
+	bufp := framePool.Get().(*[]byte)
+	b := append((*bufp)[:0], cw.head...)
+	cw.head = nil
+	if cw.chunked {
+		if len(p) > 0 {
+			b = strconv.AppendUint(b, uint64(len(p)), 16)
+			b = append(b, "\r\n"...)
+			b = append(b, p...)
+			b = append(b, "\r\n"...)
+		}
+		if last {
+			b = append(b, "0\r\n\r\n"...)
+		}
+	} else {
+		b = append(b, p...)
+	}
+	var n int
+	var err error
+	if len(b) > 0 {
+		n, err = cw.c.Write(b)
+	}
+	if cap(b) <= 64<<10 {
+		*bufp = b[:0]
+		framePool.Put(bufp)
+	}
+	return n, err
+}
+
+// awaitStreams waits, until ctx ends, for the requests in flight (the
+// hijacked streams among them, which fasthttp's Shutdown does not count)
+// to finish; their connections then close.
+func (s *Server) awaitStreams(ctx context.Context) {
+	for s.live.Load() > 0 && ctx.Err() == nil {
+		time.Sleep(5 * time.Millisecond)
+	}
+}

@@ -1,0 +1,75 @@
+//go:build !race
+
+package router
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"regexp"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+)
+
+// Frame sizes differ under the race detector.
+
+// The frames above a PD stream's two waits stay small enough for the
+// collector to shrink its stack to 4 KiB: it halves a stack only while the
+// frames in use plus 800 bytes are under a quarter of it (old code: 3,624
+// bytes at the first token's wait, a 16 KiB stack). Read from a
+// GOTRACEBACK=system dump of a child process (the frames' sp and fp),
+// since nothing in the runtime reports one goroutine's stack.
+func TestWaitingStreamStackFitsIn4KiB(t *testing.T) {
+	if os.Getenv("PDROUTER_STACK_DUMP") != "" {
+		base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: 5 * time.Second, TokenDelay: time.Minute})
+		c := openStream(t, base, 3) // waits between tokens
+		defer c.Close()
+		first, err := net.Dial("tcp", strings.TrimPrefix(base, "http://")) // waits for its first token
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer first.Close()
+		body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`
+		fmt.Fprintf(first, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		waitFor(t, func() bool { return countStacks(routerStacks(), "(*Server).startStream", "awaitH2C") == 1 })
+		syscall.Kill(os.Getpid(), syscall.SIGQUIT)
+		time.Sleep(10 * time.Second)
+		return
+	}
+	if runtime.GOOS != "linux" || runtime.GOARCH != "amd64" || testing.Short() {
+		t.Skip("frame sizes measured on linux/amd64")
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestWaitingStreamStackFitsIn4KiB$")
+	cmd.Env = append(os.Environ(), "PDROUTER_STACK_DUMP=1", "GOTRACEBACK=system")
+	out, _ := cmd.CombinedOutput() // exits 2 on the SIGQUIT
+	frame := regexp.MustCompile(`fp=(0x[0-9a-f]+) sp=(0x[0-9a-f]+)`)
+	found := map[string]bool{}
+	for _, g := range strings.Split(string(out), "\n\n") {
+		wait := ""
+		switch {
+		case strings.Contains(g, "(*Server).startStream(") && strings.Contains(g, "awaitH2C("):
+			wait = "the first token"
+		case strings.Contains(g, "(*streamRelay).relay(") && strings.Contains(g, "awaitH2C("):
+			wait = "the next token"
+		default:
+			continue
+		}
+		m := frame.FindAllStringSubmatch(g, -1)
+		top, _ := strconv.ParseUint(m[0][2][2:], 16, 64)
+		bottom, _ := strconv.ParseUint(m[len(m)-1][1][2:], 16, 64)
+		found[wait] = true
+		if used := bottom - top; used+800 >= 8<<10/4 { // an 8 KiB stack would not shrink to 4
+			t.Errorf("a stream waiting for %s uses %d bytes of frames, want under %d (a 4 KiB stack): %s", wait, used, 8<<10/4-800, g)
+		}
+	}
+	if len(found) != 2 {
+		t.Fatalf("no dump of both waits (%v) in:\n%s", found, out)
+	}
+}

@@ -1,0 +1,243 @@
+package router
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pdrouter/pdrouter/mock/mockworker"
+)
+
+// routerStacks returns the goroutine dumps that are not the in-process
+// engine's (as routerGoroutines counts them).
+func routerStacks() []string {
+	buf := make([]byte, 64<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if !strings.Contains(g, "mock/mockworker.") && !strings.Contains(g, "net/http.(*http2serverConn)") &&
+			!strings.Contains(g, "net/http.(*conn).serve") {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// countStacks counts the dumps that contain every one of frames.
+func countStacks(stacks []string, frames ...string) int {
+	n := 0
+next:
+	for _, g := range stacks {
+		for _, f := range frames {
+			if !strings.Contains(g, f) {
+				continue next
+			}
+		}
+		n++
+	}
+	return n
+}
+
+// An open stream, waiting for its first token or for its next one, is
+// served by a goroutine of its own and not by fasthttp's connection
+// goroutine, whose deep stack (16-32 KiB) it held on the old code; between
+// events an h2c stream parks in the relay's own loop, a shallow frame.
+func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
+	const streams = 50
+	// The first token after a second, the next ones a minute apart.
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: time.Second, TokenDelay: time.Minute})
+	if _, err := streamTokens(context.Background(), base, 1); err != nil { // the connections are up
+		t.Fatal(err)
+	}
+	conns := make([]net.Conn, streams)
+	for i := range conns {
+		c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`
+		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		conns[i] = c
+	}
+	waitFor(t, func() bool {
+		return countStacks(routerStacks(), "(*Server).startStream", "(*upstreamResponse).awaitH2C") == streams
+	})
+	stacks := routerStacks()
+	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
+		t.Errorf("%d streams in fasthttp's serveConn while %d streams wait for their first token, want none", n, streams)
+	}
+	if n := countStacks(stacks, "fasthttp.hijackConnHandler", "(*Server).startStream"); n != streams {
+		t.Errorf("%d streams wait on their own goroutine, want %d", n, streams)
+	}
+	for _, c := range conns { // the first event, then the wait for the next
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		br := bufio.NewReader(c)
+		for {
+			line, err := br.ReadString('\n')
+			if err != nil {
+				t.Fatalf("before the first event: %v", err)
+			}
+			if strings.HasPrefix(line, "data: ") {
+				break
+			}
+		}
+	}
+	waitFor(t, func() bool {
+		return countStacks(routerStacks(), "(*streamRelay).relay", "(*upstreamResponse).awaitH2C") == streams
+	})
+	stacks = routerStacks()
+	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
+		t.Errorf("%d streams in fasthttp's serveConn while %d streams wait between events, want none", n, streams)
+	}
+	if n := countStacks(stacks, "(*streamRelay).nextOut"); n != 0 {
+		t.Errorf("%d streams wait deep in a read, want all %d in the relay's loop", n, streams)
+	}
+	if n := countStacks(stacks, "fasthttp.hijackConnHandler", "(*streamRelay).relay"); n != streams {
+		t.Errorf("%d streams relay on their own goroutine, want %d", n, streams)
+	}
+}
+
+// A stream's connection, hijacked, serves the client's next requests as
+// fasthttp's own would: another stream, then a plain request; one that
+// asks for Connection: close is then closed.
+func TestStreamConnectionServesTheNextRequests(t *testing.T) {
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{})
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	br := bufio.NewReader(c)
+	for i, req := range []struct {
+		body   string
+		header string
+	}{
+		{`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`, ""},
+		{`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`, ""},
+		{`{"text":"a b c","sampling_params":{"max_new_tokens":3}}`, ""},
+		{`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`, "Connection: close\r\n"},
+	} {
+		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\n%sContent-Length: %d\r\n\r\n%s", req.header, len(req.body), req.body)
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		b, err := io.ReadAll(resp.Body)
+		stream := strings.Contains(req.body, `"stream":true`)
+		if err != nil || resp.StatusCode != 200 || resp.Close != (req.header != "") ||
+			stream && !strings.HasSuffix(string(b), "data: [DONE]\n\n") || !stream && !strings.Contains(string(b), `"text"`) {
+			t.Fatalf("request %d: status %d, close %v, err %v: %q", i, resp.StatusCode, resp.Close, err, b)
+		}
+	}
+	if n, err := br.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Errorf("after Connection: close: %d bytes, %v; want the connection closed", n, err)
+	}
+}
+
+// An HTTP/1.0 client, which cannot read chunks, gets the events as they
+// are, ended by the connection's close.
+func TestStreamToHTTP10ClientEndsWithTheConnection(t *testing.T) {
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{})
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`
+	fmt.Fprintf(c, "POST /generate HTTP/1.0\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	all, err := io.ReadAll(c)
+	head, rest, _ := strings.Cut(string(all), "\r\n\r\n")
+	if err != nil || !strings.HasPrefix(head, "HTTP/1.1 200") || strings.Contains(strings.ToLower(head), "transfer-encoding") ||
+		!strings.HasPrefix(rest, "data: ") || !strings.HasSuffix(rest, "data: [DONE]\n\n") {
+		t.Fatalf("err %v: %q", err, all)
+	}
+}
+
+// A streaming request that fails before its first byte is answered on its
+// hijacked connection as before (a JSON error, retries spent), and counted
+// in the HTTP metrics with that status.
+func TestStreamFailingBeforeItsFirstByteIsAnswered(t *testing.T) {
+	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{})
+	d.Close()
+	resp, err := http.Post(base+"/generate", "application/json", strings.NewReader(`{"text":"x","stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode < 500 || !strings.Contains(string(b), `"error"`) {
+		t.Fatalf("status %d: %q; want a 5xx JSON error", resp.StatusCode, b)
+	}
+	counted := srv.metrics.httpResponses.WithLabelValues(fmt.Sprint(resp.StatusCode), resp.Header.Get("X-SMG-Error-Code"))
+	if got := counterValue(t, counted); got != 1 {
+		t.Errorf("smg_http_responses_total for the %d = %v, want 1", resp.StatusCode, got)
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skip("no /proc/self/fd")
+	}
+	return len(entries)
+}
+
+// Streams whose clients read them whole and streams whose clients leave
+// midway leave no descriptor, goroutine or request behind on the
+// hijacked path: each client connection closes once its client has.
+func TestHijackedStreamsLeaveNoDescriptors(t *testing.T) {
+	base, srv, _, d := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: 5 * time.Millisecond})
+	if _, err := streamTokens(context.Background(), base, 1); err != nil { // the engine connections are up
+		t.Fatal(err)
+	}
+	http.DefaultClient.CloseIdleConnections()
+	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	fds, goroutines := openFDs(t), routerGoroutines()
+	for i := range 20 {
+		c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":40}}`
+		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		br := bufio.NewReader(c)
+		want := "data: [DONE]"
+		if i%2 == 0 { // leaves after its first event
+			want = "data: "
+		}
+		for {
+			line, err := br.ReadString('\n')
+			if err != nil {
+				t.Fatalf("stream %d before %q: %v", i, want, err)
+			}
+			if strings.HasPrefix(line, want) {
+				break
+			}
+		}
+		c.Close()
+	}
+	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	if gone := d.Stats().ClientGone; gone < 10 {
+		t.Errorf("the decode engine saw %d of the 10 clients leave", gone)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for (openFDs(t) > fds || routerGoroutines() > goroutines) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n, g := openFDs(t), routerGoroutines(); n > fds || g > goroutines {
+		t.Errorf("%d descriptors and %d router goroutines after the streams, %d and %d before", n, g, fds, goroutines)
+	}
+}
