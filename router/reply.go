@@ -67,18 +67,23 @@ func readReply(ctx *fasthttp.RequestCtx, resp *upstreamResponse) error {
 	return nil
 }
 
-// hopHeaders are not copied from a worker's reply; fasthttp sets its own
-// framing headers.
-var hopHeaders = map[string]bool{
-	"Connection": true, "Keep-Alive": true, "Proxy-Authenticate": true, "Proxy-Authorization": true,
-	"Te": true, "Trailer": true, "Trailers": true, "Transfer-Encoding": true, "Upgrade": true,
-	"Content-Encoding": true, "Host": true, "Content-Length": true, "Date": true, "Server": true,
-	"X-Request-Id": true,
+// hopHeader reports the headers not copied from a worker's reply; fasthttp
+// sets its own framing headers. A switch, not a map: it costs no hash per
+// header of every reply. Names arrive normalized (fasthttp's parser).
+func hopHeader(name string) bool {
+	switch name {
+	case "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+		"Te", "Trailer", "Trailers", "Transfer-Encoding", "Upgrade",
+		"Content-Encoding", "Host", "Content-Length", "Date", "Server",
+		"X-Request-Id":
+		return true
+	}
+	return false
 }
 
 func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
 	for k, v := range resp.Header.All() {
-		if !hopHeaders[bstr(k)] {
+		if !hopHeader(bstr(k)) {
 			ctx.Response.Header.AddBytesKV(k, v)
 		}
 	}
