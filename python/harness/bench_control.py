@@ -71,8 +71,9 @@ def child(calls):
     print(json.dumps(measure(*engines, calls)))
 
 
-def run_child(env, calls):
-    r = subprocess.run([sys.executable, __file__, "--child", "--calls", str(calls)], env=env,
+def run_child(env, calls, script=__file__):
+    """Runs script's --child in a fresh interpreter (env picks its engine module)."""
+    r = subprocess.run([sys.executable, script, "--child", "--calls", str(calls)], env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -81,7 +82,9 @@ def mooncake_round(mooncake_path, calls):
     return run_child(dict(os.environ, MC_FORCE_TCP="1", PYTHONPATH=mooncake_path), calls)
 
 
-def kvproxy_round(kvproxy, transport, calls, pythonpath):
+def kvproxy_round(kvproxy, transport, calls, pythonpath, script=__file__):
+    """A prefill and a decode kvproxy, and script's child writing between them
+    (BENCH_PIDS: the kvproxies, for a child that reads their CPU)."""
     d = tempfile.mkdtemp(prefix="bench-control-")
     procs, socks = [], []
     try:
@@ -93,11 +96,12 @@ def kvproxy_round(kvproxy, transport, calls, pythonpath):
             procs.append(pr)
             assert pr.stdout.readline().startswith("kvproxy ready")
             socks.append(sock)
-        return run_child(dict(os.environ, BENCH_SOCKS=",".join(socks), PYTHONPATH=pythonpath), calls)
+        env = dict(os.environ, BENCH_SOCKS=",".join(socks), BENCH_PIDS=",".join(str(p.pid) for p in procs),
+                   PYTHONPATH=pythonpath)
+        return run_child(env, calls, script)
     finally:
         for pr in procs:
-            pr.terminate()
-            pr.wait()
+            children.stop(pr)
         for s in socks:
             if os.path.exists(s):
                 os.unlink(s)

@@ -18,9 +18,7 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import bench_control
@@ -94,36 +92,6 @@ def child(calls):
     del ms, md
 
 
-def run_child(env, calls):
-    r = subprocess.run([sys.executable, __file__, "--child", "--calls", str(calls)], env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def kvproxy_round(kvproxy, pythonpath, transport, calls):
-    d = tempfile.mkdtemp(prefix="small-write-ab-")
-    procs, socks = [], []
-    try:
-        for role in ("prefill", "decode"):
-            sock = os.path.join(d, role + ".sock")
-            argv = [kvproxy, "--role", role, "--transport", transport, "--control", sock, "--host", "127.0.0.1",
-                    "--metrics-port", "0", "--log-level", "warn"] + (["--bootstrap-port", "0"] if role == "prefill" else [])
-            pr = children.spawn(argv, stdout=subprocess.PIPE, text=True)
-            procs.append(pr)
-            assert pr.stdout.readline().startswith("kvproxy ready")
-            socks.append(sock)
-        env = dict(os.environ, BENCH_SOCKS=",".join(socks), BENCH_PIDS=",".join(str(p.pid) for p in procs),
-                   PYTHONPATH=pythonpath)
-        return run_child(env, calls)
-    finally:
-        for pr in procs:
-            children.stop(pr)
-        for s in socks:
-            if os.path.exists(s):
-                os.unlink(s)
-        os.rmdir(d)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
@@ -137,12 +105,12 @@ def main():
         child(a.calls)
         return
     children.exit_on_signals()
-    runs = {"mooncake-tcp": lambda: run_child(dict(os.environ, MC_FORCE_TCP="1", PYTHONPATH=a.mooncake_path), a.calls)}
+    runs = {"mooncake-tcp": lambda: bench_control.run_child(dict(os.environ, MC_FORCE_TCP="1", PYTHONPATH=a.mooncake_path), a.calls, __file__)}
     for side in a.sides:
         label, _, spec = side.partition("=")
         kvproxy, _, py = spec.partition(":")
         for t in a.transports.split(","):
-            runs["%s-%s" % (label, t)] = lambda k=kvproxy, py=py or os.path.dirname(HERE), t=t: kvproxy_round(k, py, t, a.calls)
+            runs["%s-%s" % (label, t)] = lambda k=kvproxy, py=py or os.path.dirname(HERE), t=t: bench_control.kvproxy_round(k, t, a.calls, py, __file__)
     rounds = {name: [] for name in runs}
     names = list(runs)
     for i in range(a.rounds):
