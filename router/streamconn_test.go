@@ -59,14 +59,8 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 	}
 	conns := make([]net.Conn, streams)
 	for i := range conns {
-		c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		body := `{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":3}}`
-		fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-		conns[i] = c
+		conns[i] = sendStream(t, base, 3)
+		defer conns[i].Close()
 	}
 	waitFor(t, func() bool {
 		return countStacks(routerStacks(), "(*Server).startStream", "(*upstreamResponse).awaitH2C") == streams
@@ -79,17 +73,7 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 		t.Errorf("%d streams wait on their own goroutine, want %d", n, streams)
 	}
 	for _, c := range conns { // the first event, then the wait for the next
-		c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		br := bufio.NewReader(c)
-		for {
-			line, err := br.ReadString('\n')
-			if err != nil {
-				t.Fatalf("before the first event: %v", err)
-			}
-			if strings.HasPrefix(line, "data: ") {
-				break
-			}
-		}
+		awaitFirstEvent(t, c)
 	}
 	waitFor(t, func() bool {
 		return countStacks(routerStacks(), "(*streamRelay).relay", "(*upstreamResponse).awaitH2C") == streams

@@ -27,12 +27,27 @@ import (
 // per stream.
 func openStream(t *testing.T, base string, tokens int) net.Conn {
 	t.Helper()
+	c := sendStream(t, base, tokens)
+	awaitFirstEvent(t, c)
+	return c
+}
+
+// sendStream sends a streamed /generate of tokens tokens to the router at
+// base, on a connection of its own.
+func sendStream(t *testing.T, base string, tokens int) net.Conn {
+	t.Helper()
 	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	body := fmt.Sprintf(`{"text":"a b c","stream":true,"sampling_params":{"max_new_tokens":%d}}`, tokens)
 	fmt.Fprintf(c, "POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	return c
+}
+
+// awaitFirstEvent reads c up to its stream's first event.
+func awaitFirstEvent(t *testing.T, c net.Conn) {
+	t.Helper()
 	c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	br := bufio.NewReader(c)
 	for {
@@ -41,7 +56,7 @@ func openStream(t *testing.T, base string, tokens int) net.Conn {
 			t.Fatalf("before the first event: %v", err)
 		}
 		if strings.HasPrefix(line, "data: ") {
-			return c
+			return
 		}
 	}
 }
