@@ -30,6 +30,9 @@ func startLegEnv(t *testing.T, cfg Config) *legEnv {
 	t.Helper()
 	e := &legEnv{prom: prometheus.NewRegistry(), client: &http.Client{Transport: &http.Transport{}}}
 	e.base, e.srv = serveInProcessOn(t, cfg, e.prom)
+	// Ready needs one worker of a kind; a test's round robin needs them all.
+	want := len(cfg.WorkerURLs) + len(cfg.Prefill) + len(cfg.Decode)
+	waitFor(t, func() bool { return healthyWorkers(e.srv) == want })
 	t.Cleanup(func() { // before the workers close, which waits for their handlers
 		e.client.CloseIdleConnections()
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -39,6 +42,18 @@ func startLegEnv(t *testing.T, cfg Config) *legEnv {
 		}
 	})
 	return e
+}
+
+func healthyWorkers(s *Server) int {
+	n := 0
+	for _, ws := range s.manager.Snapshot().ByType {
+		for _, w := range ws {
+			if w.Healthy() {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 // legWorker is a worker whose POST replies the test writes; the GETs of
