@@ -59,16 +59,22 @@ def measure(src_eng, dst_eng, calls):
     return out
 
 
-def child(calls):
+def engines():
+    """The source and destination TransferEngines, each on its kvproxy of
+    BENCH_SOCKS (unset: Mooncake's own engine)."""
     from mooncake.engine import TransferEngine
-    engines = []
+    out = []
     for sock in os.environ.get("BENCH_SOCKS", ",").split(","):
         if sock:
             os.environ["PDROUTER_KVPROXY_SOCK"] = sock
         e = TransferEngine()
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        engines.append(e)
-    print(json.dumps(measure(*engines, calls)))
+        out.append(e)
+    return out
+
+
+def child(calls):
+    print(json.dumps(measure(*engines(), calls)))
 
 
 def run_child(env, calls, script=__file__):

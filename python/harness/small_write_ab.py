@@ -57,15 +57,7 @@ def self_switches():
 
 
 def child(calls):
-    from mooncake.engine import TransferEngine
-    engines = []
-    for sock in os.environ.get("BENCH_SOCKS", ",").split(","):
-        if sock:
-            os.environ["PDROUTER_KVPROXY_SOCK"] = sock
-        e = TransferEngine()
-        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-        engines.append(e)
-    src_eng, dst_eng = engines
+    src_eng, dst_eng = bench_control.engines()
     size = 1 << 20
     (ms, sp), (md, dp) = bench_control.region(size), bench_control.region(size)
     assert src_eng.register_memory(sp, size) == 0
