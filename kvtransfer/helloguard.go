@@ -11,7 +11,8 @@ import (
 )
 
 // Before its MEM_HELLO is in, a connection to the peer port is anyone's:
-// its first frame must be a MEM_HELLO of at most maxHelloLen (the largest
+// its first frame must be a MEM_HELLO (or a write-only client's
+// MEM_CLIENT: directwrite.go) of at most maxHelloLen (the largest
 // region table is tens of KiB), arriving within the handshake deadline,
 // and at most maxHandshakes connections are read at once (more wait in the
 // backlog). A flood of silent, trickling or oversized connections so costs
@@ -22,21 +23,21 @@ const (
 )
 
 // admitHello reads c's first frame header and refuses anything but a
-// MEM_HELLO of at most maxHelloLen; it returns c with the header put back
-// for the handshake to read.
-func admitHello(c net.Conn) (net.Conn, error) {
+// MEM_HELLO or MEM_CLIENT of at most maxHelloLen; it returns which, and c
+// with the header put back for the handshake to read.
+func admitHello(c net.Conn) (net.Conn, wire.Type, error) {
 	var h [wire.HeaderLen]byte
 	if _, err := io.ReadFull(c, h[:]); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	t, n, err := wire.ParseHeader(h[:])
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	if t != wire.TMemHello || n > maxHelloLen {
-		return nil, fmt.Errorf("%w: first frame %s of %d bytes", wire.ErrMalformed, t, n)
+	if t != wire.TMemHello && t != wire.TMemClient || n > maxHelloLen {
+		return nil, 0, fmt.Errorf("%w: first frame %s of %d bytes", wire.ErrMalformed, t, n)
 	}
-	return &prefixConn{Conn: c, prefix: h[:]}, nil
+	return &prefixConn{Conn: c, prefix: h[:]}, t, nil
 }
 
 // prefixConn replays the bytes admitHello read before the rest.

@@ -31,12 +31,18 @@ type LinkStatus struct {
 	PeerHost  string     `json:"peer_host,omitempty"` // empty: the peer's tables do not say
 	Transport string     `json:"transport"`
 	Paths     []PairPath `json:"paths"`
+	// DirectRoutes counts engine sessions told to send their small host
+	// writes to this peer themselves (directwrite.go).
+	DirectRoutes uint64 `json:"direct_routes"`
 }
 
-// PlaneStatus is the plane's host id and its links' paths.
+// PlaneStatus is the plane's host id and its links' paths, and the
+// engines writing small host buffers into ours themselves.
 type PlaneStatus struct {
-	Host  string       `json:"host"`
-	Links []LinkStatus `json:"links"`
+	Host          string       `json:"host"`
+	Links         []LinkStatus `json:"links"`
+	DirectClients int64        `json:"direct_clients"`
+	DirectWrites  uint64       `json:"direct_writes"`
 }
 
 // Paths reports every link's paths, computed from the current tables.
@@ -44,7 +50,7 @@ func (p *MemoryPlane) Paths() PlaneStatus {
 	p.mu.Lock()
 	links := slices.Collect(maps.Keys(p.links))
 	p.mu.Unlock()
-	st := PlaneStatus{Host: p.host, Links: make([]LinkStatus, 0, len(links))}
+	st := PlaneStatus{Host: p.host, Links: make([]LinkStatus, 0, len(links)), DirectClients: p.direct.clients.Load(), DirectWrites: p.direct.writes.Load()}
 	for _, l := range links {
 		st.Links = append(st.Links, l.status())
 	}
@@ -119,7 +125,8 @@ func (l *memLink) pathTo(src, dst Place) (Path, error) {
 
 func (l *memLink) status() LinkStatus {
 	host := l.peerHost()
-	st := LinkStatus{Peer: l.remote.Name, Addr: l.remote.ListenAddr, PeerHost: host, Transport: l.p.cfg.Transport.Name(), Paths: []PairPath{}}
+	st := LinkStatus{Peer: l.remote.Name, Addr: l.remote.ListenAddr, PeerHost: host, Transport: l.p.cfg.Transport.Name(), Paths: []PairPath{},
+		DirectRoutes: l.directRoutes.Load()}
 	for _, src := range l.p.localPlaces() {
 		for _, dst := range l.remotePlaces(host) {
 			path, err := l.pathTo(src, dst)
@@ -144,22 +151,40 @@ func (l *memLink) logPaths() {
 }
 
 // linkPathCollector exports kvproxy_link_path{peer,src,dst,path} = 1 for
-// each pair of each link at scrape time (path "none" with no path).
+// each pair of each link at scrape time (path "none" with no path), and
+// the direct small writes: kvproxy_direct_routes{peer} (engine sessions
+// sent to write to that peer themselves), kvproxy_direct_clients and
+// kvproxy_direct_writes_total (engines writing into ours themselves).
 type linkPathCollector struct {
-	p    *MemoryPlane
-	desc *prometheus.Desc
+	p                                 *MemoryPlane
+	desc, routes, clients, directDone *prometheus.Desc
 }
 
 func newLinkPathCollector(p *MemoryPlane) *linkPathCollector {
-	return &linkPathCollector{p: p, desc: prometheus.NewDesc("kvproxy_link_path",
-		"The path each link takes for each pair of memory places (1 per pair).", []string{"peer", "src", "dst", "path"}, nil)}
+	return &linkPathCollector{p: p,
+		desc: prometheus.NewDesc("kvproxy_link_path",
+			"The path each link takes for each pair of memory places (1 per pair).", []string{"peer", "src", "dst", "path"}, nil),
+		routes: prometheus.NewDesc("kvproxy_direct_routes",
+			"Engine sessions told to send small host writes to this peer kvproxy themselves.", []string{"peer"}, nil),
+		clients: prometheus.NewDesc("kvproxy_direct_clients",
+			"Engines connected to this kvproxy's peer port to write small host buffers themselves.", nil, nil),
+		directDone: prometheus.NewDesc("kvproxy_direct_writes_total",
+			"Small writes engines sent straight to this kvproxy (fences answered).", nil, nil)}
 }
 
-func (c *linkPathCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+func (c *linkPathCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.desc
+	ch <- c.routes
+	ch <- c.clients
+	ch <- c.directDone
+}
 
 func (c *linkPathCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.p.Paths()
 	seen := map[[3]string]bool{} // both ends may have dialed: two links, one peer
-	for _, l := range c.p.Paths().Links {
+	routes := map[string]uint64{}
+	for _, l := range st.Links {
+		routes[l.Addr] += l.DirectRoutes
 		for _, pp := range l.Paths {
 			if k := [3]string{l.Addr, pp.Src, pp.Dst}; !seen[k] {
 				seen[k] = true
@@ -167,4 +192,9 @@ func (c *linkPathCollector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
+	for addr, n := range routes {
+		ch <- prometheus.MustNewConstMetric(c.routes, prometheus.GaugeValue, float64(n), addr)
+	}
+	ch <- prometheus.MustNewConstMetric(c.clients, prometheus.GaugeValue, float64(st.DirectClients))
+	ch <- prometheus.MustNewConstMetric(c.directDone, prometheus.CounterValue, float64(st.DirectWrites))
 }

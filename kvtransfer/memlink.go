@@ -59,6 +59,9 @@ type memLink struct {
 	// lastRead is when the reader last got a frame (unix nanos): rooms
 	// tell a silent peer by it (rooms/link.go).
 	lastRead atomic.Int64
+	// directRoutes counts engine sessions told to write small host
+	// buffers to this peer themselves (directwrite.go).
+	directRoutes atomic.Uint64
 }
 
 // hello returns our MEM_HELLO and the count of table pushes its table
@@ -124,7 +127,11 @@ func (p *MemoryPlane) acceptLoop() {
 			defer p.wg.Done()
 			stop := context.AfterFunc(p.ctx, func() { _ = nc.Close() })
 			_ = nc.SetReadDeadline(time.Now().Add(p.cfg.WriteTimeout))
-			c, err := admitHello(nc)
+			c, t, err := admitHello(nc)
+			if err == nil && t == wire.TMemClient {
+				p.acceptClient(c, slots, stop) // directwrite.go: never a link
+				return
+			}
 			var l *memLink
 			if err == nil {
 				l, err = p.handshake(c, false)
@@ -318,18 +325,29 @@ func (l *memLink) handle(m wire.Msg) error {
 
 // land reads a DATA frame straight into the region it names; one for a
 // region that is gone (or out of its bounds) is discarded and reported at
-// the next fence. The read is bounded so a stalled peer cannot hold the
-// region forever.
+// the next fence.
 func (l *memLink) land(d *wire.Data) error {
-	p := l.p
-	p.mu.Lock()
-	r := p.byID[d.Region]
-	p.mu.Unlock()
+	r := l.p.hostRegion(d.Region)
 	if r == nil {
-		if gr := p.gpu.byID(d.Region); gr != nil {
+		if gr := l.p.gpu.byID(d.Region); gr != nil {
 			return l.landGPU(gr, d)
 		}
 	}
+	return l.p.landHost(l.conn, r, d, &l.dropped)
+}
+
+// hostRegion is the host region with id (nil: none).
+func (p *MemoryPlane) hostRegion(id uint32) *memRegion {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.byID[id]
+}
+
+// landHost reads d's bytes from conn into host region r (nil: none has its
+// ID). Bytes for a region that is gone or too small are discarded, the
+// first such in *dropped for the next fence's answer. The read is bounded
+// so a stalled peer cannot hold the region forever.
+func (p *MemoryPlane) landHost(conn *wire.Conn, r *memRegion, d *wire.Data, dropped *string) error {
 	if r != nil {
 		r.use.RLock()
 		defer r.use.RUnlock()
@@ -338,22 +356,22 @@ func (l *memLink) land(d *wire.Data) error {
 		}
 	}
 	if r == nil || d.Offset > uint64(len(r.mem)) || uint64(d.N) > uint64(len(r.mem))-d.Offset {
-		if l.dropped == "" {
-			l.dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
+		if *dropped == "" {
+			*dropped = fmt.Sprintf("destination region %d [%d,+%d) is not registered (any more)", d.Region, d.Offset, d.N)
 		}
-		return l.conn.DiscardData()
+		return conn.DiscardData()
 	}
 	dst := r.mem[d.Offset : d.Offset+uint64(d.N)]
-	if l.conn.Buffered() >= len(dst) {
-		return l.conn.ReadData(dst) // read in already: no deadline (a timer) to arm
+	if conn.Buffered() >= len(dst) {
+		return conn.ReadData(dst) // read in already: no deadline (a timer) to arm
 	}
-	if err := l.conn.SetReadTimeout(p.cfg.WriteTimeout); err != nil {
+	if err := conn.SetReadTimeout(p.cfg.WriteTimeout); err != nil {
 		return err
 	}
-	if err := l.conn.ReadData(dst); err != nil {
+	if err := conn.ReadData(dst); err != nil {
 		return err
 	}
-	return l.conn.SetReadTimeout(0)
+	return conn.SetReadTimeout(0)
 }
 
 // setRegions installs the peer's table; keys of regions it no longer

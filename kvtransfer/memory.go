@@ -107,6 +107,8 @@ type MemoryPlane struct {
 	gpu gpuPlane // GPU regions (gpu.go)
 
 	rooms atomic.Pointer[roomHandler] // the room layer on top, if any (peerlink.go)
+
+	direct directStats // engines writing to us themselves (directwrite.go)
 }
 
 // memRegion is one registered region.

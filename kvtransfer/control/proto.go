@@ -7,8 +7,10 @@
 // addresses, answered once the bytes are remotely complete), WritePages
 // (the same for page-granular KV: buffers × page pairs, so a write of n
 // pages in every layer is 24 bytes a buffer and 8 a page instead of 24 a
-// page in each buffer), Probe. Hello's reply lists the optional ops this
-// kvproxy serves (Features), so a client can fall back to Write.
+// page in each buffer), Probe, DirectRoute (may the engine send its small
+// host writes to this peer's kvproxy itself: kvtransfer/directwrite.go).
+// Hello's reply lists the optional ops this kvproxy serves (Features), so
+// a client can fall back to Write.
 //
 // Room API on top (SGLang's KVSender/KVReceiver): RoomLayout (where the
 // engine's KV buffers lie in the memory it registered), decode Expect,
@@ -48,16 +50,20 @@ const (
 	OpProbe
 	OpWritePages
 	OpRoomLayout
+	OpDirectRoute
 )
 
 // Features a kvproxy lists in its Hello reply.
 const (
 	// FeatureWritePages: it serves OpWritePages.
 	FeatureWritePages uint32 = 1 << iota
+	// FeatureDirectWrite: it serves OpDirectRoute, and its peers take
+	// write-only clients on their peer port.
+	FeatureDirectWrite
 )
 
 // features is what this kvproxy serves.
-const features = FeatureWritePages
+const features = FeatureWritePages | FeatureDirectWrite
 
 // maxFrame bounds a control frame: 16 MiB holds a Write of ~700k triples
 // (SGLang sends all layers of a chunk in one call).
@@ -100,7 +106,7 @@ type Request struct {
 	Addr, Len    uint64
 	Handle       []byte
 	HandleOffset uint64
-	// Write, Probe: the peer kvproxy's peer address (Mooncake's session id).
+	// Write, Probe, DirectRoute: the peer kvproxy's peer address (Mooncake's session id).
 	Peer    string
 	Triples []Triple // Write; a host RegisterMemory's memfd travels as SCM_RIGHTS beside the frame
 	// WritePages: Peer and the page write.
@@ -123,6 +129,10 @@ type Reply struct {
 	// the optional ops it serves (absent from older kvproxies: none).
 	PeerAddr string
 	Features uint32
+	// DirectRoute: Direct, the engine may write small host buffers to the
+	// peer itself within WriteTimeoutNs; else Reason says why not.
+	Direct         bool
+	WriteTimeoutNs uint64
 }
 
 func frame(build func(e *wire.Enc)) []byte {
@@ -182,7 +192,7 @@ func EncodeRequest(r *Request) []byte {
 				e.U64(t.Dst)
 				e.U64(t.Len)
 			}
-		case OpProbe:
+		case OpProbe, OpDirectRoute:
 			e.String(r.Peer)
 		case OpWritePages:
 			e.String(r.Peer)
@@ -256,7 +266,7 @@ func DecodeRequest(b []byte) (*Request, error) {
 				r.Triples[i] = Triple{Src: binary.LittleEndian.Uint64(o), Dst: binary.LittleEndian.Uint64(o[8:]), Len: binary.LittleEndian.Uint64(o[16:])}
 			}
 		}
-	case OpProbe:
+	case OpProbe, OpDirectRoute:
 		r.Peer = d.String()
 	case OpWritePages:
 		r.Peer = d.String()
@@ -329,6 +339,10 @@ func EncodeReply(r *Reply) []byte {
 			e.U64(r.Bytes)
 			e.U64(r.TransferNs)
 			e.U64(r.WallNs)
+		case OpDirectRoute:
+			e.Bool(r.Direct)
+			e.U64(r.WriteTimeoutNs)
+			e.Text(r.Reason)
 		}
 	})
 }
@@ -346,6 +360,8 @@ func DecodeReply(b []byte) (*Reply, error) {
 	case OpPoll:
 		r.State, r.Reason = d.U8(), d.String()
 		r.Pages, r.Bytes, r.TransferNs, r.WallNs = d.U64(), d.U64(), d.U64(), d.U64()
+	case OpDirectRoute:
+		r.Direct, r.WriteTimeoutNs, r.Reason = d.Bool(), d.U64(), d.String()
 	}
 	if err := d.End(); err != nil {
 		return nil, err

@@ -207,7 +207,7 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 			if req.Op == OpWrite && c.mem != nil && c.mem.Start(req.Peer, req.Triples, func(err error) { c.replyNow(memReply(req, err)) }) {
 				continue
 			}
-			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpWritePages || req.Op == OpProbe {
+			if (req.Op == OpPoll && req.Wait) || req.Op == OpWrite || req.Op == OpWritePages || req.Op == OpProbe || req.Op == OpDirectRoute {
 				select {
 				case work <- req:
 				default:
@@ -410,6 +410,10 @@ func (c *conn) handleMemory(ctx context.Context, req *Request, fd int) *Reply {
 		err = c.mem.WritePages(ctx, req.Peer, &req.PageWrite)
 	case OpProbe:
 		err = c.mem.Probe(ctx, req.Peer)
+	case OpDirectRoute:
+		var timeout time.Duration
+		r.Direct, r.Reason, timeout, err = c.mem.DirectRoute(ctx, req.Peer)
+		r.WriteTimeoutNs = uint64(timeout)
 	}
 	if err != nil {
 		r.Err = err.Error()

@@ -23,6 +23,11 @@ import "fmt"
 //	                 InlineSlot (tcp: no ring) the chunk follows as the next
 //	                 frame, one DATA frame of Region 0 (no region's ID)
 //	MEM_STAGE_FREE   the receiver scattered a slot: the writer may reuse it
+//	MEM_CLIENT       instead of MEM_HELLO: a write-only client (an engine
+//	                 writing small host buffers itself, not a kvproxy). It
+//	                 is answered with MEM_REGIONS (Seq 0), may then send
+//	                 DATA, MEM_FENCE and MEM_REGIONS_REQ only, and is never
+//	                 a link: no table pushes, rooms or writes go to it
 //
 // MEM_STAGED and DATA frames of one write share the same fence: its answer
 // comes once every slot before it is scattered.
@@ -128,6 +133,9 @@ type MemStaged struct {
 // MemStageFree returns slot Slot to the writer.
 type MemStageFree struct{ Slot uint32 }
 
+// MemClient opens a write-only client connection; Name is for logs.
+type MemClient struct{ Name string }
+
 func (*MemHello) Type() Type      { return TMemHello }
 func (*MemRegionsReq) Type() Type { return TMemRegionsReq }
 func (*MemRegions) Type() Type    { return TMemRegions }
@@ -137,6 +145,7 @@ func (*MemStageReq) Type() Type   { return TMemStageReq }
 func (*MemStageRing) Type() Type  { return TMemStageRing }
 func (*MemStaged) Type() Type     { return TMemStaged }
 func (*MemStageFree) Type() Type  { return TMemStageFree }
+func (*MemClient) Type() Type     { return TMemClient }
 
 func encodeMemRegions(e *Enc, rs []MemRegion) {
 	e.U32(uint32(len(rs)))
@@ -215,6 +224,8 @@ func (m *MemStaged) encode(e *Enc) {
 
 func (m *MemStageFree) encode(e *Enc) { e.U32(m.Slot) }
 
+func (m *MemClient) encode(e *Enc) { e.String(m.Name) }
+
 // maxStagedPieces bounds a MEM_STAGED: a slot holds at most MaxDataLen
 // bytes, and pieces under 512 bytes are not worth staging one by one.
 const maxStagedPieces = MaxDataLen / 512
@@ -249,6 +260,8 @@ func decodeMem(t Type, d *Dec) Msg {
 		return m
 	case TMemStageFree:
 		return &MemStageFree{Slot: d.U32()}
+	case TMemClient:
+		return &MemClient{Name: d.String()}
 	}
 	d.failf("type %s has no control payload", t)
 	return nil

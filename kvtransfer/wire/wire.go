@@ -52,13 +52,14 @@ const (
 	TMemStageRing
 	TMemStaged
 	TMemStageFree
-	lastType = TMemStageFree
+	TMemClient
+	lastType = TMemClient
 )
 
 var typeNames = [...]string{TXferReq: "XFER_REQ", TData: "DATA", TDone: "DONE", TAbort: "ABORT", THeartbeat: "HEARTBEAT",
 	TMemHello: "MEM_HELLO", TMemRegionsReq: "MEM_REGIONS_REQ", TMemRegions: "MEM_REGIONS", TMemFence: "MEM_FENCE",
 	TMemFenceAck: "MEM_FENCE_ACK", TMemStageReq: "MEM_STAGE_REQ", TMemStageRing: "MEM_STAGE_RING",
-	TMemStaged: "MEM_STAGED", TMemStageFree: "MEM_STAGE_FREE"}
+	TMemStaged: "MEM_STAGED", TMemStageFree: "MEM_STAGE_FREE", TMemClient: "MEM_CLIENT"}
 
 func (t Type) String() string {
 	if int(t) < len(typeNames) && typeNames[t] != "" {

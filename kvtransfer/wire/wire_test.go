@@ -35,6 +35,7 @@ func sample() []Msg {
 		&MemStageRing{Seq: 11, Err: "no GPU here"},
 		&MemStaged{Slot: 3, Pieces: []StagedPiece{{Region: 2, Offset: 4096, N: 8192}, {Region: 5, N: 1}}},
 		&MemStageFree{Slot: 3},
+		&MemClient{Name: "engine 7"},
 	}
 }
 
@@ -311,7 +312,7 @@ func TestPostDoesNotWaitForTheWriteLock(t *testing.T) {
 // every peer of another build (1 was the retired pool HELLO).
 func TestTypeNumbers(t *testing.T) {
 	for typ, want := range map[Type]uint8{TXferReq: 2, TData: 3, TDone: 4, TAbort: 5, THeartbeat: 6, TMemHello: 7, TMemRegionsReq: 8, TMemRegions: 9, TMemFence: 10, TMemFenceAck: 11,
-		TMemStageReq: 12, TMemStageRing: 13, TMemStaged: 14, TMemStageFree: 15} {
+		TMemStageReq: 12, TMemStageRing: 13, TMemStaged: 14, TMemStageFree: 15, TMemClient: 16} {
 		if uint8(typ) != want {
 			t.Errorf("%s is %d, want %d", typ, uint8(typ), want)
 		}
