@@ -8,6 +8,7 @@ its caller, so an uncontended call never waits for a thread switch.
 """
 
 import array
+import bisect
 import os
 import select
 import socket
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 
-from . import cuda, remap
+from . import cuda, direct, remap
 
 OP_HELLO = 6
 OP_REGISTER_MEMORY = 7
@@ -24,9 +25,19 @@ OP_UNREGISTER_MEMORY = 8
 OP_WRITE = 9
 OP_PROBE = 10
 OP_WRITE_PAGES = 11
+OP_DIRECT_ROUTE = 13
 
 # Optional ops a kvproxy lists in its Hello reply.
 FEATURE_WRITE_PAGES = 1
+# It says whether a peer takes this engine's small host writes itself
+# (OP_DIRECT_ROUTE; pdrouter_kv.direct).
+FEATURE_DIRECT_WRITE = 2
+
+# PDROUTER_KV_DIRECT=0 sends every write through kvproxy.
+_DIRECT = os.environ.get("PDROUTER_KV_DIRECT", "1") != "0"
+# After a peer could not be reached directly, writes to it go through
+# kvproxy for this long (s) before the direct path is tried again.
+_DIRECT_RETRY = 1.0
 
 KIND_HOST = 0
 
@@ -144,6 +155,16 @@ class _Pending:
         self.error = None
 
 
+class _Route:
+    """How writes to one peer go: peer is the direct connection (None:
+    through kvproxy, until retry_at; None there: for good)."""
+    __slots__ = ("peer", "lock", "timeout", "retry_at")
+
+    def __init__(self, peer=None, timeout=0.0, retry_at=None):
+        self.peer, self.timeout, self.retry_at = peer, timeout, retry_at
+        self.lock = threading.Lock()
+
+
 class Client:
     """One control connection to the kvproxy at sock_path.
 
@@ -172,9 +193,24 @@ class Client:
         self._poll.register(self._sock, select.POLLIN)
         self._hup = threading.local()
         self.features = None  # what hello() learnt; None: not asked yet
+        # Host memory registered here (sorted starts; start -> end), mapped
+        # at those addresses in this process: what a direct write may read.
+        self._host_starts, self._host = [], {}
+        self._routes = {}  # peer -> _Route
+        self._route_lock = threading.Lock()
+        # Small writes sent straight to the peer kvproxy, and those that
+        # went through kvproxy after all.
+        self.direct_writes = self.direct_fallbacks = 0
 
     def close(self):
         self._fail_all(ControlClosed("control connection closed"))
+        with self._route_lock:
+            routes, self._routes = self._routes, {}
+        for r in routes.values():
+            with r.lock:
+                if r.peer is not None:
+                    r.peer.close()
+                    r.peer = None
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -219,8 +255,14 @@ class Client:
         return peer, transport
 
     def register_memory(self, addr, length, fd):
-        """Registers [addr, addr+length) backed by fd (file offset 0 == addr)."""
+        """Registers [addr, addr+length) backed by fd (file offset 0 == addr),
+        which must be mapped at addr in this process: small writes from it
+        may be read from there (pdrouter_kv.direct)."""
         self._call(OP_REGISTER_MEMORY, struct.pack("<BQQ", KIND_HOST, addr, length), fd=fd)
+        with self._lock:
+            if addr not in self._host:
+                bisect.insort(self._host_starts, addr)
+            self._host[addr] = addr + length
 
     def register_host_memory(self, ptr, length):
         """Remaps [ptr, ptr+length) in place (page-aligned outward) and registers it.
@@ -240,11 +282,87 @@ class Client:
         self._call(OP_REGISTER_MEMORY, cuda.register_body(ptr, length))
 
     def unregister_memory(self, addr):
+        with self._lock:  # no direct write reads it from now on
+            if self._host.pop(addr, None) is not None:
+                self._host_starts.remove(addr)
         self._call(OP_UNREGISTER_MEMORY, struct.pack("<Q", addr))
 
     def write(self, peer, srcs, dsts, lens, timeout=None):
-        """Writes src[i] -> the peer engine's dst[i] for len[i] bytes; returns once remotely complete."""
+        """Writes src[i] -> the peer engine's dst[i] for len[i] bytes; returns once remotely complete.
+
+        A small write of host memory to a peer reached over tcp goes straight
+        to the peer's kvproxy (pdrouter_kv.direct); anything else, or any
+        doubt there, through this kvproxy.
+        """
+        if self._direct_fits(srcs, lens) and self._write_direct(peer, srcs, dsts, lens, timeout):
+            return
         self._call(*write_frame(peer, srcs, dsts, lens), timeout=timeout)
+
+    def _direct_fits(self, srcs, lens):
+        """Whether srcs/lens may go direct: few, small, ints, inside host memory registered here."""
+        if not _DIRECT or not (self.features or 0) & FEATURE_DIRECT_WRITE or len(srcs) > direct.MAX_RANGES:
+            return False
+        total = 0
+        starts, ends = self._host_starts, self._host
+        for s, n in zip(srcs, lens):
+            if type(s) is not int or type(n) is not int or n <= 0:
+                return False
+            total += n
+            i = bisect.bisect_right(starts, s) - 1
+            if total > direct.MAX_BYTES or i < 0 or s + n > ends.get(starts[i], 0):
+                return False
+        return True
+
+    def _route(self, peer):
+        """How writes to peer go now (asks kvproxy the first time, and again
+        once a failed peer's retry time is up)."""
+        r = self._routes.get(peer)
+        if r is not None and (r.peer is not None or r.retry_at is None or time.monotonic() < r.retry_at):
+            return r
+        with self._route_lock:
+            r = self._routes.get(peer)
+            if r is not None and (r.peer is not None or r.retry_at is None or time.monotonic() < r.retry_at):
+                return r
+            try:
+                reply = self._call(OP_DIRECT_ROUTE, _string(peer))
+                ok, timeout_ns = reply.u8(), reply.u64()
+                r = _Route(timeout=timeout_ns / 1e9)
+                if ok:
+                    r.peer = direct.Peer(peer, r.timeout, "engine pid %d" % os.getpid())
+            except (KVProxyError, direct.Unavailable, direct.Silent):
+                r = _Route(retry_at=time.monotonic() + _DIRECT_RETRY)
+            self._routes[peer] = r
+            return r
+
+    def _write_direct(self, peer, srcs, dsts, lens, timeout):
+        """Sends the write straight to peer's kvproxy; False: it goes through
+        ours (the peer is reached otherwise, or is busy with another thread's
+        write, or could not say how the write went)."""
+        r = self._route(peer)
+        if r.peer is None or not r.lock.acquire(blocking=False):
+            return False
+        try:
+            if r.peer is None:  # closed meanwhile
+                return False
+            limit = min(r.timeout, self.timeout if timeout is None else timeout)
+            try:
+                r.peer.write(srcs, dsts, lens, time.monotonic() + limit)
+            except (direct.Unavailable, direct.Silent) as e:
+                if getattr(e, "in_sync", False):
+                    self.direct_fallbacks += 1
+                    return False
+                r.peer.close()
+                r.peer, r.retry_at = None, time.monotonic()  # the next write asks kvproxy anew
+                if isinstance(e, direct.Unavailable):
+                    self.direct_fallbacks += 1
+                    return False
+                if limit < r.timeout:
+                    raise TimeoutError("the peer did not answer a write within %.1fs" % limit) from None
+                raise KVProxyError("write to %s: %s within %.1fs" % (peer, e, limit)) from None
+            self.direct_writes += 1
+            return True
+        finally:
+            r.lock.release()
 
     def write_pages(self, peer, buffers, src_pages, dst_pages, timeout=None):
         """Writes the same pages of several buffers: for each (src, dst, page_len) in
