@@ -3,6 +3,7 @@ package kvtransfer
 import (
 	"errors"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -45,6 +46,9 @@ func TestPeerPortBeforeHello(t *testing.T) {
 	c := dial()
 	_, _ = c.Write(big[:wire.HeaderLen])
 	closedWithin("oversized MEM_HELLO", c, time.Second)
+	c = dial()
+	_, _ = c.Write(wire.AppendFrame(nil, &wire.MemClient{Name: strings.Repeat("x", 256<<10)})[:wire.HeaderLen])
+	closedWithin("oversized MEM_CLIENT", c, time.Second)
 	c = dial()
 	_, _ = c.Write(wire.AppendFrame(nil, &wire.XferReq{Room: 1}))
 	closedWithin("XFER_REQ before MEM_HELLO", c, time.Second)

@@ -290,6 +290,7 @@ func TestRoundTrip(t *testing.T) {
 			Bufs:  []kvtransfer.PageBuf{{Src: 1 << 40, Dst: 2 << 40, PageLen: 32 << 10}, {Src: 5, Dst: 6, PageLen: 7}},
 			Pairs: []kvtransfer.PagePair{{Src: 0, Dst: 1}, {Src: 1<<32 - 1, Dst: 3}}}},
 		{Op: OpWritePages, ID: 14, Peer: "h:1", PageWrite: kvtransfer.PageWrite{Bufs: []kvtransfer.PageBuf{}, Pairs: []kvtransfer.PagePair{}}},
+		{Op: OpDirectRoute, ID: 15, Peer: "127.0.0.1:7000"},
 	} {
 		f := EncodeRequest(r)
 		body, rest, err := splitFrame(f)
@@ -306,6 +307,8 @@ func TestRoundTrip(t *testing.T) {
 		{Op: OpHello, ID: 6, PeerAddr: "127.0.0.1:7000", Transport: "ucx"},
 		{Op: OpHello, ID: 6, PeerAddr: "127.0.0.1:7000", Transport: "ucx", Features: FeatureWritePages},
 		{Op: OpWrite, ID: 10, Err: "write to h:1: dial tcp: refused"},
+		{Op: OpDirectRoute, ID: 15, Direct: true, WriteTimeoutNs: 5e9},
+		{Op: OpDirectRoute, ID: 16, Reason: "host memory goes to h:1 by shm, not tcp"},
 	} {
 		body, _, _ := splitFrame(EncodeReply(rep))
 		if got, err := DecodeReply(body); err != nil || !reflect.DeepEqual(got, rep) {
@@ -341,6 +344,7 @@ func FuzzDecodeRequest(f *testing.F) {
 	f.Add(EncodeRequest(&Request{Op: OpUnregisterMemory, Addr: 1})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpWrite, Peer: "h:1", Triples: []Triple{{Src: 1, Dst: 2, Len: 3}}})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpProbe, Peer: "h:1"})[4:])
+	f.Add(EncodeRequest(&Request{Op: OpDirectRoute, Peer: "h:1"})[4:])
 	f.Add(EncodeReply(&Reply{Op: OpHello, PeerAddr: "h:1", Transport: "tcp"})[4:])
 	f.Add(EncodeRequest(&Request{Op: OpWritePages, Peer: "h:1", PageWrite: kvtransfer.PageWrite{
 		Bufs: []kvtransfer.PageBuf{{Src: 1, Dst: 2, PageLen: 3}}, Pairs: []kvtransfer.PagePair{{Src: 4, Dst: 5}}}})[4:])
@@ -426,7 +430,7 @@ func TestAbortedRoomIsNotTracked(t *testing.T) {
 // Register).
 func TestOpNumbers(t *testing.T) {
 	for op, want := range map[Op]uint8{OpExpect: 2, OpSend: 3, OpPoll: 4, OpAbort: 5, OpHello: 6, OpRegisterMemory: 7,
-		OpUnregisterMemory: 8, OpWrite: 9, OpProbe: 10, OpWritePages: 11, OpRoomLayout: 12} {
+		OpUnregisterMemory: 8, OpWrite: 9, OpProbe: 10, OpWritePages: 11, OpRoomLayout: 12, OpDirectRoute: 13} {
 		if uint8(op) != want {
 			t.Errorf("op %d, want %d", uint8(op), want)
 		}
