@@ -89,6 +89,9 @@ class _NoSend:
     def _call(self, *a, **k):
         raise AssertionError("must not send")
 
+    def _direct_fits(self, *a):
+        return False  # no memory registered: nothing goes direct
+
 
 class EnginePairTest(unittest.TestCase):
     """A prefill and a decode kvproxy per class, a TransferEngine on each per
