@@ -193,9 +193,10 @@ class Client:
         self._poll.register(self._sock, select.POLLIN)
         self._hup = threading.local()
         self.features = None  # what hello() learnt; None: not asked yet
-        # Host memory registered here (sorted starts; start -> end), mapped
-        # at those addresses in this process: what a direct write may read.
-        self._host_starts, self._host = [], {}
+        # Host memory registered here, mapped at those addresses in this
+        # process: what a direct write may read. (sorted starts, start ->
+        # end), replaced whole so a writer reads both from one moment.
+        self._host = ([], {})
         self._routes = {}  # peer -> _Route
         self._route_lock = threading.Lock()
         # Small writes sent straight to the peer kvproxy, and those that
@@ -260,9 +261,9 @@ class Client:
         may be read from there (pdrouter_kv.direct)."""
         self._call(OP_REGISTER_MEMORY, struct.pack("<BQQ", KIND_HOST, addr, length), fd=fd)
         with self._lock:
-            if addr not in self._host:
-                bisect.insort(self._host_starts, addr)
-            self._host[addr] = addr + length
+            ends = dict(self._host[1])
+            ends[addr] = addr + length
+            self._host = (sorted(ends), ends)
 
     def register_host_memory(self, ptr, length):
         """Remaps [ptr, ptr+length) in place (page-aligned outward) and registers it.
@@ -283,8 +284,9 @@ class Client:
 
     def unregister_memory(self, addr):
         with self._lock:  # no direct write reads it from now on
-            if self._host.pop(addr, None) is not None:
-                self._host_starts.remove(addr)
+            ends = dict(self._host[1])
+            ends.pop(addr, None)
+            self._host = (sorted(ends), ends)
         self._call(OP_UNREGISTER_MEMORY, struct.pack("<Q", addr))
 
     def write(self, peer, srcs, dsts, lens, timeout=None):
@@ -294,7 +296,10 @@ class Client:
         to the peer's kvproxy (pdrouter_kv.direct); anything else, or any
         doubt there, through this kvproxy.
         """
-        if self._direct_fits(srcs, lens) and self._write_direct(peer, srcs, dsts, lens, timeout):
+        r = self._routes.get(peer)
+        # A peer found not to be reached over tcp costs one lookup a write.
+        if (r is None or r.peer is not None or r.retry_at is not None) and self._direct_fits(srcs, lens) \
+                and self._write_direct(peer, srcs, dsts, lens, timeout):
             return
         self._call(*write_frame(peer, srcs, dsts, lens), timeout=timeout)
 
@@ -303,7 +308,7 @@ class Client:
         if not _DIRECT or not (self.features or 0) & FEATURE_DIRECT_WRITE or len(srcs) > direct.MAX_RANGES:
             return False
         total = 0
-        starts, ends = self._host_starts, self._host
+        starts, ends = self._host
         for s, n in zip(srcs, lens):
             if type(s) is not int or type(n) is not int or n <= 0:
                 return False
