@@ -299,7 +299,7 @@ class Client:
         r = self._routes.get(peer)
         # A peer found not to be reached over tcp costs one lookup a write.
         if (r is None or r.peer is not None or r.retry_at is not None) and self._direct_fits(srcs, lens) \
-                and self._write_direct(peer, srcs, dsts, lens, timeout):
+                and self._write_direct(peer, r, srcs, dsts, lens, timeout):
             return
         self._call(*write_frame(peer, srcs, dsts, lens), timeout=timeout)
 
@@ -339,11 +339,13 @@ class Client:
             self._routes[peer] = r
             return r
 
-    def _write_direct(self, peer, srcs, dsts, lens, timeout):
-        """Sends the write straight to peer's kvproxy; False: it goes through
-        ours (the peer is reached otherwise, or is busy with another thread's
-        write, or could not say how the write went)."""
-        r = self._route(peer)
+    def _write_direct(self, peer, r, srcs, dsts, lens, timeout):
+        """Sends the write straight to peer's kvproxy (r: its route as last
+        seen); False: it goes through ours (the peer is reached otherwise, or
+        is busy with another thread's write, or could not say how the write
+        went)."""
+        if r is None or r.peer is None:
+            r = self._route(peer)
         if r.peer is None or not r.lock.acquire(blocking=False):
             return False
         try:

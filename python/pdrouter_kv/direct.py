@@ -36,6 +36,7 @@ MAX_RANGES = 64
 _HEAD = struct.Struct("<2sBBI")
 _DATA = struct.Struct("<2sBBIIQ")  # header, region, offset
 _SEQ = struct.Struct("<2sBBIQ")  # header, seq: MEM_FENCE, MEM_REGIONS_REQ
+_ACK_OK = struct.Struct("<2sBBIQI")  # header, seq, error length (0)
 _REGION = struct.Struct("<IBQQQI")  # id, kind, base, len, addr, rkey length
 _MAX_PAYLOAD = 4 << 20  # wire.MaxControlLen
 # Longest single blocking receive (s): a wait is sliced so the deadline holds.
@@ -106,14 +107,33 @@ class Peer:
             places = self._place(dsts, lens)
             if places is None:
                 raise Unavailable("destination not in the peer's table", in_sync=True)
+        self.seq = seq = self.seq + 1
         parts = []
         for (region, off), src, n in zip(places, srcs, lens):
             parts.append(_DATA.pack(b"KV", VERSION, T_DATA, 12 + n, region, off))
             parts.append(ctypes.string_at(src, n))
-        self.seq += 1
-        parts.append(_SEQ.pack(b"KV", VERSION, T_MEM_FENCE, 8, self.seq))
+        parts.append(_SEQ.pack(b"KV", VERSION, T_MEM_FENCE, 8, seq))
+        left = deadline - time.monotonic()
+        if left < self._wait or (self._wait < _SLICE <= left):
+            if left <= 0:
+                raise Silent("no time left for %s" % self.addr)
+            self._recv_timeout(min(left, _SLICE))
         self._send(b"".join(parts))
-        ack = self._read(T_MEM_FENCE_ACK, deadline, self.seq)
+        # Mostly the answer is one whole clean MEM_FENCE_ACK, read alone.
+        if not self._buf:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except BlockingIOError:  # a slice of SO_RCVTIMEO passed
+                chunk = None
+            except OSError as e:
+                raise Unavailable("read from %s: %s" % (self.addr, e)) from None
+            if chunk == _ACK_OK.pack(b"KV", VERSION, T_MEM_FENCE_ACK, 12, seq, 0):
+                return
+            if chunk == b"":
+                raise Unavailable("%s hung up" % self.addr)
+            if chunk:
+                self._buf += chunk
+        ack = self._read(T_MEM_FENCE_ACK, deadline, seq)
         err = ack[12:12 + struct.unpack_from("<I", ack, 8)[0]]
         if err:
             self._table = None  # stale: fetched anew next time

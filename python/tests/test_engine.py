@@ -89,6 +89,8 @@ class _NoSend:
     def _call(self, *a, **k):
         raise AssertionError("must not send")
 
+    _routes = {}  # no peer asked yet
+
     def _direct_fits(self, *a):
         return False  # no memory registered: nothing goes direct
 
