@@ -4,6 +4,7 @@ and those that go through kvproxy as before."""
 import ctypes
 import mmap
 import socket
+import threading
 import time
 import unittest
 
@@ -153,6 +154,53 @@ class DirectTCPTest(unittest.TestCase):
                 self.p.write(0, 64, 2, timeout=0.3)
             self.assertLess(time.monotonic() - t0, 1.0)
         self.assertIsNone(self.p.a._routes[self.p.peer].peer, "the silent connection is dropped")
+
+
+    def test_peer_hanging_up_mid_write_falls_back(self):
+        self.p.write(0, 64, 1)
+        # The direct connection now goes to a stand-in that reads the write
+        # and hangs up without answering: the write goes through kvproxy.
+        with socket.socket() as ln:
+            ln.bind(("127.0.0.1", 0))
+            ln.listen()
+            route = self.p.a._routes[self.p.peer]
+            route.peer.sock.close()
+            route.peer.sock = socket.create_connection(ln.getsockname())
+            conn, _ = ln.accept()
+
+            def hang_up():
+                conn.recv(1 << 16)
+                conn.close()
+
+            t = threading.Thread(target=hang_up)
+            t.start()
+            self.p.write(0, 64, 2)
+            t.join()
+        self.assertTrue(self.p.landed(0, 64, 2))
+        self.assertEqual((self.p.a.direct_writes, self.p.a.direct_fallbacks), (1, 1))
+        self.p.write(0, 64, 3)  # a new direct connection
+        self.assertTrue(self.p.landed(0, 64, 3))
+        self.assertEqual(self.p.a.direct_writes, 2)
+
+    def test_threads_writing_at_once(self):
+        def writer(k):
+            for i in range(50):
+                off = 4096 * k + 64 * i
+                base = ctypes.addressof(self.p.src) + off
+                ctypes.memset(base, k + 1, 64)
+                self.p.a.write(self.p.peer, [base], [ctypes.addressof(self.p.dst) + off], [64])
+
+        ts = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for k in range(4):
+            self.assertTrue(self.p.landed(4096 * k, 64 * 50, k + 1))
+        # One thread at a time holds the direct connection; the others' writes go through kvproxy.
+        through = self.p.kp[0].metric("kvproxy_memory_writes_total")
+        self.assertEqual(self.p.a.direct_writes + through, 200)
+        self.assertGreater(self.p.a.direct_writes, 0)
 
 
 class NotDirectTest(unittest.TestCase):
