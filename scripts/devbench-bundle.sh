@@ -127,3 +127,7 @@ du -sh "$out"/* >&2
 size=$(du -sm "$out" | cut -f1)
 echo "devbench-bundle: $out is $size MiB (the working tree: $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) bytes)" >&2
 [ "$size" -le "$budget_mib" ] || { echo "devbench-bundle: $size MiB is over the $budget_mib MiB budget" >&2; exit 1; }
+if [ -z "${DEVBENCH_DIR:-}" ] && [ -d bin/devbench ] && [ -d bin/devbench-kv ]; then
+	both=$(( ($(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) + $(du -cb bin/devbench bin/devbench-kv | tail -1 | cut -f1)) / 1048576 ))
+	echo "devbench-bundle: bin/devbench and bin/devbench-kv with the working tree: $both MiB ($( [ "$both" -lt 63 ] && echo 'one call can carry both' || echo 'too much for one call: carry them in two'))" >&2
+fi

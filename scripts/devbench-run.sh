@@ -29,7 +29,7 @@ for mode in "$@"; do
 	[ -f "$tar" ] || { echo "devbench-run: $tar missing: build it with scripts/devbench-bundle.sh and carry its folder" >&2; exit 1; }
 done
 OUT=${OUT:-bench/out/devbench}
-work=/tmp/devbench
+work=$PWD/bin/devbench-work # beside the repo, where binaries are known to run (/tmp may be noexec)
 mkdir -p "$OUT"
 rm -rf "$work"
 mkdir -p "$work"
