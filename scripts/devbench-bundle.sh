@@ -5,8 +5,8 @@
 # own). Static Go builds (CGO_ENABLED=0, stripped: the Go binaries are ~60 MiB raw) go in xz tars.
 #   scripts/devbench-bundle.sh [vllm]: bin/devbench, for bench-vllm.sh
 #     tools.tar.xz  pdrouter, mockworker, stubengine, pdbench, and Debian's nginx with the
-#                   libraries it links (glibc's aside) behind a wrapper that sets LD_LIBRARY_PATH
-#                   for nginx alone
+#                   libraries it links (glibc's aside) behind a wrapper that points nginx alone at
+#                   them where the machine lacks one
 #     wheels/       vllm-router 0.1.17 and everything it imports at run time, resolved by pip for
 #                   CPython $DEVBENCH_PY on manylinux x86_64: the whole closure, so that the
 #                   install there depends on no package the machine happens to have
@@ -72,9 +72,12 @@ if [ "$what" = vllm ]; then
 	libs_of "$stage/libexec/nginx" "$stage/lib/nginx"
 	cat >"$stage/bin/nginx" <<-'SH'
 	#!/bin/sh
-	# Debian's nginx with its libraries beside it; -e: its compiled-in error log may not exist here.
+	# Debian's nginx: on the machine's libraries when it has them all (they match its glibc; the
+	# bundled libcrypt needs glibc 2.36), else on those beside it. -e: its compiled-in error log
+	# may not exist here.
 	here=$(dirname "$(readlink -f "$0")")
-	LD_LIBRARY_PATH=$here/../lib/nginx exec "$here/../libexec/nginx" -e stderr "$@"
+	! ldd "$here/../libexec/nginx" | grep -q 'not found' || export LD_LIBRARY_PATH=$here/../lib/nginx
+	exec "$here/../libexec/nginx" -e stderr "$@"
 	SH
 	chmod +x "$stage/bin/nginx"
 	"$stage/bin/nginx" -v
