@@ -100,7 +100,7 @@ vllm() {
 	rm -f bench/out/vllm.json
 	env BIN="$work/bin" VLLM_ROUTER="$work/bin/vllm-router" ROUTER_CPU="$ROUTER_CPU" LOAD_CPU="$LOAD_CPU" BASE="$base" \
 		N_REQ="${N_REQ:-10000}" ROUNDS="${ROUNDS:-5}" LAT_ROUNDS="${LAT_ROUNDS:-8}" STREAMS="${STREAMS:-1000}" \
-		timeout -k 30 "$left" scripts/bench-vllm.sh >"$OUT/vllm.md" 2> >(tee "$OUT/vllm.log" >&2) || rc=$?
+		timeout -k 30 "$left" bash scripts/bench-vllm.sh >"$OUT/vllm.md" 2> >(tee "$OUT/vllm.log" >&2) || rc=$?
 	cp bench/out/vllm.json "$OUT/vllm.json" 2>/dev/null || true
 	note "vllm done at $SECONDS s, bench-vllm exit $rc$([ "$rc" != 124 ] || echo ' (stopped at DEADLINE_S)'), load $(cat /proc/loadavg)"
 	cat "$OUT/vllm.md"
