@@ -3,7 +3,7 @@ GO      ?= go
 BIN     := bin
 GOFLAGS ?=
 
-.PHONY: build test run bench bench-vllm bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu bench-nixl-gpu chaos soak
+.PHONY: build test run bench bench-vllm bench-ucx bench-kv deps clean fuzz test-kv-sglang bench-kv-sglang cuda-bundle bench-kv-gpu bench-nixl-gpu devbench-bundle chaos soak
 
 build:
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/pdrouter ./cmd/pdrouter
@@ -88,6 +88,12 @@ bench-kv-gpu: cuda-bundle
 bench-nixl-gpu: cuda-bundle
 	@scripts/nixl-bundle.sh
 	@echo "bundles ready: run scripts/bench-nixl-gpu.sh on the GPU machine with bin/cuda/bin/kvproxy, bin/cuda/lib and bin/nixl carried"
+
+# devbench-bundle builds bin/devbench: what scripts/devbench-run.sh needs to run bench-vllm on
+# the 16-core GPU machine (no Go, nginx or package index there), each router pinned to one core.
+devbench-bundle:
+	@scripts/devbench-bundle.sh
+	@echo "bundle ready: run scripts/devbench-run.sh on the GPU machine with bin/devbench carried"
 
 clean:
 	rm -rf $(BIN) bench/out

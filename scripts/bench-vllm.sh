@@ -36,7 +36,10 @@
 # nginx (make bench installs it). Knobs (environment): BIN (bin), BASE (none), CONC (32), N_REQ
 # (3000), ROUNDS (4), ROWS (stub mock stub-pinned mock-pinned; none: TTFT and streams only),
 # SLOW_PREFILL (300ms), LAT_RATE (20), LAT_N (100), LAT_ROUNDS (8; 0 leaves TTFT out), STREAMS
-# (1000; 0 leaves them out), ROUTER_CPU (0), LOAD_CPU (1), PIN (1; 0 leaves the pinned rows out).
+# (1000; 0 leaves them out), ROUTER_CPU (0), LOAD_CPU (1; a taskset list such as 1-15 gives the
+# engines and pdbench several cores, and the busy % is then theirs together), PIN (1; 0 leaves the
+# pinned rows out), VLLM_ROUTER (none: pip installs vllm-router into a cached venv; else the path
+# of an installed vllm-router launcher).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/bench-lib.sh
@@ -63,18 +66,24 @@ bench_setup bench-vllm
 mkdir -p "$OUT"
 ulimit -n "$(ulimit -Hn)"
 
-# vllm-router's venv, keyed by its pin and the Python version.
-pin=vllm-router==0.1.17
-py=${PYTHON:-python3}
-key=$( (echo "$pin"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
-venv=${PDROUTER_BENCH_VENV_CACHE:-$HOME/.cache/pdrouter-bench-venv}/vllm-$key
-if [ ! -e "$venv/.complete" ]; then
-	log "installing $pin into $venv"
-	rm -rf "$venv"
-	mkdir -p "$(dirname "$venv")"
-	$py -m venv "$venv"
-	"$venv/bin/pip" install -q --disable-pip-version-check "$pin" >&2
-	touch "$venv/.complete"
+# vllm-router: the launcher VLLM_ROUTER names (scripts/devbench-run.sh's, where no index can be
+# reached), else pip's in a venv cached by its pin and the Python version.
+if [ -n "${VLLM_ROUTER:-}" ]; then
+	[ -x "$VLLM_ROUTER" ] || { echo "bench-vllm: VLLM_ROUTER=$VLLM_ROUTER is not an executable" >&2; exit 1; }
+else
+	pin=vllm-router==0.1.17
+	py=${PYTHON:-python3}
+	key=$( (echo "$pin"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+	venv=${PDROUTER_BENCH_VENV_CACHE:-$HOME/.cache/pdrouter-bench-venv}/vllm-$key
+	if [ ! -e "$venv/.complete" ]; then
+		log "installing $pin into $venv"
+		rm -rf "$venv"
+		mkdir -p "$(dirname "$venv")"
+		$py -m venv "$venv"
+		"$venv/bin/pip" install -q --disable-pip-version-check "$pin" >&2
+		touch "$venv/.complete"
+	fi
+	VLLM_ROUTER=$venv/bin/vllm-router
 fi
 
 wait_health() { # PORT
@@ -111,15 +120,35 @@ start_router() {
 	elif [ "$3" = base ]; then
 		"${pin[@]}" "$BASE" "${args[@]}" --log-level warn >"$T/r-$port.log" 2>&1 &
 	else
-		"${pin[@]}" "$venv/bin/vllm-router" "${args[@]}" --log-level warning >"$T/r-$port.log" 2>&1 &
+		"${pin[@]}" "$VLLM_ROUTER" "${args[@]}" --log-level warning >"$T/r-$port.log" 2>&1 &
 	fi
 	pid=$!
 	pids+=("$pid")
 	wait_health "$port"
 	# the process serving the port (vllm-router's Python launcher may hand over to its Rust core)
-	pid=$(ss -ltnpH "sport = :$port" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2)
+	pid=$(listener_pid "$port")
+	[ -n "$pid" ] || { log "$3: no process found listening on $port"; exit 1; }
 	printf -v "$1" %s "$port"
 	printf -v "$2" %s "$pid"
+}
+# listener_pid PORT: the process holding PORT's listening socket, from /proc (no ss needed)
+listener_pid() {
+	python3 - "$1" <<-'PY'
+	import os, sys
+	port, sockets = int(sys.argv[1]), set()
+	for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+	    if os.path.exists(table):
+	        for row in open(table).read().splitlines()[1:]:
+	            f = row.split()
+	            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+	                sockets.add("socket:[%s]" % f[9])
+	def holds(pid):
+	    try:
+	        return any(os.readlink("/proc/%s/fd/%s" % (pid, fd)) in sockets for fd in os.listdir("/proc/%s/fd" % pid))
+	    except OSError:  # gone, or not ours to read
+	        return False
+	print(next((pid for pid in filter(str.isdigit, os.listdir("/proc")) if holds(pid)), ""))
+	PY
 }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # engine_ticks ENGINES: the CPU ticks so far of the rows' two engines (stub or mock)
@@ -129,9 +158,23 @@ engine_ticks() {
 	for pid in "${p[@]}"; do t=$((t + $(cpu_ticks "$pid"))); done
 	echo "$t"
 }
-# core_ticks CPU: that core's busy and total ticks so far (/proc/stat; idle and iowait are not busy)
-core_ticks() { awk -v c="cpu$1" '$1 == c {t = 0; for (i = 2; i <= NF; i++) t += $i; print t - $5 - $6, t}' /proc/stat; }
+# core_ticks CPUS: busy and total ticks so far of the cores of a taskset list (3, 1-15, 0,2-3),
+# summed (/proc/stat; idle and iowait are not busy)
+core_ticks() {
+	awk -v list="$1" 'BEGIN {
+		n = split(list, part, ",")
+		for (i = 1; i <= n; i++) {
+			m = split(part[i], r, "-")
+			for (c = +r[1]; c <= +r[m]; c++) want["cpu" c] = 1
+		}
+	}
+	$1 in want {t = 0; for (i = 2; i <= NF; i++) t += $i; busy += t - $5 - $6; total += t; found++}
+	END {if (found) print busy, total}' /proc/stat
+}
 TCK=$(getconf CLK_TCK)
+for c in "$ROUTER_CPU" "$LOAD_CPU"; do
+	[ -n "$(core_ticks "$c")" ] || { log "no core $c on this machine (ROUTER_CPU, LOAD_CPU)"; exit 1; }
+done
 LOADPIN=() # pdbench's taskset in the pinned rows
 bench() { # PORT OUTFILE ARGS...
 	local port=$1 out=$2
@@ -145,6 +188,7 @@ field() { python3 -c "import json,sys; v=json.loads(open(sys.argv[1]).readlines(
 pin_engines() { for p in "${ENGINE_PIDS[@]}"; do taskset -a -p -c "$1" "$p" >/dev/null; done; }
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 py() { python3 -c "print($1)"; }
+cores() { [[ $1 == *[,-]* ]] && echo "cores $1" || echo "core $1"; } # CPUS: a label
 
 start_stub BP vllm-prefill
 start_stub BD vllm-decode
@@ -294,12 +338,12 @@ echo "| vLLM PD, 1 prefill + 1 decode ($(date -u +%H:%M) UTC, load $(cut -d' ' -
 echo "| --- | ---: | ---: | ---: |${more:+ ---: | ---: |}"
 for engines in "${rows[@]}"; do
 	label="${engines%-pinned} engines"
-	[[ $engines == *-pinned ]] && label+=", router pinned to core $ROUTER_CPU, engines and pdbench to core $LOAD_CPU"
+	[[ $engines == *-pinned ]] && label+=", router pinned to $(cores "$ROUTER_CPU"), engines and pdbench to $(cores "$LOAD_CPU")"
 	echo "| $label: req/s, non-streamed, $CONC in flight (median of $ROUNDS) $(cells RPS "$engines")"
 	echo "| $label: router CPU µs per request (median of $ROUNDS) $(cells CPU "$engines")"
 	echo "| $label: the two engines' CPU µs per request, same rounds (median) $(cells ECPU "$engines")"
 	share() { py "round($(echo "${CPU[$engines-$1]}" | median) * $(echo "${RPS[$engines-$1]}" | median) / 1e4)"; }
-	line="| $label: the router's CPU in % of one core; core $ROUTER_CPU / core $LOAD_CPU busy % (medians) |"
+	line="| $label: the router's CPU in % of one core; $(cores "$ROUTER_CPU") / $(cores "$LOAD_CPU") busy % (medians) |"
 	for k in "${routers[@]}"; do
 		line+=" $(share "$k"); $(echo "${BUSY_R[$engines-$k]}" | median) / $(echo "${BUSY_L[$engines-$k]}" | median) |"
 		[ "$k" = vllm-router ] && line+=" |"
