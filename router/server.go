@@ -158,6 +158,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		SecureErrorLogMessage:         true,
 		Logger:                        fasthttpLog{log},
 		NoDefaultServerHeader:         true,
+		LazyRequestTime:               true, // nothing reads ctx.Time(): no clock read per request for it
 		DisableHeaderNamesNormalizing: false,
 		CloseOnShutdown:               true,
 		// A PD stream then holds no read buffer (MaxHeaderSize, 64 KiB by
@@ -237,9 +238,11 @@ func (s *Server) Start() error {
 
 // Serve answers requests on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
-	ln = s.listener(s.limitListener(ln))
+	ln = s.limitListener(ln)
 	if s.cfg.PDDisaggregation {
-		ln = headListener{ln} // bodies are read from the connection (body.go)
+		ln = headListener{s.listener(ln)} // bodies are read from the connection (body.go)
+	} else {
+		ln = s.listener(lazyDeadlineListener{ln}) // deadline.go
 	}
 	return s.srv.Serve(ln)
 }
