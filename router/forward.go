@@ -12,10 +12,10 @@ import (
 // forwardHeaders renders sglang-router's whitelist of client headers as
 // header lines, once per request (both legs and retries reuse them).
 // skipAuth leaves out the client's Authorization (regular mode sends the
-// worker's own key instead). Names arrive normalized (fasthttp's parser,
+// worker's own key instead); requestID is the response's X-Request-Id. Names arrive normalized (fasthttp's parser,
 // as hopHeader relies on too), so a switch matches them without a
 // case-folding compare per name and header.
-func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool) []byte {
+func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool, requestID []byte) []byte {
 	for k, v := range ctx.Request.Header.All() {
 		switch name := bstr(k); name {
 		case "Authorization":
@@ -30,7 +30,7 @@ func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool) []byte {
 		}
 		b = appendHeader(b, k, v)
 	}
-	return appendHeader(b, []byte("X-Request-Id"), ctx.Response.Header.Peek("x-request-id"))
+	return appendHeader(b, headerRequestID, requestID)
 }
 
 func appendHeader(b, name, value []byte) []byte {
