@@ -12,24 +12,25 @@ import (
 // forwardHeaders renders sglang-router's whitelist of client headers as
 // header lines, once per request (both legs and retries reuse them).
 // skipAuth leaves out the client's Authorization (regular mode sends the
-// worker's own key instead).
-func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool) []byte {
+// worker's own key instead); requestID is the response's X-Request-Id. Names arrive normalized (fasthttp's parser,
+// as hopHeader relies on too), so a switch matches them without a
+// case-folding compare per name and header.
+func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool, requestID []byte) []byte {
 	for k, v := range ctx.Request.Header.All() {
-		name := bstr(k)
-		switch {
-		case strings.EqualFold(name, "authorization"):
+		switch name := bstr(k); name {
+		case "Authorization":
 			if skipAuth {
 				continue
 			}
-		case strings.EqualFold(name, "x-correlation-id"), strings.EqualFold(name, "traceparent"),
-			strings.EqualFold(name, "tracestate"), strings.EqualFold(name, "x-smg-routing-key"),
-			len(name) > 13 && strings.EqualFold(name[:13], "x-request-id-"):
+		case "X-Correlation-Id", "Traceparent", "Tracestate", "X-Smg-Routing-Key":
 		default:
-			continue
+			if !strings.HasPrefix(name, "X-Request-Id-") {
+				continue
+			}
 		}
 		b = appendHeader(b, k, v)
 	}
-	return appendHeader(b, []byte("X-Request-Id"), ctx.Response.Header.Peek("x-request-id"))
+	return appendHeader(b, headerRequestID, requestID)
 }
 
 func appendHeader(b, name, value []byte) []byte {

@@ -18,7 +18,7 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	}
 	header := r.header
 	if w.APIKey != "" { // regular mode authenticates to the worker with its own key
-		header = appendHeader(forwardHeaders(nil, ctx, true), []byte("Authorization"), []byte("Bearer "+w.APIKey))
+		header = appendHeader(forwardHeaders(nil, ctx, true, r.requestID), []byte("Authorization"), []byte("Bearer "+w.APIKey))
 	}
 	// Attempts run one after the other: each may reuse the request's body.
 	r.out.Reset(r.body)

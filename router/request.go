@@ -63,7 +63,7 @@ type request struct {
 func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
 	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
 	r.body = ctx.PostBody()
-	r.header = forwardHeaders(r.headerSpace[:0], ctx, false)
+	r.header = forwardHeaders(r.headerSpace[:0], ctx, false, requestID)
 	// The request timeout, the disconnect watch and hard shutdown all come
 	// from the inflight tracker, so the scope needs no parent.
 	r.conn = ctx.Conn()

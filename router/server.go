@@ -82,6 +82,9 @@ type Server struct {
 	live       atomic.Int64 // generation requests not yet released (request.go)
 	pdm        *pdMetrics
 	trace      *tracer // nil: tracing off (trace.go)
+
+	// requestIDNames are --request-id-headers as fasthttp normalizes names.
+	requestIDNames []string
 }
 
 // New builds a router from cfg, which must pass Config.Validate. Metrics
@@ -107,6 +110,9 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		s.needsText = s.needsText || s.policies[t].NeedsText()
 	}
 	s.admission = balancer.NewAdmission(cfg.Admission)
+	for _, h := range cfg.RequestIDHeaders {
+		s.requestIDNames = append(s.requestIDNames, string(fasthttp.AppendNormalizedHeaderKey(nil, h)))
+	}
 	s.base, s.cancelBase = context.WithCancel(context.Background())
 	if err := s.secure(); err != nil {
 		s.cancelBase()
@@ -158,6 +164,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		SecureErrorLogMessage:         true,
 		Logger:                        fasthttpLog{log},
 		NoDefaultServerHeader:         true,
+		LazyRequestTime:               true, // nothing reads ctx.Time(): no clock read per request for it
 		DisableHeaderNamesNormalizing: false,
 		CloseOnShutdown:               true,
 		// A PD stream then holds no read buffer (MaxHeaderSize, 64 KiB by
@@ -237,9 +244,11 @@ func (s *Server) Start() error {
 
 // Serve answers requests on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
-	ln = s.listener(s.limitListener(ln))
+	ln = s.limitListener(ln)
 	if s.cfg.PDDisaggregation {
-		ln = headListener{ln} // bodies are read from the connection (body.go)
+		ln = headListener{s.listener(ln)} // bodies are read from the connection (body.go)
+	} else {
+		ln = s.listener(lazyDeadlineListener{ln}) // deadline.go
 	}
 	return s.srv.Serve(ln)
 }
@@ -472,11 +481,9 @@ const requestIDAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0
 // setRequestID echoes the client's id (first of --request-id-headers) or
 // makes one with sglang-router's prefixes, and sets it on the response.
 func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) {
-	for _, h := range s.cfg.RequestIDHeaders {
-		if v := ctx.Request.Header.Peek(h); len(v) > 0 {
-			ctx.Response.Header.SetBytesV("x-request-id", v)
-			return
-		}
+	if id := clientRequestID(&ctx.Request.Header, s.requestIDNames); id != nil {
+		ctx.Response.Header.SetCanonical(headerRequestID, id)
+		return
 	}
 	path := bstr(ctx.Path())
 	prefix := "req-"
@@ -503,5 +510,38 @@ func (s *Server) setRequestID(ctx *fasthttp.RequestCtx) {
 		id[i] = requestIDAlphabet[x%62]
 		x /= 62
 	}
-	ctx.Response.Header.SetBytesV("x-request-id", id)
+	ctx.Response.Header.SetCanonical(headerRequestID, id)
+}
+
+// headerRequestID is X-Request-Id normalized, set without normalizing it
+// again for every request.
+var headerRequestID = []byte("X-Request-Id")
+
+// clientRequestID is the value of the first of names (normalized, in
+// their order) that h carries, as Peek finds one: a name's first
+// occurrence, empty counting as none; nil if none. One pass over the
+// headers instead of one Peek per name, each normalizing the name and
+// scanning every header.
+func clientRequestID(h *fasthttp.RequestHeader, names []string) []byte {
+	var id []byte
+	found := len(names) // id is the value of names[found]
+	var seen uint64     // the first 64 names met so far: later occurrences are not Peek's
+	for k, v := range h.All() {
+		for i, name := range names[:found] {
+			if bstr(k) != name {
+				continue
+			}
+			if i < 64 {
+				if seen&(1<<i) != 0 {
+					break
+				}
+				seen |= 1 << i
+			}
+			if len(v) > 0 {
+				id, found = v, i
+			}
+			break
+		}
+	}
+	return id
 }
