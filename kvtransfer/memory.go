@@ -1,9 +1,11 @@
 package kvtransfer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"slices"
@@ -245,15 +247,6 @@ func (p *MemoryPlane) Regions() int {
 	return len(p.regions)
 }
 
-// Mappings counts the engine-memory mappings this process holds: the
-// registered regions and dropped ones still in their grace period (which
-// outlives Close: see quarantineGrace).
-func (p *MemoryPlane) Mappings() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.regions) + len(p.quarantine)
-}
-
 // Links counts open links to peer kvproxies.
 func (p *MemoryPlane) Links() int {
 	p.mu.Lock()
@@ -270,10 +263,7 @@ func (p *MemoryPlane) Close() error {
 		return nil
 	}
 	p.closed = true
-	links := make([]*memLink, 0, len(p.links))
-	for l := range p.links {
-		links = append(links, l)
-	}
+	links := slices.Collect(maps.Keys(p.links))
 	p.mu.Unlock()
 	p.cancel()
 	err := p.cfg.Listener.Close()
@@ -340,9 +330,7 @@ func (s *MemorySession) close() error {
 	p.sessions--
 	var links []*memLink
 	if p.sessions == 0 {
-		for l := range p.links {
-			links = append(links, l)
-		}
+		links = slices.Collect(maps.Keys(p.links))
 	}
 	p.mu.Unlock()
 	for _, l := range links {
@@ -510,15 +498,7 @@ func (s *MemorySession) Probe(ctx context.Context, peer string) error {
 	return nil
 }
 
-func cmpU64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
+func cmpU64(a, b uint64) int { return cmp.Compare(a, b) }
 
 // findLocked returns the region holding [addr, addr+n), or nil.
 func (p *MemoryPlane) findLocked(addr, n uint64) *memRegion {
@@ -640,10 +620,7 @@ func (p *MemoryPlane) pushTable() {
 	p.pushes++
 	t := p.table()
 	p.mu.Lock()
-	links := make([]*memLink, 0, len(p.links))
-	for l := range p.links {
-		links = append(links, l)
-	}
+	links := slices.Collect(maps.Keys(p.links))
 	p.mu.Unlock()
 	for _, l := range links {
 		if err := l.conn.Write(&wire.MemRegions{Regions: t}); err != nil {
