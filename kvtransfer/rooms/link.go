@@ -54,9 +54,8 @@ func (e *Rooms) roomLinkLocked(l kvtransfer.Link) *roomLink {
 	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
 	rl.since = time.Now()
 	e.links[l] = rl
-	e.wg.Add(2)
-	go rl.send()
-	go rl.heartbeat()
+	e.wg.Go(rl.send)
+	e.wg.Go(rl.heartbeat)
 	return rl
 }
 
@@ -71,7 +70,6 @@ func (rl *roomLink) enqueue(it item) {
 }
 
 func (rl *roomLink) send() {
-	defer rl.e.wg.Done()
 	for {
 		select {
 		case <-rl.ctx.Done():
@@ -101,7 +99,6 @@ func (rl *roomLink) send() {
 }
 
 func (rl *roomLink) heartbeat() {
-	defer rl.e.wg.Done()
 	hb := rl.e.cfg.Heartbeat
 	t := time.NewTicker(hb)
 	defer t.Stop()

@@ -176,8 +176,7 @@ func New(cfg Config) (*Rooms, error) {
 		cancel()
 		return nil, err
 	}
-	r.wg.Add(1)
-	go r.sweep()
+	r.wg.Go(r.sweep)
 	return r, nil
 }
 
@@ -245,7 +244,6 @@ func (e *Rooms) Close() error {
 
 // sweep drops tombstones older than Linger.
 func (e *Rooms) sweep() {
-	defer e.wg.Done()
 	t := time.NewTicker(e.cfg.Linger / 2)
 	defer t.Stop()
 	for {

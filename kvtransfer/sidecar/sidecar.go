@@ -180,15 +180,12 @@ func Start(cfg Config) (*Sidecar, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
-	s.wg.Add(2)
-	go func() {
-		defer s.wg.Done()
+	s.wg.Go(func() {
 		if err := s.ctl.Serve(ctx, lns.control); err != nil {
 			s.stop(fmt.Errorf("control socket: %w", err))
 		}
-	}()
-	go func() {
-		defer s.wg.Done()
+	})
+	s.wg.Go(func() {
 		select {
 		case <-ctx.Done():
 		case <-tr.Done():
@@ -198,7 +195,7 @@ func Start(cfg Config) (*Sidecar, error) {
 			log.Error("transport failed, exiting", zap.Error(err))
 			s.stop(err)
 		}
-	}()
+	})
 	return s, nil
 }
 
@@ -292,13 +289,11 @@ func (l *listeners) close() {
 
 func (s *Sidecar) serve(srv *http.Server, ln net.Listener) {
 	s.servers = append(s.servers, srv)
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
+	s.wg.Go(func() {
 		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			s.stop(fmt.Errorf("serve %s: %w", ln.Addr(), err))
 		}
-	}()
+	})
 }
 
 // stop records why the sidecar stopped by itself; the first reason wins.
