@@ -226,14 +226,16 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	g.mu.Unlock()
 	p.m.regions.Inc()
 	p.m.bytes.Add(float64(length))
-	if replaced != nil {
-		return g.release(p, replaced, true)
+	if replaced == nil {
+		return nil
 	}
-	return nil
+	err = g.release(p, replaced)
+	p.pushTable()
+	return err
 }
 
 // release waits for writes using r, then closes its handle reference.
-func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion, push bool) error {
+func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion) error {
 	r.use.Lock()
 	r.gone = true
 	r.use.Unlock()
@@ -242,45 +244,30 @@ func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion, push bool) error {
 	g.mu.Unlock()
 	p.m.regions.Dec()
 	p.m.bytes.Sub(float64(r.n))
-	if push {
-		p.pushTable()
-	}
 	return err
 }
 
-// unregister drops s's GPU region holding addr; false if there is none.
-func (g *gpuPlane) unregister(p *MemoryPlane, s *MemorySession, addr uint64) (bool, error) {
+// drop drops the GPU regions match picks (then, with push, tells peers)
+// and reports whether there were any.
+func (g *gpuPlane) drop(p *MemoryPlane, push bool, match func(*gpuRegion) bool) (bool, error) {
 	g.mu.Lock()
-	r := g.findLocked(addr, 1)
-	if r == nil || r.owner != s {
-		g.mu.Unlock()
-		return false, nil
-	}
-	g.regions = slices.DeleteFunc(g.regions, func(x *gpuRegion) bool { return x == r })
-	g.mu.Unlock()
-	return true, g.release(p, r, true)
-}
-
-// dropSession drops every GPU region s registered (nil s: all of them).
-func (g *gpuPlane) dropSession(p *MemoryPlane, s *MemorySession, push bool) error {
-	g.mu.Lock()
-	var mine []*gpuRegion
+	var gone []*gpuRegion
 	g.regions = slices.DeleteFunc(g.regions, func(r *gpuRegion) bool {
-		if s == nil || r.owner == s {
-			mine = append(mine, r)
+		if match(r) {
+			gone = append(gone, r)
 			return true
 		}
 		return false
 	})
 	g.mu.Unlock()
 	var err error
-	for _, r := range mine {
-		err = errors.Join(err, g.release(p, r, false))
+	for _, r := range gone {
+		err = errors.Join(err, g.release(p, r))
 	}
-	if push && len(mine) > 0 {
+	if push && len(gone) > 0 {
 		p.pushTable()
 	}
-	return err
+	return len(gone) > 0, err
 }
 
 // deviceLocked opens device ordinal once, on first use.
@@ -305,7 +292,7 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	g.mu.Lock()
 	g.closed = true
 	g.mu.Unlock()
-	err := g.dropSession(p, nil, false)
+	_, err := g.drop(p, false, func(*gpuRegion) bool { return true })
 	g.pmu.Lock()
 	defer g.pmu.Unlock()
 	g.mu.Lock()

@@ -322,7 +322,7 @@ func (s *MemorySession) close() error {
 		}
 	}
 	p.mu.Unlock()
-	err := p.gpu.dropSession(p, s, true)
+	_, err := p.gpu.drop(p, true, func(r *gpuRegion) bool { return r.owner == s })
 	for _, r := range mine {
 		err = errors.Join(err, p.drop(r, true))
 	}
@@ -430,7 +430,7 @@ func (s *MemorySession) Unregister(addr uint64) error {
 	r := p.findLocked(addr, 1)
 	p.mu.Unlock()
 	if r == nil || r.owner != s {
-		if ok, err := p.gpu.unregister(p, s, addr); ok {
+		if ok, err := p.gpu.drop(p, true, func(r *gpuRegion) bool { return r.owner == s && r.base <= addr && addr < r.end() }); ok {
 			return err
 		}
 		return fmt.Errorf("unregister memory: %#x: %w", addr, ErrNotRegistered)
