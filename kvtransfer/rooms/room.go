@@ -71,15 +71,6 @@ const (
 	failed
 )
 
-var eventNames = [...]string{matched: "matched", moved: "moved", completed: "completed", failed: "failed"}
-
-func (ev event) String() string {
-	if int(ev) < len(eventNames) {
-		return eventNames[ev]
-	}
-	return fmt.Sprintf("event(%d)", uint8(ev))
-}
-
 // next is the state ev takes a room in s to; ok is false when ev cannot
 // happen in s. Every room starts Bootstrapping and every non-terminal state
 // can fail, so every room ends.
