@@ -449,8 +449,7 @@ func (s *MemorySession) Write(ctx context.Context, peer string, ts []Triple) err
 func (s *MemorySession) write(ctx context.Context, peer string, deadline time.Duration, move func(context.Context) error) error {
 	ctx, cancel := context.WithTimeout(ctx, deadline)
 	defer cancel()
-	stop := context.AfterFunc(s.ctx, cancel)
-	defer stop()
+	defer context.AfterFunc(s.ctx, cancel)()
 	return s.outcome(peer, move(ctx))
 }
 
@@ -486,8 +485,7 @@ func writeDeadline(base time.Duration, ts []Triple) time.Duration {
 func (s *MemorySession) Probe(ctx context.Context, peer string) error {
 	ctx, cancel := context.WithTimeout(ctx, s.p.cfg.WriteTimeout)
 	defer cancel()
-	stop := context.AfterFunc(s.ctx, cancel)
-	defer stop()
+	defer context.AfterFunc(s.ctx, cancel)()
 	l, err := s.p.link(ctx, peer)
 	if err == nil {
 		err = l.refresh(ctx)
