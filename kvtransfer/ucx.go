@@ -234,8 +234,6 @@ func (u *UCX) post(ep *ucx.Endpoint, batches []batch, done chan error) (posted b
 	return false, nil
 }
 
-var _ MemoryTransport = (*UCX)(nil)
-
 // ucxRegistration is a mapping of engine memory registered with
 // ucp_mem_map; peers put into it under its packed key.
 type ucxRegistration struct {

@@ -218,13 +218,6 @@ func (e *Rooms) ActiveRooms() int {
 	return len(e.prefills) + len(e.decodes)
 }
 
-// Peers counts the links rooms have used that are still open.
-func (e *Rooms) Peers() int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return len(e.links)
-}
-
 // Close fails every room and stops the room layer's goroutines; the
 // memory plane and its links stay.
 func (e *Rooms) Close() error {
