@@ -16,12 +16,3 @@ func newTransport(t testing.TB, name string) Transport { return kvtest.Start(t, 
 var transports = map[string]func() (Transport, error){
 	"tcp": func() (Transport, error) { return &TCP{}, nil },
 }
-
-// Mappings counts the engine-memory mappings this process holds: the
-// registered regions and dropped ones still in their grace period (which
-// outlives Close: see quarantineGrace).
-func (p *MemoryPlane) Mappings() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.regions) + len(p.quarantine)
-}

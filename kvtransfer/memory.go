@@ -44,8 +44,7 @@ var (
 
 // MemoryConfig configures a MemoryPlane. Zero values take the defaults.
 type MemoryConfig struct {
-	Name string
-	// Transport must implement MemoryTransport (tcp and ucx do).
+	Name      string
 	Transport Transport
 	// Listener accepts links from peer kvproxies; its address is the one
 	// engines name this kvproxy by (Mooncake's session id).
@@ -75,8 +74,8 @@ type MemoryConfig struct {
 // peer kvproxies and the writes between them. Safe for concurrent use.
 type MemoryPlane struct {
 	cfg  MemoryConfig
-	mt   MemoryTransport
-	host string // cfg.HostID or the boot id
+	mt   Transport // cfg.Transport
+	host string    // cfg.HostID or the boot id
 	// hostPath is how host memory moves to peers: the transport's own
 	// puts, or "tcp" (DATA frames on the link) where its puts are not
 	// zero-copy (see UCX.ZeroCopyRMA).
@@ -180,9 +179,9 @@ func newMemMetrics(reg prometheus.Registerer) memMetrics {
 
 // NewMemoryPlane starts accepting peer links on cfg.Listener.
 func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
-	mt, ok := cfg.Transport.(MemoryTransport)
-	if !ok {
-		return nil, fmt.Errorf("kvtransfer: transport %T cannot move engine memory", cfg.Transport)
+	mt := cfg.Transport
+	if mt == nil {
+		return nil, errors.New("kvtransfer: memory plane needs a transport")
 	}
 	if cfg.Listener == nil {
 		return nil, errors.New("kvtransfer: memory plane needs a peer listener")
@@ -245,6 +244,15 @@ func (p *MemoryPlane) Regions() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.regions)
+}
+
+// Mappings counts the engine-memory mappings this process holds: the
+// registered regions and dropped ones still in their grace period (which
+// outlives Close: see quarantineGrace).
+func (p *MemoryPlane) Mappings() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.regions) + len(p.quarantine)
 }
 
 // Links counts open links to peer kvproxies.

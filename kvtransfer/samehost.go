@@ -31,7 +31,7 @@ type SHM struct {
 	HostID string
 }
 
-var _ MemoryTransport = (*SHM)(nil)
+var _ Transport = (*SHM)(nil)
 
 func (*SHM) Name() string { return "shm" }
 

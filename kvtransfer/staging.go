@@ -98,7 +98,7 @@ func (sp *stagePool) put(b []byte) error {
 }
 
 // registration is b's registration with mt, made once per buffer.
-func (sp *stagePool) registration(mt MemoryTransport, b []byte) (MemoryRegistration, error) {
+func (sp *stagePool) registration(mt Transport, b []byte) (MemoryRegistration, error) {
 	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
