@@ -85,7 +85,11 @@ func (sp *stagePool) name() string {
 	return fmt.Sprintf("GPU %d", sp.dev.Ordinal())
 }
 
+// put returns b (nil: none) to the pool.
 func (sp *stagePool) put(b []byte) error {
+	if b == nil {
+		return nil
+	}
 	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
@@ -364,7 +368,7 @@ func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []staged
 	for _, r := range runs {
 		for done := uint64(0); done < r.n; {
 			if ctx.Err() != nil {
-				return errors.Join(ctx.Err(), putIf(pool, c.buf))
+				return errors.Join(ctx.Err(), pool.put(c.buf))
 			}
 			if c.buf == nil {
 				b, err := pool.get()
@@ -388,14 +392,7 @@ func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []staged
 	if len(c.buf) > 0 {
 		return flush()
 	}
-	return putIf(pool, c.buf)
-}
-
-func putIf(pool *stagePool, b []byte) error {
-	if b == nil {
-		return nil
-	}
-	return pool.put(b)
+	return pool.put(c.buf)
 }
 
 // stageIn is a link reader's side of the staged paths: it queues what it
