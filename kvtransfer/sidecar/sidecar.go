@@ -100,9 +100,10 @@ type Sidecar struct {
 	cancel   context.CancelFunc // stops the control server
 	wg       sync.WaitGroup     // serving goroutines
 
-	stopped   chan struct{} // closed once, by the first of stop's callers
-	stopOnce  sync.Once
-	err       error // why it stopped by itself; set before stopped closes
+	// stopped ends when the sidecar stopped by itself, stop's first
+	// caller's error its cause.
+	stopped   context.Context
+	stop      context.CancelCauseFunc
 	closeOnce sync.Once
 }
 
@@ -120,7 +121,8 @@ func Start(cfg Config) (*Sidecar, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Sidecar{cfg: cfg, tr: tr, stopped: make(chan struct{})}
+	s := &Sidecar{cfg: cfg, tr: tr}
+	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	lns, err := s.listen()
 	if err != nil {
 		_ = tr.Close()
@@ -296,14 +298,6 @@ func (s *Sidecar) serve(srv *http.Server, ln net.Listener) {
 	})
 }
 
-// stop records why the sidecar stopped by itself; the first reason wins.
-func (s *Sidecar) stop(err error) {
-	s.stopOnce.Do(func() {
-		s.err = err
-		close(s.stopped)
-	})
-}
-
 // Addrs is where it listens.
 func (s *Sidecar) Addrs() Addrs { return s.addrs }
 
@@ -315,7 +309,7 @@ func (s *Sidecar) Rooms() *rooms.Rooms { return s.rooms }
 
 // Done is closed when the sidecar stopped by itself (its transport broke or
 // a server failed); Close then says why.
-func (s *Sidecar) Done() <-chan struct{} { return s.stopped }
+func (s *Sidecar) Done() <-chan struct{} { return s.stopped.Done() }
 
 // Close shuts down: the control socket and the HTTP servers first (the
 // engine's connections close, so their rooms are aborted and their memory
@@ -337,10 +331,5 @@ func (s *Sidecar) Close() error {
 		}
 		_ = os.Remove(s.cfg.Control)
 	})
-	select {
-	case <-s.stopped:
-		return s.err
-	default:
-		return nil
-	}
+	return context.Cause(s.stopped)
 }
