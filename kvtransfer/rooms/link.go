@@ -51,8 +51,7 @@ func (e *Rooms) roomLinkLocked(l kvtransfer.Link) *roomLink {
 		return nil
 	}
 	ctx, cancel := context.WithCancel(e.ctx)
-	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
-	rl.since = time.Now()
+	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), since: time.Now(), ctx: ctx, cancel: cancel}
 	e.links[l] = rl
 	e.wg.Go(rl.send)
 	e.wg.Go(rl.heartbeat)
