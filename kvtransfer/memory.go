@@ -323,12 +323,8 @@ func (s *MemorySession) close() error {
 	s.cancel()
 	p := s.p
 	p.mu.Lock()
-	var mine []*memRegion // drop edits p.regions: collect first
-	for _, r := range p.regions {
-		if r.owner == s {
-			mine = append(mine, r)
-		}
-	}
+	// drop edits p.regions: s's regions are collected first.
+	mine := slices.DeleteFunc(slices.Clone(p.regions), func(r *memRegion) bool { return r.owner != s })
 	p.mu.Unlock()
 	_, err := p.gpu.drop(p, true, func(r *gpuRegion) bool { return r.owner == s })
 	for _, r := range mine {
