@@ -582,16 +582,13 @@ func (p *MemoryPlane) sweepQuarantine(now time.Time) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var err error
-	keep := p.quarantine[:0]
-	for _, q := range p.quarantine {
+	p.quarantine = slices.DeleteFunc(p.quarantine, func(q quarantined) bool {
 		if now.Before(q.until) {
-			keep = append(keep, q)
-		} else {
-			err = errors.Join(err, unmap(q.mem))
+			return false
 		}
-	}
-	clear(p.quarantine[len(keep):])
-	p.quarantine = keep
+		err = errors.Join(err, unmap(q.mem))
+		return true
+	})
 	return err
 }
 

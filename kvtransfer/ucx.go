@@ -80,19 +80,15 @@ func shmAllowed(tls string) bool {
 
 // poll completes finished flushes; it runs on the loop goroutine.
 func (u *UCX) poll(*ucx.Worker) bool {
-	keep := u.pending[:0]
-	for _, p := range u.pending {
+	u.pending = slices.DeleteFunc(u.pending, func(p pendingFlush) bool {
 		done, err := p.req.Test()
-		if !done {
-			keep = append(keep, p)
-			continue
+		if done {
+			p.req.Free()
+			p.done <- err
 		}
-		p.req.Free()
-		p.done <- err
-	}
-	clear(u.pending[len(keep):])
-	u.pending = keep
-	return len(keep) > 0
+		return done
+	})
+	return len(u.pending) > 0
 }
 
 func (*UCX) Name() string { return "ucx" }
