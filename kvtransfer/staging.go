@@ -113,9 +113,6 @@ func (sp *stagePool) registration(mt Transport, b []byte) (MemoryRegistration, e
 	if err != nil {
 		return nil, fmt.Errorf("register a staging buffer: %w", err)
 	}
-	if sp.regs == nil {
-		sp.regs = map[*byte]MemoryRegistration{}
-	}
 	sp.regs[unsafe.SliceData(b)] = r
 	return r, nil
 }
@@ -186,7 +183,7 @@ func (g *gpuPlane) pool(dev Device) *stagePool {
 	}
 	sp := g.pools[key]
 	if sp == nil {
-		sp = &stagePool{dev: dev}
+		sp = &stagePool{dev: dev, regs: map[*byte]MemoryRegistration{}}
 		g.pools[key] = sp
 	}
 	return sp
