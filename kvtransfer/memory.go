@@ -189,16 +189,12 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 	if cfg.WriteTimeout <= 0 {
 		cfg.WriteTimeout = 5 * time.Second
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, zap.NewNop())
 	if cfg.StageChunk <= 0 {
 		cfg.StageChunk = defaultStageChunk
 	}
 	cfg.StageChunk = min(cfg.StageChunk, stageBytes)
-	if cfg.GPUs == nil {
-		cfg.GPUs = cudaGPUs{}
-	}
+	cfg.GPUs = cmp.Or[GPUs](cfg.GPUs, cudaGPUs{})
 	host := cfg.HostID
 	if host == "" {
 		id, err := bootID()

@@ -12,6 +12,7 @@
 package rooms
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -163,9 +164,7 @@ func New(cfg Config) (*Rooms, error) {
 	def(&cfg.WaitingTimeout, 300*time.Second)
 	def(&cfg.Heartbeat, 5*time.Second)
 	def(&cfg.Linger, 60*time.Second)
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, zap.NewNop())
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &Rooms{
 		cfg: cfg, p: cfg.Memory, log: cfg.Logger, m: newRoomMetrics(cfg.Registry), ctx: ctx, cancel: cancel,

@@ -113,9 +113,7 @@ func Start(cfg Config) (*Sidecar, error) {
 	if cfg.Role != "prefill" && cfg.Role != "decode" {
 		return nil, fmt.Errorf("role %q: want prefill or decode", cfg.Role)
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, zap.NewNop())
 	log := cfg.Logger.With(zap.String("role", cfg.Role))
 	tr, err := newTransport(cfg.Transport, cfg.HostID)
 	if err != nil {
