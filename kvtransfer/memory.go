@@ -430,7 +430,7 @@ func (s *MemorySession) Unregister(addr uint64) error {
 	r := p.findLocked(addr, 1)
 	p.mu.Unlock()
 	if r == nil || r.owner != s {
-		if ok, err := p.gpu.drop(p, true, func(r *gpuRegion) bool { return r.owner == s && r.base <= addr && addr < r.end() }); ok {
+		if ok, err := p.gpu.drop(p, true, func(gr *gpuRegion) bool { return gr.owner == s && gr.base <= addr && addr < gr.end() }); ok {
 			return err
 		}
 		return fmt.Errorf("unregister memory: %#x: %w", addr, ErrNotRegistered)
