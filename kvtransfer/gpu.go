@@ -85,10 +85,9 @@ type gpuImportKey struct {
 // gpuRegion is one registered GPU region.
 type gpuRegion struct {
 	id        uint32
-	base, n   uint64 // engine address range
-	handle    cuda.Handle
-	handleOff uint64 // base minus the allocation's base
-	imp       *gpuImport
+	base, n   uint64     // engine address range
+	handleOff uint64     // base minus the allocation's base
+	imp       *gpuImport // the allocation's handle, opened
 	owner     *MemorySession
 	use       sync.RWMutex
 	gone      bool
@@ -217,7 +216,7 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 		g.mu.Unlock()
 		return errors.Join(fmt.Errorf("register cuda memory: [%d,+%d) runs past the %d-byte allocation", handleOffset, length, imp.size), err)
 	}
-	r := &gpuRegion{id: id, base: addr, n: length, handle: h, handleOff: handleOffset, imp: imp, owner: s, ptr: imp.ptr + handleOffset, dev: imp.dev}
+	r := &gpuRegion{id: id, base: addr, n: length, handleOff: handleOffset, imp: imp, owner: s, ptr: imp.ptr + handleOffset, dev: imp.dev}
 	if replaced != nil {
 		g.regions = slices.DeleteFunc(g.regions, func(x *gpuRegion) bool { return x == replaced })
 	}
@@ -226,14 +225,16 @@ func (s *MemorySession) RegisterCUDA(addr, length uint64, handle []byte, handleO
 	g.mu.Unlock()
 	p.m.regions.Inc()
 	p.m.bytes.Add(float64(length))
-	if replaced != nil {
-		return g.release(p, replaced, true)
+	if replaced == nil {
+		return nil
 	}
-	return nil
+	err = g.release(p, replaced)
+	p.pushTable()
+	return err
 }
 
 // release waits for writes using r, then closes its handle reference.
-func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion, push bool) error {
+func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion) error {
 	r.use.Lock()
 	r.gone = true
 	r.use.Unlock()
@@ -242,45 +243,30 @@ func (g *gpuPlane) release(p *MemoryPlane, r *gpuRegion, push bool) error {
 	g.mu.Unlock()
 	p.m.regions.Dec()
 	p.m.bytes.Sub(float64(r.n))
-	if push {
-		p.pushTable()
-	}
 	return err
 }
 
-// unregister drops s's GPU region holding addr; false if there is none.
-func (g *gpuPlane) unregister(p *MemoryPlane, s *MemorySession, addr uint64) (bool, error) {
+// drop drops the GPU regions match picks (then, with push, tells peers)
+// and reports whether there were any.
+func (g *gpuPlane) drop(p *MemoryPlane, push bool, match func(*gpuRegion) bool) (bool, error) {
 	g.mu.Lock()
-	r := g.findLocked(addr, 1)
-	if r == nil || r.owner != s {
-		g.mu.Unlock()
-		return false, nil
-	}
-	g.regions = slices.DeleteFunc(g.regions, func(x *gpuRegion) bool { return x == r })
-	g.mu.Unlock()
-	return true, g.release(p, r, true)
-}
-
-// dropSession drops every GPU region s registered (nil s: all of them).
-func (g *gpuPlane) dropSession(p *MemoryPlane, s *MemorySession, push bool) error {
-	g.mu.Lock()
-	var mine []*gpuRegion
+	var gone []*gpuRegion
 	g.regions = slices.DeleteFunc(g.regions, func(r *gpuRegion) bool {
-		if s == nil || r.owner == s {
-			mine = append(mine, r)
+		if match(r) {
+			gone = append(gone, r)
 			return true
 		}
 		return false
 	})
 	g.mu.Unlock()
 	var err error
-	for _, r := range mine {
-		err = errors.Join(err, g.release(p, r, false))
+	for _, r := range gone {
+		err = errors.Join(err, g.release(p, r))
 	}
-	if push && len(mine) > 0 {
+	if push && len(gone) > 0 {
 		p.pushTable()
 	}
-	return err
+	return len(gone) > 0, err
 }
 
 // deviceLocked opens device ordinal once, on first use.
@@ -305,7 +291,7 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	g.mu.Lock()
 	g.closed = true
 	g.mu.Unlock()
-	err := g.dropSession(p, nil, false)
+	_, err := g.drop(p, false, func(*gpuRegion) bool { return true })
 	g.pmu.Lock()
 	defer g.pmu.Unlock()
 	g.mu.Lock()
@@ -325,7 +311,10 @@ func (g *gpuPlane) close(p *MemoryPlane) error {
 	return err
 }
 
-func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
+// find returns the region holding [addr, addr+n), or nil.
+func (g *gpuPlane) find(addr, n uint64) *gpuRegion {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	i, _ := slices.BinarySearchFunc(g.regions, addr+1, func(r *gpuRegion, a uint64) int { return cmpU64(r.base, a) })
 	if i == 0 {
 		return nil
@@ -340,9 +329,7 @@ func (g *gpuPlane) findLocked(addr, n uint64) *gpuRegion {
 // route picks how a write whose first triple is t goes: the device its
 // sources are on, and whether its destination needs the staged path.
 func (g *gpuPlane) route(ctx context.Context, l *memLink, t Triple) (Device, bool, error) {
-	g.mu.Lock()
-	src := g.findLocked(t.Src, max(t.Len, 1))
-	g.mu.Unlock()
+	src := g.find(t.Src, max(t.Len, 1))
 	if src == nil {
 		return nil, false, fmt.Errorf("source [%#x,+%d): %w here", t.Src, t.Len, ErrNotRegistered)
 	}
@@ -377,12 +364,7 @@ func (g *gpuPlane) byID(id uint32) *gpuRegion {
 
 // holds reports whether the write's first source is GPU memory.
 func (g *gpuPlane) holds(ts []Triple) bool {
-	if len(ts) == 0 {
-		return false
-	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.findLocked(ts[0].Src, max(ts[0].Len, 1)) != nil
+	return len(ts) > 0 && g.find(ts[0].Src, max(ts[0].Len, 1)) != nil
 }
 
 // table lists the GPU regions for peers: the key is the engine's handle,
@@ -393,7 +375,7 @@ func (g *gpuPlane) table() []wire.MemRegion {
 	t := make([]wire.MemRegion, len(g.regions))
 	for i, r := range g.regions {
 		t[i] = wire.MemRegion{ID: r.id, Kind: wire.MemCUDA, Base: r.base, Len: r.n, Addr: r.ptr,
-			RKey: gpuKey(r.handle, r.handleOff, r.dev.Ordinal(), g.host)}
+			RKey: gpuKey(r.imp.h, r.handleOff, r.dev.Ordinal(), g.host)}
 	}
 	return t
 }
@@ -679,9 +661,7 @@ func (g *gpuPlane) sourceOf(t Triple, last *gpuRegion, dev Device, srcs []*gpuRe
 // source returns the registered region holding [addr, addr+n),
 // read-locking it and adding it to srcs if it is not there yet.
 func (g *gpuPlane) source(addr, n uint64, dev Device, srcs []*gpuRegion) (*gpuRegion, []*gpuRegion, error) {
-	g.mu.Lock()
-	src := g.findLocked(addr, n)
-	g.mu.Unlock()
+	src := g.find(addr, n)
 	if src == nil {
 		return nil, srcs, fmt.Errorf("source [%#x,+%d): %w here (a write moves GPU or host memory, not both)", addr, n, ErrNotRegistered)
 	}

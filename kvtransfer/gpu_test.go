@@ -75,6 +75,32 @@ func TestRegisterCUDAClosesWhatItCannotLocate(t *testing.T) {
 	}
 }
 
+// Unregister drops the GPU region holding an address, for its own
+// session only, and closes its IPC mapping.
+func TestUnregisterCUDA(t *testing.T) {
+	gpus := newHostGPUs(t)
+	m := gpuSide(t, gpus, "tcp", "h1", time.Second)
+	a := gpus.alloc(0, 1<<20)
+	m.registerGPU(t, 0x10000000, a)
+	other := m.p.NewSession()
+	defer other.Close()
+	if err := other.Unregister(0x10000000); !errors.Is(err, ErrNotRegistered) {
+		t.Fatalf("another session unregistered the region: %v", err)
+	}
+	if err := m.s.Unregister(0x10000000 + 4096); err != nil {
+		t.Fatalf("unregister by an address inside the region: %v", err)
+	}
+	if g := m.gauge(); g != 0 {
+		t.Fatalf("registered regions %v after unregister", g)
+	}
+	if _, _, ipc := gpus.open(); ipc != 0 {
+		t.Fatalf("%d IPC mappings left open after unregister", ipc)
+	}
+	if err := m.s.Unregister(0x10000000); !errors.Is(err, ErrNotRegistered) {
+		t.Fatalf("second unregister: %v", err)
+	}
+}
+
 func TestGPUKeyRoundTrip(t *testing.T) {
 	var h cuda.Handle
 	for i := range h {

@@ -1,9 +1,11 @@
 package kvtransfer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"slices"
@@ -42,8 +44,7 @@ var (
 
 // MemoryConfig configures a MemoryPlane. Zero values take the defaults.
 type MemoryConfig struct {
-	Name string
-	// Transport must implement MemoryTransport (tcp and ucx do).
+	Name      string
 	Transport Transport
 	// Listener accepts links from peer kvproxies; its address is the one
 	// engines name this kvproxy by (Mooncake's session id).
@@ -73,8 +74,8 @@ type MemoryConfig struct {
 // peer kvproxies and the writes between them. Safe for concurrent use.
 type MemoryPlane struct {
 	cfg  MemoryConfig
-	mt   MemoryTransport
-	host string // cfg.HostID or the boot id
+	mt   Transport // cfg.Transport
+	host string    // cfg.HostID or the boot id
 	// hostPath is how host memory moves to peers: the transport's own
 	// puts, or "tcp" (DATA frames on the link) where its puts are not
 	// zero-copy (see UCX.ZeroCopyRMA).
@@ -180,9 +181,9 @@ func newMemMetrics(reg prometheus.Registerer) memMetrics {
 
 // NewMemoryPlane starts accepting peer links on cfg.Listener.
 func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
-	mt, ok := cfg.Transport.(MemoryTransport)
-	if !ok {
-		return nil, fmt.Errorf("kvtransfer: transport %T cannot move engine memory", cfg.Transport)
+	mt := cfg.Transport
+	if mt == nil {
+		return nil, errors.New("kvtransfer: memory plane needs a transport")
 	}
 	if cfg.Listener == nil {
 		return nil, errors.New("kvtransfer: memory plane needs a peer listener")
@@ -190,16 +191,12 @@ func NewMemoryPlane(cfg MemoryConfig) (*MemoryPlane, error) {
 	if cfg.WriteTimeout <= 0 {
 		cfg.WriteTimeout = 5 * time.Second
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, zap.NewNop())
 	if cfg.StageChunk <= 0 {
 		cfg.StageChunk = defaultStageChunk
 	}
 	cfg.StageChunk = min(cfg.StageChunk, stageBytes)
-	if cfg.GPUs == nil {
-		cfg.GPUs = cudaGPUs{}
-	}
+	cfg.GPUs = cmp.Or[GPUs](cfg.GPUs, cudaGPUs{})
 	host := cfg.HostID
 	if host == "" {
 		id, err := bootID()
@@ -272,10 +269,7 @@ func (p *MemoryPlane) Close() error {
 		return nil
 	}
 	p.closed = true
-	links := make([]*memLink, 0, len(p.links))
-	for l := range p.links {
-		links = append(links, l)
-	}
+	links := slices.Collect(maps.Keys(p.links))
 	p.mu.Unlock()
 	p.cancel()
 	err := p.cfg.Listener.Close()
@@ -327,14 +321,10 @@ func (s *MemorySession) close() error {
 	s.cancel()
 	p := s.p
 	p.mu.Lock()
-	var mine []*memRegion // drop edits p.regions: collect first
-	for _, r := range p.regions {
-		if r.owner == s {
-			mine = append(mine, r)
-		}
-	}
+	// drop edits p.regions: s's regions are collected first.
+	mine := slices.DeleteFunc(slices.Clone(p.regions), func(r *memRegion) bool { return r.owner != s })
 	p.mu.Unlock()
-	err := p.gpu.dropSession(p, s, true)
+	_, err := p.gpu.drop(p, true, func(r *gpuRegion) bool { return r.owner == s })
 	for _, r := range mine {
 		err = errors.Join(err, p.drop(r, true))
 	}
@@ -342,9 +332,7 @@ func (s *MemorySession) close() error {
 	p.sessions--
 	var links []*memLink
 	if p.sessions == 0 {
-		for l := range p.links {
-			links = append(links, l)
-		}
+		links = slices.Collect(maps.Keys(p.links))
 	}
 	p.mu.Unlock()
 	for _, l := range links {
@@ -444,7 +432,7 @@ func (s *MemorySession) Unregister(addr uint64) error {
 	r := p.findLocked(addr, 1)
 	p.mu.Unlock()
 	if r == nil || r.owner != s {
-		if ok, err := p.gpu.unregister(p, s, addr); ok {
+		if ok, err := p.gpu.drop(p, true, func(gr *gpuRegion) bool { return gr.owner == s && gr.base <= addr && addr < gr.end() }); ok {
 			return err
 		}
 		return fmt.Errorf("unregister memory: %#x: %w", addr, ErrNotRegistered)
@@ -463,8 +451,7 @@ func (s *MemorySession) Write(ctx context.Context, peer string, ts []Triple) err
 func (s *MemorySession) write(ctx context.Context, peer string, deadline time.Duration, move func(context.Context) error) error {
 	ctx, cancel := context.WithTimeout(ctx, deadline)
 	defer cancel()
-	stop := context.AfterFunc(s.ctx, cancel)
-	defer stop()
+	defer context.AfterFunc(s.ctx, cancel)()
 	return s.outcome(peer, move(ctx))
 }
 
@@ -500,8 +487,7 @@ func writeDeadline(base time.Duration, ts []Triple) time.Duration {
 func (s *MemorySession) Probe(ctx context.Context, peer string) error {
 	ctx, cancel := context.WithTimeout(ctx, s.p.cfg.WriteTimeout)
 	defer cancel()
-	stop := context.AfterFunc(s.ctx, cancel)
-	defer stop()
+	defer context.AfterFunc(s.ctx, cancel)()
 	l, err := s.p.link(ctx, peer)
 	if err == nil {
 		err = l.refresh(ctx)
@@ -512,15 +498,7 @@ func (s *MemorySession) Probe(ctx context.Context, peer string) error {
 	return nil
 }
 
-func cmpU64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
+func cmpU64(a, b uint64) int { return cmp.Compare(a, b) }
 
 // findLocked returns the region holding [addr, addr+n), or nil.
 func (p *MemoryPlane) findLocked(addr, n uint64) *memRegion {
@@ -602,16 +580,13 @@ func (p *MemoryPlane) sweepQuarantine(now time.Time) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var err error
-	keep := p.quarantine[:0]
-	for _, q := range p.quarantine {
+	p.quarantine = slices.DeleteFunc(p.quarantine, func(q quarantined) bool {
 		if now.Before(q.until) {
-			keep = append(keep, q)
-		} else {
-			err = errors.Join(err, unmap(q.mem))
+			return false
 		}
-	}
-	clear(p.quarantine[len(keep):])
-	p.quarantine = keep
+		err = errors.Join(err, unmap(q.mem))
+		return true
+	})
 	return err
 }
 
@@ -642,10 +617,7 @@ func (p *MemoryPlane) pushTable() {
 	p.pushes++
 	t := p.table()
 	p.mu.Lock()
-	links := make([]*memLink, 0, len(p.links))
-	for l := range p.links {
-		links = append(links, l)
-	}
+	links := slices.Collect(maps.Keys(p.links))
 	p.mu.Unlock()
 	for _, l := range links {
 		if err := l.conn.Write(&wire.MemRegions{Regions: t}); err != nil {

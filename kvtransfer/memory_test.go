@@ -148,6 +148,21 @@ func memoryTransports() []struct {
 
 func withPuts(puts bool) func(*MemoryConfig) { return func(c *MemoryConfig) { c.TransportPuts = puts } }
 
+// A plane without a transport or a listener is refused, not started.
+func TestNewMemoryPlaneNeedsTransportAndListener(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	for _, cfg := range []MemoryConfig{{Listener: ln}, {Transport: &TCP{}}} {
+		if p, err := NewMemoryPlane(cfg); err == nil {
+			p.Close()
+			t.Fatalf("NewMemoryPlane(%+v) started a plane", cfg)
+		}
+	}
+}
+
 func TestMemoryWrite(t *testing.T) {
 	for _, tc := range memoryTransports() {
 		t.Run(fmt.Sprintf("%s/%s/puts=%t", tc.name, tc.tls, tc.puts), func(t *testing.T) {

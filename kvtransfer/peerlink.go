@@ -103,9 +103,7 @@ func (p *MemoryPlane) Owns(s *MemorySession, addr, n uint64) bool {
 	if r != nil {
 		return r.owner == s
 	}
-	p.gpu.mu.Lock()
-	defer p.gpu.mu.Unlock()
-	g := p.gpu.findLocked(addr, n)
+	g := p.gpu.find(addr, n)
 	return g != nil && g.owner == s
 }
 

@@ -50,10 +50,6 @@ const (
 	PathUCX         Path = "ucx"
 )
 
-// PeerAccess reports whether device a can read and write device b's
-// memory directly (cuDeviceCanAccessPeer); nil means never.
-type PeerAccess func(a, b int) bool
-
 // NoPathError is a pair of places no path carries, and why.
 type NoPathError struct {
 	Src, Dst  Place
@@ -66,8 +62,9 @@ func (e *NoPathError) Error() string {
 }
 
 // choosePath picks the path a write from src to dst takes with this
-// transport ("tcp", "ucx" or "shm").
-func choosePath(transport string, src, dst Place, access PeerAccess) (Path, error) {
+// transport ("tcp", "ucx" or "shm"); access reports whether device a can
+// read and write device b's memory directly (nil: never).
+func choosePath(transport string, src, dst Place, access func(a, b int) bool) (Path, error) {
 	sameHost := src.Host == dst.Host && src.Host != ""
 	noPath := func(why string) (Path, error) {
 		return "", &NoPathError{Src: src, Dst: dst, Transport: transport, Why: why}

@@ -31,7 +31,7 @@ type SHM struct {
 	HostID string
 }
 
-var _ MemoryTransport = (*SHM)(nil)
+var _ Transport = (*SHM)(nil)
 
 func (*SHM) Name() string { return "shm" }
 
@@ -113,7 +113,7 @@ func (s *SHM) MemoryEndpoint(addr []byte) (MemoryEndpoint, error) {
 	if !bytes.Equal(addr, id) {
 		return nil, errors.New("shm transport: the peer kvproxy runs on another host")
 	}
-	return &shmEndpoint{}, nil
+	return &shmEndpoint{lives: map[shmFile][]uint64{}}, nil
 }
 
 // shmEndpoint holds the peer mappings it opened, until it closes: mu is
@@ -256,9 +256,6 @@ func (e *shmEndpoint) liveness(f shmFile) ([]uint64, error) {
 		return nil, err
 	}
 	w := unsafe.Slice((*uint64)(ptr), shmLiveWords)
-	if e.lives == nil {
-		e.lives = map[shmFile][]uint64{}
-	}
 	e.lives[f] = w
 	return w, nil
 }

@@ -132,14 +132,6 @@ func (l *memLink) ring(ctx context.Context, chunk int) (MemoryEndpoint, *peerRin
 	return ep, r, nil
 }
 
-// slotFill is one slot's worth of a write: ops fill it from offset 0 on
-// (Remote is the offset in the slot until put adds the slot's address),
-// pieces say where its bytes go.
-type slotFill struct {
-	ops    []MemoryOp
-	pieces []wire.StagedPiece
-}
-
 // flights are a write's puts in flight, one per slot, as many as the
 // peer lends slots: each slot's MEM_STAGED goes out once its put is
 // complete, in the order the puts were posted (the receiver scatters in
@@ -189,9 +181,11 @@ func (fs *flights) run() {
 	}
 }
 
-// post waits for a free slot and room in the window, and starts putting
-// f into the slot; release (if any) runs once the put is over.
-func (fs *flights) post(f slotFill, release func() error) error {
+// post waits for a free slot and room in the window, and starts filling
+// it by ops from offset 0 on (an op's Remote is its offset in the slot
+// until post adds the slot's address); pieces say where its bytes go, and
+// release (if any) runs once the put is over.
+func (fs *flights) post(ops []MemoryOp, pieces []wire.StagedPiece, release func() error) error {
 	fail := func(err error) error {
 		if release != nil {
 			err = errors.Join(err, release())
@@ -219,19 +213,19 @@ func (fs *flights) post(f slotFill, release func() error) error {
 		return fail(fs.l.lost())
 	}
 	base := fs.r.addr + uint64(slot)*uint64(fs.r.slotLen)
-	for i := range f.ops {
-		f.ops[i].Key, f.ops[i].Remote = fs.r.key, base+f.ops[i].Remote
+	for i := range ops {
+		ops[i].Key, ops[i].Remote = fs.r.key, base+ops[i].Remote
 	}
 	res := make(chan error, 1)
 	go func() {
-		err := fs.ep.Put(fs.ctx, f.ops)
+		err := fs.ep.Put(fs.ctx, ops)
 		<-fs.window
 		if err != nil {
 			err = fmt.Errorf("put into the peer's staging slot: %w", err)
 		}
 		res <- err
 	}()
-	fs.queue <- flight{slot: slot, pieces: f.pieces, res: res, release: release}
+	fs.queue <- flight{slot: slot, pieces: pieces, res: res, release: release}
 	return nil
 }
 
@@ -255,8 +249,7 @@ func (l *memLink) putChunk(fs *flights, pool *stagePool, c stagedChunk) error {
 	if err != nil {
 		return errors.Join(err, pool.put(c.buf))
 	}
-	f := slotFill{ops: []MemoryOp{{Local: reg, Len: uint64(len(c.buf))}}, pieces: c.pieces}
-	return fs.post(f, func() error { return pool.put(c.buf) })
+	return fs.post([]MemoryOp{{Local: reg, Len: uint64(len(c.buf))}}, c.pieces, func() error { return pool.put(c.buf) })
 }
 
 // putStagedHost moves host-memory runs over the peer's staging ring: into
@@ -274,28 +267,29 @@ func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 	}
 	ack, err := l.fenced(ctx, func() error {
 		fs := l.startFlights(ctx, ep, r)
-		var f slotFill
+		var ops []MemoryOp
+		var pieces []wire.StagedPiece
 		var from []memRun // each piece's source: srcOff and size are the piece's
 		used := 0
 		for _, run := range runs {
 			for done := uint64(0); done < run.size; {
 				n := min(run.size-done, uint64(r.slotLen-used))
-				f.ops = append(f.ops, MemoryOp{Local: run.src.reg, LocalOff: run.srcOff + done, Remote: uint64(used), Len: n})
-				f.pieces = append(f.pieces, wire.StagedPiece{Region: run.dst.ID, Offset: run.dstOff + done, N: uint32(n)})
+				ops = append(ops, MemoryOp{Local: run.src.reg, LocalOff: run.srcOff + done, Remote: uint64(used), Len: n})
+				pieces = append(pieces, wire.StagedPiece{Region: run.dst.ID, Offset: run.dstOff + done, N: uint32(n)})
 				from = append(from, memRun{src: run.src, srcOff: run.srcOff + done, size: n})
 				used += int(n)
 				done += n
 				if used == r.slotLen {
-					if err := l.postHost(fs, f, from); err != nil {
+					if err := l.postHost(fs, ops, pieces, from); err != nil {
 						return errors.Join(err, fs.wait())
 					}
-					f, from, used = slotFill{}, nil, 0
+					ops, pieces, from, used = nil, nil, nil, 0
 				}
 			}
 		}
 		var err error
 		if used > 0 {
-			err = l.postHost(fs, f, from)
+			err = l.postHost(fs, ops, pieces, from)
 		}
 		return errors.Join(err, fs.wait())
 	})
@@ -304,9 +298,9 @@ func (l *memLink) putStagedHost(ctx context.Context, runs []memRun) error {
 
 // postHost posts a slot of host pieces (from: their sources), through a
 // staging buffer if UCX refused one of the sources.
-func (l *memLink) postHost(fs *flights, f slotFill, from []memRun) error {
+func (l *memLink) postHost(fs *flights, ops []MemoryOp, pieces []wire.StagedPiece, from []memRun) error {
 	if !slices.ContainsFunc(from, func(r memRun) bool { return !registered(r.src.reg) }) {
-		return fs.post(f, nil)
+		return fs.post(ops, pieces, nil)
 	}
 	pool := l.p.gpu.pool(nil)
 	buf, err := pool.get()
@@ -317,7 +311,7 @@ func (l *memLink) postHost(fs *flights, f slotFill, from []memRun) error {
 	for _, r := range from {
 		off += copy(buf[off:], r.src.mem[r.srcOff:r.srcOff+r.size])
 	}
-	return l.putChunk(fs, pool, stagedChunk{buf: buf[:off], pieces: f.pieces})
+	return l.putChunk(fs, pool, stagedChunk{buf: buf[:off], pieces: pieces})
 }
 
 // needsRing reports whether host run r cannot go by a direct put: UCX

@@ -85,7 +85,11 @@ func (sp *stagePool) name() string {
 	return fmt.Sprintf("GPU %d", sp.dev.Ordinal())
 }
 
+// put returns b (nil: none) to the pool.
 func (sp *stagePool) put(b []byte) error {
+	if b == nil {
+		return nil
+	}
 	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
@@ -98,7 +102,7 @@ func (sp *stagePool) put(b []byte) error {
 }
 
 // registration is b's registration with mt, made once per buffer.
-func (sp *stagePool) registration(mt MemoryTransport, b []byte) (MemoryRegistration, error) {
+func (sp *stagePool) registration(mt Transport, b []byte) (MemoryRegistration, error) {
 	b = b[:cap(b)]
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
@@ -108,9 +112,6 @@ func (sp *stagePool) registration(mt MemoryTransport, b []byte) (MemoryRegistrat
 	r, err := mt.RegisterMemory(b, -1)
 	if err != nil {
 		return nil, fmt.Errorf("register a staging buffer: %w", err)
-	}
-	if sp.regs == nil {
-		sp.regs = map[*byte]MemoryRegistration{}
 	}
 	sp.regs[unsafe.SliceData(b)] = r
 	return r, nil
@@ -182,7 +183,7 @@ func (g *gpuPlane) pool(dev Device) *stagePool {
 	}
 	sp := g.pools[key]
 	if sp == nil {
-		sp = &stagePool{dev: dev}
+		sp = &stagePool{dev: dev, regs: map[*byte]MemoryRegistration{}}
 		g.pools[key] = sp
 	}
 	return sp
@@ -364,7 +365,7 @@ func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []staged
 	for _, r := range runs {
 		for done := uint64(0); done < r.n; {
 			if ctx.Err() != nil {
-				return errors.Join(ctx.Err(), putIf(pool, c.buf))
+				return errors.Join(ctx.Err(), pool.put(c.buf))
 			}
 			if c.buf == nil {
 				b, err := pool.get()
@@ -388,14 +389,7 @@ func gatherChunks(ctx context.Context, pool *stagePool, chunk int, runs []staged
 	if len(c.buf) > 0 {
 		return flush()
 	}
-	return putIf(pool, c.buf)
-}
-
-func putIf(pool *stagePool, b []byte) error {
-	if b == nil {
-		return nil
-	}
-	return pool.put(b)
+	return pool.put(c.buf)
 }
 
 // stageIn is a link reader's side of the staged paths: it queues what it

@@ -2,11 +2,11 @@ package kvtransfer
 
 import "context"
 
-// Transport moves bytes between engines' registered memory: tcp, shm or
-// ucx, chosen when kvproxy starts.
+// Transport moves bytes between engines' registered memory (registered at
+// run time, addressed by the engine's own addresses): tcp, shm or ucx,
+// chosen when kvproxy starts.
 type Transport interface {
 	Name() string
-	MemoryTransport
 	// Done is closed once the transport stops: on Close, or by itself when
 	// it broke as a whole (not one peer's connection), Err then saying why.
 	// A broken transport fails every later transfer, so its owner must stop
@@ -14,11 +14,6 @@ type Transport interface {
 	Done() <-chan struct{}
 	Err() error
 	Close() error
-}
-
-// MemoryTransport is how a transport moves engine-owned memory: memory
-// registered at run time, addressed by the engine's own addresses.
-type MemoryTransport interface {
 	// RegisterMemory makes b, the kvproxy's mapping of the memfd fd (which
 	// the caller keeps open until the registration is closed), a source and
 	// target of transfers until the registration is closed.

@@ -80,19 +80,15 @@ func shmAllowed(tls string) bool {
 
 // poll completes finished flushes; it runs on the loop goroutine.
 func (u *UCX) poll(*ucx.Worker) bool {
-	keep := u.pending[:0]
-	for _, p := range u.pending {
+	u.pending = slices.DeleteFunc(u.pending, func(p pendingFlush) bool {
 		done, err := p.req.Test()
-		if !done {
-			keep = append(keep, p)
-			continue
+		if done {
+			p.req.Free()
+			p.done <- err
 		}
-		p.req.Free()
-		p.done <- err
-	}
-	clear(u.pending[len(keep):])
-	u.pending = keep
-	return len(keep) > 0
+		return done
+	})
+	return len(u.pending) > 0
 }
 
 func (*UCX) Name() string { return "ucx" }
@@ -233,8 +229,6 @@ func (u *UCX) post(ep *ucx.Endpoint, batches []batch, done chan error) (posted b
 	u.pending = append(u.pending, pendingFlush{req: req, done: done})
 	return false, nil
 }
-
-var _ MemoryTransport = (*UCX)(nil)
 
 // ucxRegistration is a mapping of engine memory registered with
 // ucp_mem_map; peers put into it under its packed key.

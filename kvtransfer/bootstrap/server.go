@@ -19,6 +19,7 @@ import (
 	"math"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -101,8 +102,8 @@ func (s *Server) Register(r RankInfo) error {
 	if err != nil {
 		return err
 	}
-	if code, text := s.register(body); code != http.StatusOK {
-		return fmt.Errorf("bootstrap register: %d %s", code, text)
+	if herr := s.register(body); herr != nil {
+		return fmt.Errorf("bootstrap register: %d %s", herr.code, herr.text)
 	}
 	return nil
 }
@@ -207,16 +208,9 @@ func setOnce[T any](p **T, v T) {
 }
 
 // register is _handle_route_put on a decoded body.
-func (s *Server) register(data body) (int, string) {
+func (s *Server) register(data body) *httpError {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if herr := s.registerLocked(data); herr != nil {
-		return herr.code, herr.text
-	}
-	return http.StatusOK, "OK"
-}
-
-func (s *Server) registerLocked(data body) *httpError {
 	// Read in SGLang's order: the first key missing or not a number is
 	// the one its 500 names.
 	n := map[string]int64{}
@@ -324,8 +318,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		case http.MethodPut:
 			data, herr := readObject(w, r)
 			if herr == nil {
-				code, text := s.register(data)
-				herr = &httpError{code, text}
+				herr = s.register(data)
+			}
+			if herr == nil {
+				herr = &httpError{http.StatusOK, "OK"}
 			}
 			writeText(w, herr.code, herr.text)
 		case http.MethodGet:
@@ -374,10 +370,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // allow answers 405 (as aiohttp does for a route of other methods) unless
 // r's method is one of methods.
 func allow(w http.ResponseWriter, r *http.Request, methods ...string) bool {
-	for _, m := range methods {
-		if r.Method == m {
-			return true
-		}
+	if slices.Contains(methods, r.Method) {
+		return true
 	}
 	w.Header().Set("Allow", strings.Join(methods, ","))
 	writeText(w, http.StatusMethodNotAllowed, "405: Method Not Allowed")
@@ -385,11 +379,11 @@ func allow(w http.ResponseWriter, r *http.Request, methods ...string) bool {
 }
 
 func readObject(w http.ResponseWriter, r *http.Request) (body, *httpError) {
-	var buf bytes.Buffer
-	if _, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, 1<<20)); err != nil {
+	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
+	if err != nil {
 		return nil, internal("reading the body: %v", err)
 	}
-	data, err := decodeObject(buf.Bytes())
+	data, err := decodeObject(b)
 	if err != nil {
 		return nil, internal("JSONDecodeError: %v", err)
 	}

@@ -51,12 +51,10 @@ func (e *Rooms) roomLinkLocked(l kvtransfer.Link) *roomLink {
 		return nil
 	}
 	ctx, cancel := context.WithCancel(e.ctx)
-	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
-	rl.since = time.Now()
+	rl := &roomLink{e: e, l: l, rooms: map[uint64]*room{}, wake: make(chan struct{}, 1), since: time.Now(), ctx: ctx, cancel: cancel}
 	e.links[l] = rl
-	e.wg.Add(2)
-	go rl.send()
-	go rl.heartbeat()
+	e.wg.Go(rl.send)
+	e.wg.Go(rl.heartbeat)
 	return rl
 }
 
@@ -71,7 +69,6 @@ func (rl *roomLink) enqueue(it item) {
 }
 
 func (rl *roomLink) send() {
-	defer rl.e.wg.Done()
 	for {
 		select {
 		case <-rl.ctx.Done():
@@ -101,7 +98,6 @@ func (rl *roomLink) send() {
 }
 
 func (rl *roomLink) heartbeat() {
-	defer rl.e.wg.Done()
 	hb := rl.e.cfg.Heartbeat
 	t := time.NewTicker(hb)
 	defer t.Stop()

@@ -71,15 +71,6 @@ const (
 	failed
 )
 
-var eventNames = [...]string{matched: "matched", moved: "moved", completed: "completed", failed: "failed"}
-
-func (ev event) String() string {
-	if int(ev) < len(eventNames) {
-		return eventNames[ev]
-	}
-	return fmt.Sprintf("event(%d)", uint8(ev))
-}
-
 // next is the state ev takes a room in s to; ok is false when ev cannot
 // happen in s. Every room starts Bootstrapping and every non-terminal state
 // can fail, so every room ends.
@@ -292,15 +283,13 @@ func (e *Rooms) Expect(id uint64, bootstrapAddr string, dst []uint32, auxSlot in
 	r := &decodeRoom{room: e.newRoom(id, "decode"), boot: bootstrapAddr, pages: dst, aux: auxSlot, layout: e.layout}
 	e.decodes[id] = r
 	e.armLocked(&r.room, e.cfg.BootstrapTimeout, "bootstrap timeout")
-	e.wg.Add(1)
-	go e.bootstrap(r)
+	e.wg.Go(func() { e.bootstrap(r) })
 	return nil
 }
 
 // bootstrap finds (or connects) the link to the room's prefill kvproxy and
 // sends XFER_REQ.
 func (e *Rooms) bootstrap(r *decodeRoom) {
-	defer e.wg.Done()
 	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.BootstrapTimeout)
 	defer cancel()
 	go func() { // stop resolving/dialing as soon as the room ends

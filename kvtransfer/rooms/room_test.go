@@ -3,12 +3,21 @@ package rooms
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pdrouter/pdrouter/kvtransfer"
 )
+
+// String names an event in the transition tests' failures.
+func (ev event) String() string {
+	if names := [...]string{matched: "matched", moved: "moved", completed: "completed", failed: "failed"}; int(ev) < len(names) {
+		return names[ev]
+	}
+	return fmt.Sprintf("event(%d)", uint8(ev))
+}
 
 func TestRoomTransitions(t *testing.T) {
 	type move struct {

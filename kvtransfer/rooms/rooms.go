@@ -12,6 +12,7 @@
 package rooms
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -163,9 +164,7 @@ func New(cfg Config) (*Rooms, error) {
 	def(&cfg.WaitingTimeout, 300*time.Second)
 	def(&cfg.Heartbeat, 5*time.Second)
 	def(&cfg.Linger, 60*time.Second)
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, zap.NewNop())
 	ctx, cancel := context.WithCancel(context.Background())
 	r := &Rooms{
 		cfg: cfg, p: cfg.Memory, log: cfg.Logger, m: newRoomMetrics(cfg.Registry), ctx: ctx, cancel: cancel,
@@ -176,8 +175,7 @@ func New(cfg Config) (*Rooms, error) {
 		cancel()
 		return nil, err
 	}
-	r.wg.Add(1)
-	go r.sweep()
+	r.wg.Go(r.sweep)
 	return r, nil
 }
 
@@ -219,13 +217,6 @@ func (e *Rooms) ActiveRooms() int {
 	return len(e.prefills) + len(e.decodes)
 }
 
-// Peers counts the links rooms have used that are still open.
-func (e *Rooms) Peers() int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return len(e.links)
-}
-
 // Close fails every room and stops the room layer's goroutines; the
 // memory plane and its links stay.
 func (e *Rooms) Close() error {
@@ -245,7 +236,6 @@ func (e *Rooms) Close() error {
 
 // sweep drops tombstones older than Linger.
 func (e *Rooms) sweep() {
-	defer e.wg.Done()
 	t := time.NewTicker(e.cfg.Linger / 2)
 	defer t.Stop()
 	for {

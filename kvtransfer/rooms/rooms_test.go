@@ -597,3 +597,10 @@ func TestDataFramesProveAPeerAlive(t *testing.T) {
 		t.Fatalf("reason %q", st.Reason)
 	}
 }
+
+// Peers counts the links rooms have used that are still open.
+func (e *Rooms) Peers() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.links)
+}

@@ -100,9 +100,10 @@ type Sidecar struct {
 	cancel   context.CancelFunc // stops the control server
 	wg       sync.WaitGroup     // serving goroutines
 
-	stopped   chan struct{} // closed once, by the first of stop's callers
-	stopOnce  sync.Once
-	err       error // why it stopped by itself; set before stopped closes
+	// stopped ends when the sidecar stopped by itself, stop's first
+	// caller's error its cause.
+	stopped   context.Context
+	stop      context.CancelCauseFunc
 	closeOnce sync.Once
 }
 
@@ -112,15 +113,14 @@ func Start(cfg Config) (*Sidecar, error) {
 	if cfg.Role != "prefill" && cfg.Role != "decode" {
 		return nil, fmt.Errorf("role %q: want prefill or decode", cfg.Role)
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
+	cfg.Logger = cmp.Or(cfg.Logger, zap.NewNop())
 	log := cfg.Logger.With(zap.String("role", cfg.Role))
 	tr, err := newTransport(cfg.Transport, cfg.HostID)
 	if err != nil {
 		return nil, err
 	}
-	s := &Sidecar{cfg: cfg, tr: tr, stopped: make(chan struct{})}
+	s := &Sidecar{cfg: cfg, tr: tr}
+	s.stopped, s.stop = context.WithCancelCause(context.Background())
 	lns, err := s.listen()
 	if err != nil {
 		_ = tr.Close()
@@ -180,15 +180,12 @@ func Start(cfg Config) (*Sidecar, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
-	s.wg.Add(2)
-	go func() {
-		defer s.wg.Done()
+	s.wg.Go(func() {
 		if err := s.ctl.Serve(ctx, lns.control); err != nil {
 			s.stop(fmt.Errorf("control socket: %w", err))
 		}
-	}()
-	go func() {
-		defer s.wg.Done()
+	})
+	s.wg.Go(func() {
 		select {
 		case <-ctx.Done():
 		case <-tr.Done():
@@ -198,7 +195,7 @@ func Start(cfg Config) (*Sidecar, error) {
 			log.Error("transport failed, exiting", zap.Error(err))
 			s.stop(err)
 		}
-	}()
+	})
 	return s, nil
 }
 
@@ -292,20 +289,10 @@ func (l *listeners) close() {
 
 func (s *Sidecar) serve(srv *http.Server, ln net.Listener) {
 	s.servers = append(s.servers, srv)
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
+	s.wg.Go(func() {
 		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
 			s.stop(fmt.Errorf("serve %s: %w", ln.Addr(), err))
 		}
-	}()
-}
-
-// stop records why the sidecar stopped by itself; the first reason wins.
-func (s *Sidecar) stop(err error) {
-	s.stopOnce.Do(func() {
-		s.err = err
-		close(s.stopped)
 	})
 }
 
@@ -320,7 +307,7 @@ func (s *Sidecar) Rooms() *rooms.Rooms { return s.rooms }
 
 // Done is closed when the sidecar stopped by itself (its transport broke or
 // a server failed); Close then says why.
-func (s *Sidecar) Done() <-chan struct{} { return s.stopped }
+func (s *Sidecar) Done() <-chan struct{} { return s.stopped.Done() }
 
 // Close shuts down: the control socket and the HTTP servers first (the
 // engine's connections close, so their rooms are aborted and their memory
@@ -342,10 +329,5 @@ func (s *Sidecar) Close() error {
 		}
 		_ = os.Remove(s.cfg.Control)
 	})
-	select {
-	case <-s.stopped:
-		return s.err
-	default:
-		return nil
-	}
+	return context.Cause(s.stopped)
 }

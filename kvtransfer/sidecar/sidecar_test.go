@@ -3,6 +3,7 @@ package sidecar
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -43,7 +44,11 @@ func start(t *testing.T, role, transport string, tweak ...func(*Config)) *Sideca
 // withTransports runs f once per transport of this build (ucx over tcp
 // and over shared memory).
 func withTransports(t *testing.T, f func(t *testing.T, transport string)) {
-	for _, tr := range Transports() {
+	transports := []string{"tcp", "shm"}
+	if ucxBuilt {
+		transports = append(transports, "ucx")
+	}
+	for _, tr := range transports {
 		if tr != "ucx" {
 			t.Run(tr, func(t *testing.T) { f(t, tr) })
 			continue
@@ -328,4 +333,20 @@ func TestControlSocketOfARunningSidecar(t *testing.T) {
 	ln.SetUnlinkOnClose(false)
 	ln.Close() // as if its kvproxy was killed: the file stays, nobody listens
 	start(t, "decode", "tcp", func(c *Config) { c.Control = stale })
+}
+
+// A sidecar that stops by itself says so: Done closes and Close returns
+// the first reason, not a later one.
+func TestStoppedByItself(t *testing.T) {
+	s := start(t, "decode", "tcp")
+	s.stop(errors.New("first failure"))
+	s.stop(errors.New("second failure"))
+	select {
+	case <-s.Done():
+	default:
+		t.Fatal("Done open after the sidecar stopped")
+	}
+	if err := s.Close(); err == nil || err.Error() != "first failure" {
+		t.Fatalf("Close: %v, want the first failure", err)
+	}
 }

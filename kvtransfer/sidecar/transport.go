@@ -6,16 +6,9 @@ import (
 	"github.com/pdrouter/pdrouter/kvtransfer"
 )
 
-// Transports names the transports this build offers: tcp, shm (engine
+// newTransport opens a transport this build offers: tcp, shm (engine
 // memory copied between kvproxies of one host), and ucx in cgo builds (it
 // needs libucp; to a kvproxy of the same host id it copies as shm does).
-func Transports() []string {
-	if ucxBuilt {
-		return []string{"tcp", "shm", "ucx"}
-	}
-	return []string{"tcp", "shm"}
-}
-
 func newTransport(name, hostID string) (kvtransfer.Transport, error) {
 	switch {
 	case name == "tcp":
