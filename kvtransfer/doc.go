@@ -14,7 +14,9 @@
 //     registered from its own memfd), memlink.go (one link per peer
 //     kvproxy: region tables, DATA frames, fences), pagewrite.go (SGLang's
 //     page writes), gpu.go (CUDA memory by IPC handle), place.go and
-//     linkpath.go (which path a pair of places takes). This is what
+//     linkpath.go (which path a pair of places takes), directwrite.go (an
+//     engine's small host write sent straight to the peer's port as a
+//     write-only client, skipping its own kvproxy). This is what
 //     SGLang's Mooncake-style TransferEngine drives through python/.
 //     peerlink.go is the seam for the layer above: a Link handle, the
 //     RoomHandler that gets the room messages each link reads, and
