@@ -201,6 +201,16 @@ func (a *attempt) scanWhole(body []byte) {
 // drainPrefill reads prefill's reply to its end, looking for the transfer
 // time in it.
 func (a *attempt) drainPrefill(body io.Reader) error {
+	if r, ok := body.(*upstreamResponse); ok && r.h2 != nil {
+		var scan splice.KVScan
+		return r.drainH2C(func(p []byte) {
+			if !a.kv.seen.Load() {
+				if ms, ok := scan.Feed(p); ok {
+					a.reported(ms)
+				}
+			}
+		})
+	}
 	bufp := chunkPool.Get().(*[]byte)
 	defer chunkPool.Put(bufp)
 	var scan splice.KVScan

@@ -917,22 +917,70 @@ func (st *h2cStream) read(p []byte) (int, error) {
 	st.waitLocked()
 	if st.unread() > 0 {
 		n := copy(p, (*st.buf)[st.off:])
-		st.off += n
-		if st.unread() == 0 {
-			st.releaseBuffer()
-		}
-		st.unacked += int32(n)
-		if st.open && st.unacked >= h2cStreamWindow/4 {
-			c.queue(h2cCtl{kind: ctlWindow, id: st.id, n: uint32(st.unacked)})
-			st.used -= st.unacked
-			st.unacked = 0
-		}
+		st.consumedLocked(n)
 		return n, nil
 	}
 	if st.err != nil {
 		return 0, st.err
 	}
 	return 0, io.EOF
+}
+
+// consumedLocked marks n arrived bytes read: the buffer goes back once
+// drained, and the worker gets its window back (under mu).
+func (st *h2cStream) consumedLocked(n int) {
+	st.off += n
+	if st.unread() == 0 {
+		st.releaseBuffer()
+	}
+	st.unacked += int32(n)
+	if st.open && st.unacked >= h2cStreamWindow/4 {
+		st.conn.queue(h2cCtl{kind: ctlWindow, id: st.id, n: uint32(st.unacked)})
+		st.used -= st.unacked
+		st.unacked = 0
+	}
+}
+
+// drainH2C reads an h2c reply to its end, showing see each piece where it
+// arrived (under the connection's lock: see must not block): no buffer of
+// its own, so a prefill leg waiting for its reply holds none (a 32 KiB
+// copy buffer each, through the read, before).
+func (r *upstreamResponse) drainH2C(see func([]byte)) error {
+	if r.idleGone {
+		r.failed = true
+		return errStreamIdle
+	}
+	st := r.h2
+	if r.idle > 0 && st.timer == nil {
+		st.armIdle(r.idle)
+	}
+	c := st.conn
+	for {
+		c.mu.Lock()
+		st.waitLocked()
+		n := st.unread()
+		if n > 0 {
+			see((*st.buf)[st.off:])
+			st.consumedLocked(n)
+		}
+		err := st.err
+		c.mu.Unlock()
+		if st.timer != nil {
+			st.lastRead.Store(time.Now().UnixNano())
+		}
+		switch {
+		case n > 0:
+		case err != nil:
+			r.failed = true
+			if st.expired.Load() && r.scope.Cause() == nil {
+				err = errStreamIdle
+			}
+			return err
+		default:
+			r.eof = true
+			return nil
+		}
+	}
 }
 
 // awaitH2C is awaitBody for an h2c reply: it returns once the stream has

@@ -296,3 +296,80 @@ func TestH2CUnprocessedStreamIsSentAgain(t *testing.T) {
 		})
 	}
 }
+
+// A prefill leg waiting for its reply's body over h2c holds no copy buffer:
+// its goroutine waits for the stream holding nothing, and scans each piece
+// where it arrived (a 32 KiB buffer per waiting prefill before: 19 MB of
+// them at 10,000 streams' ramp, bench/RESULTS.md). The transfer time the
+// reply reports is still found, across pieces.
+func TestH2CPrefillDrainHoldsNoBuffer(t *testing.T) {
+	const legs = 64
+	reply := []byte(`{"text":"x","meta_info":{"kv_transfer":{"bytes":4096,"transfer_ms":12.5}}}`)
+	headed := make(chan uint32, legs)
+	release := make(chan struct{})
+	addr, _ := fakeH2CEngine(t, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, _ int, stream uint32) {
+		buf.Reset()
+		enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+		headed <- stream
+		if len(headed) < legs {
+			return
+		}
+		<-release // every head is out: the bodies follow, in two pieces each
+		for range legs {
+			id := <-headed
+			fr.WriteData(id, false, reply[:30])
+			fr.WriteData(id, true, reply[30:])
+		}
+	})
+	u := newUpstream(time.Minute)
+	defer u.close()
+	var body splice.Body
+	body.Reset([]byte(`{"text":"x"}`))
+	attempts := make([]*attempt, legs)
+	replies := make([]*upstreamResponse, legs)
+	for i := range attempts {
+		attempts[i] = &attempt{rec: &record{}}
+		attempts[i].rec.startPD()
+		resp, err := u.postH2C(&attempts[i].scope, "http://"+addr, "/generate", &body, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		replies[i] = resp
+	}
+	runtime.GC()
+	runtime.GC() // pooled buffers from earlier tests are gone
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	errs := make(chan error, legs)
+	for i := range attempts {
+		go func() { errs <- attempts[i].drainPrefill(replies[i]) }()
+	}
+	waitFor(t, func() bool { return strings.Count(allStacks(), "drainPrefill") == legs })
+	runtime.GC()
+	var waiting runtime.MemStats
+	runtime.ReadMemStats(&waiting)
+	held := (int64(waiting.HeapAlloc) - int64(before.HeapAlloc)) / legs
+	close(release)
+	for range legs {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("%d bytes of heap per waiting prefill drain", held)
+	if held > 2<<10 {
+		t.Errorf("a prefill drain waiting for its reply holds %d bytes of heap, want at most 2 KiB (no copy buffer)", held)
+	}
+	for i, a := range attempts {
+		if got := a.rec.pd[0].kvTransfer; got != 0.0125 {
+			t.Errorf("drain %d: KV transfer time %v s, want 0.0125", i, got)
+		}
+		replies[i].Close()
+	}
+}
+
+// allStacks is every goroutine's stack.
+func allStacks() string {
+	buf := make([]byte, 16<<20)
+	return string(buf[:runtime.Stack(buf, true)])
+}
