@@ -580,12 +580,12 @@ func (c *h2cConn) send(st *h2cStream, host, path string, body *splice.Body, extr
 	c.encode(":authority", host)
 	c.encode(":path", path)
 	c.encode("content-type", "application/json")
-	c.encode("content-length", strconv.Itoa(body.Len()))
-	for len(extra) > 0 {
+	c.encodeOnce("content-length", strconv.Itoa(body.Len()))
+	for len(extra) > 0 { // the request's id and the like: its own values
 		line, rest, _ := bytes.Cut(extra, []byte("\r\n"))
 		extra = rest
 		if k, v, ok := bytes.Cut(line, []byte(": ")); ok && !h2cHopHeader(k) {
-			c.encode(string(bytes.ToLower(k)), string(v))
+			c.encodeOnce(string(bytes.ToLower(k)), string(v))
 		}
 	}
 	c.mu.Lock()
@@ -683,6 +683,15 @@ func (c *h2cConn) writeHeaderBlock(id uint32, endStream bool) error {
 
 func (c *h2cConn) encode(name, value string) {
 	_ = c.henc.WriteField(hpack.HeaderField{Name: name, Value: value}) // into a bytes.Buffer
+}
+
+// encodeOnce adds a field whose value is the request's own (its length,
+// its id) as a literal that is never indexed: indexed, each took a place
+// in the HPACK table and evicted the oldest, on every request, and that
+// eviction was the deepest call of a stream's goroutine, growing its stack
+// from 4 to 8 KiB until a collection shrank it (bench/RESULTS.md).
+func (c *h2cConn) encodeOnce(name, value string) {
+	_ = c.henc.WriteField(hpack.HeaderField{Name: name, Value: value, Sensitive: true})
 }
 
 // h2cHopHeader reports the connection-specific headers HTTP/2 forbids.

@@ -205,6 +205,13 @@ func TestH2CStreamsLeaveNothingBehind(t *testing.T) {
 // likes. It returns the engine's address and a count of connections.
 func fakeH2CEngine(t *testing.T, answer func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32)) (string, *atomic.Int32) {
 	t.Helper()
+	return fakeH2CEngineSeeing(t, nil, answer)
+}
+
+// fakeH2CEngineSeeing is fakeH2CEngine that also shows see (if not nil)
+// each request's header fields as its HPACK decoder read them.
+func fakeH2CEngineSeeing(t *testing.T, see func([]hpack.HeaderField), answer func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32)) (string, *atomic.Int32) {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -238,6 +245,10 @@ func fakeH2CEngine(t *testing.T, answer func(fr *http2.Framer, enc *hpack.Encode
 					case *http2.SettingsFrame:
 						if !f.IsAck() {
 							fr.WriteSettingsAck()
+						}
+					case *http2.MetaHeadersFrame:
+						if see != nil {
+							see(f.Fields)
 						}
 					case *http2.DataFrame:
 						if f.StreamEnded() {
@@ -372,4 +383,37 @@ func TestH2CPrefillDrainHoldsNoBuffer(t *testing.T) {
 func allStacks() string {
 	buf := make([]byte, 16<<20)
 	return string(buf[:runtime.Stack(buf, true)])
+}
+
+// The values that are each request's own (its id, its length) go to the
+// engine as literals never indexed, the recurring ones indexed: indexing
+// every request's id took a place in the HPACK table and evicted the
+// oldest on every request, the deepest call of a stream's goroutine
+// (TestOpenStreamStackIs4KiB).
+func TestH2COwnValuesAreNotIndexed(t *testing.T) {
+	seen := make(chan []hpack.HeaderField, 8)
+	addr, _ := fakeH2CEngineSeeing(t, func(f []hpack.HeaderField) { seen <- f }, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, _ int, stream uint32) {
+		buf.Reset()
+		enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+		fr.WriteData(stream, true, []byte("{}"))
+	})
+	u := newUpstream(time.Minute)
+	defer u.close()
+	var body splice.Body
+	body.Reset([]byte(`{"text":"x"}`))
+	for i := range 3 {
+		var sc scope
+		resp, err := u.postH2C(&sc, "http://"+addr, "/generate", &body, []byte(fmt.Sprintf("X-Request-Id: req-%d\r\n", i)), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Close()
+		for _, f := range <-seen {
+			own := f.Name == "x-request-id" || f.Name == "content-length"
+			if f.Sensitive != own {
+				t.Errorf("request %d: %s: %q never indexed: %v, want %v", i, f.Name, f.Value, f.Sensitive, own)
+			}
+		}
+	}
 }
