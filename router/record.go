@@ -75,7 +75,10 @@ func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcome
 func (rec *record) responded(r *request) {
 	rec.took = time.Since(r.start)
 	if rt := r.trace; rt != nil {
-		rt.status, rt.cause = rt.rctx.Response.StatusCode(), r.scope.Cause()
+		if rt.rctx != nil { // nil once a stream let fasthttp have it back (request.detach)
+			rt.status = rt.rctx.Response.StatusCode()
+		}
+		rt.cause = r.scope.Cause()
 	}
 }
 

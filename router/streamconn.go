@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"reflect"
@@ -39,37 +40,58 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 }
 
 // endStream answers r on hc and then closes the connection, or has
-// fasthttp serve its next requests.
+// fasthttp serve its next requests. A stream whose prefill leg has ended
+// goes on on a goroutine of its own (relayRest), so that fasthttp takes
+// its RequestCtx back as this handler returns: an open stream then holds
+// neither fasthttp's request and response (about 3.5 KiB with their
+// buffers) nor this goroutine's stack.
 func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
-	keep := s.answerStream(ctx, r)
+	keep := s.answerHead(ctx, r) && !readsAhead(hc, r.conn)
+	sr := r.relay
+	if sr == nil {
+		_, err := ctx.Response.WriteTo(r.conn) // an error, or nothing for a client gone
+		s.closeStream(r, err == nil && keep && !r.clientGone())
+		return
+	}
+	sr.startWriter(ctx, r.conn)
+	if !sr.attempt.prefillEnded() { // its leg may still write the client's body, in ctx
+		s.relayRest(sr, keep)
+		return
+	}
+	r.detach(ctx)
+	go s.relayRest(sr, keep)
+}
+
+// relayRest writes the stream and ends it.
+func (s *Server) relayRest(sr *streamRelay, keep bool) {
+	s.closeStream(sr.r, sr.serve() && keep)
+}
+
+// closeStream hands r's connection back to fasthttp, or closes it.
+func (s *Server) closeStream(r *request, keep bool) {
 	s.metrics.httpConnections.Dec()
-	if keep && !readsAhead(hc, r.conn) {
+	if keep {
 		go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
 		return
 	}
 	_ = r.conn.Close()
 }
 
-// answerStream writes r's response, its stream or its error, to its
-// connection (r.conn, which fasthttp's hijacked one wraps), and reports
-// whether the connection may serve the client's next request.
-func (s *Server) answerStream(ctx *fasthttp.RequestCtx, r *request) bool {
-	c := r.conn
+// answerHead records r's response and prepares its connection (r.conn,
+// which fasthttp's hijacked one wraps) for it; it reports whether the
+// connection may serve the client's next request once it is written.
+func (s *Server) answerHead(ctx *fasthttp.RequestCtx, r *request) bool {
 	s.metrics.observeHTTP("POST", r.path, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(r.start))
 	// A client that stops reading frees its stream, as fasthttp's
 	// WriteTimeout did for the responses it wrote.
 	if t := s.srv.WriteTimeout; t > 0 {
-		_ = c.SetWriteDeadline(time.Now().Add(t))
+		_ = r.conn.SetWriteDeadline(time.Now().Add(t))
 	}
 	keep := ctx.Request.Header.IsHTTP11() && !ctx.Request.Header.ConnectionClose() && !s.draining.Load()
 	if !keep {
 		ctx.Response.SetConnectionClose()
 	}
-	if sr := r.relay; sr != nil {
-		return sr.serve(ctx, c) && keep
-	}
-	_, err := ctx.Response.WriteTo(c) // an error, or nothing for a client gone
-	return err == nil && keep && !r.clientGone()
+	return keep
 }
 
 // readsAhead reports whether fasthttp's hijacked connection hc reads
@@ -91,21 +113,26 @@ func readsAhead(hc, c net.Conn) bool {
 	return inner.Type() != reflect.TypeOf(c) || inner.Kind() != reflect.Pointer || inner.Pointer() != reflect.ValueOf(c).Pointer()
 }
 
-// serve writes the stream's head and chunks to c, then ends the stream;
-// it reports whether the response went out whole.
-func (sr *streamRelay) serve(ctx *fasthttp.RequestCtx, c net.Conn) bool {
+// startWriter sets up the stream's writer on c: its head (a copy: ctx
+// may go back to fasthttp before it is written) and its framing.
+func (sr *streamRelay) startWriter(ctx *fasthttp.RequestCtx, c net.Conn) {
 	h := &ctx.Response.Header
-	cw := chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
-	if cw.chunked {
+	sr.cw = chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
+	if sr.cw.chunked {
 		h.SetContentLength(-1)
 	} else { // HTTP/1.0: the body ends with the connection
 		h.SetContentLength(-2)
 		h.Del(fasthttp.HeaderTransferEncoding)
 	}
-	cw.head = h.Header()
-	err := sr.relay(&cw)
+	sr.cw.head = bytes.Clone(h.Header())
+}
+
+// serve writes the stream's head and chunks, then ends the stream; it
+// reports whether the response went out whole.
+func (sr *streamRelay) serve() bool {
+	err := sr.relay(&sr.cw)
 	if err == nil {
-		err = cw.end()
+		err = sr.cw.end()
 	}
 	sr.end(err)
 	return err == nil
@@ -174,4 +201,31 @@ func (s *Server) awaitStreams(ctx context.Context) {
 	for s.live.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// prefillEnded reports whether a's prefill leg is over (nil, a regular or
+// vLLM attempt, counts as not known to be).
+func (a *attempt) prefillEnded() bool {
+	if a == nil || a.done == nil {
+		return false
+	}
+	select {
+	case <-a.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// detach makes r independent of ctx, which fasthttp reuses once the
+// hijack handler returns: r keeps a copy of its id, its span the status
+// the client got, and its attempt's body is released (both legs have sent
+// it: a stream is detached once its prefill leg has ended).
+func (r *request) detach(ctx *fasthttp.RequestCtx) {
+	r.requestID = bytes.Clone(r.requestID)
+	if rt := r.trace; rt != nil {
+		rt.status, rt.rctx = ctx.Response.StatusCode(), nil
+	}
+	r.relay.attempt.releaseBody()
+	r.body = nil
 }
