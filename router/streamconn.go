@@ -54,17 +54,21 @@ func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
 		return
 	}
 	sr.startWriter(ctx, r.conn)
-	if !sr.attempt.prefillEnded() { // its leg may still write the client's body, in ctx
-		s.relayRest(sr, keep)
+	// The first event goes out here, its 32 KiB buffer back to its pool
+	// before a goroutine is started: 10,000 first tokens come at once.
+	err := sr.writeFirst()
+	if err != nil || !sr.attempt.prefillEnded() { // its leg may still write the client's body, in ctx
+		s.relayRest(sr, keep, err)
 		return
 	}
 	r.detach(ctx)
-	go s.relayRest(sr, keep)
+	go s.relayRest(sr, keep, nil)
 }
 
-// relayRest writes the stream and ends it.
-func (s *Server) relayRest(sr *streamRelay, keep bool) {
-	s.closeStream(sr.r, sr.serve() && keep)
+// relayRest writes the rest of the stream (none after err, the first
+// write's failure) and ends it.
+func (s *Server) relayRest(sr *streamRelay, keep bool, err error) {
+	s.closeStream(sr.r, sr.serve(err) && keep)
 }
 
 // closeStream hands r's connection back to fasthttp, or closes it.
@@ -113,8 +117,8 @@ func readsAhead(hc, c net.Conn) bool {
 	return inner.Type() != reflect.TypeOf(c) || inner.Kind() != reflect.Pointer || inner.Pointer() != reflect.ValueOf(c).Pointer()
 }
 
-// startWriter sets up the stream's writer on c: its head (a copy: ctx
-// may go back to fasthttp before it is written) and its framing.
+// startWriter sets up the stream's writer on c: its head, in ctx, and its
+// framing.
 func (sr *streamRelay) startWriter(ctx *fasthttp.RequestCtx, c net.Conn) {
 	h := &ctx.Response.Header
 	sr.cw = chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
@@ -124,13 +128,33 @@ func (sr *streamRelay) startWriter(ctx *fasthttp.RequestCtx, c net.Conn) {
 		h.SetContentLength(-2)
 		h.Del(fasthttp.HeaderTransferEncoding)
 	}
-	sr.cw.head = bytes.Clone(h.Header())
+	sr.cw.head = h.Header()
 }
 
-// serve writes the stream's head and chunks, then ends the stream; it
-// reports whether the response went out whole.
-func (sr *streamRelay) serve() bool {
-	err := sr.relay(&sr.cw)
+// writeFirst writes the head and the first event, and gives the event's
+// buffer back. A head left for later (a stream without a first event)
+// gets a copy of its own: ctx may go back to fasthttp first.
+func (sr *streamRelay) writeFirst() error {
+	if len(sr.pending) == 0 {
+		sr.cw.head = bytes.Clone(sr.cw.head)
+		return nil
+	}
+	sr.r.observeFirstByte()
+	sr.sent = true
+	_, err := sr.cw.Write(sr.pending)
+	sr.pending = nil
+	if sr.merge == nil {
+		sr.releaseBuf()
+	}
+	return err
+}
+
+// serve writes the rest of the stream (none after err, a write's failure)
+// and ends it; it reports whether the response went out whole.
+func (sr *streamRelay) serve(err error) bool {
+	if err == nil {
+		err = sr.relay(&sr.cw)
+	}
 	if err == nil {
 		err = sr.cw.end()
 	}
