@@ -574,20 +574,6 @@ func (c *h2cConn) roundTrip(st *h2cStream, host, path string, body *splice.Body,
 // and the connection's send windows.
 func (c *h2cConn) send(st *h2cStream, host, path string, body *splice.Body, extra []byte) error {
 	c.wmu.Lock()
-	c.hbuf.Reset()
-	c.encode(":method", "POST")
-	c.encode(":scheme", "http")
-	c.encode(":authority", host)
-	c.encode(":path", path)
-	c.encode("content-type", "application/json")
-	c.encodeOnce("content-length", strconv.Itoa(body.Len()))
-	for len(extra) > 0 { // the request's id and the like: its own values
-		line, rest, _ := bytes.Cut(extra, []byte("\r\n"))
-		extra = rest
-		if k, v, ok := bytes.Cut(line, []byte(": ")); ok && !h2cHopHeader(k) {
-			c.encodeOnce(string(bytes.ToLower(k)), string(v))
-		}
-	}
 	c.mu.Lock()
 	if err := cmp.Or(st.err, c.err); err != nil { // cancelled, or the connection failed, before it was sent
 		if st.err == nil {
@@ -604,6 +590,22 @@ func (c *h2cConn) send(st *h2cStream, host, path string, body *splice.Body, extr
 	st.sendWin = c.initWin
 	c.streams[st.id] = st
 	c.mu.Unlock()
+	// Encoded only once it will be sent: the encoder's table must stay
+	// the one the worker's decoder builds from what it receives.
+	c.hbuf.Reset()
+	c.encode(":method", "POST")
+	c.encode(":scheme", "http")
+	c.encode(":authority", host)
+	c.encode(":path", path)
+	c.encode("content-type", "application/json")
+	c.encodeOnce("content-length", strconv.Itoa(body.Len()))
+	for len(extra) > 0 { // the request's id and the like: its own values
+		line, rest, _ := bytes.Cut(extra, []byte("\r\n"))
+		extra = rest
+		if k, v, ok := bytes.Cut(line, []byte(": ")); ok && !h2cHopHeader(k) {
+			c.encodeOnce(string(bytes.ToLower(k)), string(v))
+		}
+	}
 	remaining := body.Len()
 	err := c.writeHeaderBlock(st.id, remaining == 0)
 	for seg := range body.Segments {
