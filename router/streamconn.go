@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // In PD mode a streaming request's client connection is hijacked before
@@ -40,10 +42,10 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 }
 
 // endStream answers r on hc and then closes the connection, or has
-// fasthttp serve its next requests. A stream whose prefill leg has ended
-// goes on on a goroutine of its own (relayRest), so that fasthttp takes
-// its RequestCtx back as this handler returns: an open stream then holds
-// neither fasthttp's request and response (about 3.5 KiB with their
+// fasthttp serve its next requests. Once its first event is out, a PD
+// stream goes on on a goroutine of its own (relayRest), so that fasthttp
+// takes its RequestCtx back as this handler returns: an open stream then
+// holds neither fasthttp's request and response (about 3.5 KiB with their
 // buffers) nor this goroutine's stack.
 func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
 	keep := s.answerHead(ctx, r) && !readsAhead(hc, r.conn)
@@ -57,11 +59,10 @@ func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
 	// The first event goes out here, its 32 KiB buffer back to its pool
 	// before a goroutine is started: 10,000 first tokens come at once.
 	err := sr.writeFirst()
-	if err != nil || !sr.attempt.prefillEnded() { // its leg may still write the client's body, in ctx
+	if err != nil || !r.detach(ctx) {
 		s.relayRest(sr, keep, err)
 		return
 	}
-	r.detach(ctx)
 	go s.relayRest(sr, keep, nil)
 }
 
@@ -227,29 +228,37 @@ func (s *Server) awaitStreams(ctx context.Context) {
 	}
 }
 
-// prefillEnded reports whether a's prefill leg is over (nil, a regular or
-// vLLM attempt, counts as not known to be).
-func (a *attempt) prefillEnded() bool {
-	if a == nil || a.done == nil {
-		return false
-	}
-	select {
-	case <-a.done:
-		return true
-	default:
-		return false
-	}
-}
-
 // detach makes r independent of ctx, which fasthttp reuses once the
 // hijack handler returns: r keeps a copy of its id, its span the status
-// the client got, and its attempt's body is released (both legs have sent
-// it: a stream is detached once its prefill leg has ended).
-func (r *request) detach(ctx *fasthttp.RequestCtx) {
+// the client got, and its PD attempt's body is released (a prefill leg
+// not done sending it gets a copy of its own). False, and nothing done,
+// while a leg is writing the client's body, or for a vLLM attempt.
+func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
+	a := r.relay.attempt
+	if a == nil || !a.guard.releaseIdle(&a.body) {
+		return false
+	}
 	r.requestID = bytes.Clone(r.requestID)
 	if rt := r.trace; rt != nil {
 		rt.status, rt.rctx = ctx.Response.StatusCode(), nil
 	}
-	r.relay.attempt.releaseBody()
 	r.body = nil
+	return true
+}
+
+// releaseIdle is release when no write is under way: false otherwise,
+// with nothing released.
+func (g *writeGuard) releaseIdle(body *splice.Body) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.writing.TryLock() {
+		return false
+	}
+	g.released = true
+	if !g.wrote {
+		body.Detach()
+		g.detached = true
+	}
+	g.writing.Unlock()
+	return true
 }

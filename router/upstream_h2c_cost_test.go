@@ -419,8 +419,8 @@ func TestH2COwnValuesAreNotIndexed(t *testing.T) {
 }
 
 // An open PD stream waiting for its next token holds no fasthttp
-// RequestCtx: once its head and first event are out and its prefill leg
-// has ended, fasthttp has it back (request.detach). It held one per stream,
+// RequestCtx: once its head and first event are out, fasthttp has it back
+// (request.detach). It held one per stream,
 // with its request's and response's buffers, about 3.5 KiB each.
 func TestOpenStreamHoldsNoRequestCtx(t *testing.T) {
 	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
@@ -475,4 +475,49 @@ func heapFrom(function string) int64 {
 		}
 	}
 	return bytes
+}
+
+// A stream cancelled before its HEADERS went out leaves the connection's
+// HPACK state as the worker's: its fields were encoded (and the encoder's
+// table grown) only once they would be sent, so the next request on the
+// connection decodes. Encoded first, the worker's decoder met indices it
+// never had and closed the connection (COMPRESSION_ERROR).
+func TestH2CStreamCancelledBeforeItsHeadersKeepsHPACKInStep(t *testing.T) {
+	addr, accepted := fakeH2CEngine(t, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, _ int, stream uint32) {
+		buf.Reset()
+		enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+		fr.WriteData(stream, true, []byte("{}"))
+	})
+	u := newUpstream(time.Minute)
+	defer u.close()
+	var body splice.Body
+	body.Reset([]byte(`{"text":"x"}`))
+	var guard writeGuard
+	guard.writing.Lock() // the first request waits to send, its stream reserved
+	var first scope
+	sent := make(chan error, 1)
+	go func() {
+		_, err := u.postH2C(&first, "http://"+addr, "/generate", &body, nil, &guard)
+		sent <- err
+	}()
+	waitFor(t, func() bool { a, _ := h2cStreamsOpen(&Server{upstream: u}); return a == 1 })
+	first.cancel(errClientGone)
+	guard.writing.Unlock()
+	if err := <-sent; err == nil {
+		t.Fatal("a request cancelled before its send was sent")
+	}
+	var second scope
+	resp, err := u.postH2C(&second, "http://"+addr, "/generate", &body, nil, nil)
+	if err != nil {
+		t.Fatalf("the next request on the connection: %v", err)
+	}
+	b, err := io.ReadAll(resp)
+	resp.Close()
+	if err != nil || string(b) != "{}" {
+		t.Fatalf("the next request's reply: %q, %v", b, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("%d connections, want the one", n)
+	}
 }
