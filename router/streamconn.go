@@ -230,8 +230,9 @@ func (s *Server) awaitStreams(ctx context.Context) {
 
 // detach makes r independent of ctx, which fasthttp reuses once the
 // hijack handler returns: r keeps a copy of its id, its span the status
-// the client got, and its PD attempt's body is released (a prefill leg
-// not done sending it gets a copy of its own). False, and nothing done,
+// the client got, its policy request (whose headers pointed into ctx,
+// keeping all of it) drops them, and its PD attempt's body is released (a
+// prefill leg not done sending it gets a copy of its own). False, and nothing done,
 // while a leg is writing the client's body, or for a vLLM attempt.
 func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
 	a := r.relay.attempt
@@ -239,6 +240,7 @@ func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
 		return false
 	}
 	r.requestID = bytes.Clone(r.requestID)
+	r.policy.Header = nil // policies read it while they select, in the handler
 	if rt := r.trace; rt != nil {
 		rt.status, rt.rctx = ctx.Response.StatusCode(), nil
 	}
