@@ -17,16 +17,19 @@ import (
 // In PD mode a streaming request's client connection is hijacked before
 // its attempts run: fasthttp's connection goroutine (whose stack, deep in
 // serveConn, shrank to no less than 16 KiB while it waited for the first
-// token) goes back to its pool, and a goroutine of the request's own,
-// started in a shallow frame, runs the attempts, waits for the first token
-// and relays the stream, writing each chunk straight to the socket (no
-// 4 KiB connection writer either). Its stack shrinks to 4 KiB while it
-// waits: the frames above its two waits (startStream's, relay's) are kept
-// small for that, 1,232 and 904 bytes (the collector halves a stack only
-// while its use, plus 800 bytes, is under a quarter of it: under 1,248
-// bytes for 4 KiB; TestWaitingStreamStackFitsIn4KiB). Once the
-// response is written, fasthttp serves the connection again
-// (KeepHijackedConns: the router closes or serves it).
+// token) goes back to its pool, and fasthttp's hijack handler, a shallow
+// frame, runs the attempts, waits for the first token and writes the head
+// and the first event straight to the socket (no 4 KiB connection writer).
+// The stream then goes on on a goroutine of its own (relayRest), and the
+// handler returns, giving fasthttp its RequestCtx back (endStream). Stacks
+// stay at 4 KiB while they wait: the frames above the two waits
+// (startStream's, relay's) are kept small for that, 1,232 bytes at the
+// first (the collector halves a stack only while its use, plus 800 bytes,
+// is under a quarter of it: under 1,248 bytes for 4 KiB;
+// TestWaitingStreamStackFitsIn4KiB), and nothing on the way to them needs
+// more than 4 KiB (TestOpenStreamStackIs4KiB). Once the response is
+// written, fasthttp serves the connection again (KeepHijackedConns: the
+// router closes or serves it).
 
 // serveStream serves r, a PD streaming request, on its hijacked
 // connection. fasthttp hands the connection over unless it is already
