@@ -75,7 +75,10 @@ func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcome
 func (rec *record) responded(r *request) {
 	rec.took = time.Since(r.start)
 	if rt := r.trace; rt != nil {
-		rt.status, rt.cause = rt.rctx.Response.StatusCode(), r.scope.Cause()
+		if rt.rctx != nil { // nil once a stream let fasthttp have it back (request.detach)
+			rt.status = rt.rctx.Response.StatusCode()
+		}
+		rt.cause = r.scope.Cause()
 	}
 }
 
@@ -201,6 +204,16 @@ func (a *attempt) scanWhole(body []byte) {
 // drainPrefill reads prefill's reply to its end, looking for the transfer
 // time in it.
 func (a *attempt) drainPrefill(body io.Reader) error {
+	if r, ok := body.(*upstreamResponse); ok && r.h2 != nil {
+		var scan splice.KVScan
+		return r.drainH2C(func(p []byte) {
+			if !a.kv.seen.Load() {
+				if ms, ok := scan.Feed(p); ok {
+					a.reported(ms)
+				}
+			}
+		})
+	}
 	bufp := chunkPool.Get().(*[]byte)
 	defer chunkPool.Put(bufp)
 	var scan splice.KVScan

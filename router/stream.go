@@ -114,10 +114,11 @@ type streamRelay struct {
 	pending []byte   // next bytes for the client
 	readErr error    // how the worker's body ended, once it has
 	merge   *logprobMerger
-	sent    bool    // the first byte went out
-	ended   bool    // the last bytes are pending: nothing more to read
-	closed  bool    // CloseWithError ran
-	first   [1]byte // relay's wait for the next event reads its first byte here
+	cw      chunkWriter // PD mode: the client's connection (streamconn.go)
+	sent    bool        // the first byte went out
+	ended   bool        // the last bytes are pending: nothing more to read
+	closed  bool        // CloseWithError ran
+	first   [1]byte     // relay's wait for the next event reads its first byte here
 
 	tail  [16]byte // the last bytes the worker sent (see)
 	tailN int

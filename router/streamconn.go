@@ -1,6 +1,7 @@
 package router
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"reflect"
@@ -9,21 +10,26 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
+
+	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // In PD mode a streaming request's client connection is hijacked before
 // its attempts run: fasthttp's connection goroutine (whose stack, deep in
 // serveConn, shrank to no less than 16 KiB while it waited for the first
-// token) goes back to its pool, and a goroutine of the request's own,
-// started in a shallow frame, runs the attempts, waits for the first token
-// and relays the stream, writing each chunk straight to the socket (no
-// 4 KiB connection writer either). Its stack shrinks to 4 KiB while it
-// waits: the frames above its two waits (startStream's, relay's) are kept
-// small for that, 1,232 and 904 bytes (the collector halves a stack only
-// while its use, plus 800 bytes, is under a quarter of it: under 1,248
-// bytes for 4 KiB; TestWaitingStreamStackFitsIn4KiB). Once the
-// response is written, fasthttp serves the connection again
-// (KeepHijackedConns: the router closes or serves it).
+// token) goes back to its pool, and fasthttp's hijack handler, a shallow
+// frame, runs the attempts, waits for the first token and writes the head
+// and the first event straight to the socket (no 4 KiB connection writer).
+// The stream then goes on on a goroutine of its own (relayRest), and the
+// handler returns, giving fasthttp its RequestCtx back (endStream). Stacks
+// stay at 4 KiB while they wait: the frames above the two waits
+// (startStream's, relay's) are kept small for that, 1,232 bytes at the
+// first (the collector halves a stack only while its use, plus 800 bytes,
+// is under a quarter of it: under 1,248 bytes for 4 KiB;
+// TestWaitingStreamStackFitsIn4KiB), and nothing on the way to them needs
+// more than 4 KiB (TestOpenStreamStackIs4KiB). Once the response is
+// written, fasthttp serves the connection again (KeepHijackedConns: the
+// router closes or serves it).
 
 // serveStream serves r, a PD streaming request, on its hijacked
 // connection. fasthttp hands the connection over unless it is already
@@ -39,37 +45,61 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 }
 
 // endStream answers r on hc and then closes the connection, or has
-// fasthttp serve its next requests.
+// fasthttp serve its next requests. Once its first event is out, a PD
+// stream goes on on a goroutine of its own (relayRest), so that fasthttp
+// takes its RequestCtx back as this handler returns: an open stream then
+// holds neither fasthttp's request and response (about 3.5 KiB with their
+// buffers) nor this goroutine's stack.
 func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
-	keep := s.answerStream(ctx, r)
+	keep := s.answerHead(ctx, r) && !readsAhead(hc, r.conn)
+	sr := r.relay
+	if sr == nil {
+		_, err := ctx.Response.WriteTo(r.conn) // an error, or nothing for a client gone
+		s.closeStream(r, err == nil && keep && !r.clientGone())
+		return
+	}
+	sr.startWriter(ctx, r.conn)
+	// The first event goes out here, its 32 KiB buffer back to its pool
+	// before a goroutine is started: 10,000 first tokens come at once.
+	err := sr.writeFirst()
+	if err != nil || !r.detach(ctx) {
+		s.relayRest(sr, keep, err)
+		return
+	}
+	go s.relayRest(sr, keep, nil)
+}
+
+// relayRest writes the rest of the stream (none after err, the first
+// write's failure) and ends it.
+func (s *Server) relayRest(sr *streamRelay, keep bool, err error) {
+	s.closeStream(sr.r, sr.serve(err) && keep)
+}
+
+// closeStream hands r's connection back to fasthttp, or closes it.
+func (s *Server) closeStream(r *request, keep bool) {
 	s.metrics.httpConnections.Dec()
-	if keep && !readsAhead(hc, r.conn) {
+	if keep {
 		go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
 		return
 	}
 	_ = r.conn.Close()
 }
 
-// answerStream writes r's response, its stream or its error, to its
-// connection (r.conn, which fasthttp's hijacked one wraps), and reports
-// whether the connection may serve the client's next request.
-func (s *Server) answerStream(ctx *fasthttp.RequestCtx, r *request) bool {
-	c := r.conn
+// answerHead records r's response and prepares its connection (r.conn,
+// which fasthttp's hijacked one wraps) for it; it reports whether the
+// connection may serve the client's next request once it is written.
+func (s *Server) answerHead(ctx *fasthttp.RequestCtx, r *request) bool {
 	s.metrics.observeHTTP("POST", r.path, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(r.start))
 	// A client that stops reading frees its stream, as fasthttp's
 	// WriteTimeout did for the responses it wrote.
 	if t := s.srv.WriteTimeout; t > 0 {
-		_ = c.SetWriteDeadline(time.Now().Add(t))
+		_ = r.conn.SetWriteDeadline(time.Now().Add(t))
 	}
 	keep := ctx.Request.Header.IsHTTP11() && !ctx.Request.Header.ConnectionClose() && !s.draining.Load()
 	if !keep {
 		ctx.Response.SetConnectionClose()
 	}
-	if sr := r.relay; sr != nil {
-		return sr.serve(ctx, c) && keep
-	}
-	_, err := ctx.Response.WriteTo(c) // an error, or nothing for a client gone
-	return err == nil && keep && !r.clientGone()
+	return keep
 }
 
 // readsAhead reports whether fasthttp's hijacked connection hc reads
@@ -91,21 +121,46 @@ func readsAhead(hc, c net.Conn) bool {
 	return inner.Type() != reflect.TypeOf(c) || inner.Kind() != reflect.Pointer || inner.Pointer() != reflect.ValueOf(c).Pointer()
 }
 
-// serve writes the stream's head and chunks to c, then ends the stream;
-// it reports whether the response went out whole.
-func (sr *streamRelay) serve(ctx *fasthttp.RequestCtx, c net.Conn) bool {
+// startWriter sets up the stream's writer on c: its head, in ctx, and its
+// framing.
+func (sr *streamRelay) startWriter(ctx *fasthttp.RequestCtx, c net.Conn) {
 	h := &ctx.Response.Header
-	cw := chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
-	if cw.chunked {
+	sr.cw = chunkWriter{c: c, chunked: ctx.Request.Header.IsHTTP11()}
+	if sr.cw.chunked {
 		h.SetContentLength(-1)
 	} else { // HTTP/1.0: the body ends with the connection
 		h.SetContentLength(-2)
 		h.Del(fasthttp.HeaderTransferEncoding)
 	}
-	cw.head = h.Header()
-	err := sr.relay(&cw)
+	sr.cw.head = h.Header()
+}
+
+// writeFirst writes the head and the first event, and gives the event's
+// buffer back. A head left for later (a stream without a first event)
+// gets a copy of its own: ctx may go back to fasthttp first.
+func (sr *streamRelay) writeFirst() error {
+	if len(sr.pending) == 0 {
+		sr.cw.head = bytes.Clone(sr.cw.head)
+		return nil
+	}
+	sr.r.observeFirstByte()
+	sr.sent = true
+	_, err := sr.cw.Write(sr.pending)
+	sr.pending = nil
+	if sr.merge == nil {
+		sr.releaseBuf()
+	}
+	return err
+}
+
+// serve writes the rest of the stream (none after err, a write's failure)
+// and ends it; it reports whether the response went out whole.
+func (sr *streamRelay) serve(err error) bool {
 	if err == nil {
-		err = cw.end()
+		err = sr.relay(&sr.cw)
+	}
+	if err == nil {
+		err = sr.cw.end()
 	}
 	sr.end(err)
 	return err == nil
@@ -174,4 +229,41 @@ func (s *Server) awaitStreams(ctx context.Context) {
 	for s.live.Load() > 0 && ctx.Err() == nil {
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// detach makes r independent of ctx, which fasthttp reuses once the
+// hijack handler returns: r keeps a copy of its id, its span the status
+// the client got, its policy request (whose headers pointed into ctx,
+// keeping all of it) drops them, and its PD attempt's body is released (a
+// prefill leg not done sending it gets a copy of its own). False, and nothing done,
+// while a leg is writing the client's body, or for a vLLM attempt.
+func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
+	a := r.relay.attempt
+	if a == nil || !a.guard.releaseIdle(&a.body) {
+		return false
+	}
+	r.requestID = bytes.Clone(r.requestID)
+	r.policy.Header = nil // policies read it while they select, in the handler
+	if rt := r.trace; rt != nil {
+		rt.status, rt.rctx = ctx.Response.StatusCode(), nil
+	}
+	r.body = nil
+	return true
+}
+
+// releaseIdle is release when no write is under way: false otherwise,
+// with nothing released.
+func (g *writeGuard) releaseIdle(body *splice.Body) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.writing.TryLock() {
+		return false
+	}
+	g.released = true
+	if !g.wrote {
+		body.Detach()
+		g.detached = true
+	}
+	g.writing.Unlock()
+	return true
 }

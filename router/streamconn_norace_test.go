@@ -3,12 +3,15 @@
 package router
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"regexp"
 	"runtime"
+	"runtime/debug"
+	rtmetrics "runtime/metrics"
 	"strconv"
 	"strings"
 	"syscall"
@@ -72,4 +75,43 @@ func TestWaitingStreamStackFitsIn4KiB(t *testing.T) {
 	if len(found) != 2 {
 		t.Fatalf("no dump of both waits (%v) in:\n%s", found, out)
 	}
+}
+
+// An open stream waiting for its first token holds a 4 KiB stack from the
+// start, not only after a collection has shrunk it: nothing on the way
+// there goes deeper than a 4 KiB stack holds (the HPACK table's eviction,
+// on every request, did: 8 KiB; TestH2COwnValuesAreNotIndexed). With the
+// collector off, stacks are what goroutines grew to. The figure includes
+// the in-process engine's goroutine per stream (net/http's HTTP/2 server,
+// about 8 KiB): 15.7 KiB per stream before, 12.5 after.
+func TestOpenStreamStackIs4KiB(t *testing.T) {
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{TokenDelay: time.Minute})
+	for range 3 { // connections up, HPACK tables filled
+		if _, err := streamTokens(context.Background(), base, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	runtime.GC()
+	before := stackBytes()
+	const streams = 200
+	conns := make([]net.Conn, streams)
+	for i := range conns {
+		conns[i] = openStream(t, base, 3)
+	}
+	kib := float64(stackBytes()-before) / streams / 1024
+	for _, c := range conns {
+		c.Close()
+	}
+	t.Logf("%.1f KiB of goroutine stacks per open stream, router and engine", kib)
+	if kib > 14 {
+		t.Errorf("%.1f KiB of goroutine stacks per open stream (router and engine), want at most 14: the router's stream goroutine grew past 4 KiB", kib)
+	}
+}
+
+// stackBytes is the memory the runtime holds for goroutine stacks.
+func stackBytes() int64 {
+	s := []rtmetrics.Sample{{Name: "/memory/classes/heap/stacks:bytes"}}
+	rtmetrics.Read(s)
+	return int64(s[0].Value.Uint64())
 }

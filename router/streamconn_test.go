@@ -85,8 +85,11 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 	if n := countStacks(stacks, "(*streamRelay).nextOut"); n != 0 {
 		t.Errorf("%d streams wait deep in a read, want all %d in the relay's loop", n, streams)
 	}
-	if n := countStacks(stacks, "fasthttp.hijackConnHandler", "(*streamRelay).relay"); n != streams {
+	if n := countStacks(stacks, "(*Server).relayRest", "(*streamRelay).relay"); n != streams {
 		t.Errorf("%d streams relay on their own goroutine, want %d", n, streams)
+	}
+	if n := countStacks(stacks, "fasthttp.hijackConnHandler"); n != 0 {
+		t.Errorf("%d streams still in fasthttp's hijack handler (holding its RequestCtx) between events, want none", n)
 	}
 }
 
@@ -214,6 +217,10 @@ func TestHijackedStreamsLeaveNoDescriptors(t *testing.T) {
 		c.Close()
 	}
 	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	// The engine hears each reset after the router has ended the request.
+	for deadline := time.Now().Add(5 * time.Second); d.Stats().ClientGone < 10 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
 	if gone := d.Stats().ClientGone; gone < 10 {
 		t.Errorf("the decode engine saw %d of the 10 clients leave", gone)
 	}

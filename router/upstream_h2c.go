@@ -574,20 +574,6 @@ func (c *h2cConn) roundTrip(st *h2cStream, host, path string, body *splice.Body,
 // and the connection's send windows.
 func (c *h2cConn) send(st *h2cStream, host, path string, body *splice.Body, extra []byte) error {
 	c.wmu.Lock()
-	c.hbuf.Reset()
-	c.encode(":method", "POST")
-	c.encode(":scheme", "http")
-	c.encode(":authority", host)
-	c.encode(":path", path)
-	c.encode("content-type", "application/json")
-	c.encode("content-length", strconv.Itoa(body.Len()))
-	for len(extra) > 0 {
-		line, rest, _ := bytes.Cut(extra, []byte("\r\n"))
-		extra = rest
-		if k, v, ok := bytes.Cut(line, []byte(": ")); ok && !h2cHopHeader(k) {
-			c.encode(string(bytes.ToLower(k)), string(v))
-		}
-	}
 	c.mu.Lock()
 	if err := cmp.Or(st.err, c.err); err != nil { // cancelled, or the connection failed, before it was sent
 		if st.err == nil {
@@ -604,6 +590,22 @@ func (c *h2cConn) send(st *h2cStream, host, path string, body *splice.Body, extr
 	st.sendWin = c.initWin
 	c.streams[st.id] = st
 	c.mu.Unlock()
+	// Encoded only once it will be sent: the encoder's table must stay
+	// the one the worker's decoder builds from what it receives.
+	c.hbuf.Reset()
+	c.encode(":method", "POST")
+	c.encode(":scheme", "http")
+	c.encode(":authority", host)
+	c.encode(":path", path)
+	c.encode("content-type", "application/json")
+	c.encodeOnce("content-length", strconv.Itoa(body.Len()))
+	for len(extra) > 0 { // the request's id and the like: its own values
+		line, rest, _ := bytes.Cut(extra, []byte("\r\n"))
+		extra = rest
+		if k, v, ok := bytes.Cut(line, []byte(": ")); ok && !h2cHopHeader(k) {
+			c.encodeOnce(string(bytes.ToLower(k)), string(v))
+		}
+	}
 	remaining := body.Len()
 	err := c.writeHeaderBlock(st.id, remaining == 0)
 	for seg := range body.Segments {
@@ -683,6 +685,15 @@ func (c *h2cConn) writeHeaderBlock(id uint32, endStream bool) error {
 
 func (c *h2cConn) encode(name, value string) {
 	_ = c.henc.WriteField(hpack.HeaderField{Name: name, Value: value}) // into a bytes.Buffer
+}
+
+// encodeOnce adds a field whose value is the request's own (its length,
+// its id) as a literal that is never indexed: indexed, each took a place
+// in the HPACK table and evicted the oldest, on every request, and that
+// eviction was the deepest call of a stream's goroutine, growing its stack
+// from 4 to 8 KiB until a collection shrank it (bench/RESULTS.md).
+func (c *h2cConn) encodeOnce(name, value string) {
+	_ = c.henc.WriteField(hpack.HeaderField{Name: name, Value: value, Sensitive: true})
 }
 
 // h2cHopHeader reports the connection-specific headers HTTP/2 forbids.
@@ -917,22 +928,70 @@ func (st *h2cStream) read(p []byte) (int, error) {
 	st.waitLocked()
 	if st.unread() > 0 {
 		n := copy(p, (*st.buf)[st.off:])
-		st.off += n
-		if st.unread() == 0 {
-			st.releaseBuffer()
-		}
-		st.unacked += int32(n)
-		if st.open && st.unacked >= h2cStreamWindow/4 {
-			c.queue(h2cCtl{kind: ctlWindow, id: st.id, n: uint32(st.unacked)})
-			st.used -= st.unacked
-			st.unacked = 0
-		}
+		st.consumedLocked(n)
 		return n, nil
 	}
 	if st.err != nil {
 		return 0, st.err
 	}
 	return 0, io.EOF
+}
+
+// consumedLocked marks n arrived bytes read: the buffer goes back once
+// drained, and the worker gets its window back (under mu).
+func (st *h2cStream) consumedLocked(n int) {
+	st.off += n
+	if st.unread() == 0 {
+		st.releaseBuffer()
+	}
+	st.unacked += int32(n)
+	if st.open && st.unacked >= h2cStreamWindow/4 {
+		st.conn.queue(h2cCtl{kind: ctlWindow, id: st.id, n: uint32(st.unacked)})
+		st.used -= st.unacked
+		st.unacked = 0
+	}
+}
+
+// drainH2C reads an h2c reply to its end, showing see each piece where it
+// arrived (under the connection's lock: see must not block): no buffer of
+// its own, so a prefill leg waiting for its reply holds none (a 32 KiB
+// copy buffer each, through the read, before).
+func (r *upstreamResponse) drainH2C(see func([]byte)) error {
+	if r.idleGone {
+		r.failed = true
+		return errStreamIdle
+	}
+	st := r.h2
+	if r.idle > 0 && st.timer == nil {
+		st.armIdle(r.idle)
+	}
+	c := st.conn
+	for {
+		c.mu.Lock()
+		st.waitLocked()
+		n := st.unread()
+		if n > 0 {
+			see((*st.buf)[st.off:])
+			st.consumedLocked(n)
+		}
+		err := st.err
+		c.mu.Unlock()
+		if st.timer != nil {
+			st.lastRead.Store(time.Now().UnixNano())
+		}
+		switch {
+		case n > 0:
+		case err != nil:
+			r.failed = true
+			if st.expired.Load() && r.scope.Cause() == nil {
+				err = errStreamIdle
+			}
+			return err
+		default:
+			r.eof = true
+			return nil
+		}
+	}
 }
 
 // awaitH2C is awaitBody for an h2c reply: it returns once the stream has

@@ -205,6 +205,13 @@ func TestH2CStreamsLeaveNothingBehind(t *testing.T) {
 // likes. It returns the engine's address and a count of connections.
 func fakeH2CEngine(t *testing.T, answer func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32)) (string, *atomic.Int32) {
 	t.Helper()
+	return fakeH2CEngineSeeing(t, nil, answer)
+}
+
+// fakeH2CEngineSeeing is fakeH2CEngine that also shows see (if not nil)
+// each request's header fields as its HPACK decoder read them.
+func fakeH2CEngineSeeing(t *testing.T, see func([]hpack.HeaderField), answer func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, conn int, stream uint32)) (string, *atomic.Int32) {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -238,6 +245,10 @@ func fakeH2CEngine(t *testing.T, answer func(fr *http2.Framer, enc *hpack.Encode
 					case *http2.SettingsFrame:
 						if !f.IsAck() {
 							fr.WriteSettingsAck()
+						}
+					case *http2.MetaHeadersFrame:
+						if see != nil {
+							see(f.Fields)
 						}
 					case *http2.DataFrame:
 						if f.StreamEnded() {
@@ -294,5 +305,225 @@ func TestH2CUnprocessedStreamIsSentAgain(t *testing.T) {
 				t.Errorf("%d connections accepted, want %d", n, want)
 			}
 		})
+	}
+}
+
+// A prefill leg waiting for its reply's body over h2c holds no copy buffer:
+// its goroutine waits for the stream holding nothing, and scans each piece
+// where it arrived (a 32 KiB buffer per waiting prefill before: 19 MB of
+// them at 10,000 streams' ramp, bench/RESULTS.md). The transfer time the
+// reply reports is still found, across pieces.
+func TestH2CPrefillDrainHoldsNoBuffer(t *testing.T) {
+	const legs = 64
+	reply := []byte(`{"text":"x","meta_info":{"kv_transfer":{"bytes":4096,"transfer_ms":12.5}}}`)
+	headed := make(chan uint32, legs)
+	release := make(chan struct{})
+	addr, _ := fakeH2CEngine(t, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, _ int, stream uint32) {
+		buf.Reset()
+		enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+		headed <- stream
+		if len(headed) < legs {
+			return
+		}
+		<-release // every head is out: the bodies follow, in two pieces each
+		for range legs {
+			id := <-headed
+			fr.WriteData(id, false, reply[:30])
+			fr.WriteData(id, true, reply[30:])
+		}
+	})
+	u := newUpstream(time.Minute)
+	defer u.close()
+	var body splice.Body
+	body.Reset([]byte(`{"text":"x"}`))
+	attempts := make([]*attempt, legs)
+	replies := make([]*upstreamResponse, legs)
+	for i := range attempts {
+		attempts[i] = &attempt{rec: &record{}}
+		attempts[i].rec.startPD()
+		resp, err := u.postH2C(&attempts[i].scope, "http://"+addr, "/generate", &body, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		replies[i] = resp
+	}
+	runtime.GC()
+	runtime.GC() // pooled buffers from earlier tests are gone
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	errs := make(chan error, legs)
+	for i := range attempts {
+		go func() { errs <- attempts[i].drainPrefill(replies[i]) }()
+	}
+	waitFor(t, func() bool { return strings.Count(allStacks(), "drainPrefill") == legs })
+	runtime.GC()
+	var waiting runtime.MemStats
+	runtime.ReadMemStats(&waiting)
+	held := (int64(waiting.HeapAlloc) - int64(before.HeapAlloc)) / legs
+	close(release)
+	for range legs {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("%d bytes of heap per waiting prefill drain", held)
+	if held > 2<<10 {
+		t.Errorf("a prefill drain waiting for its reply holds %d bytes of heap, want at most 2 KiB (no copy buffer)", held)
+	}
+	for i, a := range attempts {
+		if got := a.rec.pd[0].kvTransfer; got != 0.0125 {
+			t.Errorf("drain %d: KV transfer time %v s, want 0.0125", i, got)
+		}
+		replies[i].Close()
+	}
+}
+
+// allStacks is every goroutine's stack.
+func allStacks() string {
+	buf := make([]byte, 16<<20)
+	return string(buf[:runtime.Stack(buf, true)])
+}
+
+// The values that are each request's own (its id, its length) go to the
+// engine as literals never indexed, the recurring ones indexed: indexing
+// every request's id took a place in the HPACK table and evicted the
+// oldest on every request, the deepest call of a stream's goroutine
+// (TestOpenStreamStackIs4KiB).
+func TestH2COwnValuesAreNotIndexed(t *testing.T) {
+	seen := make(chan []hpack.HeaderField, 8)
+	addr, _ := fakeH2CEngineSeeing(t, func(f []hpack.HeaderField) { seen <- f }, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, _ int, stream uint32) {
+		buf.Reset()
+		enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+		fr.WriteData(stream, true, []byte("{}"))
+	})
+	u := newUpstream(time.Minute)
+	defer u.close()
+	var body splice.Body
+	body.Reset([]byte(`{"text":"x"}`))
+	for i := range 3 {
+		var sc scope
+		resp, err := u.postH2C(&sc, "http://"+addr, "/generate", &body, []byte(fmt.Sprintf("X-Request-Id: req-%d\r\n", i)), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Close()
+		for _, f := range <-seen {
+			own := f.Name == "x-request-id" || f.Name == "content-length"
+			if f.Sensitive != own {
+				t.Errorf("request %d: %s: %q never indexed: %v, want %v", i, f.Name, f.Value, f.Sensitive, own)
+			}
+		}
+	}
+}
+
+// An open PD stream waiting for its next token holds no fasthttp
+// RequestCtx: once its head and first event are out, fasthttp has it back
+// (request.detach). It held one per stream,
+// with its request's and response's buffers, about 3.5 KiB each.
+func TestOpenStreamHoldsNoRequestCtx(t *testing.T) {
+	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
+	runtime.MemProfileRate = 1
+	// The first token after prefill's leg has surely written its body (a
+	// stream whose leg is still writing keeps its ctx until it ends).
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: 500 * time.Millisecond, TokenDelay: time.Minute})
+	if _, err := streamTokens(context.Background(), base, 1); err != nil {
+		t.Fatal(err)
+	}
+	const streams = 100
+	before := heapFrom("fasthttp.(*Server).acquireCtx")
+	conns := make([]net.Conn, streams)
+	for i := range conns {
+		conns[i] = sendStream(t, base, 3)
+	}
+	for _, c := range conns {
+		awaitFirstEvent(t, c)
+	}
+	held := float64(heapFrom("fasthttp.(*Server).acquireCtx")-before) / streams
+	for _, c := range conns {
+		c.Close()
+	}
+	t.Logf("%.0f bytes of fasthttp RequestCtx per open stream", held)
+	if held > 256 {
+		t.Errorf("an open stream holds %.0f bytes of fasthttp RequestCtx, want none", held)
+	}
+}
+
+// heapFrom is the heap in use that function allocated (by the last
+// collections' memory profile), pools emptied.
+func heapFrom(function string) int64 {
+	for range 4 { // a pool drops what it holds in two cycles, the profile is two more behind
+		runtime.GC()
+	}
+	var records []runtime.MemProfileRecord
+	n, _ := runtime.MemProfile(nil, true)
+	for {
+		records = make([]runtime.MemProfileRecord, n+64)
+		var ok bool
+		if n, ok = runtime.MemProfile(records, true); ok {
+			records = records[:n]
+			break
+		}
+	}
+	var bytes int64
+	for _, r := range records {
+		frames := runtime.CallersFrames(r.Stack())
+		for {
+			f, more := frames.Next()
+			if strings.HasPrefix(f.Function, "runtime.") && more {
+				continue
+			}
+			if strings.HasSuffix(f.Function, function) {
+				bytes += r.InUseBytes()
+			}
+			break
+		}
+	}
+	return bytes
+}
+
+// A stream cancelled before its HEADERS went out leaves the connection's
+// HPACK state as the worker's: its fields were encoded (and the encoder's
+// table grown) only once they would be sent, so the next request on the
+// connection decodes. Encoded first, the worker's decoder met indices it
+// never had and closed the connection (COMPRESSION_ERROR).
+func TestH2CStreamCancelledBeforeItsHeadersKeepsHPACKInStep(t *testing.T) {
+	addr, accepted := fakeH2CEngine(t, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer, _ int, stream uint32) {
+		buf.Reset()
+		enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+		fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: buf.Bytes(), EndHeaders: true})
+		fr.WriteData(stream, true, []byte("{}"))
+	})
+	u := newUpstream(time.Minute)
+	defer u.close()
+	var body splice.Body
+	body.Reset([]byte(`{"text":"x"}`))
+	var guard writeGuard
+	guard.writing.Lock() // the first request waits to send, its stream reserved
+	var first scope
+	sent := make(chan error, 1)
+	go func() {
+		_, err := u.postH2C(&first, "http://"+addr, "/generate", &body, nil, &guard)
+		sent <- err
+	}()
+	waitFor(t, func() bool { a, _ := h2cStreamsOpen(&Server{upstream: u}); return a == 1 })
+	first.cancel(errClientGone)
+	guard.writing.Unlock()
+	if err := <-sent; err == nil {
+		t.Fatal("a request cancelled before its send was sent")
+	}
+	var second scope
+	resp, err := u.postH2C(&second, "http://"+addr, "/generate", &body, nil, nil)
+	if err != nil {
+		t.Fatalf("the next request on the connection: %v", err)
+	}
+	b, err := io.ReadAll(resp)
+	resp.Close()
+	if err != nil || string(b) != "{}" {
+		t.Fatalf("the next request's reply: %q, %v", b, err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("%d connections, want the one", n)
 	}
 }
