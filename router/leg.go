@@ -24,20 +24,22 @@ type leg struct {
 	s      *Server
 	w      *balancer.Worker
 	resp   *upstreamResponse // the reply, once its head has arrived
-	blame  bool              // no reply, and the worker is why (not a cancellation)
-	broke  bool              // the reply's body broke off, and the worker is why
-	closed bool
-	failed *failedWorkers // the client request's: its failure reaches each worker's breaker once
-	sc     *scope         // what the leg was sent under; its end may leave the engine busy
-	rid    engineRID      // what the engine knows the request by (abort.go)
-	trace  *legSpan       // nil unless traced (trace.go)
-	guard  *writeGuard    // set where the leg may outlive the body's owner (prefill)
+	failed *failedWorkers    // the client request's: its failure reaches each worker's breaker once
+	sc     *scope            // what the leg was sent under; its end may leave the engine busy
+	rid    engineRID         // what the engine knows the request by (abort.go)
+	trace  *legSpan          // nil unless traced (trace.go)
+	guard  *writeGuard       // set where the leg may outlive the body's owner (prefill)
 
-	lost    bool             // the send failed after the dial: the engine may hold the request
-	call    upCall           // an HTTP/1.1 leg's request
-	reply   upstreamResponse // its reply (resp): no allocation of its own
-	written bool             // write sent it; its reply head is still to be read
-	aborts  *sync.WaitGroup  // the request's: a retry waits for its engine aborts
+	call   upCall           // an HTTP/1.1 leg's request
+	reply  upstreamResponse // its reply (resp): no allocation of its own
+	aborts *sync.WaitGroup  // the request's: a retry waits for its engine aborts
+
+	// The flags together: a leg lives in every open request and attempt.
+	blame   bool // no reply, and the worker is why (not a cancellation)
+	broke   bool // the reply's body broke off, and the worker is why
+	closed  bool
+	lost    bool // the send failed after the dial: the engine may hold the request
+	written bool // write sent it; its reply head is still to be read
 }
 
 // open binds a leg of r, whose engine knows it by rid, to w and takes w's

@@ -116,24 +116,24 @@ type attempt struct {
 	err     *apiError     // set before done closes when prefill failed
 	logp    []byte        // prefill's reply, kept only for logprob merging
 	rid     engineRID     // both legs'
-	rec     *record       // the request's, for the prefill leg's goroutine
 	start   time.Time     // when the prefill leg was sent
 	kv      kvReport      // the KV transfer time a reply reports (record.go)
 
 	// body is what both legs send. Its segments are the client's buffer,
 	// which fasthttp reuses once the response is complete: prefill writes
 	// it under guard, which releaseBody takes back.
-	body   splice.Body
-	guard  writeGuard
+	body  splice.Body
+	guard writeGuard
+	// headed, made for streams only, is closed once prefill's reply head
+	// is in (headOK: a 2xx) or its send failed (prefillVerdict). headOK
+	// sits in guard's padding: an open stream keeps its attempt.
+	headOK bool
+	headed chan struct{}
 	decode *splice.Body // decode's own body when the legs carry DP ranks; nil: body
 
-	// headed, made for streams only, is closed once prefill's reply head
-	// is in (headOK: a 2xx) or its send failed (prefillVerdict).
-	headed chan struct{}
-	headOK bool
-
-	// sendBoth's, for afterWrite: the request, the decode worker and the
-	// decode leg's write failure.
+	// r is the request (its record is the prefill leg goroutine's too);
+	// dw and decodeFailed are sendBoth's, for afterWrite: the decode
+	// worker and the decode leg's write failure.
 	r            *request
 	dw           *balancer.Worker
 	decodeFailed error
@@ -141,7 +141,7 @@ type attempt struct {
 
 // newAttempt opens the prefill leg of a fresh attempt on pw.
 func (s *Server) newAttempt(r *request, pw, dw *balancer.Worker) *attempt {
-	a := &attempt{rec: &r.rec, start: r.rec.pdStart}
+	a := &attempt{r: r, start: r.rec.pdStart}
 	s.bootstrapBody(r, a, pw, dw)
 	a.scope.inherit(&r.scope)
 	a.prefill.open(r, pw, a.rid)
@@ -185,7 +185,7 @@ func (s *Server) runPrefill(a *attempt, r *request) {
 func (a *attempt) prefillOver(err *apiError, logp []byte) {
 	a.err, a.logp = err, logp
 	if a.err == nil && a.scope.Err() == nil {
-		a.rec.prefilled(time.Since(a.start))
+		a.r.rec.prefilled(time.Since(a.start))
 	}
 	a.prefill.close()
 	if a.err != nil {
@@ -203,7 +203,7 @@ func (a *attempt) prefillOver(err *apiError, logp []byte) {
 func (s *Server) sendBoth(r *request, a *attempt, dw *balancer.Worker) (*apiError, bool) {
 	p, d := &a.prefill, &r.leg
 	a.done = closedDone // the prefill leg ends here, unless startPrefill takes it
-	a.r, a.dw = r, dw   // for afterWrite, which writes the decode leg
+	a.dw = dw           // for afterWrite, which writes the decode leg
 	quick, err := p.writeWait(&a.scope, r.path, &a.body, r.header, a, prefillQuickAnswer)
 	if err != nil {
 		a.prefillOver(a.sendFailed(err), nil)

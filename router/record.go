@@ -175,7 +175,7 @@ type kvReport struct {
 // reported records ms unless the attempt's other reply did.
 func (a *attempt) reported(ms float64) {
 	if a.kv.seen.CompareAndSwap(false, true) {
-		a.rec.pd[len(a.rec.pd)-1].kvTransfer = ms / 1000
+		a.r.rec.pd[len(a.r.rec.pd)-1].kvTransfer = ms / 1000
 	}
 }
 

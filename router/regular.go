@@ -24,11 +24,11 @@ func (s *Server) regularAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError
 	r.out.Reset(r.body)
 	if w.DPSize > 0 { // --dp-aware: the rank, as sglang-router 0.3.x names it
 		at := splice.FindRanks(r.body, &r.info)
-		splice.SetRank(&r.out, &at, splice.DataParallelRank, w.DPRank)
+		splice.SetRank(r.out, &at, splice.DataParallelRank, w.DPRank)
 	}
 	l := &r.leg
-	l.open(r, w, s.setRID(r, &r.out, batchSize(r.route, r.body, &r.info)))
-	if err := l.send(&r.scope, r.path, &r.out, header); err != nil {
+	l.open(r, w, s.setRID(r, r.out, batchSize(r.route, r.body, &r.info)))
+	if err := l.send(&r.scope, r.path, r.out, header); err != nil {
 		l.close()
 		if r.clientGone() {
 			return nil, false

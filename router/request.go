@@ -52,7 +52,15 @@ type request struct {
 	aborts  sync.WaitGroup
 
 	// out is what a regular-mode attempt sends: the client's body and the
-	// rid (PD attempts have their own, prefill may outlive an attempt).
+	// rid. It points into regularRequest: PD attempts have their own (prefill
+	// may outlive an attempt), and a PD stream keeps its request open, so
+	// its 432 bytes are not in request itself.
+	out *splice.Body
+}
+
+// regularRequest is a regular-mode request and its out, one allocation.
+type regularRequest struct {
+	request
 	out splice.Body
 }
 
@@ -61,7 +69,15 @@ type request struct {
 // included. A prefill leg may outlive that, so it writes the body under its
 // attempt's guard (releaseBody); the header lines are a copy.
 func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKind, requestID []byte) *request {
-	r := &request{s: s, route: route, path: path, start: time.Now(), requestID: requestID}
+	var r *request
+	if s.cfg.PDDisaggregation {
+		r = &request{}
+	} else {
+		rr := &regularRequest{}
+		r = &rr.request
+		r.out = &rr.out
+	}
+	r.s, r.route, r.path, r.start, r.requestID = s, route, path, time.Now(), requestID
 	r.body = ctx.PostBody()
 	r.header = forwardHeaders(r.headerSpace[:0], ctx, false, requestID)
 	// The request timeout, the disconnect watch and hard shutdown all come

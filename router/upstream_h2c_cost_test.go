@@ -340,8 +340,8 @@ func TestH2CPrefillDrainHoldsNoBuffer(t *testing.T) {
 	attempts := make([]*attempt, legs)
 	replies := make([]*upstreamResponse, legs)
 	for i := range attempts {
-		attempts[i] = &attempt{rec: &record{}}
-		attempts[i].rec.startPD()
+		attempts[i] = &attempt{r: &request{}}
+		attempts[i].r.rec.startPD()
 		resp, err := u.postH2C(&attempts[i].scope, "http://"+addr, "/generate", &body, nil, nil)
 		if err != nil {
 			t.Fatal(err)
@@ -372,7 +372,7 @@ func TestH2CPrefillDrainHoldsNoBuffer(t *testing.T) {
 		t.Errorf("a prefill drain waiting for its reply holds %d bytes of heap, want at most 2 KiB (no copy buffer)", held)
 	}
 	for i, a := range attempts {
-		if got := a.rec.pd[0].kvTransfer; got != 0.0125 {
+		if got := a.r.rec.pd[0].kvTransfer; got != 0.0125 {
 			t.Errorf("drain %d: KV transfer time %v s, want 0.0125", i, got)
 		}
 		replies[i].Close()
@@ -450,9 +450,64 @@ func TestOpenStreamHoldsNoRequestCtx(t *testing.T) {
 	}
 }
 
+// An open PD stream keeps its request, its attempt and its h2c reply's
+// head and stream (the h2c client's, TestH2COpenStreamCost) live until it
+// ends, so each byte of them counts 10,000 times at 10,000 streams, twice
+// at the peak (the collector's goal). request carried a regular-mode
+// attempt's body (1,792 bytes, now 1,280), attempt padding and a pointer
+// it had twice (1,280 -> 1,152), and each head was a whole
+// fasthttp.Response (576 bytes, now its 384-byte header): 4,630-4,790 ->
+// 3,560-3,650 bytes per open stream.
+func TestOpenStreamRouterHeap(t *testing.T) {
+	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
+	runtime.MemProfileRate = 1
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: 500 * time.Millisecond, TokenDelay: time.Minute})
+	if _, err := streamTokens(context.Background(), base, 1); err != nil {
+		t.Fatal(err)
+	}
+	const streams = 100
+	sites := []string{"router.(*Server).newRequest", "router.(*Server).newAttempt", "router.(*upstream).postH2C"}
+	before := make([]int64, len(sites))
+	for i, site := range sites {
+		before[i] = heapUnder(site)
+	}
+	conns := make([]net.Conn, streams)
+	for i := range conns {
+		conns[i] = sendStream(t, base, 3)
+	}
+	for _, c := range conns {
+		awaitFirstEvent(t, c)
+	}
+	held := make([]float64, len(sites))
+	for i, site := range sites {
+		held[i] = float64(heapUnder(site)-before[i]) / streams
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	t.Logf("per open stream: request %.0f, attempt %.0f, h2c reply %.0f bytes", held[0], held[1], held[2])
+	// A little over each size class: other goroutines allocate under the
+	// same functions meanwhile. The h2c replies' share varies with whether
+	// prefill's reply is still open.
+	for i, most := range []float64{1280 + 64, 1152 + 64} {
+		if held[i] > most {
+			t.Errorf("an open stream holds %.0f bytes from %s, want at most %.0f", held[i], sites[i], most)
+		}
+	}
+	if total := held[0] + held[1] + held[2]; total > 4096 {
+		t.Errorf("an open stream holds %.0f bytes of request, attempt and h2c reply, want at most 4096", total)
+	}
+}
+
 // heapFrom is the heap in use that function allocated (by the last
 // collections' memory profile), pools emptied.
-func heapFrom(function string) int64 {
+func heapFrom(function string) int64 { return heapIn(function, false) }
+
+// heapUnder is the heap in use allocated while function was on the stack
+// (pools emptied): what it and its callees allocated.
+func heapUnder(function string) int64 { return heapIn(function, true) }
+
+func heapIn(function string, under bool) int64 {
 	for range 4 { // a pool drops what it holds in two cycles, the profile is two more behind
 		runtime.GC()
 	}
@@ -476,8 +531,11 @@ func heapFrom(function string) int64 {
 			}
 			if strings.HasSuffix(f.Function, function) {
 				bytes += r.InUseBytes()
+				break
 			}
-			break
+			if !under || !more {
+				break
+			}
 		}
 	}
 	return bytes
