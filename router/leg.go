@@ -124,7 +124,7 @@ func (l *leg) send(sc *scope, path string, body *splice.Body, header []byte) err
 	}
 	if l.w.HTTP2 {
 		l.begin(sc, path, &header)
-		resp, err := l.s.upstream.postH2C(sc, l.w.BaseURL, path, body, header, l.guard)
+		resp, err := l.s.upstream.postH2C(sc, l.w.BaseURL, path, body, header, l.guard, &l.reply)
 		return l.answered(resp, err)
 	}
 	if _, err := l.writeWait(sc, path, body, header, nil, 0); err != nil {

@@ -197,8 +197,9 @@ const (
 
 // postH2C is post for an h2c worker: it returns once the reply's head has
 // arrived. The request's goroutine writes the body from the client's
-// buffer under guard, as the HTTP/1.1 path does.
-func (u *upstream) postH2C(sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard) (*upstreamResponse, error) {
+// buffer under guard, as the HTTP/1.1 path does. The reply goes into into
+// (nil: a new one), as readHead's.
+func (u *upstream) postH2C(sc *scope, baseURL, path string, body *splice.Body, extra []byte, guard *writeGuard, into *upstreamResponse) (*upstreamResponse, error) {
 	addr, host, _, err := u.endpoint(baseURL)
 	if err != nil {
 		return nil, err
@@ -219,7 +220,11 @@ func (u *upstream) postH2C(sc *scope, baseURL, path string, body *splice.Body, e
 		}
 		err = c.roundTrip(st, host, path, body, extra, guard)
 		if err == nil {
-			return &upstreamResponse{StatusCode: st.header.StatusCode(), Header: st.header, u: u, scope: sc, h2: st}, nil
+			if into == nil {
+				into = new(upstreamResponse)
+			}
+			*into = upstreamResponse{StatusCode: st.header.StatusCode(), Header: st.header, u: u, scope: sc, h2: st}
+			return into, nil
 		}
 		sc.unregister(st)
 		c.reset(st, err)

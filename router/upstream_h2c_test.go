@@ -549,7 +549,7 @@ func TestH2CDialErrorKeepsItsCause(t *testing.T) {
 	var sc scope
 	var body splice.Body
 	body.Reset([]byte(`{}`))
-	_, err = u.postH2C(&sc, "http://"+addr, "/generate", &body, nil, nil)
+	_, err = u.postH2C(&sc, "http://"+addr, "/generate", &body, nil, nil, nil)
 	if !errors.Is(err, syscall.ECONNREFUSED) || !errors.Is(err, errUpstreamClosed) {
 		t.Fatalf("err %v: want ECONNREFUSED inside errUpstreamClosed", err)
 	}
