@@ -95,33 +95,9 @@ func h2cStreamsOpen(srv *Server) (active, streams int) {
 // h2cClientHeap is the heap in use that the h2c client allocated (by the
 // last garbage collections' memory profile).
 func h2cClientHeap() int64 {
-	runtime.GC()
-	runtime.GC() // the profile is up to two cycles old
-	var records []runtime.MemProfileRecord
-	n, _ := runtime.MemProfile(nil, true)
-	for {
-		records = make([]runtime.MemProfileRecord, n+64)
-		var ok bool
-		if n, ok = runtime.MemProfile(records, true); ok {
-			records = records[:n]
-			break
-		}
-	}
-	var bytes int64
-	for _, r := range records {
-		frames := runtime.CallersFrames(r.Stack())
-		for {
-			f, more := frames.Next()
-			if strings.Contains(f.Function, "pdrouter/router.(*h2c") || strings.Contains(f.Function, "pdrouter/router.(*upstream).postH2C") {
-				bytes += r.InUseBytes()
-				break
-			}
-			if !more {
-				break
-			}
-		}
-	}
-	return bytes
+	return heapWhere(true, func(f string) bool {
+		return strings.Contains(f, "pdrouter/router.(*h2c") || strings.Contains(f, "pdrouter/router.(*upstream).postH2C")
+	})
 }
 
 func h2cIdle(srv *Server) bool { a, s := h2cStreamsOpen(srv); return a == 0 && s == 0 }
@@ -502,13 +478,19 @@ func TestOpenStreamRouterHeap(t *testing.T) {
 
 // heapFrom is the heap in use that function allocated (by the last
 // collections' memory profile), pools emptied.
-func heapFrom(function string) int64 { return heapIn(function, false) }
+func heapFrom(function string) int64 { return heapWhere(false, suffix(function)) }
 
 // heapUnder is the heap in use allocated while function was on the stack
 // (pools emptied): what it and its callees allocated.
-func heapUnder(function string) int64 { return heapIn(function, true) }
+func heapUnder(function string) int64 { return heapWhere(true, suffix(function)) }
 
-func heapIn(function string, under bool) int64 {
+func suffix(function string) func(string) bool {
+	return func(f string) bool { return strings.HasSuffix(f, function) }
+}
+
+// heapWhere sums the heap in use whose allocating function (under: or any
+// caller of it) matches.
+func heapWhere(under bool, match func(string) bool) int64 {
 	for range 4 { // a pool drops what it holds in two cycles, the profile is two more behind
 		runtime.GC()
 	}
@@ -530,7 +512,7 @@ func heapIn(function string, under bool) int64 {
 			if strings.HasPrefix(f.Function, "runtime.") && more {
 				continue
 			}
-			if strings.HasSuffix(f.Function, function) {
+			if match(f.Function) {
 				bytes += r.InUseBytes()
 				break
 			}
