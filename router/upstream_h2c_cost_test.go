@@ -397,19 +397,30 @@ func TestH2COwnValuesAreNotIndexed(t *testing.T) {
 
 // An open PD stream waiting for its next token holds no fasthttp
 // RequestCtx: once its head and first event are out, fasthttp has it back
-// (request.detach). It held one per stream,
-// with its request's and response's buffers, about 3.5 KiB each.
+// (request.detach). It held one per stream, with its request's and
+// response's buffers, about 3.5 KiB each.
 func TestOpenStreamHoldsNoRequestCtx(t *testing.T) {
+	held := heldPerOpenStream(t, func() []int64 { return []int64{heapFrom("fasthttp.(*Server).acquireCtx")} })[0]
+	t.Logf("%.0f bytes of fasthttp RequestCtx per open stream", held)
+	if held > 256 {
+		t.Errorf("an open stream holds %.0f bytes of fasthttp RequestCtx, want none", held)
+	}
+}
+
+// heldPerOpenStream is what heap (a reading per allocation site) grows by
+// per open PD stream, over 100 h2c streams that have their first event and
+// wait a minute for the next, the first token after prefill's leg has
+// surely written its body (a stream whose leg is still writing keeps its
+// ctx until it ends).
+func heldPerOpenStream(t *testing.T, heap func() []int64) []float64 {
 	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
 	runtime.MemProfileRate = 1
-	// The first token after prefill's leg has surely written its body (a
-	// stream whose leg is still writing keeps its ctx until it ends).
 	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: 500 * time.Millisecond, TokenDelay: time.Minute})
 	if _, err := streamTokens(context.Background(), base, 1); err != nil {
 		t.Fatal(err)
 	}
 	const streams = 100
-	before := heapFrom("fasthttp.(*Server).acquireCtx")
+	before := heap()
 	conns := make([]net.Conn, streams)
 	for i := range conns {
 		conns[i] = sendStream(t, base, 3)
@@ -417,14 +428,14 @@ func TestOpenStreamHoldsNoRequestCtx(t *testing.T) {
 	for _, c := range conns {
 		awaitFirstEvent(t, c)
 	}
-	held := float64(heapFrom("fasthttp.(*Server).acquireCtx")-before) / streams
+	held := make([]float64, len(before))
+	for i, after := range heap() {
+		held[i] = float64(after-before[i]) / streams
+	}
 	for _, c := range conns {
 		c.Close()
 	}
-	t.Logf("%.0f bytes of fasthttp RequestCtx per open stream", held)
-	if held > 256 {
-		t.Errorf("an open stream holds %.0f bytes of fasthttp RequestCtx, want none", held)
-	}
+	return held
 }
 
 // An open PD stream keeps its request, its attempt and its h2c reply's
@@ -436,32 +447,14 @@ func TestOpenStreamHoldsNoRequestCtx(t *testing.T) {
 // fasthttp.Response (576 bytes, now its 384-byte header): 4,630-4,790 ->
 // 3,560-3,650 bytes per open stream.
 func TestOpenStreamRouterHeap(t *testing.T) {
-	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
-	runtime.MemProfileRate = 1
-	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: 500 * time.Millisecond, TokenDelay: time.Minute})
-	if _, err := streamTokens(context.Background(), base, 1); err != nil {
-		t.Fatal(err)
-	}
-	const streams = 100
 	sites := []string{"router.(*Server).newRequest", "router.(*Server).newAttempt", "router.(*upstream).postH2C"}
-	before := make([]int64, len(sites))
-	for i, site := range sites {
-		before[i] = heapUnder(site)
-	}
-	conns := make([]net.Conn, streams)
-	for i := range conns {
-		conns[i] = sendStream(t, base, 3)
-	}
-	for _, c := range conns {
-		awaitFirstEvent(t, c)
-	}
-	held := make([]float64, len(sites))
-	for i, site := range sites {
-		held[i] = float64(heapUnder(site)-before[i]) / streams
-	}
-	for _, c := range conns {
-		c.Close()
-	}
+	held := heldPerOpenStream(t, func() []int64 {
+		in := make([]int64, len(sites))
+		for i, site := range sites {
+			in[i] = heapUnder(site)
+		}
+		return in
+	})
 	t.Logf("per open stream: request %.0f, attempt %.0f, h2c reply %.0f bytes", held[0], held[1], held[2])
 	// A little over each size class: other goroutines allocate under the
 	// same functions meanwhile. The h2c replies' share varies with whether
