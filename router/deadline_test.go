@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -13,7 +14,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/valyala/fasthttp"
-	"go.uber.org/zap"
 )
 
 // pipe is a lazyDeadlineConn over one end of a net.Pipe, and the other end.
@@ -139,25 +139,14 @@ func (c *deadlineCountingConn) SetWriteDeadline(t time.Time) error {
 func TestRegularClientSocketDeadlinesMoveOncePerConnection(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.WorkerURLs = []string{cannedBackend(t, false)}
-	cfg.Policy = "round_robin"
-	cfg.Manager.Health.Disabled = true
-	srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	cl := &deadlineCountingListener{Listener: ln}
-	if err := srv.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go srv.Serve(cl) //nolint:errcheck // ends at Shutdown
+	var cl *deadlineCountingListener
+	base, srv := serveInProcessThrough(t, cfg, prometheus.NewRegistry(), func(ln net.Listener) net.Listener {
+		cl = &deadlineCountingListener{Listener: ln}
+		return cl
+	})
 	defer shutdown(t, srv)
-	waitFor(t, srv.manager.Ready)
 
-	conn, err := net.Dial("tcp", ln.Addr().String())
+	conn, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -50,13 +50,20 @@ func serveInProcess(t testing.TB, cfg Config) (string, *Server) {
 // serveInProcessOn is serveInProcess with the router's metrics on promReg.
 func serveInProcessOn(t testing.TB, cfg Config, promReg prometheus.Registerer) (string, *Server) {
 	t.Helper()
+	return serveInProcessThrough(t, cfg, promReg, nil)
+}
+
+// serveInProcessThrough is serveInProcessOn serving its port through
+// wrap(listener) (nil: the listener itself).
+func serveInProcessThrough(t testing.TB, cfg Config, promReg prometheus.Registerer, wrap func(net.Listener) net.Listener) (string, *Server) {
+	t.Helper()
 	cfg.Policy = "round_robin"
 	cfg.Manager.Health.Disabled = true
 	srv, err := New(cfg, zap.NewNop(), promReg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	base := serveOnLoopback(t, srv)
+	base := serveOnLoopbackThrough(t, srv, wrap)
 	waitFor(t, srv.manager.Ready)
 	return base, srv
 }
@@ -65,6 +72,11 @@ func serveInProcessOn(t testing.TB, cfg Config, promReg prometheus.Registerer) (
 // the caller shuts it down.
 func serveOnLoopback(t testing.TB, srv *Server) string {
 	t.Helper()
+	return serveOnLoopbackThrough(t, srv, nil)
+}
+
+func serveOnLoopbackThrough(t testing.TB, srv *Server, wrap func(net.Listener) net.Listener) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -72,7 +84,11 @@ func serveOnLoopback(t testing.TB, srv *Server) string {
 	if err := srv.Start(); err != nil {
 		t.Fatal(err)
 	}
-	go srv.Serve(ln) //nolint:errcheck // ends at Shutdown
+	served := ln
+	if wrap != nil {
+		served = wrap(ln)
+	}
+	go srv.Serve(served) //nolint:errcheck // ends at Shutdown
 	return "http://" + ln.Addr().String()
 }
 

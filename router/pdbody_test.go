@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"go.uber.org/zap"
 
 	"github.com/pdrouter/pdrouter/testkit/testcerts"
 )
@@ -90,25 +89,14 @@ func TestChunkedBodyRefusedAtTheLimit(t *testing.T) {
 			const limit = 3 << 20
 			cfg := bodyConfig(t, mode, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{}`) })
 			cfg.MaxPayloadSize = limit
-			cfg.Policy = "round_robin"
-			cfg.Manager.Health.Disabled = true
-			srv, err := New(cfg, zap.NewNop(), prometheus.NewRegistry())
-			if err != nil {
-				t.Fatal(err)
-			}
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			cl := &countingListener{Listener: ln, readBeforeReply: make(chan int64, 1)}
-			if err := srv.Start(); err != nil {
-				t.Fatal(err)
-			}
-			go srv.Serve(cl) //nolint:errcheck // ends at Shutdown
+			var cl *countingListener
+			base, srv := serveInProcessThrough(t, cfg, prometheus.NewRegistry(), func(ln net.Listener) net.Listener {
+				cl = &countingListener{Listener: ln, readBeforeReply: make(chan int64, 1)}
+				return cl
+			})
 			defer shutdown(t, srv)
-			waitFor(t, srv.manager.Ready)
 
-			conn, br := dialRouter(t, "http://"+ln.Addr().String())
+			conn, br := dialRouter(t, base)
 			var before, after runtime.MemStats
 			runtime.GC()
 			runtime.GC()
