@@ -165,6 +165,13 @@ class _Route:
         self.lock = threading.Lock()
 
 
+def _settled(route):
+    """Whether route stands as it is: a direct connection, through kvproxy
+    for good, or a failed peer's retry time not yet up."""
+    return route is not None and (route.peer is not None or route.retry_at is None
+                                  or time.monotonic() < route.retry_at)
+
+
 class Client:
     """One control connection to the kvproxy at sock_path.
 
@@ -322,11 +329,11 @@ class Client:
         """How writes to peer go now (asks kvproxy the first time, and again
         once a failed peer's retry time is up)."""
         r = self._routes.get(peer)
-        if r is not None and (r.peer is not None or r.retry_at is None or time.monotonic() < r.retry_at):
+        if _settled(r):
             return r
         with self._route_lock:
             r = self._routes.get(peer)
-            if r is not None and (r.peer is not None or r.retry_at is None or time.monotonic() < r.retry_at):
+            if _settled(r):
                 return r
             try:
                 reply = self._call(OP_DIRECT_ROUTE, _string(peer))
