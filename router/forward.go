@@ -12,9 +12,10 @@ import (
 // forwardHeaders renders sglang-router's whitelist of client headers as
 // header lines, once per request (both legs and retries reuse them).
 // skipAuth leaves out the client's Authorization (regular mode sends the
-// worker's own key instead); requestID is the response's X-Request-Id. Names arrive normalized (fasthttp's parser,
-// as hopHeader relies on too), so a switch matches them without a
-// case-folding compare per name and header.
+// worker's own key instead); requestID is the response's X-Request-Id.
+// Names arrive normalized (fasthttp's parser, as hopHeader relies on too),
+// so a switch matches them without a case-folding compare per name and
+// header.
 func forwardHeaders(b []byte, ctx *fasthttp.RequestCtx, skipAuth bool, requestID []byte) []byte {
 	for k, v := range ctx.Request.Header.All() {
 		switch name := bstr(k); name {
