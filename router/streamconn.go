@@ -10,8 +10,6 @@ import (
 	"time"
 
 	"github.com/valyala/fasthttp"
-
-	"github.com/pdrouter/pdrouter/router/splice"
 )
 
 // In PD mode a streaming request's client connection is hijacked before
@@ -248,22 +246,5 @@ func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
 		rt.status, rt.rctx = ctx.Response.StatusCode(), nil
 	}
 	r.body = nil
-	return true
-}
-
-// releaseIdle is release when no write is under way: false otherwise,
-// with nothing released.
-func (g *writeGuard) releaseIdle(body *splice.Body) bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if !g.writing.TryLock() {
-		return false
-	}
-	g.released = true
-	if !g.wrote {
-		body.Detach()
-		g.detached = true
-	}
-	g.writing.Unlock()
 	return true
 }

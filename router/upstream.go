@@ -658,6 +658,29 @@ func (g *writeGuard) end() {
 	g.writing.Unlock()
 }
 
+// releaseIdle is release when no write is under way: false otherwise,
+// with nothing released.
+func (g *writeGuard) releaseIdle(body *splice.Body) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.releaseIdleLocked(body)
+}
+
+// releaseIdleLocked, g.mu held, releases body unless a write is under way
+// (false): a body not written yet gets a copy of its own.
+func (g *writeGuard) releaseIdleLocked(body *splice.Body) bool {
+	if !g.writing.TryLock() {
+		return false
+	}
+	g.released = true
+	if !g.wrote {
+		body.Detach()
+		g.detached = true
+	}
+	g.writing.Unlock()
+	return true
+}
+
 // bodyWriteGrace is how long release lets a write under way finish: into a
 // socket buffer that takes microseconds, so only a worker that does not
 // read its socket is cut.
@@ -670,16 +693,11 @@ const bodyWriteGrace = 100 * time.Millisecond
 func (g *writeGuard) release(body *splice.Body, cancel func()) {
 	g.mu.Lock()
 	g.released = true
-	if g.writing.TryLock() {
-		if !g.wrote {
-			body.Detach()
-			g.detached = true
-		}
-		g.writing.Unlock()
-		g.mu.Unlock()
+	idle := g.releaseIdleLocked(body)
+	g.mu.Unlock()
+	if idle {
 		return
 	}
-	g.mu.Unlock()
 	for deadline := time.Now().Add(bodyWriteGrace); time.Now().Before(deadline); time.Sleep(50 * time.Microsecond) {
 		if g.writing.TryLock() {
 			g.writing.Unlock()
