@@ -981,19 +981,13 @@ func (r *upstreamResponse) drainH2C(see func([]byte)) error {
 		}
 		err := st.err
 		c.mu.Unlock()
-		if st.timer != nil {
-			st.lastRead.Store(time.Now().UnixNano())
-		}
 		switch {
 		case n > 0:
+			r.readH2CEnded(nil)
 		case err != nil:
-			r.failed = true
-			if st.expired.Load() && r.scope.Cause() == nil {
-				err = errStreamIdle
-			}
-			return err
+			return r.readH2CEnded(err)
 		default:
-			r.eof = true
+			r.readH2CEnded(io.EOF)
 			return nil
 		}
 	}
@@ -1065,6 +1059,14 @@ func (r *upstreamResponse) readH2C(p []byte) (int, error) {
 		st.armIdle(r.idle)
 	}
 	n, err := st.read(p)
+	return n, r.readH2CEnded(err)
+}
+
+// readH2CEnded records a read of the reply that ended with err (io.EOF:
+// the body's end) for the idle timer and the reply, and returns err as
+// the reader sees it.
+func (r *upstreamResponse) readH2CEnded(err error) error {
+	st := r.h2
 	if st.timer != nil {
 		st.lastRead.Store(time.Now().UnixNano())
 	}
@@ -1076,7 +1078,7 @@ func (r *upstreamResponse) readH2C(p []byte) (int, error) {
 			err = errStreamIdle
 		}
 	}
-	return n, err
+	return err
 }
 
 // armIdle starts the stream's idle timer: it fires idle after the last
