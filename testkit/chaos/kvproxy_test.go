@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -181,19 +182,17 @@ func bootstrapFloodFDs(t *testing.T) {
 	// further 200 or so queued in the backlog waits one more header timeout.
 	flood := dialMany(t, bootAddr, 400, "")
 	floodStart := time.Now()
+	// The flood's connects return once the kernel queued them, before
+	// kvproxy accepted them: wait until its bootstrap accept is out of fds,
+	// or the engine's connection below could take one of the last.
+	waitLogged(t, p, "accept failed", "the bootstrap port's accept to run out of fds", floodStart)
 	// An engine connects while no fd is left: accept fails with EMFILE.
 	eng, err := control.Dial(sock)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer eng.Close()
-	deadline := time.Now().Add(10 * time.Second)
-	for out := ""; !strings.Contains(out, "control socket accept failed") || !strings.Contains(out, "too many open files"); out = p.Output() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d flood connections did not make the control socket's accept run out of fds", len(flood))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	waitLogged(t, p, "control socket accept failed", "the control socket's accept to run out of fds", floodStart)
 	alive(t, p, "out of fds")
 
 	// Once the header timeout closes the flood's connections, the
@@ -214,4 +213,18 @@ func bootstrapFloodFDs(t *testing.T) {
 	alive(t, p, "after the flood")
 	t.Logf("%d idle connections at --nofile 256: kvproxy ran out of fds, stayed up, bootstrap answered again %v after the flood began",
 		len(flood), served.Round(time.Millisecond))
+}
+
+// waitLogged waits for a log line of p that holds both msg and EMFILE's
+// text, within the header timeout that would end the flood.
+func waitLogged(t *testing.T, p *testenv.Proc, msg, what string, floodStart time.Time) {
+	t.Helper()
+	for !slices.ContainsFunc(strings.Split(p.Output(), "\n"), func(line string) bool {
+		return strings.Contains(line, msg) && strings.Contains(line, "too many open files")
+	}) {
+		if time.Since(floodStart) > bootstrapHeaderTimeout-time.Second {
+			t.Fatalf("waited %v for %s", time.Since(floodStart).Round(time.Millisecond), what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
