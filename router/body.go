@@ -15,12 +15,13 @@ import (
 // Request bodies are read into one buffer of their exact size: fasthttp
 // rounded a Content-Length body up to a power of two and grew a chunked
 // one by copies, quadratic past 100 MB (a 500 MB chunked body peaked at
-// 3.2 GB). In regular mode the server streams them (StreamRequestBody) and
-// the router reads the stream. A streamed body pins the connection's read
-// buffer (MaxHeaderSize) for the connection's life, which a PD stream
-// otherwise does not hold (ReduceMemoryUsage), so PD mode reads them from
-// the connection instead: frameBody tells fasthttp a large or chunked body
-// is empty, and its client connection (headConn) keeps it there whole.
+// 3.2 GB). frameBody tells fasthttp a large or chunked body is empty, and
+// the client connection (headConn) keeps it there whole for the router to
+// read. Not fasthttp's StreamRequestBody: in PD mode a streamed body pins
+// the connection's read buffer (MaxHeaderSize) for the connection's life,
+// which a PD stream otherwise does not hold (ReduceMemoryUsage), and in
+// regular mode the stream (its set-up, a copy, the discard after the
+// handler) cost 8 % of a small request's CPU (bench/RESULTS.md).
 
 // smallBody is the largest body left in fasthttp's pooled buffer (all of it
 // arrived with the head, fasthttp's prefetch); a larger one gets a buffer
@@ -33,31 +34,16 @@ const largeBody = 16 << 20
 
 var smallBodies = sync.Pool{New: func() any { b := make([]byte, 0, smallBody); return &b }}
 
-// readBody reads the client's body and sets it as the request's, or
-// answers why not: 413 as soon as it crosses --max-payload-size, 400 or
-// 408 for a body that breaks off. Its buffer is released when fasthttp
-// resets the request, after the response (a stream's included).
+// readBody reads the client's body that frameBody left on the connection
+// and sets it as the request's, or answers why not: 413 as soon as it
+// crosses --max-payload-size, 400 or 408 for a body that breaks off. Its
+// buffer is released when fasthttp resets the request, after the response
+// (a stream's included). A small body fasthttp has read already.
 func (s *Server) readBody(ctx *fasthttp.RequestCtx) *apiError {
 	if n, left := leftBody(&ctx.Request.Header); left {
 		return s.readLeftBody(ctx, n)
 	}
-	stream := ctx.RequestBodyStream()
-	n := ctx.Request.Header.ContentLength()
-	if stream == nil {
-		return nil
-	}
-	if n == 0 {
-		ctx.Request.SetBodyRaw(nil) // done with the (empty) stream
-		return nil
-	}
-	if n > s.cfg.MaxPayloadSize {
-		return s.tooLarge()
-	}
-	if n > 0 && n <= smallBody {
-		ctx.Request.Body() // reads the prefetched rest of the stream into fasthttp's pooled buffer
-		return nil
-	}
-	return s.setBody(ctx, n, stream)
+	return nil
 }
 
 // setBody reads a body of n bytes (-1: chunked, stream decodes it) and

@@ -21,7 +21,8 @@ import (
 // connection per timeout instead of four times per request.
 //
 // Only where nothing reads the socket past the wrapper with deadlines of
-// its own: regular mode (PD mode's headConn reads the socket directly).
+// its own: regular mode, whose headConn reads through it (PD mode's waits
+// on the socket directly).
 type lazyDeadlineListener struct{ net.Listener }
 
 func (l lazyDeadlineListener) Accept() (net.Conn, error) {

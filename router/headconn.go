@@ -11,22 +11,28 @@ import (
 	"syscall"
 )
 
-// PD mode's client connections (headConn) end every read that fasthttp
-// makes at the end of a request head. fasthttp's read buffer then holds
+// Client connections (headConn) end every read that fasthttp makes at the
+// end of a request head. fasthttp's read buffer then holds
 // nothing past a head, so it goes back to its pool once the head is parsed
 // (ReduceMemoryUsage), and a body fasthttp is told not to read (frameBody)
 // is still whole on the connection, for the router to read at its size
 // (readBody). What a socket read brings past a head waits in a pooled
 // buffer, normally only until fasthttp's next read.
 //
-// fasthttp waits for a keep-alive connection's next request with a read of
-// one byte (ReduceMemoryUsage: no buffer held while idle), then reads the
-// rest: two system calls for what arrives in one. A headConn over a socket
-// waits for that byte without a buffer too, but then reads all that came
-// into a pooled one, and the read of the rest takes it from there.
+// In PD mode fasthttp waits for a keep-alive connection's next request
+// with a read of one byte (ReduceMemoryUsage: no buffer held while idle),
+// then reads the rest: two system calls for what arrives in one. A
+// headConn over a socket waits for that byte without a buffer too, but
+// then reads all that came into a pooled one, and the read of the rest
+// takes it from there. Regular mode keeps fasthttp's buffer and reads
+// through it (firstByteWait off), so a headConn there may sit on a
+// connection that reads the socket itself (lazyDeadlineConn).
 
 // headListener wraps ln's connections in headConns.
-type headListener struct{ net.Listener }
+type headListener struct {
+	net.Listener
+	firstByteWait bool // fasthttp reads one byte to wait for a request: wait on the socket
+}
 
 func (l headListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
@@ -37,7 +43,7 @@ func (l headListener) Accept() (net.Conn, error) {
 	if t, ok := c.(*tls.Conn); ok { // fasthttp tells TLS by its methods
 		return &headTLSConn{headConn: h, tls: t}, nil
 	}
-	if sc, ok := c.(syscall.Conn); ok {
+	if sc, ok := c.(syscall.Conn); ok && l.firstByteWait {
 		h.raw, _ = sc.SyscallConn()
 		h.readFn = h.readSocket
 	}
@@ -234,7 +240,7 @@ type headTLSConn struct {
 func (c *headTLSConn) Handshake() error                     { return c.tls.Handshake() }
 func (c *headTLSConn) ConnectionState() tls.ConnectionState { return c.tls.ConnectionState() }
 
-// clientHeadConn is the headConn under ctx's connection, nil outside PD mode.
+// clientHeadConn is the headConn under ctx's connection, nil if none.
 func clientHeadConn(c net.Conn) *headConn {
 	switch c := c.(type) {
 	case *headConn:

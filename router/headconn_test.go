@@ -25,7 +25,7 @@ func headConnPair(t *testing.T) (*headConn, net.Conn) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { client.Close() })
-	c, err := headListener{ln}.Accept()
+	c, err := headListener{Listener: ln, firstByteWait: true}.Accept()
 	if err != nil {
 		t.Fatal(err)
 	}

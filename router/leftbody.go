@@ -17,7 +17,7 @@ import (
 // own is removed; forwardHeaders never sends it on.
 const leftBodyHeader = "Pdrouter-Left-Body"
 
-// frameBody runs once a PD-mode head is read, before fasthttp reads the
+// frameBody runs once a head is read, before fasthttp reads the
 // body: a chunked body, or one larger than smallBody and within the limit,
 // is left on the connection for readBody, and fasthttp reads none of it.
 // A small body arrives with its head and stays in fasthttp's pooled buffer;

@@ -23,7 +23,7 @@ import (
 )
 
 // bodyModes are the modes that read client bodies: regular, SGLang PD and
-// vLLM PD (PD mode reads them apart from fasthttp, pdbody.go).
+// vLLM PD.
 var bodyModes = []string{"regular", "pd", "vllm-pd"}
 
 // bodyConfig is a router config of mode whose workers all answer worker.
@@ -160,9 +160,9 @@ func bodyPath(mode string) string {
 // or not, in every mode. fasthttp rounded a Content-Length body up to a
 // power of two (2x for 64 MiB + 1) and grew a chunked one by copies (4x
 // here, quadratic past 100 MB: a 500 MB chunked body peaked at 3.2 GB,
-// read at 10 MB/s). Regular mode streams bodies; PD mode reads them from
-// the connection (headconn.go). Neither copies it afterwards: the bootstrap
-// splice (PD) and the rid (regular mode) write the legs from that buffer.
+// read at 10 MB/s). Every mode reads them from the connection
+// (headconn.go) and none copies it afterwards: the bootstrap splice (PD)
+// and the rid (regular mode) write the legs from that buffer.
 func TestBodyReadCostsItsSize(t *testing.T) {
 	for _, mode := range bodyModes {
 		for _, chunked := range []bool{false, true} {
@@ -260,11 +260,11 @@ func TestLargeBodyMemoryGivenBack(t *testing.T) {
 	}
 }
 
-// PD mode reads a large or chunked body from the connection after fasthttp
-// read the head: what came after the body on the same connection (a
-// pipelined request, sent in the same write) is still the next request,
-// whatever the body's framing.
-func TestPDBodyThenPipelinedRequest(t *testing.T) {
+// A large or chunked body is read from the connection after fasthttp read
+// the head: what came after the body on the same connection (a pipelined
+// request, sent in the same write) is still the next request, whatever the
+// body's framing.
+func TestBodyThenPipelinedRequest(t *testing.T) {
 	text := strings.Repeat("y", 100<<10)
 	large := `{"text":"` + text + `"}`
 	for name, first := range map[string]string{
@@ -274,43 +274,45 @@ func TestPDBodyThenPipelinedRequest(t *testing.T) {
 		"small-chunked": "POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
 			fmt.Sprintf("%x\r\n%s\r\n", len(`{"text":"`+text[:10]+`"}`), `{"text":"`+text[:10]+`"}`) + "0\r\n\r\n",
 	} {
-		t.Run(name, func(t *testing.T) {
-			var texts sync.Map // the texts the workers received
-			cfg := bodyConfig(t, "pd", func(w http.ResponseWriter, r *http.Request) {
-				var req struct{ Text string }
-				if json.NewDecoder(r.Body).Decode(&req) == nil && r.Method == "POST" {
-					texts.Store(req.Text, true)
+		for _, mode := range []string{"regular", "pd"} {
+			t.Run(mode+"/"+name, func(t *testing.T) {
+				var texts sync.Map // the texts the workers received
+				cfg := bodyConfig(t, mode, func(w http.ResponseWriter, r *http.Request) {
+					var req struct{ Text string }
+					if json.NewDecoder(r.Body).Decode(&req) == nil && r.Method == "POST" {
+						texts.Store(req.Text, true)
+					}
+					io.WriteString(w, `{"text":"ok"}`)
+				})
+				base, srv := serveInProcess(t, cfg)
+				defer shutdown(t, srv)
+				conn, br := dialRouter(t, base)
+				second := `{"text":"second"}`
+				io.WriteString(conn, first+fmt.Sprintf("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(second), second))
+				for i := range 2 {
+					resp, err := http.ReadResponse(br, nil)
+					if err != nil {
+						t.Fatalf("response %d: %v", i, err)
+					}
+					reply, _ := io.ReadAll(resp.Body)
+					if resp.StatusCode != 200 || resp.Close {
+						t.Fatalf("response %d: status %d close %v: %s", i, resp.StatusCode, resp.Close, reply)
+					}
 				}
-				io.WriteString(w, `{"text":"ok"}`)
+				// Both reached the workers whole.
+				n := 0
+				texts.Range(func(k, _ any) bool {
+					if k != "second" && !strings.HasPrefix(text, k.(string)) {
+						t.Errorf("a worker received text %.20q...", k)
+					}
+					n++
+					return true
+				})
+				if n != 2 {
+					t.Fatalf("%d distinct texts reached the workers, want the two sent", n)
+				}
 			})
-			base, srv := serveInProcess(t, cfg)
-			defer shutdown(t, srv)
-			conn, br := dialRouter(t, base)
-			second := `{"text":"second"}`
-			io.WriteString(conn, first+fmt.Sprintf("POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s", len(second), second))
-			for i := range 2 {
-				resp, err := http.ReadResponse(br, nil)
-				if err != nil {
-					t.Fatalf("response %d: %v", i, err)
-				}
-				reply, _ := io.ReadAll(resp.Body)
-				if resp.StatusCode != 200 || resp.Close {
-					t.Fatalf("response %d: status %d close %v: %s", i, resp.StatusCode, resp.Close, reply)
-				}
-			}
-			// Both reached the workers whole.
-			n := 0
-			texts.Range(func(k, _ any) bool {
-				if k != "second" && !strings.HasPrefix(text, k.(string)) {
-					t.Errorf("a worker received text %.20q...", k)
-				}
-				n++
-				return true
-			})
-			if n != 2 {
-				t.Fatalf("%d distinct texts reached the workers, want the two sent", n)
-			}
-		})
+		}
 	}
 }
 
@@ -357,44 +359,52 @@ func TestBrokenBodyRefused(t *testing.T) {
 // A response sent without reading the body left on the connection (a
 // method refused, a CORS preflight) closes it: the body's bytes are not
 // taken for a next request, so a request hidden in a body is never served.
-func TestPDUnreadBodyClosesTheConnection(t *testing.T) {
+func TestUnreadBodyClosesTheConnection(t *testing.T) {
 	hidden := "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 	body := strings.Repeat(" ", 10<<10) + hidden // over smallBody: left on the connection
 	for name, head := range map[string]string{
 		"refused method": "PURGE /generate HTTP/1.1\r\nHost: x\r\n",
 		"cors preflight": "OPTIONS /generate HTTP/1.1\r\nHost: x\r\nOrigin: http://a\r\nAccess-Control-Request-Method: POST\r\n",
 	} {
-		for _, chunked := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/chunked=%v", name, chunked), func(t *testing.T) {
-				cfg := bodyConfig(t, "pd", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{}`) })
-				base, srv := serveInProcess(t, cfg)
-				defer shutdown(t, srv)
-				conn, br := dialRouter(t, base)
-				if chunked {
-					fmt.Fprintf(conn, "%sTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n", head, len(body), body)
-				} else {
-					fmt.Fprintf(conn, "%sContent-Length: %d\r\n\r\n%s", head, len(body), body)
-				}
-				resp, err := http.ReadResponse(br, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				io.Copy(io.Discard, resp.Body)
-				if !resp.Close {
-					t.Fatalf("status %d, connection kept after a body left unread", resp.StatusCode)
-				}
-				if rest, _ := io.ReadAll(br); len(rest) > 0 {
-					t.Fatalf("a second response after the first: %q", rest)
-				}
-			})
+		for _, mode := range []string{"regular", "pd"} {
+			for _, chunked := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s/%s/chunked=%v", mode, name, chunked), func(t *testing.T) {
+					cfg := bodyConfig(t, mode, func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, `{}`) })
+					base, srv := serveInProcess(t, cfg)
+					defer shutdown(t, srv)
+					conn, br := dialRouter(t, base)
+					if chunked {
+						fmt.Fprintf(conn, "%sTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n", head, len(body), body)
+					} else {
+						fmt.Fprintf(conn, "%sContent-Length: %d\r\n\r\n%s", head, len(body), body)
+					}
+					resp, err := http.ReadResponse(br, nil)
+					if err != nil {
+						t.Fatal(err)
+					}
+					io.Copy(io.Discard, resp.Body)
+					if !resp.Close {
+						t.Fatalf("status %d, connection kept after a body left unread", resp.StatusCode)
+					}
+					if rest, _ := io.ReadAll(br); len(rest) > 0 {
+						t.Fatalf("a second response after the first: %q", rest)
+					}
+				})
+			}
 		}
 	}
 }
 
 // A large body sent after 100 Continue is read from the connection too.
-func TestPDExpectContinueLargeBody(t *testing.T) {
+func TestExpectContinueLargeBody(t *testing.T) {
+	for _, mode := range []string{"regular", "pd"} {
+		t.Run(mode, func(t *testing.T) { expectContinueLargeBody(t, mode) })
+	}
+}
+
+func expectContinueLargeBody(t *testing.T, mode string) {
 	var got atomic.Int64
-	cfg := bodyConfig(t, "pd", func(w http.ResponseWriter, r *http.Request) {
+	cfg := bodyConfig(t, mode, func(w http.ResponseWriter, r *http.Request) {
 		n, _ := io.Copy(io.Discard, r.Body)
 		got.Store(n)
 		io.WriteString(w, `{"text":"ok"}`)
@@ -416,7 +426,7 @@ func TestPDExpectContinueLargeBody(t *testing.T) {
 	}
 	reply, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != 200 || got.Load() < int64(len(body)) {
-		t.Fatalf("status %d: %s; decode got %d bytes of a %d-byte body", resp.StatusCode, reply, got.Load(), len(body))
+		t.Fatalf("status %d: %s; the worker got %d bytes of a %d-byte body", resp.StatusCode, reply, got.Load(), len(body))
 	}
 }
 
@@ -471,14 +481,20 @@ func FuzzHeadConnEndsReadsAtEmptyLines(f *testing.F) {
 	})
 }
 
-// Over an HTTPS front end the PD connection is a headConn over TLS: bodies
+// Over an HTTPS front end the connection is a headConn over TLS: bodies
 // are read the same way, and it keeps the methods fasthttp tells TLS by.
-func TestPDBodyOverTLS(t *testing.T) {
+func TestBodyOverTLS(t *testing.T) {
+	for _, mode := range []string{"regular", "pd"} {
+		t.Run(mode, func(t *testing.T) { bodyOverTLS(t, mode) })
+	}
+}
+
+func bodyOverTLS(t *testing.T, mode string) {
 	ca := testcerts.NewCA(t, "front")
 	pair := ca.Server(t, "front")
 	text := strings.Repeat("t", 200<<10)
 	var got sync.Map
-	cfg := bodyConfig(t, "pd", func(w http.ResponseWriter, r *http.Request) {
+	cfg := bodyConfig(t, mode, func(w http.ResponseWriter, r *http.Request) {
 		var req struct{ Text string }
 		if json.NewDecoder(r.Body).Decode(&req) == nil && r.Method == "POST" {
 			got.Store(req.Text, true)

@@ -21,6 +21,20 @@ func pdPoster(t *testing.T) func() {
 	cfg.PDDisaggregation = true
 	cfg.Prefill = []PrefillSpec{{URL: cannedBackend(t, false), BootstrapPort: 8998}}
 	cfg.Decode = []string{cannedBackend(t, false)}
+	return poster(t, cfg)
+}
+
+// regularPoster is pdPoster in regular mode, on one canned engine.
+func regularPoster(t *testing.T) func() {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = []string{cannedBackend(t, false)}
+	return poster(t, cfg)
+}
+
+// poster serves cfg in process and returns pdPoster's function for it.
+func poster(t *testing.T, cfg Config) func() {
+	t.Helper()
 	base, srv := serveInProcess(t, cfg)
 	t.Cleanup(func() { shutdown(t, srv) })
 	conn, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))

@@ -3,8 +3,10 @@ package router
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 type countingHook struct {
@@ -80,5 +82,40 @@ func TestScopeAsContext(t *testing.T) {
 	<-derived.Done()
 	if context.Cause(derived) != context.Canceled {
 		t.Fatalf("derived cause %v", context.Cause(derived))
+	}
+}
+
+// Cause reads a live scope's without its lock (about eight calls per
+// request, each a lock and unlock before), and an ended one's whole: a
+// Cause racing the cancel sees nil or the cause, never a torn value.
+func TestScopeCauseOfALiveScopeTakesNoLock(t *testing.T) {
+	s := &scope{}
+	s.mu.Lock()
+	got := make(chan error, 1)
+	go func() { got <- s.Cause() }()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("live scope's cause %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Cause waited for the scope's lock")
+	}
+	s.mu.Unlock()
+
+	for range 100 {
+		s := &scope{}
+		var wg sync.WaitGroup
+		wg.Go(func() { s.cancel(errClientGone) })
+		for range 2 {
+			wg.Go(func() {
+				for s.Cause() == nil {
+				}
+				if s.Cause() != errClientGone || s.Err() != context.Canceled {
+					t.Errorf("cause %v err %v after the cancel", s.Cause(), s.Err())
+				}
+			})
+		}
+		wg.Wait()
 	}
 }

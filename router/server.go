@@ -153,7 +153,6 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 		Handler:                       s.handle,
 		Name:                          "pdrouter",
 		MaxRequestBodySize:            cfg.MaxPayloadSize,
-		StreamRequestBody:             !cfg.PDDisaggregation, // PD mode reads bodies from the connection (body.go)
 		ExpectHandler:                 s.expectContinue,
 		ErrorHandler:                  s.transportError,
 		ReadBufferSize:                cfg.MaxHeaderSize, // the whole head must fit
@@ -188,11 +187,9 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 
 // bodyDeadline gives the body its own read timeout once the head is in
 // (fasthttp's ReadTimeout, the header read timeout, covers the head), and
-// in PD mode leaves large bodies to the router (frameBody).
+// leaves large bodies to the router (frameBody).
 func (s *Server) bodyDeadline(h *fasthttp.RequestHeader) fasthttp.RequestConfig {
-	if s.cfg.PDDisaggregation {
-		s.frameBody(h)
-	}
+	s.frameBody(h)
 	return fasthttp.RequestConfig{ReadTimeout: s.cfg.BodyReadTimeout}
 }
 
@@ -245,10 +242,11 @@ func (s *Server) Start() error {
 // Serve answers requests on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
 	ln = s.limitListener(ln)
+	// Large bodies are read from the connection (body.go).
 	if s.cfg.PDDisaggregation {
-		ln = headListener{s.listener(ln)} // bodies are read from the connection (body.go)
+		ln = headListener{Listener: s.listener(ln), firstByteWait: true}
 	} else {
-		ln = s.listener(lazyDeadlineListener{ln}) // deadline.go
+		ln = headListener{Listener: s.listener(lazyDeadlineListener{ln})} // deadline.go
 	}
 	return s.srv.Serve(ln)
 }
