@@ -26,8 +26,9 @@ import (
 // is under a quarter of it: under 1,248 bytes for 4 KiB;
 // TestWaitingStreamStackFitsIn4KiB), and nothing on the way to them needs
 // more than 4 KiB (TestOpenStreamStackIs4KiB). Once the response is
-// written, fasthttp serves the connection again (KeepHijackedConns: the
-// router closes or serves it).
+// written, the connection waits for its client's next request in the
+// shared epoll set, and fasthttp serves it again once it comes
+// (KeepHijackedConns: the router closes or serves it; parkconn.go).
 
 // serveStream serves r, a PD streaming request, on its hijacked
 // connection. fasthttp hands the connection over unless it is already
@@ -73,14 +74,39 @@ func (s *Server) relayRest(sr *streamRelay, keep bool, err error) {
 	s.closeStream(sr.r, sr.serve(err) && keep)
 }
 
-// closeStream hands r's connection back to fasthttp, or closes it.
+// closeStream parks r's connection until its client's next request
+// (parkconn.go), or closes it.
 func (s *Server) closeStream(r *request, keep bool) {
-	s.metrics.httpConnections.Dec()
-	if keep {
-		go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
+	if !keep {
+		s.closeParked(r.conn)
 		return
 	}
-	_ = r.conn.Close()
+	// Bytes already read past the request (a pipelining client's) would
+	// wake no epoll wait: they are served at once.
+	if h := clientHeadConn(r.conn); h != nil && h.rest != nil || !s.inflight.watcher.park(r.conn, s.keepAliveIdle(), s) {
+		s.serveParked(r.conn)
+	}
+}
+
+// serveParked has fasthttp serve c's next requests; c stays counted open
+// until fasthttp closes it.
+func (s *Server) serveParked(c net.Conn) {
+	go s.srv.ServeConn(c) //nolint:errcheck // it closes the connection when done
+}
+
+// closeParked closes c, a connection fasthttp has handed over.
+func (s *Server) closeParked(c net.Conn) {
+	s.metrics.httpConnections.Dec()
+	_ = c.Close()
+}
+
+// keepAliveIdle is how long fasthttp keeps a connection idle between
+// requests (its idleTimeout: IdleTimeout, else ReadTimeout).
+func (s *Server) keepAliveIdle() time.Duration {
+	if s.srv.IdleTimeout > 0 {
+		return s.srv.IdleTimeout
+	}
+	return s.srv.ReadTimeout
 }
 
 // answerHead records r's response and prepares its connection (r.conn,
