@@ -119,7 +119,10 @@ type streamRelay struct {
 	ended   bool        // the last bytes are pending: nothing more to read
 	closed  bool        // CloseWithError ran
 	keep    bool        // PD mode: the connection may serve the client's next request
-	first   [1]byte     // relay's wait for the next event reads its first byte here
+	// resumeFn is resume (streamconn.go), started by the h2c stream's
+	// reader for each event of a PD stream.
+	resumeFn func()
+	first    [1]byte // relay's wait for the next event reads its first byte here
 
 	tail  [16]byte // the last bytes the worker sent (see)
 	tailN int

@@ -69,7 +69,8 @@ func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
 	}
 	if sr.leg.resp.h2 != nil {
 		sr.keep = keep
-		sr.resume() // until the next event is awaited
+		sr.resumeFn = sr.resume // made once: the h2c reader starts it for every event
+		sr.resume()             // until the next event is awaited
 		return
 	}
 	go s.relayRest(sr, keep, nil)
@@ -85,7 +86,7 @@ func (sr *streamRelay) resume() {
 	for {
 		if sr.waiting() {
 			sr.beforeWait()
-			if sr.leg.resp.parkH2C(sr) {
+			if sr.leg.resp.parkH2C(sr.resumeFn) {
 				return
 			}
 		}

@@ -126,7 +126,7 @@ type h2cStream struct {
 	unacked int32   // of used: read (or padding), to be credited back
 	sendWin int64   // what the request body may still send (int64: a peer's increments cannot wrap it)
 
-	waiter   h2cWaiter // a relay parked until the stream is ready (parkH2C)
+	waiter   func() // resumes a relay parked until the stream is ready (parkH2C)
 	idle     time.Duration
 	lastRead atomic.Int64 // unix nanoseconds of the last read's return
 	timer    *time.Timer  // ends the stream once idle; nil until armed
@@ -138,9 +138,9 @@ func (st *h2cStream) cancelled(cause error) { st.conn.reset(st, cause) }
 // signal wakes whoever waits on the stream (under conn.mu): a relay parked
 // without a goroutine (parkH2C) is resumed on a new one.
 func (st *h2cStream) signal() {
-	if w := st.waiter; w != nil {
+	if resume := st.waiter; resume != nil {
 		st.waiter = nil
-		go w.resume()
+		go resume() // a func value, not a method call: no closure to allocate per event
 		return
 	}
 	select {
@@ -1019,13 +1019,10 @@ func (r *upstreamResponse) awaitH2C() {
 	c.mu.Unlock()
 }
 
-// h2cWaiter is a relay that waits for a stream's next bytes holding no
-// goroutine: resume runs on a goroutine of its own once they arrive.
-type h2cWaiter interface{ resume() }
-
-// parkH2C is awaitH2C without the wait: false when the stream is ready
-// now, else w is resumed (signal) once it is.
-func (r *upstreamResponse) parkH2C(w h2cWaiter) bool {
+// parkH2C is awaitH2C without the wait, for a relay that holds no
+// goroutine between events: false when the stream is ready now, else
+// resume runs on a goroutine of its own (signal) once it is.
+func (r *upstreamResponse) parkH2C(resume func()) bool {
 	st := r.h2
 	if r.idle > 0 && st.timer == nil {
 		st.armIdle(r.idle)
@@ -1036,7 +1033,7 @@ func (r *upstreamResponse) parkH2C(w h2cWaiter) bool {
 	if st.ready() {
 		return false
 	}
-	st.waiter = w
+	st.waiter = resume
 	return true
 }
 
