@@ -3,6 +3,7 @@ package router
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -229,5 +230,48 @@ func TestHijackedStreamsLeaveNoDescriptors(t *testing.T) {
 	}
 	if n, g := openFDs(t), routerGoroutines(); n > fds || g > goroutines {
 		t.Errorf("%d descriptors and %d router goroutines after the streams, %d and %d before", n, g, fds, goroutines)
+	}
+}
+
+// Prefill's input logprobs are merged into every event of an h2c PD stream
+// whose relay waits between events holding no goroutine (its merger keeps
+// its buffer across the waits).
+func TestH2CStreamMergesLogprobsAcrossWaits(t *testing.T) {
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{Tokens: 4, TokenDelay: 20 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, "POST", base+"/generate",
+		strings.NewReader(`{"text":"one two three four five","return_logprob":true,"stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("status %d, err %v: %s", resp.StatusCode, err, body)
+	}
+	events := 0
+	for _, line := range strings.Split(string(body), "\n") {
+		ev, ok := strings.CutPrefix(line, "data: ")
+		if !ok || ev == "[DONE]" {
+			continue
+		}
+		var out struct {
+			MetaInfo struct {
+				InputTokenLogprobs []json.RawMessage `json:"input_token_logprobs"`
+			} `json:"meta_info"`
+		}
+		if err := json.Unmarshal([]byte(ev), &out); err != nil {
+			t.Fatalf("event is not JSON: %s", ev)
+		}
+		// prefill reports all 5 prompt tokens, decode only the last one.
+		if n := len(out.MetaInfo.InputTokenLogprobs); n != 6 {
+			t.Errorf("event %d has %d input logprobs, want 5+1: %s", events, n, ev)
+		}
+		events++
+	}
+	if events < 4 {
+		t.Errorf("%d events, want one a token", events)
 	}
 }
