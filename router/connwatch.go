@@ -35,6 +35,8 @@ type watcher struct {
 	ep     *epoller
 	epErr  error // epoll could not be set up: watches use goroutines
 	closed bool
+
+	lot parkingLot // idle client connections (parkconn.go)
 }
 
 // connWatch is one connection's watch. It lives in the request (no
@@ -88,12 +90,14 @@ func (w *watcher) epoller() *epoller {
 }
 
 // close ends the shared watch (at hard shutdown, when every request is
-// cancelled anyway); watches still registered end with their requests.
+// cancelled anyway); watches still registered end with their requests,
+// parked connections close.
 func (w *watcher) close() {
 	w.mu.Lock()
 	w.closed = true
 	ep := w.ep
 	w.mu.Unlock()
+	w.lot.closeAll()
 	if ep != nil {
 		ep.close()
 	}

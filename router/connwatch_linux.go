@@ -18,7 +18,8 @@ import (
 // one system call; the first watch on a connection adds it), and stopping
 // one only forgets the token: a later event for it is ignored, and the
 // kernel drops the registration when the socket closes. Pipelined requests
-// wake nobody, since bytes are not watched for.
+// wake nobody, since bytes are not watched for; a parked connection
+// (parkconn.go) is registered for them too (parkEvents).
 //
 // The epoll_ctl and the peek run inside the connection's RawConn.Control,
 // which keeps its descriptor open meanwhile, and the kernel keys
@@ -33,12 +34,16 @@ type epoller struct {
 
 	mu      sync.Mutex // held while an event is handled, so that stop waits for onGone
 	watches map[uint64]*connWatch
+	parked  map[uint64]*parkedConn // idle client connections (parkconn.go)
 	next    uint64
 	done    chan struct{}
 	closed  bool // under life
 }
 
 const watchEvents = syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
+
+// parkEvents wake a parked connection for its next bytes too.
+const parkEvents = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
 
 func newEpoller() (*epoller, error) {
 	fd, err := syscall.EpollCreate1(syscall.EPOLL_CLOEXEC)
@@ -55,23 +60,23 @@ func newEpoller() (*epoller, error) {
 		f.Close()
 		return nil, err
 	}
-	e := &epoller{file: f, rc: rc, epfd: fd, watches: map[uint64]*connWatch{}, done: make(chan struct{})}
+	e := &epoller{file: f, rc: rc, epfd: fd, watches: map[uint64]*connWatch{}, parked: map[uint64]*parkedConn{}, done: make(chan struct{})}
 	go e.run()
 	return e, nil
 }
 
 var errWatcherClosed = errors.New("connwatch: closed")
 
-// arm (re-)registers cw's socket under cw's token.
-func (e *epoller) arm(cw *connWatch) error {
+// arm (re-)registers a socket for events under token.
+func (e *epoller) arm(rc syscall.RawConn, token uint64, events uint32) error {
 	e.life.RLock()
 	defer e.life.RUnlock()
 	if e.closed {
 		return errWatcherClosed
 	}
 	var opErr error
-	err := cw.rc.Control(func(fd uintptr) {
-		ev := syscall.EpollEvent{Events: watchEvents, Fd: int32(cw.token), Pad: int32(cw.token >> 32)}
+	err := rc.Control(func(fd uintptr) {
+		ev := syscall.EpollEvent{Events: events, Fd: int32(token), Pad: int32(token >> 32)}
 		opErr = syscall.EpollCtl(e.epfd, syscall.EPOLL_CTL_MOD, int(fd), &ev)
 		if opErr == syscall.ENOENT {
 			opErr = syscall.EpollCtl(e.epfd, syscall.EPOLL_CTL_ADD, int(fd), &ev)
@@ -89,7 +94,7 @@ func (e *epoller) add(cw *connWatch) error {
 	cw.ep, cw.token = e, e.next
 	e.watches[cw.token] = cw
 	e.mu.Unlock()
-	if err := e.arm(cw); err != nil {
+	if err := e.arm(cw.rc, cw.token, watchEvents); err != nil {
 		e.remove(cw)
 		return err
 	}
@@ -126,14 +131,20 @@ func (e *epoller) run() {
 	}
 }
 
-// fire handles an event for the watch registered under token.
+// fire handles an event for the watch or the parked connection
+// registered under token.
 func (e *epoller) fire(token uint64) {
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	cw := e.watches[token]
 	if cw == nil {
-		return // stopped: the peer left after its request was answered
+		p := e.parked[token]
+		e.mu.Unlock()
+		if p != nil {
+			p.lot.wake(p)
+		}
+		return // or stopped: the peer left after its request was answered
 	}
+	defer e.mu.Unlock()
 	var gone, sent bool
 	if cw.rc.Control(func(fd uintptr) { gone, sent = peekPeer(fd) }) != nil {
 		return // closed: its watch is being stopped
@@ -145,8 +156,32 @@ func (e *epoller) fire(token uint64) {
 	case sent: // a pipelined request before a half-close: as with bytes alone, the watch is over
 		delete(e.watches, token)
 	default: // woken for nothing: arm it again
-		_ = e.arm(cw)
+		_ = e.arm(cw.rc, cw.token, watchEvents)
 	}
+}
+
+// addParked registers p's socket for its next bytes or its hang-up.
+func (e *epoller) addParked(p *parkedConn) error {
+	e.mu.Lock()
+	e.next++
+	p.token = e.next
+	e.parked[p.token] = p
+	e.mu.Unlock()
+	if err := e.arm(p.rc, p.token, parkEvents); err != nil {
+		e.removeParked(p)
+		return err
+	}
+	return nil
+}
+
+// rearmParked waits for p's socket again after a wake for nothing.
+func (e *epoller) rearmParked(p *parkedConn) error { return e.arm(p.rc, p.token, parkEvents) }
+
+// removeParked forgets p: a later event for it is ignored.
+func (e *epoller) removeParked(p *parkedConn) {
+	e.mu.Lock()
+	delete(e.parked, p.token)
+	e.mu.Unlock()
 }
 
 // close stops the goroutine and closes the set, which drops every

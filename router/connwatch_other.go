@@ -13,3 +13,7 @@ func newEpoller() (*epoller, error) { return nil, errors.ErrUnsupported }
 func (*epoller) add(*connWatch) error { return errors.ErrUnsupported }
 func (*epoller) remove(*connWatch)    {}
 func (*epoller) close()               {}
+
+func (*epoller) addParked(*parkedConn) error   { return errors.ErrUnsupported }
+func (*epoller) rearmParked(*parkedConn) error { return errors.ErrUnsupported }
+func (*epoller) removeParked(*parkedConn)      {}

@@ -78,15 +78,7 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 	for attempt := range attempts {
 		r.attempt = attempt
 		if attempt > 0 {
-			r.settle()
-			backoff := s.cfg.Retry.Backoff(attempt - 1)
-			r.rec.backoffs = append(r.rec.backoffs, backoff)
-			t := time.NewTimer(backoff)
-			select {
-			case <-t.C:
-			case <-r.scope.Done():
-				t.Stop()
-			}
+			s.backOff(r, attempt)
 		}
 		if r.scope.Err() != nil {
 			break
@@ -108,6 +100,27 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		}
 		r.rec.exhausted = attempt == attempts-1 && attempts > 1
 	}
+	s.answerFailure(ctx, r, fail)
+}
+
+// backOff waits before r's attempt, a retry. Apart from serve: a stream's
+// goroutine waits for its first token below serve's frame, whose size
+// decides the runtime's starting stack size (TestWaitingStreamStackFitsIn4KiB).
+func (s *Server) backOff(r *request, attempt int) {
+	r.settle()
+	backoff := s.cfg.Retry.Backoff(attempt - 1)
+	r.rec.backoffs = append(r.rec.backoffs, backoff)
+	t := time.NewTimer(backoff)
+	select {
+	case <-t.C:
+	case <-r.scope.Done():
+		t.Stop()
+	}
+}
+
+// answerFailure ends r after its last attempt, answering its failure, if
+// any, on ctx (apart from serve: see backOff).
+func (s *Server) answerFailure(ctx *fasthttp.RequestCtx, r *request, fail *apiError) {
 	defer r.finish()
 	if r.clientGone() {
 		s.log.Debug("client went away", zap.ByteString("request_id", r.requestID))

@@ -254,7 +254,8 @@ func (s *Server) Serve(ln net.Listener) error {
 // Shutdown stops accepting, lets in-flight requests and streams finish
 // until ctx ends, then cancels what is left.
 func (s *Server) Shutdown(ctx context.Context) error {
-	s.draining.Store(true) // a stream's connection closes at its end (streamconn.go)
+	s.draining.Store(true)            // a stream's connection closes at its end (streamconn.go)
+	s.inflight.watcher.lot.closeAll() // and those idle since a stream close now (parkconn.go)
 	err := s.srv.ShutdownWithContext(ctx)
 	s.awaitStreams(ctx) // hijacked streams, which fasthttp does not wait for
 	s.cancelBase()

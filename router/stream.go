@@ -118,7 +118,11 @@ type streamRelay struct {
 	sent    bool        // the first byte went out
 	ended   bool        // the last bytes are pending: nothing more to read
 	closed  bool        // CloseWithError ran
-	first   [1]byte     // relay's wait for the next event reads its first byte here
+	keep    bool        // PD mode: the connection may serve the client's next request
+	// resumeFn is resume (streamconn.go), started by the h2c stream's
+	// reader for each event of a PD stream.
+	resumeFn func()
+	first    [1]byte // relay's wait for the next event reads its first byte here
 
 	tail  [16]byte // the last bytes the worker sent (see)
 	tailN int
@@ -178,32 +182,49 @@ func (sr *streamRelay) cleanEnd() bool {
 // pooled one, writes it as one HTTP chunk and gives the buffer back, so an
 // open stream holds none between events. An h2c stream waits here, in a
 // frame shallow enough that the stack of the stream's goroutine shrinks to
-// 4 KiB (streamconn.go); an HTTP/1.1 one waits in its read, which alone
-// knows whether its body has more to come.
+// 4 KiB, in regular mode (a PD one waits holding no goroutine: resume,
+// streamconn.go); an HTTP/1.1 one waits in its read, which alone knows
+// whether its body has more to come.
 func (sr *streamRelay) relay(w io.Writer) error {
 	for {
-		if resp := sr.leg.resp; resp.h2 != nil && len(sr.pending) == 0 && sr.readErr == nil {
-			if sr.merge == nil {
-				sr.releaseBuf() // the first chunk's, written
-			}
+		if resp := sr.leg.resp; resp.h2 != nil && sr.waiting() {
+			sr.beforeWait()
 			resp.awaitH2C()
 		}
-		out, bufp := sr.nextOut()
-		var err error
-		if len(out) > 0 {
-			if !sr.sent {
-				sr.r.observeFirstByte()
-				sr.sent = true
-			}
-			_, err = w.Write(out)
-		}
-		if bufp != nil {
-			chunkPool.Put(bufp)
-		}
-		if err != nil || sr.ended {
+		if err := sr.pass(w); err != nil || sr.ended {
 			return err
 		}
 	}
+}
+
+// beforeWait gives back the first chunk's buffer, written, unless a merger
+// reads into it: a stream holds none between events.
+func (sr *streamRelay) beforeWait() {
+	if sr.merge == nil {
+		sr.releaseBuf()
+	}
+}
+
+// waiting reports whether the relay has nothing to write before the
+// worker's next bytes.
+func (sr *streamRelay) waiting() bool { return len(sr.pending) == 0 && sr.readErr == nil }
+
+// pass writes the client's next bytes to w: those pending, or what the
+// worker's next read brings.
+func (sr *streamRelay) pass(w io.Writer) error {
+	out, bufp := sr.nextOut()
+	var err error
+	if len(out) > 0 {
+		if !sr.sent {
+			sr.r.observeFirstByte()
+			sr.sent = true
+		}
+		_, err = w.Write(out)
+	}
+	if bufp != nil {
+		chunkPool.Put(bufp)
+	}
+	return err
 }
 
 // WriteTo is how fasthttp writes a regular-mode stream

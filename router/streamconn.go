@@ -18,16 +18,19 @@ import (
 // token) goes back to its pool, and fasthttp's hijack handler, a shallow
 // frame, runs the attempts, waits for the first token and writes the head
 // and the first event straight to the socket (no 4 KiB connection writer).
-// The stream then goes on on a goroutine of its own (relayRest), and the
-// handler returns, giving fasthttp its RequestCtx back (endStream). Stacks
-// stay at 4 KiB while they wait: the frames above the two waits
-// (startStream's, relay's) are kept small for that, 1,232 bytes at the
-// first (the collector halves a stack only while its use, plus 800 bytes,
-// is under a quarter of it: under 1,248 bytes for 4 KiB;
+// The handler then returns, giving fasthttp its RequestCtx back
+// (endStream), and an h2c stream holds no goroutine between events: each
+// of its events is written by a goroutine that the h2c connection's reader
+// starts (resume); an HTTP/1.1 one goes on on a goroutine of its own
+// (relayRest). Stacks stay at 4 KiB while they wait: the frames above the
+// waits (startStream's, relay's) are kept small for that, 1,232 bytes at
+// the first (the collector halves a stack only while its use, plus 800
+// bytes, is under a quarter of it: under 1,248 bytes for 4 KiB;
 // TestWaitingStreamStackFitsIn4KiB), and nothing on the way to them needs
 // more than 4 KiB (TestOpenStreamStackIs4KiB). Once the response is
-// written, fasthttp serves the connection again (KeepHijackedConns: the
-// router closes or serves it).
+// written, the connection waits for its client's next request in the
+// shared epoll set, and fasthttp serves it again once it comes
+// (KeepHijackedConns: the router closes or serves it; parkconn.go).
 
 // serveStream serves r, a PD streaming request, on its hijacked
 // connection. fasthttp hands the connection over unless it is already
@@ -44,10 +47,10 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 
 // endStream answers r on hc and then closes the connection, or has
 // fasthttp serve its next requests. Once its first event is out, a PD
-// stream goes on on a goroutine of its own (relayRest), so that fasthttp
-// takes its RequestCtx back as this handler returns: an open stream then
-// holds neither fasthttp's request and response (about 3.5 KiB with their
-// buffers) nor this goroutine's stack.
+// stream goes on without this handler (resume, or relayRest on a
+// goroutine of its own), so that fasthttp takes its RequestCtx back as it
+// returns: an open stream then holds neither fasthttp's request and
+// response (about 3.5 KiB with their buffers) nor this goroutine's stack.
 func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
 	keep := s.answerHead(ctx, r) && !readsAhead(hc, r.conn)
 	sr := r.relay
@@ -64,7 +67,39 @@ func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
 		s.relayRest(sr, keep, err)
 		return
 	}
+	if sr.leg.resp.h2 != nil {
+		sr.keep = keep
+		sr.resumeFn = sr.resume // made once: the h2c reader starts it for every event
+		sr.resume()             // until the next event is awaited
+		return
+	}
 	go s.relayRest(sr, keep, nil)
+}
+
+// resume relays what the worker has sent, and ends the stream after its
+// last bytes. Between events an h2c stream holds no goroutine: resume
+// returns, and the stream's next bytes (or its end, or its failure) start
+// it again on a goroutine of its own (h2cStream.signal). A client slow to
+// read keeps that goroutine in its write meanwhile, and its stream's
+// window shut (the worker's bytes are read only once written).
+func (sr *streamRelay) resume() {
+	for {
+		if sr.waiting() {
+			sr.beforeWait()
+			if sr.leg.resp.parkH2C(sr.resumeFn) {
+				return
+			}
+		}
+		err := sr.pass(&sr.cw)
+		if err != nil || sr.ended {
+			if err == nil {
+				err = sr.cw.end()
+			}
+			sr.end(err)
+			sr.r.s.closeStream(sr.r, err == nil && sr.keep)
+			return
+		}
+	}
 }
 
 // relayRest writes the rest of the stream (none after err, the first
@@ -73,14 +108,39 @@ func (s *Server) relayRest(sr *streamRelay, keep bool, err error) {
 	s.closeStream(sr.r, sr.serve(err) && keep)
 }
 
-// closeStream hands r's connection back to fasthttp, or closes it.
+// closeStream parks r's connection until its client's next request
+// (parkconn.go), or closes it.
 func (s *Server) closeStream(r *request, keep bool) {
-	s.metrics.httpConnections.Dec()
-	if keep {
-		go s.srv.ServeConn(r.conn) //nolint:errcheck // it closes the connection when done
+	if !keep {
+		s.closeParked(r.conn)
 		return
 	}
-	_ = r.conn.Close()
+	// Bytes already read past the request (a pipelining client's) would
+	// wake no epoll wait: they are served at once.
+	if h := clientHeadConn(r.conn); h != nil && h.rest != nil || !s.inflight.watcher.park(r.conn, s.keepAliveIdle(), s) {
+		s.serveParked(r.conn)
+	}
+}
+
+// serveParked has fasthttp serve c's next requests; c stays counted open
+// until fasthttp closes it.
+func (s *Server) serveParked(c net.Conn) {
+	go s.srv.ServeConn(c) //nolint:errcheck // it closes the connection when done
+}
+
+// closeParked closes c, a connection fasthttp has handed over.
+func (s *Server) closeParked(c net.Conn) {
+	s.metrics.httpConnections.Dec()
+	_ = c.Close()
+}
+
+// keepAliveIdle is how long fasthttp keeps a connection idle between
+// requests (its idleTimeout: IdleTimeout, else ReadTimeout).
+func (s *Server) keepAliveIdle() time.Duration {
+	if s.srv.IdleTimeout > 0 {
+		return s.srv.IdleTimeout
+	}
+	return s.srv.ReadTimeout
 }
 
 // answerHead records r's response and prepares its connection (r.conn,

@@ -126,6 +126,7 @@ type h2cStream struct {
 	unacked int32   // of used: read (or padding), to be credited back
 	sendWin int64   // what the request body may still send (int64: a peer's increments cannot wrap it)
 
+	waiter   func() // resumes a relay parked until the stream is ready (parkH2C)
 	idle     time.Duration
 	lastRead atomic.Int64 // unix nanoseconds of the last read's return
 	timer    *time.Timer  // ends the stream once idle; nil until armed
@@ -134,7 +135,14 @@ type h2cStream struct {
 
 func (st *h2cStream) cancelled(cause error) { st.conn.reset(st, cause) }
 
+// signal wakes whoever waits on the stream (under conn.mu): a relay parked
+// without a goroutine (parkH2C) is resumed on a new one.
 func (st *h2cStream) signal() {
+	if resume := st.waiter; resume != nil {
+		st.waiter = nil
+		go resume() // a func value, not a method call: no closure to allocate per event
+		return
+	}
 	select {
 	case st.wake <- struct{}{}:
 	default:
@@ -1009,6 +1017,24 @@ func (r *upstreamResponse) awaitH2C() {
 		c.mu.Lock()
 	}
 	c.mu.Unlock()
+}
+
+// parkH2C is awaitH2C without the wait, for a relay that holds no
+// goroutine between events: false when the stream is ready now, else
+// resume runs on a goroutine of its own (signal) once it is.
+func (r *upstreamResponse) parkH2C(resume func()) bool {
+	st := r.h2
+	if r.idle > 0 && st.timer == nil {
+		st.armIdle(r.idle)
+	}
+	c := st.conn
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st.ready() {
+		return false
+	}
+	st.waiter = resume
+	return true
 }
 
 // waitLocked is awaitH2C's wait with the connection's lock held.

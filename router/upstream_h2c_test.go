@@ -25,6 +25,13 @@ import (
 // mockworker serving h2c.
 func h2cPD(t *testing.T, prefill, decode mockworker.Config) (string, *Server, *mockworker.Server, *mockworker.Server) {
 	t.Helper()
+	return h2cPDWith(t, prefill, decode, nil)
+}
+
+// h2cPDWith is h2cPD with the router's configuration changed by set (nil:
+// none).
+func h2cPDWith(t *testing.T, prefill, decode mockworker.Config, set func(*Config)) (string, *Server, *mockworker.Server, *mockworker.Server) {
+	t.Helper()
 	prefill.Role, decode.Role = mockworker.RolePrefill, mockworker.RoleDecode
 	prefill.HTTP2, decode.HTTP2 = true, true
 	p, err := mockworker.Start(prefill)
@@ -42,6 +49,9 @@ func h2cPD(t *testing.T, prefill, decode mockworker.Config) (string, *Server, *m
 	cfg.Prefill = []PrefillSpec{{URL: p.URL(), BootstrapPort: 8998}}
 	cfg.Decode = []string{d.URL()}
 	cfg.Manager.UpstreamHTTP2 = true
+	if set != nil {
+		set(&cfg)
+	}
 	base, srv := serveInProcess(t, cfg)
 	t.Cleanup(func() { srv.Shutdown(context.Background()) })
 	return base, srv, p, d
