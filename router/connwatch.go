@@ -54,12 +54,8 @@ type connWatch struct {
 // peer closes it. False when c cannot be watched (not a socket, e.g. TLS
 // or in-memory tests) or the watcher is closed.
 func (w *watcher) start(cw *connWatch, c net.Conn, onGone func()) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return false
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
+	rc := rawConn(c)
+	if rc == nil {
 		return false
 	}
 	*cw = connWatch{rc: rc, conn: c, onGone: onGone}
@@ -146,4 +142,17 @@ func (cw *connWatch) stop() {
 		}
 		_ = cw.conn.SetReadDeadline(time.Time{})
 	}
+}
+
+// rawConn is c's socket, nil when c is none (TLS, in-memory tests).
+func rawConn(c net.Conn) syscall.RawConn {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rc
 }

@@ -54,12 +54,8 @@ type parkingLot struct {
 // is no idle timeout. At shutdown c is closed at once. False when c
 // cannot be parked (no epoll, not a socket): c is left to the caller.
 func (w *watcher) park(c net.Conn, idle time.Duration, host parkHost) bool {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return false
-	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
+	rc := rawConn(c)
+	if rc == nil {
 		return false
 	}
 	l := &w.lot
