@@ -69,6 +69,7 @@ func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *att
 	}
 	ctx.SetStatusCode(l.resp.StatusCode)
 	copyHeaders(ctx, l.resp)
+	l.resp.dropHead()
 	ctx.SetContentType("text/event-stream")
 	first := (*bufp)[:n]
 	sr := &streamRelay{r: r, leg: l, attempt: a, bufp: bufp, readErr: err, merge: merge}
