@@ -1154,16 +1154,28 @@ var spentH2CHead fasthttp.ResponseHeader
 
 // dropHead lets the collector have an h2c stream's head, its status and
 // fields copied to the client: an open stream kept it (~0.9 KB with its
-// fields) to its end, 10,000 times at 10,000 streams. Not pooled: no new
-// stream may come to take it back before the collections that drop a
-// pool's contents, and until then it would count as live. The reader
-// writes the head only before the stream has one (onHeaders), and it has.
+// fields) to its end, 10,000 times at 10,000 streams. Not pooled: the
+// streams that all start together get their first tokens together, when
+// no new one comes to take a head back, and a pooled one counts as live
+// through one more collection. The reader writes the head only before the
+// stream has one (onHeaders), and it has.
 func (r *upstreamResponse) dropHead() {
 	if r.h2 == nil {
 		return
 	}
 	r.h2.header = nil
 	r.Header = &spentH2CHead
+}
+
+// releaseHead is dropHead for a head read while streams still start (a
+// prefill reply's, once its status is known): the next reply takes it
+// back from the pool.
+func (r *upstreamResponse) releaseHead() {
+	if r.h2 == nil {
+		return
+	}
+	releaseH2CHeader(r.h2.header)
+	r.dropHead()
 }
 
 // h2cHeaders pools the h2c replies' heads. An open stream keeps its head,
