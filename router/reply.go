@@ -82,6 +82,10 @@ func hopHeader(name string) bool {
 }
 
 func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
+	if resp.Header == &spentH2CHead {
+		resp.packedFields(ctx.Response.Header.AddBytesKV)
+		return
+	}
 	for k, v := range resp.Header.All() {
 		if !hopHeader(bstr(k)) {
 			ctx.Response.Header.AddBytesKV(k, v)

@@ -20,6 +20,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	// In a small frame: the stack parked here is the stream's while it
 	// waits for its first token (streamconn.go).
 	if l.resp.h2 != nil {
+		l.resp.packHead()
 		l.resp.awaitH2C()
 	} else {
 		l.resp.awaitBody()
@@ -69,7 +70,6 @@ func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *att
 	}
 	ctx.SetStatusCode(l.resp.StatusCode)
 	copyHeaders(ctx, l.resp)
-	l.resp.dropHead()
 	ctx.SetContentType("text/event-stream")
 	first := (*bufp)[:n]
 	sr := &streamRelay{r: r, leg: l, attempt: a, bufp: bufp, readErr: err, merge: merge}

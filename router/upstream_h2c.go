@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"cmp"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -1147,35 +1148,56 @@ func (r *upstreamResponse) closeH2C() error {
 	return nil
 }
 
-// spentH2CHead is the head of every h2c reply whose head went to the
-// client (dropHead): empty, read only, framing unknown as an h2c body's is
-// (its length is the stream's end).
+// spentH2CHead is the head of every h2c reply whose own went back to the
+// pool (releaseHead): empty, read only; an h2c body's length is its
+// stream's end, whatever a head says.
 var spentH2CHead fasthttp.ResponseHeader
 
-// dropHead lets the collector have an h2c stream's head, its status and
-// fields copied to the client: an open stream kept it (~0.9 KB with its
-// fields) to its end, 10,000 times at 10,000 streams. Not pooled: the
-// streams that all start together get their first tokens together, when
-// no new one comes to take a head back, and a pooled one counts as live
-// through one more collection. The reader writes the head only before the
-// stream has one (onHeaders), and it has.
-func (r *upstreamResponse) dropHead() {
-	if r.h2 == nil {
-		return
+// packHead keeps of an h2c reply's head the fields the client gets
+// (copyHeaders), packed in fields, and gives the head back to the pool
+// for the streams still arriving: a stream held it (~0.9 KB with the
+// fields its reader filled it with) to its end, through the wait for its
+// first token, 10,000 times at 10,000 streams. The reader writes the head
+// only before the stream has one (onHeaders), and it has.
+func (r *upstreamResponse) packHead() {
+	var b []byte
+	for k, v := range r.Header.All() {
+		if !hopHeader(bstr(k)) {
+			b = binary.AppendUvarint(b, uint64(len(k)))
+			b = append(b, k...)
+			b = binary.AppendUvarint(b, uint64(len(v)))
+			b = append(b, v...)
+		}
 	}
-	r.h2.header = nil
-	r.Header = &spentH2CHead
+	r.fields = b
+	r.releaseHead()
 }
 
-// releaseHead is dropHead for a head read while streams still start (a
-// prefill reply's, once its status is known): the next reply takes it
-// back from the pool.
+// packedFields calls f with each field packHead kept.
+func (r *upstreamResponse) packedFields(f func(k, v []byte)) {
+	for b := r.fields; len(b) > 0; {
+		k, rest := packedField(b)
+		v, rest := packedField(rest)
+		f(k, v)
+		b = rest
+	}
+}
+
+func packedField(b []byte) ([]byte, []byte) {
+	n, w := binary.Uvarint(b)
+	return b[w : w+int(n)], b[w+int(n):]
+}
+
+// releaseHead gives an h2c reply's head, read, back to the pool for the
+// next reply (a prefill reply's, once its status is known): only the
+// framing is read after, which for h2c is the stream's end.
 func (r *upstreamResponse) releaseHead() {
 	if r.h2 == nil {
 		return
 	}
 	releaseH2CHeader(r.h2.header)
-	r.dropHead()
+	r.h2.header = nil
+	r.Header = &spentH2CHead
 }
 
 // h2cHeaders pools the h2c replies' heads. An open stream keeps its head,

@@ -568,3 +568,45 @@ func TestH2CStreamCancelledBeforeItsHeadersKeepsHPACKInStep(t *testing.T) {
 		t.Errorf("%d connections, want the one", n)
 	}
 }
+
+// A PD stream waiting for its first token holds no reply head: its fields
+// for the client are packed (packHead) and the head goes back to the pool
+// for the streams still arriving. The head and the fields its reader
+// filled it with (onHeaders) were held through the wait, ~0.9 KB a
+// stream, at the plateau of 10,000 streams waiting together.
+func TestWaitingStreamHoldsNoReplyHead(t *testing.T) {
+	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
+	runtime.MemProfileRate = 1
+	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: time.Minute})
+	sites := []string{"router.(*upstream).postH2C", "router.(*h2cConn).onHeaders"}
+	heap := func() []int64 { return []int64{heapUnder(sites[0]), heapUnder(sites[1])} }
+	waiting := func(n int) func() bool {
+		return func() bool { return strings.Count(allStacks(), "router.(*upstreamResponse).awaitH2C") >= n }
+	}
+	const streams = 100
+	conns := make([]net.Conn, streams+1)
+	defer func() {
+		for _, c := range conns {
+			if c != nil {
+				c.Close()
+			}
+		}
+	}()
+	conns[0] = sendStream(t, base, 3) // the engines' connections up
+	waitFor(t, waiting(1))
+	before := heap()
+	for i := 1; i < len(conns); i++ {
+		conns[i] = sendStream(t, base, 3)
+	}
+	waitFor(t, waiting(streams+1))
+	after := heap()
+	reply := float64(after[0]-before[0]) / streams
+	fields := float64(after[1]-before[1]) / streams
+	t.Logf("per waiting stream: h2c replies %.0f, reply head fields %.0f bytes", reply, fields)
+	if fields > 64 {
+		t.Errorf("a stream waiting for its first token holds %.0f bytes of its reply head's fields, want none (packed, the head pooled)", fields)
+	}
+	if reply > 512 {
+		t.Errorf("a stream waiting for its first token holds %.0f bytes of h2c replies, want at most 512 (its stream, no head)", reply)
+	}
+}
