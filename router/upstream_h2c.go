@@ -1173,16 +1173,8 @@ func (r *upstreamResponse) packHead() {
 	r.releaseHead()
 }
 
-// packedFields calls f with each field packHead kept.
-func (r *upstreamResponse) packedFields(f func(k, v []byte)) {
-	for b := r.fields; len(b) > 0; {
-		k, rest := packedField(b)
-		v, rest := packedField(rest)
-		f(k, v)
-		b = rest
-	}
-}
-
+// packedField is the first of packHead's fields' names and values in b,
+// and the rest of b.
 func packedField(b []byte) ([]byte, []byte) {
 	n, w := binary.Uvarint(b)
 	return b[w : w+int(n)], b[w+int(n):]
