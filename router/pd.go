@@ -254,6 +254,7 @@ func (a *attempt) readPrefill(r *request) (*apiError, []byte) {
 	if status := l.resp.StatusCode; status/100 != 2 {
 		return upstreamError("prefill", status, readError(l.resp)), nil
 	}
+	l.resp.releaseHead() // its status was all of it prefill needed
 	var out []byte
 	if r.mergeLogprobs() {
 		out, err = io.ReadAll(l.resp)

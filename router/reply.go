@@ -82,6 +82,15 @@ func hopHeader(name string) bool {
 }
 
 func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
+	if resp.Header == &spentH2CHead { // packed (packHead)
+		for b := resp.fields; len(b) > 0; {
+			var k, v []byte
+			k, b = packedField(b)
+			v, b = packedField(b)
+			ctx.Response.Header.AddBytesKV(k, v)
+		}
+		return
+	}
 	for k, v := range resp.Header.All() {
 		if !hopHeader(bstr(k)) {
 			ctx.Response.Header.AddBytesKV(k, v)

@@ -20,6 +20,7 @@ func (s *Server) startStream(ctx *fasthttp.RequestCtx, r *request, l *leg, a *at
 	// In a small frame: the stack parked here is the stream's while it
 	// waits for its first token (streamconn.go).
 	if l.resp.h2 != nil {
+		l.resp.packHead()
 		l.resp.awaitH2C()
 	} else {
 		l.resp.awaitBody()

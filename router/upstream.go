@@ -130,7 +130,8 @@ type upstreamResponse struct {
 	eof        bool
 	failed     bool
 
-	h2 *h2cStream // an h2c reply's stream (conn is then nil)
+	h2     *h2cStream // an h2c reply's stream (conn is then nil)
+	fields []byte     // the head's fields for the client, once packed (packHead): Header is then spent
 
 	// idle, once set (idleTimeout), bounds every read: a reply silent that
 	// long fails with errStreamIdle. idleUntil is the read deadline set.
