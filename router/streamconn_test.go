@@ -88,7 +88,13 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
 		t.Errorf("%d streams in fasthttp's serveConn while %d streams wait between events, want none", n, streams)
 	}
-	if got := routerGoroutines() - goroutines; got > streams/10 {
+	// Goroutines of the set-up (the hijack handlers, the test client's
+	// connections) take a moment to exit; one per stream never would.
+	extra := func() int { return routerGoroutines() - goroutines }
+	for deadline := time.Now().Add(5 * time.Second); extra() > streams/10 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if got := extra(); got > streams/10 {
 		t.Errorf("%d more router goroutines with %d streams open between events, want none per stream", got, streams)
 	}
 }
