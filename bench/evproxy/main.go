@@ -15,9 +15,9 @@
 // It parses only what framing needs: the head up to its blank line,
 // Content-Length, Transfer-Encoding and Connection, which it strips (the
 // one header fastproxy strips; Connection: close still ends the exchange).
-// It is a baseline, not a proxy to deploy: requests must be HTTP/1.1 with
-// a Content-Length body or none (chunked requests get 411, other versions
-// 505, heads over 8 KiB 431); replies may be length-framed, chunked or
+// It is a baseline, not a proxy to deploy: requests must be HTTP/1.1 or 1.0
+// (which ends the connection after its reply) with a Content-Length body or
+// none (chunked requests get 411, other versions 505, heads over 8 KiB 431); replies may be length-framed, chunked or
 // close-delimited; upgrades (101) and retries are not supported, and a
 // backend that fails before its reply begins gets the client a 502, after
 // which the client's connection is closed.
@@ -504,8 +504,10 @@ func (l *loop) startMessage(s *sock) bool {
 	if s.backend {
 		return l.startReply(s, first, length, te)
 	}
+	http10 := bytes.HasSuffix(first, []byte(" HTTP/1.0"))
+	s.closeAfter = s.closeAfter || http10 // and the backend will close its side
 	switch {
-	case !bytes.HasSuffix(first, []byte(" HTTP/1.1")):
+	case !http10 && !bytes.HasSuffix(first, []byte(" HTTP/1.1")):
 		l.reply(s, "505 HTTP Version Not Supported")
 		return true
 	case te != nil:

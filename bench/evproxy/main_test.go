@@ -126,6 +126,14 @@ func TestKeepAliveReusesConnections(t *testing.T) {
 	if n, err := c.r.Read(make([]byte, 1)); err != io.EOF {
 		t.Fatalf("after Connection: close the proxy kept the connection open (read %d, %v)", n, err)
 	}
+	// So does an HTTP/1.0 request.
+	c = dial(t, c.conn.RemoteAddr().String())
+	if resp, body := c.do("GET", "GET /x HTTP/1.0\r\n\r\n"); resp.StatusCode != 201 || body != "echo:" {
+		t.Fatalf("HTTP/1.0: got %d %q", resp.StatusCode, body)
+	}
+	if n, err := c.r.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("after an HTTP/1.0 request the proxy kept the connection open (read %d, %v)", n, err)
+	}
 }
 
 // rawBackend answers every request on its first connection by writing pieces,
@@ -196,7 +204,7 @@ func TestRejectsWhatItCannotFrame(t *testing.T) {
 	proxy := startProxy(t, backend)
 	for _, tc := range []struct{ req, want string }{
 		{"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "411"},
-		{"GET / HTTP/1.0\r\n\r\n", "505"},
+		{"GET / HTTP/2.0\r\n\r\n", "505"},
 		{"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx", "400"},
 		// Exactly a buffer of head, all read, so that closing sends no reset before the reply.
 		{"GET / HTTP/1.1\r\nX: " + strings.Repeat("a", bufSize-len("GET / HTTP/1.1\r\nX: ")), "431"},
