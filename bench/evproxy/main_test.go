@@ -257,13 +257,13 @@ func TestClientClosingMidRequestLeaksNoFD(t *testing.T) {
 	}))
 	t.Cleanup(srv.Close)
 	proxy := startProxy(t, srv.Listener.Addr().String())
-	// One whole request first, so the baseline holds a pooled backend connection.
+	// A whole request first on a connection that stays open, so that the baseline holds
+	// it and a pooled backend connection, and nothing is closing while it is counted.
+	kept := dial(t, proxy)
 	exchange := func() {
-		c := dial(t, proxy)
-		if resp, _ := c.do("GET", "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); resp.StatusCode != 200 {
+		if resp, _ := kept.do("GET", "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); resp.StatusCode != 200 {
 			t.Fatalf("got %d", resp.StatusCode)
 		}
-		c.conn.Close()
 	}
 	exchange()
 	before := openFDs(t)
@@ -273,7 +273,7 @@ func TestClientClosingMidRequestLeaksNoFD(t *testing.T) {
 		<-started // the backend has the head: the proxy holds the client and a backend socket
 		c.conn.Close()
 	}
-	exchange() // the aborted requests' backend sockets were closed, not pooled: this opens a new one
+	exchange() // if an aborted request took the pooled backend socket, it was closed: this opens a new one
 	deadline := time.Now().Add(5 * time.Second)
 	for openFDs(t) != before && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
