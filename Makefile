@@ -55,6 +55,7 @@ bench:
 	@scripts/install-deps.sh bench
 	@$(MAKE) --no-print-directory build
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/fastproxy ./bench/fastproxy
+	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/evproxy ./bench/evproxy
 	CGO_ENABLED=0 $(GO) build $(GOFLAGS) -o $(BIN)/stubengine ./bench/stubengine
 	@scripts/bench-router.sh
 	@scripts/bench-vllm.sh

@@ -13,7 +13,8 @@
 #
 #   regular mode: wrk and pdbench → the worker directly, → each router, → nginx, → fastproxy (a
 #                 bare fasthttp reverse proxy: what pdrouter's HTTP library costs before any router
-#                 work)
+#                 work), → evproxy (an epoll event-loop proxy in Go built as nginx is: how near any
+#                 Go design comes to nginx)
 #   PD mode:      each router with 1 prefill + 1 decode and 2 + 2, against the decode worker
 #                 directly and against nginx in front of the decode worker (one proxy hop)
 #   latency:      p50/p99 TTFT and E2E of streamed requests at one fixed Poisson rate (LAT_RATE,
@@ -49,7 +50,7 @@ STREAM_TOKENS=${STREAM_TOKENS:-256}
 RUST=${RUST:-1}
 WRK_ONLY=${WRK_ONLY:-0}
 OUT=bench/out
-for b in pdrouter mockworker stubengine pdbench fastproxy; do
+for b in pdrouter mockworker stubengine pdbench fastproxy evproxy; do
 	[ -x "$BIN/$b" ] || { echo "bench-router: $BIN/$b missing; run make build" >&2; exit 1; }
 done
 for c in nginx wrk; do
@@ -231,6 +232,11 @@ FP=$(free_port)
 FASTPROXY_PID=$!
 pids+=("$FASTPROXY_PID")
 wait_ok "$FP" /health fastproxy "$T/fastproxy.log"
+EP=$(free_port)
+"$BIN/evproxy" --listen "127.0.0.1:$EP" --backend "127.0.0.1:$W" >"$T/evproxy.log" 2>&1 &
+EVPROXY_PID=$!
+pids+=("$EVPROXY_PID")
+wait_ok "$EP" /health evproxy "$T/evproxy.log"
 
 # Per kind: regular (K_reg), PD 1+1 (K_pd1), PD 2+2 (K_pd2), PD 1+1 on the slow prefill (K_slow),
 # and one fresh PD 1+1 router for each streams run (K_st, K_big), so that its peak RSS is the
@@ -258,9 +264,9 @@ log "all routers ready after $((SECONDS - BENCH_START)) s"
 
 # The machine is shared and noisy, so every measurement runs in rounds that visit the targets in
 # turn: a burst of load from elsewhere then hits all of them alike instead of one.
-NAMES=(direct nginx fast decode nginxd)
-declare -A URL=([direct]=$W [nginx]=$NG [fast]=$FP [decode]=$D1 [nginxd]=$NGD)
-declare -A PROCS=([direct]="" [nginx]="${NGINX_ALL[*]}" [fast]=$FASTPROXY_PID [decode]="" [nginxd]="${NGINX_ALL[*]}")
+NAMES=(direct nginx fast ev decode nginxd)
+declare -A URL=([direct]=$W [nginx]=$NG [fast]=$FP [ev]=$EP [decode]=$D1 [nginxd]=$NGD)
+declare -A PROCS=([direct]="" [nginx]="${NGINX_ALL[*]}" [fast]=$FASTPROXY_PID [ev]=$EVPROXY_PID [decode]="" [nginxd]="${NGINX_ALL[*]}")
 declare -A PD_BODY=([decode]=1 [nginxd]=1)
 for k in "${KINDS[@]}"; do
 	for m in reg pd1 pd2; do
@@ -303,6 +309,7 @@ log "req/s: $(for n in "${NAMES[@]}" mockw; do printf '%s %s, ' "$n" "${RPS[$n]}
 log "engine CPU µs/req under wrk: stubengine $(engine_us direct), mockworker $(engine_us mockw)"
 if [ "$WRK_ONLY" = 1 ]; then
 	log "proxy CPU µs/req: $(for n in "${NAMES[@]}"; do [ -n "${PROCS[$n]}" ] && printf '%s %s, ' "$n" "$(cpu_us "$n")"; done)"
+	log "req/s / nginx: pdrouter $(ratio "${RPS[pdrouter_reg]}" "${RPS[nginx]}"), fastproxy $(ratio "${RPS[fast]}" "${RPS[nginx]}"), evproxy $(ratio "${RPS[ev]}" "${RPS[nginx]}")"
 	for k in "${KINDS[@]:1}"; do
 		log "pdrouter / ${KIND_LABEL[$k]} req/s: regular $(ratio "${RPS[pdrouter_reg]}" "${RPS[${k}_reg]}"), PD 1+1 $(ratio "${RPS[pdrouter_pd1]}" "${RPS[${k}_pd1]}"), PD 2+2 $(ratio "${RPS[pdrouter_pd2]}" "${RPS[${k}_pd2]}")"
 	done
@@ -382,6 +389,7 @@ for k in "${KINDS[@]}"; do
 	done
 done
 RSS[fast]=$(hwm_kib "$FASTPROXY_PID")
+RSS[ev]=$(hwm_kib "$EVPROXY_PID")
 RSS[nginx]=0
 for p in "${NGINX_ALL[@]}"; do RSS[nginx]=$((RSS[nginx] + $(hwm_kib "$p"))); done
 RSS[nginxd]=${RSS[nginx]}
@@ -523,7 +531,7 @@ round down. Every router runs with the same flags (\`--policy round_robin\`, the
 sglang-router 0.3.2 and smg 1.13.0 come from PyPI (scripts/bench-venv.sh). Added TTFT is over the
 same backend reached directly (regular: the worker; PD: the decode worker); nginx → decode is
 what one keep-alive proxy hop costs here; fastproxy is a bare fasthttp reverse proxy
-(bench/fastproxy). CPU is the proxy's user+system time per wrk request (nginx: all its
+(bench/fastproxy), evproxy an epoll event-loop proxy in Go built as nginx is (bench/evproxy). CPU is the proxy's user+system time per wrk request (nginx: all its
 processes); RSS is its peak (VmHWM) after the wrk and latency rounds.
 
 | path | req/s | CPU µs/req | peak RSS MiB | p50 TTFT ms | p99 TTFT ms | p50 E2E ms | p99 E2E ms | added p50 TTFT µs |
@@ -532,6 +540,7 @@ $(path_row "direct → worker" direct "")
 $(for k in "${KINDS[@]}"; do path_row "${KIND_LABEL[$k]} (regular)" "${k}_reg" direct; done)
 $(path_row "nginx (keep-alive proxy)" nginx direct)
 $(path_row "fastproxy (bare fasthttp proxy)" fast direct)
+$(path_row "evproxy (epoll event-loop Go proxy)" ev direct)
 $(path_row "direct → decode worker" decode "")
 $(path_row "nginx → decode worker (one hop)" nginxd decode)
 $(for k in "${KINDS[@]}"; do path_row "${KIND_LABEL[$k]} PD 1P+1D" "${k}_pd1" decode; path_row "${KIND_LABEL[$k]} PD 2P+2D" "${k}_pd2" decode; done)
