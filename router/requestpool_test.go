@@ -105,6 +105,31 @@ func TestSweeperHoldsAnExpiredRequestUntilItsCancelIsDone(t *testing.T) {
 	waitFor(t, func() bool { return s.live.Load() == 0 })
 }
 
+// Hard shutdown cancels every request outside the tracker's lock too.
+func TestShutdownHoldsTheRequestsItCancels(t *testing.T) {
+	verifyNoLeaksAtCleanup(t)
+	s := pooledServer(t)
+	first, second := s.testRequest("first"), s.testRequest("second")
+	hook := &blockingHook{entered: make(chan struct{}), release: make(chan struct{})}
+	first.scope.register(hook)
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		s.inflight.close()
+	}()
+	<-hook.entered // close holds both, and is cancelling first
+	second.finish()
+	next := s.testRequest("next") // begins cancelled: the tracker is closed
+	reused := next == second
+	close(hook.release)
+	<-closed
+	first.finish()
+	next.finish()
+	if reused {
+		t.Fatal("a request the shutdown still held was reused")
+	}
+}
+
 // Many requests that time out as their handlers finish, and the next
 // requests reusing theirs: no request may be cancelled before its own
 // timeout. Meant for -race -count=20.
