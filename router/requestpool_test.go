@@ -247,6 +247,7 @@ func (p *spyPolicy) Select(workers []*balancer.Worker, pr *balancer.Request) (*b
 // see every worker, send its own id, get a whole reply and count once in
 // the metrics.
 func TestPooledRequestCarriesNothingOver(t *testing.T) {
+	verifyNoLeaksAtCleanup(t)
 	sawID := make(chan string, 1024)
 	engine := func(failFirst bool) *httptest.Server {
 		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
