@@ -96,12 +96,14 @@ func (l *leg) abortIfHeld() {
 		return // the engine is done with it
 	}
 	// The rid may live in a body a retry is about to reuse.
-	l.s.abortEngine(l.w, engineRID{bytes.Clone(l.rid.val), l.rid.batch}, l.aborts)
+	l.s.abortEngine(l.w, engineRID{bytes.Clone(l.rid.val), l.rid.batch}, l.req)
 }
 
 // abortEngine sends w the aborts for rid on a goroutine of their own,
-// counted in sent (nil: not counted).
-func (s *Server) abortEngine(w *balancer.Worker, rid engineRID, sent *sync.WaitGroup) {
+// counted in r.aborts. That goroutine's Done may come after r's life: r
+// stays pinned until then, or a recycled request's WaitGroup would take it.
+// The caller is within r's life (a leg closing).
+func (s *Server) abortEngine(w *balancer.Worker, rid engineRID, r *request) {
 	s.aborts.mu.Lock()
 	defer s.aborts.mu.Unlock()
 	if s.aborts.closed {
@@ -114,18 +116,16 @@ func (s *Server) abortEngine(w *balancer.Worker, rid engineRID, sent *sync.WaitG
 		return
 	}
 	s.background.Add(1)
-	if sent != nil {
-		sent.Add(1)
-	}
-	go s.sendAborts(w.BaseURL, w.APIKey, rid, sent)
+	r.pin()
+	r.aborts.Add(1)
+	go s.sendAborts(w.BaseURL, w.APIKey, rid, r)
 }
 
-func (s *Server) sendAborts(url, apiKey string, rid engineRID, sent *sync.WaitGroup) {
+func (s *Server) sendAborts(url, apiKey string, rid engineRID, r *request) {
 	defer s.background.Done()
 	defer s.aborts.inFlight.Add(-1)
-	if sent != nil {
-		defer sent.Done()
-	}
+	defer r.unpin()
+	defer r.aborts.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.AbortTimeout)
 	defer cancel()
 	splice.RIDs(rid.val, rid.batch, maxAbortsPerLeg, func(v []byte) {

@@ -180,11 +180,13 @@ func (f *inflight) sweep(now time.Time) (next time.Time, due bool) {
 			break
 		}
 		f.unlinkLocked(r)
+		r.pin() // still tracked, so its life has not ended: it may end during the cancel
 		expired = append(expired, r)
 	}
 	f.mu.Unlock()
 	for _, r := range expired {
 		r.cancel(errRequestTimeout)
+		r.unpin()
 	}
 	return next, due
 }
@@ -206,9 +208,13 @@ func (f *inflight) close() {
 	for e := f.long.Front(); e != nil; e = e.Next() {
 		all = append(all, e.Value.(*request))
 	}
+	for _, r := range all {
+		r.pin() // as sweep's
+	}
 	f.mu.Unlock()
 	for _, r := range all {
 		r.cancel(errShuttingDown)
+		r.unpin()
 	}
 	close(f.stop)
 	<-f.done

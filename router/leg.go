@@ -30,9 +30,9 @@ type leg struct {
 	trace  *legSpan          // nil unless traced (trace.go)
 	guard  *writeGuard       // set where the leg may outlive the body's owner (prefill)
 
-	call   *upCall          // an HTTP/1.1 leg's request, from its write to its reply's head (upCalls)
-	reply  upstreamResponse // its reply (resp): no allocation of its own
-	aborts *sync.WaitGroup  // the request's: a retry waits for its engine aborts
+	call  *upCall          // an HTTP/1.1 leg's request, from its write to its reply's head (upCalls)
+	reply upstreamResponse // its reply (resp): no allocation of its own
+	req   *request         // the leg's: a retry waits for its engine aborts (request.aborts), which pin it
 
 	// The flags together: a leg lives in every open request and attempt.
 	blame   bool // no reply, and the worker is why (not a cancellation)
@@ -45,7 +45,7 @@ type leg struct {
 // open binds a leg of r, whose engine knows it by rid, to w and takes w's
 // load slot: the one leg set-up of both modes.
 func (l *leg) open(r *request, w *balancer.Worker, rid engineRID) {
-	*l = leg{s: r.s, w: w, failed: &r.failed, aborts: &r.aborts, rid: rid, trace: r.trace.leg()}
+	*l = leg{s: r.s, w: w, failed: &r.failed, req: r, rid: rid, trace: r.trace.leg()}
 	w.IncLoad()
 }
 

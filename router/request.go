@@ -30,11 +30,17 @@ type request struct {
 	// scope ends when the client goes away, at the request timeout or at
 	// hard shutdown. It lives until the handler and every leg it started
 	// are done (refs), because a prefill leg may outlive its handler.
-	scope  scope // embedded: no allocation of its own
-	refs   atomic.Int32
-	admit  func()       // returns the admission token
-	leg    leg          // the worker leg whose reply is the client's (decode in PD mode)
-	relay  *streamRelay // the stream to write, once an attempt has started one
+	scope scope // embedded: no allocation of its own
+	refs  atomic.Int32
+	// pins counts who may still touch the request's memory: one for its
+	// life (refs above zero), one for each sweeper cancel and engine abort
+	// under way, which outlive neither their lock nor their goroutine but
+	// may outlive its life. The last unpin recycles a regular request.
+	pins   atomic.Int32
+	whole  *regularRequest // regular mode: the pooled allocation r lives in
+	admit  func()          // returns the admission token
+	leg    leg             // the worker leg whose reply is the client's (decode in PD mode)
+	relay  *streamRelay    // the stream to write, once an attempt has started one
 	policy balancer.Request
 	conn   net.Conn
 
@@ -58,11 +64,17 @@ type request struct {
 	out *splice.Body
 }
 
-// regularRequest is a regular-mode request and its out, one allocation.
+// regularRequest is a regular-mode request and its out, one allocation,
+// pooled: it was a regular request's only allocation, and with the GC it
+// drove it cost 1.6–2.5 µs of CPU per request. PD requests are not pooled:
+// a PD stream keeps its request for its whole length, and each try
+// allocates an attempt anyway.
 type regularRequest struct {
 	request
 	out splice.Body
 }
+
+var regularRequests = sync.Pool{New: func() any { return new(regularRequest) }}
 
 // newRequest keeps the client's body in place, and legs send it from there
 // (splice.Body): it is valid until the response is written, a stream's
@@ -73,9 +85,9 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	if s.cfg.PDDisaggregation {
 		r = &request{}
 	} else {
-		rr := &regularRequest{}
+		rr := regularRequests.Get().(*regularRequest) // zeroed by recycle
 		r = &rr.request
-		r.out = &rr.out
+		r.out, r.whole = &rr.out, rr
 	}
 	r.s, r.route, r.path, r.start, r.requestID = s, route, path, time.Now(), requestID
 	r.body = ctx.PostBody()
@@ -84,6 +96,7 @@ func (s *Server) newRequest(ctx *fasthttp.RequestCtx, path string, route routeKi
 	// from the inflight tracker, so the scope needs no parent.
 	r.conn = ctx.Conn()
 	r.refs.Store(1)
+	r.pins.Store(1)
 	s.live.Add(1)
 	s.inflight.add(r)
 	r.trace = s.trace.start(ctx, r)
@@ -100,6 +113,23 @@ func (r *request) release() {
 		r.s.inflight.remove(r)
 		r.cancel(context.Canceled)
 		r.s.live.Add(-1)
+		r.unpin()
+	}
+}
+
+// pin keeps r's memory from reuse. Only a holder that knows r's life (or
+// another pin) has not ended yet may take one: the inflight tracker under
+// its lock, a leg before it closes.
+func (r *request) pin() { r.pins.Add(1) }
+
+// unpin drops a pin; with the last, nothing can touch r any more, and a
+// regular request goes back to the pool, zeroed: no field of this request
+// may reach the next one, nor keep what it points to alive meanwhile.
+func (r *request) unpin() {
+	if r.pins.Add(-1) == 0 && r.whole != nil {
+		rr := r.whole
+		*rr = regularRequest{}
+		regularRequests.Put(rr)
 	}
 }
 

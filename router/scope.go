@@ -158,3 +158,30 @@ func (s *scope) Err() error {
 }
 
 func (s *scope) Value(any) any { return nil }
+
+// AfterFunc is how a context made from the scope (the dialer's deadline)
+// hears of its end: through a hook, not a goroutine of the context
+// package's waiting on Done, which could run after the request was
+// recycled (request.unpin). A context's cancel calls stop before it
+// returns; stop waits for an f already started, so nothing touches the
+// scope past its derived contexts.
+func (s *scope) AfterFunc(f func()) (stop func() bool) {
+	h := &afterFunc{f: f}
+	if s.register(h) {
+		return func() bool { return s.unregister(h) }
+	}
+	// Ended already: f takes the child's lock, which its caller holds.
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f()
+	}()
+	return func() bool {
+		<-done
+		return false
+	}
+}
+
+type afterFunc struct{ f func() }
+
+func (a *afterFunc) cancelled(error) { a.f() }
