@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/valyala/fasthttp"
 
 	"github.com/pdrouter/pdrouter/internal/readmap"
 )
@@ -145,6 +146,16 @@ func statusLabel(code int) string {
 }
 
 func since(t time.Time) float64 { return time.Since(t).Seconds() }
+
+// headerErrorCode is X-SMG-Error-Code as fasthttp keeps it: it normalizes
+// names as they are set or parsed (the server leaves normalizing on).
+var headerErrorCode = []byte("X-Smg-Error-Code")
+
+// errorCode is the response's X-SMG-Error-Code, smg_http_responses_total's
+// label, found without normalizing the name again for every request.
+func errorCode(ctx *fasthttp.RequestCtx) []byte {
+	return ctx.Response.Header.PeekCanonical(headerErrorCode)
+}
 
 // pdMetrics are smg's PD stage series (smg-project/smg's metrics module),
 // with its names and labels, measured where the router sees them:
