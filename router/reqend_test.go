@@ -66,3 +66,28 @@ func TestResponseRequestIDFindsWhatPeekFinds(t *testing.T) {
 		}
 	}
 }
+
+// copyHeaders sets a worker's Content-Type directly; the client gets the
+// headers AddBytesKV of each gave it before.
+func TestCopyHeadersAsAddedOneByOne(t *testing.T) {
+	for _, raw := range []string{
+		"HTTP/1.1 200 OK\r\nServer: w\r\nContent-Type: application/json\r\nX-A: 1\r\nx-a: 2\r\nContent-Length: 2\r\n\r\n",
+		"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\nCache-Control: no-cache\r\nContent-Length: 0\r\n\r\n",
+		"HTTP/1.1 200 OK\r\nX-Only: y\r\nContent-Length: 0\r\n\r\n", // none: the upstream header's default
+	} {
+		var h fasthttp.ResponseHeader
+		if err := h.Read(bufio.NewReader(strings.NewReader(raw))); err != nil {
+			t.Fatal(err)
+		}
+		var got, want fasthttp.RequestCtx
+		copyHeaders(&got, &upstreamResponse{Header: &h})
+		for k, v := range h.All() {
+			if !hopHeader(bstr(k)) {
+				want.Response.Header.AddBytesKV(k, v)
+			}
+		}
+		if g, w := got.Response.Header.String(), want.Response.Header.String(); g != w {
+			t.Errorf("reply %q:\ngot  %q\nwant %q", raw, g, w)
+		}
+	}
+}
