@@ -2,9 +2,12 @@ package router
 
 import (
 	"bufio"
+	"net/http"
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/valyala/fasthttp"
 )
 
@@ -91,3 +94,82 @@ func TestCopyHeadersAsAddedOneByOne(t *testing.T) {
 		}
 	}
 }
+
+// After N regular requests /metrics holds N of everything a request counts,
+// and a whole reply's duration is its time to first byte (one clock read
+// serves both: their sums are equal).
+func TestRegularRequestEndMetrics(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = []string{cannedBackend(t, false)}
+	base, srv := serveInProcessOn(t, cfg, reg)
+	t.Cleanup(func() { shutdown(t, srv) })
+	const n = 25
+	for range n {
+		resp, err := http.Post(base+"/generate", "application/json", strings.NewReader(`{"model":"mock","text":"count me"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("status %d", resp.StatusCode)
+		}
+	}
+	resp, err := http.Post(base+"/generate", "application/json", strings.NewReader(`{"text":`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	http.DefaultClient.CloseIdleConnections()
+
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	series := func(name string, labels map[string]string) *dto.Metric {
+		for _, f := range families {
+			if f.GetName() != name {
+				continue
+			}
+		metrics:
+			for _, m := range f.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if v, ok := labels[l.GetName()]; ok && v != l.GetValue() {
+						continue metrics
+					}
+				}
+				return m
+			}
+		}
+		t.Fatalf("no %s%v", name, labels)
+		return nil
+	}
+	route := map[string]string{"backend_type": "regular", "model": "mock", "endpoint": "generate"}
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		got    func(*dto.Metric) float64
+		want   float64
+	}{
+		{"smg_http_requests_total", map[string]string{"method": "POST", "path": "/generate"}, counter, n + 1},
+		{"smg_http_request_duration_seconds", map[string]string{"method": "POST", "path": "/generate"}, histCount, n + 1},
+		{"smg_http_responses_total", map[string]string{"status_code": "200", "error_code": ""}, counter, n},
+		{"smg_http_responses_total", map[string]string{"status_code": "400", "error_code": "json_parse_error"}, counter, 1},
+		{"smg_http_rate_limit_total", map[string]string{"result": "allowed"}, counter, n},
+		{"smg_router_requests_total", route, counter, n},
+		{"smg_router_request_duration_seconds", route, histCount, n},
+		{"pdrouter_time_to_first_byte_seconds", map[string]string{"backend_type": "regular", "endpoint": "generate"}, histCount, n},
+	} {
+		if got := c.got(series(c.name, c.labels)); got != c.want {
+			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
+		}
+	}
+	took := series("smg_router_request_duration_seconds", route).GetHistogram().GetSampleSum()
+	ttft := series("pdrouter_time_to_first_byte_seconds", nil).GetHistogram().GetSampleSum()
+	if took <= 0 || took != ttft {
+		t.Errorf("duration sum %v, time to first byte sum %v: want them equal", took, ttft)
+	}
+}
+
+func counter(m *dto.Metric) float64   { return m.GetCounter().GetValue() }
+func histCount(m *dto.Metric) float64 { return float64(m.GetHistogram().GetSampleCount()) }
