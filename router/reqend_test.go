@@ -95,6 +95,40 @@ func TestCopyHeadersAsAddedOneByOne(t *testing.T) {
 	}
 }
 
+// The last-resolved slot of a route never hands out another key's series:
+// models, streaming and backends alternating, and equal model strings at
+// other addresses, each count on their own series.
+func TestRouteSeriesAlternatingKeys(t *testing.T) {
+	m := newMetrics(prometheus.NewRegistry())
+	keys := []routeKey{
+		{"regular", routeGenerate, "a", false},
+		{"regular", routeGenerate, "b", false},
+		{"regular", routeGenerate, "a", true},
+		{"pd", routeGenerate, "a", false},
+		{"regular", routeChat, "a", false},
+	}
+	for i := range 10 {
+		for j, k := range keys[:1+i%len(keys)] {
+			k.model = strings.Clone(k.model) // same label, another string
+			for range j + 1 {
+				m.forRoute(k).requests.Inc()
+			}
+		}
+	}
+	for j, k := range keys {
+		want := 0
+		for i := range 10 {
+			if j < 1+i%len(keys) {
+				want += j + 1
+			}
+		}
+		got := counterValue(t, m.routerRequests.WithLabelValues("http", k.backend, "http", k.model, k.route.String(), boolLabel(k.stream)))
+		if got != float64(want) {
+			t.Errorf("%+v: %v requests, want %d", k, got, want)
+		}
+	}
+}
+
 // After N regular requests /metrics holds N of everything a request counts,
 // and a whole reply's duration is its time to first byte (one clock read
 // serves both: their sums are equal).
