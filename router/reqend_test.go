@@ -107,24 +107,20 @@ func TestRouteSeriesAlternatingKeys(t *testing.T) {
 		{"pd", routeGenerate, "a", false},
 		{"regular", routeChat, "a", false},
 	}
-	for i := range 10 {
+	want := make([]int, len(keys))
+	for i := range 10 { // rounds over the first 1, 2, ... keys, each key j counted j+1 times in a row
 		for j, k := range keys[:1+i%len(keys)] {
 			k.model = strings.Clone(k.model) // same label, another string
 			for range j + 1 {
 				m.forRoute(k).requests.Inc()
 			}
+			want[j] += j + 1
 		}
 	}
 	for j, k := range keys {
-		want := 0
-		for i := range 10 {
-			if j < 1+i%len(keys) {
-				want += j + 1
-			}
-		}
 		got := counterValue(t, m.routerRequests.WithLabelValues("http", k.backend, "http", k.model, k.route.String(), boolLabel(k.stream)))
-		if got != float64(want) {
-			t.Errorf("%+v: %v requests, want %d", k, got, want)
+		if got != float64(want[j]) {
+			t.Errorf("%+v: %v requests, want %d", k, got, want[j])
 		}
 	}
 }
