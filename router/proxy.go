@@ -27,8 +27,7 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 			Message: "/" + route.String() + " is not supported in PD disaggregation mode"})
 		return path
 	}
-	requestID := ctx.Response.Header.Peek("x-request-id")
-	r := s.newRequest(ctx, path, route, requestID)
+	r := s.newRequest(ctx, path, route, responseRequestID(ctx))
 	if err := splice.Inspect(r.body, &r.info); err != nil {
 		r.rec.badPDBody = s.cfg.PDDisaggregation
 		writeError(ctx, badRequest("Invalid request body: "+err.Error()))
@@ -60,6 +59,12 @@ func (s *Server) generation(ctx *fasthttp.RequestCtx, method, path string, route
 	}
 	s.serve(ctx, r)
 	return path
+}
+
+// responseRequestID is the X-Request-Id setRequestID gave the response,
+// looked up by the name it set, without normalizing it again.
+func responseRequestID(ctx *fasthttp.RequestCtx) []byte {
+	return ctx.Response.Header.PeekCanonical(headerRequestID)
 }
 
 func (s *Server) backendType() string {

@@ -73,7 +73,13 @@ func (rec *record) fail(errorType string) { rec.outcome, rec.errorType = outcome
 // responded records the end of the client's response (finish), and for
 // the span the status the client got and why the request was cut short.
 func (rec *record) responded(r *request) {
-	rec.took = time.Since(r.start)
+	if rec.firstByte != 0 && !r.info.Stream {
+		// A whole reply was complete when its first byte was stamped, the
+		// last thing replyWhole does: one clock read serves both.
+		rec.took = rec.firstByte
+	} else {
+		rec.took = time.Since(r.start)
+	}
 	if rt := r.trace; rt != nil {
 		if rt.rctx != nil { // nil once a stream let fasthttp have it back (request.detach)
 			rt.status = rt.rctx.Response.StatusCode()

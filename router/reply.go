@@ -92,7 +92,11 @@ func copyHeaders(ctx *fasthttp.RequestCtx, resp *upstreamResponse) {
 		return
 	}
 	for k, v := range resp.Header.All() {
-		if !hopHeader(bstr(k)) {
+		switch name := bstr(k); {
+		case name == "Content-Type":
+			// What AddBytesKV does with it, less normalizing the name again.
+			ctx.Response.Header.SetContentTypeBytes(v)
+		case !hopHeader(name):
 			ctx.Response.Header.AddBytesKV(k, v)
 		}
 	}

@@ -323,7 +323,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	if !known {
 		refuseMethod(ctx)
 		unconsumedBody(ctx)
-		s.metrics.observeHTTP(otherMethod, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+		s.metrics.observeHTTP(otherMethod, "other", ctx.Response.StatusCode(), errorCode(ctx), since(start))
 		return
 	}
 	if s.cors(ctx) {
@@ -333,7 +333,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 	if e := s.readBody(ctx); e != nil {
 		writeError(ctx, e)
 		ctx.SetConnectionClose() // the rest of the body is not read
-		s.metrics.observeHTTP(method, "other", ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+		s.metrics.observeHTTP(method, "other", ctx.Response.StatusCode(), errorCode(ctx), since(start))
 		return
 	}
 	var label string
@@ -343,7 +343,7 @@ func (s *Server) handle(ctx *fasthttp.RequestCtx) {
 		label = s.route(ctx, string(ctx.Path()), method)
 	}
 	if !ctx.Hijacked() { // a stream is counted when its attempts are done (serveStream)
-		s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), ctx.Response.Header.Peek("X-SMG-Error-Code"), since(start))
+		s.metrics.observeHTTP(method, label, ctx.Response.StatusCode(), errorCode(ctx), since(start))
 	}
 }
 
