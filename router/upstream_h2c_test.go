@@ -17,6 +17,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/mock/mockworker"
 	"github.com/pdrouter/pdrouter/router/splice"
 )
@@ -146,6 +147,8 @@ func TestH2COnlyWhereTheWorkerAndTheFlagSayIt(t *testing.T) {
 		cfg.WorkerURLs = []string{h2.URL(), h1.URL()}
 		cfg.Manager.UpstreamHTTP2 = flag
 		base, srv := serveInProcess(t, cfg)
+		// Ready is the first worker registered; round robin needs both.
+		waitFor(t, func() bool { return len(srv.reg.Snapshot().Available(balancer.Regular)) == 2 })
 		h1.Reset()
 		h2.Reset()
 		for range 4 { // round robin: both get some
