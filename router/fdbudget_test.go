@@ -18,7 +18,7 @@ import (
 // idle pools fit the fd limit, with half the reserve left for prefill legs.
 func TestDescriptorBudgetFitsTheLimit(t *testing.T) {
 	for _, limit := range []uint64{256, 1024, 20000, 65536, 1 << 20} {
-		clients, idle, reserve := DefaultMaxConnections(limit, false), maxIdlePerWorker(limit), fdReserve(limit)
+		clients, idle, reserve := DefaultMaxConnections(limit, UpstreamLegs{HTTP1: 1}), maxIdlePerWorker(limit), fdReserve(limit)
 		if used := 2*uint64(clients) + reserve; used > limit {
 			t.Errorf("limit %d: %d clients with a worker connection each and a reserve of %d take %d", limit, clients, reserve, used)
 		}
@@ -27,7 +27,7 @@ func TestDescriptorBudgetFitsTheLimit(t *testing.T) {
 		}
 	}
 	// The 9800-stream bench run (hard limit 20,000) fits under the default.
-	if n := DefaultMaxConnections(20000, false); n < 9800 || n >= 10000 {
+	if n := DefaultMaxConnections(20000, UpstreamLegs{HTTP1: 1}); n < 9800 || n >= 10000 {
 		t.Errorf("DefaultMaxConnections(20000) = %d, want 9800..9999", n)
 	}
 	if maxIdlePerWorker(1<<20) != 500 {
@@ -138,7 +138,7 @@ func TestDefaultMaxConnectionsCountsBothPDLegs(t *testing.T) {
 		s := &Server{cfg: DefaultConfig()}
 		s.cfg.PDDisaggregation = pd
 		perClient := map[bool]uint64{false: 2, true: 3}[pd]
-		if n := uint64(s.maxConnections()); perClient*n+fdReserve(soft) > soft {
+		if n := uint64(s.MaxConnections()); perClient*n+fdReserve(soft) > soft {
 			t.Errorf("pd %v: %d clients with %d descriptors each and a reserve of %d exceed the limit %d", pd, n, perClient, fdReserve(soft), soft)
 		}
 	}

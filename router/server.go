@@ -68,6 +68,7 @@ type Server struct {
 	metrics   *metrics
 	bm        *balancer.Metrics
 	srv       *fasthttp.Server
+	front     frontLimit // the client connection limit (limits.go)
 
 	frontTLS  *tls.Config // nil = plain HTTP (tls.go)
 	workerTLS *tls.Config // https workers; nil = system roots
@@ -142,6 +143,7 @@ func New(cfg Config, log *zap.Logger, promReg prometheus.Registerer) (*Server, e
 	s.manager = balancer.NewManager(mcfg)
 	s.reg = s.manager.Registry()
 	s.reg.OnChange(s.followWorkers)
+	s.reg.OnChange(s.followLimit) // limits.go
 	for _, t := range s.sides() {
 		s.manager.AttachPolicy(s.policies[t])
 	}

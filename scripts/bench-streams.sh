@@ -106,7 +106,7 @@ run() {
 	wait "$pid" 2>/dev/null || true
 	if [ "${failed:-1}" != 0 ]; then # what failed, most frequent first (for the log, not the table)
 		sed -n 's/.*"errors":\[\([^]]*\)\].*/\1/p' "$T/pdbench-$name-$n.jsonl" | tr ',' '\n' | grep -v '^""$' |
-			sort | uniq -c | sort -rn | head -n3 | while read -r line; do log "$name $n: $line"; done
+			sort | uniq -c | sort -rn | head -n3 | while read -r line; do log "$name $n: $line"; done || true # none listed: not a reason to stop
 	fi
 	awk -v name="$name" -v n="$n" -v done="${done:-0}" -v failed="${failed:-$n}" -v open="${open:-0}" \
 		-v ir="$idle_rss" -v hr="$hwm" -v ifd="$idle_fds" -v pf="$peak_fds" -v cpu="$cpu" 'BEGIN {

@@ -88,7 +88,7 @@ func newParser() (*cli.Parser, *options) {
 	p.Duration(rq, "engine-abort-timeout-ms", &c.AbortTimeout, time.Millisecond, "Bound on each POST /abort_request sent to an engine still holding a request whose client left or timed out (0: send none)")
 	p.Duration(rq, "shutdown-grace-period-secs", &c.ShutdownGrace, time.Second, "Seconds to drain in-flight requests on SIGTERM")
 	p.Strings(rq, "cors-allowed-origins", &c.CORSOrigins, false, "CORS allowed origins (any when empty)")
-	p.Int(rq, "max-connections", &c.MaxConnections, "Open client connections at most; more are refused with a 503 (0: what the open-file limit holds with one worker connection each, less a reserve of 1/64)")
+	p.Int(rq, "max-connections", &c.MaxConnections, "Open client connections at most; more are refused with a 503 (0: what the open-file limit holds, a client costing one descriptor more per leg to an HTTP/1.1 worker, less a reserve of 1/64)")
 	p.Int(rq, "max-header-size", &c.MaxHeaderSize, "Largest request head in bytes (larger is a 431)")
 	p.Duration(rq, "header-read-timeout-secs", &c.HeaderReadTimeout, time.Second, "Seconds a client has to send a request's head")
 	p.Duration(rq, "body-read-timeout-secs", &c.BodyReadTimeout, time.Second, "Seconds a client has to send a request's body once its head is in")

@@ -74,18 +74,14 @@ func run(args []string) int {
 func serve(cfg router.Config, discovery *discoveryOptions, log *zap.Logger) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	if soft, hard, err := netutil.RaiseFileLimit(); err != nil {
-		log.Warn("open-file limit unknown", zap.Error(err))
-	} else {
-		max := cfg.MaxConnections
-		if max == 0 {
-			max = router.DefaultMaxConnections(soft, cfg.PDDisaggregation)
-		}
-		log.Info("open-file limit", zap.Uint64("soft", soft), zap.Uint64("hard", hard), zap.Int("max_connections", max))
-	}
 	srv, err := router.New(cfg, log, reg)
 	if err != nil {
 		return err
+	}
+	if soft, hard, err := netutil.RaiseFileLimit(); err != nil {
+		log.Warn("open-file limit unknown", zap.Error(err))
+	} else { // the limit until workers serving h2c register (then logged again)
+		log.Info("open-file limit", zap.Uint64("soft", soft), zap.Uint64("hard", hard), zap.Int("max_connections", srv.MaxConnections()))
 	}
 	addr := net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port))
 	ln, err := net.Listen("tcp", addr)

@@ -14,7 +14,8 @@ import (
 
 // Options configure a Listener.
 type Options struct {
-	// MaxConns bounds the open connections; one over it is refused. 0: no limit.
+	// MaxConns bounds the open connections; one over it is refused. 0: no
+	// limit. SetMaxConns changes it later.
 	MaxConns int
 	// Refusal is written to a refused connection before it is closed (a
 	// canned HTTP 503, say); nil closes it at once.
@@ -30,6 +31,7 @@ type Options struct {
 type Listener struct {
 	net.Listener
 	opt      Options
+	maxConns atomic.Int64 // Options.MaxConns, or as SetMaxConns set it since
 	open     atomic.Int64
 	refused  atomic.Uint64
 	refusing chan struct{} // slots for refusals in progress
@@ -39,8 +41,17 @@ type Listener struct {
 
 // Listen wraps ln.
 func Listen(ln net.Listener, opt Options) *Listener {
-	return &Listener{Listener: ln, opt: opt, closed: make(chan struct{}), refusing: make(chan struct{}, 64)}
+	l := &Listener{Listener: ln, opt: opt, closed: make(chan struct{}), refusing: make(chan struct{}, 64)}
+	l.maxConns.Store(int64(opt.MaxConns))
+	return l
 }
+
+// SetMaxConns changes the limit (0: none). Connections already open over a
+// lowered limit stay; new ones are refused until the open count is below it.
+func (l *Listener) SetMaxConns(n int) { l.maxConns.Store(int64(n)) }
+
+// MaxConns is the limit now (0: none).
+func (l *Listener) MaxConns() int { return int(l.maxConns.Load()) }
 
 // Backoff bounds, as net/http's Serve.
 const (
@@ -84,13 +95,11 @@ func (l *Listener) Accept() (net.Conn, error) {
 			}
 		}
 		b.Reset()
-		if l.opt.MaxConns > 0 && l.open.Add(1) > int64(l.opt.MaxConns) {
+		// One read of the limit per connection: SetMaxConns may run meanwhile.
+		if maxConns := l.maxConns.Load(); l.open.Add(1) > maxConns && maxConns > 0 {
 			l.open.Add(-1)
 			l.refuse(c)
 			continue
-		}
-		if l.opt.MaxConns <= 0 {
-			l.open.Add(1)
 		}
 		return &conn{Conn: c, l: l}, nil
 	}
@@ -165,7 +174,7 @@ func (l *Listener) Close() error {
 // Open is the number of accepted connections not yet closed.
 func (l *Listener) Open() int { return int(l.open.Load()) }
 
-// Refused counts the connections refused over MaxConns.
+// Refused counts the connections refused over the limit.
 func (l *Listener) Refused() uint64 { return l.refused.Load() }
 
 // Temporary reports whether an accept error passes: out of file

@@ -2,10 +2,12 @@ package netutil
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"os/exec"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -173,6 +175,146 @@ func TestMaxConnsRefusesAndRecovers(t *testing.T) {
 	}
 	_ = ln.Close()
 	<-done
+}
+
+// serveAccepts accepts on ln in workers goroutines, writing "ok" to each
+// accepted connection and handing it to accepted, until ln closes.
+func serveAccepts(t *testing.T, ln *Listener, workers int, accepted chan<- net.Conn) {
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				_, _ = c.Write([]byte("ok"))
+				accepted <- c
+			}
+		})
+	}
+	t.Cleanup(func() {
+		_ = ln.Close()
+		wg.Wait()
+	})
+}
+
+// knock dials addr, sends a request head and reports whether the
+// listener accepted ("ok") or refused (the refusal) the connection.
+func knock(t *testing.T, addr string, refusal []byte) bool {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_, _ = c.Write([]byte("GET / HTTP/1.1\r\n\r\n"))
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	buf := make([]byte, 2)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		t.Fatalf("read %q: %v", buf, err)
+	}
+	if string(buf) == "ok" {
+		return true
+	}
+	rest, err := io.ReadAll(c)
+	if got := string(buf) + string(rest); err != nil || got != string(refusal) {
+		t.Fatalf("neither accepted nor refused: read %q, %v", got, err)
+	}
+	return false
+}
+
+func TestSetMaxConnsRaisesAndLowers(t *testing.T) {
+	raw, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refusal := []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+	ln := Listen(raw, Options{MaxConns: 1, Refusal: refusal})
+	accepted := make(chan net.Conn, 16)
+	serveAccepts(t, ln, 1, accepted)
+	addr := raw.Addr().String()
+	expect := func(step string, want bool) {
+		t.Helper()
+		if got := knock(t, addr, refusal); got != want {
+			t.Fatalf("%s: accepted %v, want %v (limit %d, open %d)", step, got, want, ln.MaxConns(), ln.Open())
+		}
+		if want {
+			t.Cleanup(func() { _ = (<-accepted).Close() })
+		}
+	}
+	expect("first under 1", true)
+	expect("second over 1", false)
+	ln.SetMaxConns(3)
+	if ln.MaxConns() != 3 {
+		t.Fatalf("MaxConns %d after SetMaxConns(3)", ln.MaxConns())
+	}
+	expect("second under 3", true)
+	expect("third under 3", true)
+	expect("fourth over 3", false)
+	ln.SetMaxConns(1)
+	if ln.Open() != 3 {
+		t.Fatalf("lowering the limit left %d open, want the 3 already open", ln.Open())
+	}
+	expect("over a lowered limit", false)
+	if ln.Refused() != 3 {
+		t.Fatalf("refused %d, want 3", ln.Refused())
+	}
+	ln.SetMaxConns(0)
+	for i := range 5 {
+		expect(fmt.Sprintf("unlimited #%d", i), true)
+	}
+}
+
+// Accepts in several goroutines while the limit moves between 4 and 8:
+// no connection is let in over the highest limit, every dial is either
+// accepted or refused, and the counts agree.
+func TestSetMaxConnsUnderConcurrentAccepts(t *testing.T) {
+	raw, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refusal := []byte("HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+	ln := Listen(raw, Options{MaxConns: 4, Refusal: refusal})
+	const dials = 48
+	accepted := make(chan net.Conn, dials)
+	serveAccepts(t, ln, 4, accepted)
+	stop := make(chan struct{})
+	var toggler sync.WaitGroup
+	toggler.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+				ln.SetMaxConns(4 + 4*(i%2))
+				time.Sleep(100 * time.Microsecond)
+			}
+		}
+	})
+	var in, out atomic.Int64
+	var clients sync.WaitGroup
+	for range dials {
+		clients.Go(func() {
+			if knock(t, raw.Addr().String(), refusal) {
+				in.Add(1)
+			} else {
+				out.Add(1)
+			}
+		})
+	}
+	clients.Wait()
+	close(stop)
+	toggler.Wait()
+	if in.Load() > 8 || in.Load() < 4 {
+		t.Errorf("%d accepted, want 4..8 (no connection is closed, the limit moved between 4 and 8)", in.Load())
+	}
+	if in.Load()+out.Load() != dials || int64(ln.Refused()) != out.Load() || int64(ln.Open()) != in.Load() {
+		t.Errorf("accepted %d + refused %d of %d dials; listener counts %d open, %d refused", in.Load(), out.Load(), dials, ln.Open(), ln.Refused())
+	}
+	for range in.Load() {
+		_ = (<-accepted).Close()
+	}
 }
 
 func TestTemporary(t *testing.T) {
