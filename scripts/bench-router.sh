@@ -21,7 +21,9 @@
 #                 below every router's saturation)
 #   slow prefill: TTFT through each router in PD 1+1 when prefill answers after SLOW_PREFILL
 #   streams:      STREAMS and BIG_STREAMS concurrent streams of STREAM_TOKENS tokens through each
-#                 router in PD 1+1 (a fresh router for each run): errors, peak RSS, RSS per stream.
+#                 router in PD 1+1 (a fresh router for each run): errors, peak RSS, RSS per stream;
+#                 pdrouter's big run reaches the workers over h2c (--upstream-http2), the others'
+#                 over HTTP/1.1.
 #                 The big run's streams arrive over a few seconds, since all at once would also
 #                 hold a prefill socket each in the router (3N descriptors, not 2N), and its decode
 #                 worker holds each stream's first token until they have all arrived.
@@ -78,11 +80,17 @@ if ((BIG_STREAMS > BIG_FIT)); then
 	BIG_RUN=$BIG_FIT
 	echo "bench-router: open-file limit $FD_LIMIT (hard) holds $BIG_RUN streams, not $BIG_STREAMS" >&2
 fi
+# pdrouter's big run goes to the workers over h2c (--upstream-http2; the workers serve it beside
+# HTTP/1.1): a stream holds its client's socket and a hundredth of an h2c connection per leg, and
+# the default --max-connections admits that many (4 descriptors to spare per h2c worker).
+BIG_FIT_H2C=$(((FD_LIMIT - FD_RESERVE - 8) * 100 / 102 / 100 * 100))
+BIG_RUN_PD=$((BIG_STREAMS < BIG_FIT_H2C ? BIG_STREAMS : BIG_FIT_H2C))
+((BIG_RUN_PD < BIG_STREAMS)) && echo "bench-router: open-file limit $FD_LIMIT (hard) holds $BIG_RUN_PD h2c streams, not $BIG_STREAMS" >&2
 # The big run's decode worker sends each stream's head at once and its first token only after
 # BIG_FIRST_TOKEN (as SGLang's decode waits for prefill's KV): tokens of the streams already open
 # would otherwise take the 2 cores while the rest arrive, the worker would stop accepting, its
 # listen queue overflow and the router's dials to it time out (connect errors, then its breaker).
-BIG_FIRST_TOKEN=${BIG_FIRST_TOKEN:-$((2 * BIG_RUN / BIG_RATE + 5))s}
+BIG_FIRST_TOKEN=${BIG_FIRST_TOKEN:-$((2 * BIG_RUN_PD / BIG_RATE + 5))s}
 BIG_TIMEOUT=${BIG_TIMEOUT:-300s}
 
 mkdir -p "$OUT"
@@ -216,9 +224,9 @@ start_stub D2 decode
 start_worker MW regular
 start_worker SPP prefill --prefill-delay "$SLOW_PREFILL"
 start_worker SPD decode
-start_worker SP prefill
+start_worker SP prefill --enable-http2
 start_worker SD decode --tokens "$STREAM_TOKENS" --token-delay 10ms
-start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELAY" --prefill-delay "$BIG_FIRST_TOKEN"
+start_worker SDB decode --tokens "$STREAM_TOKENS" --token-delay "$BIG_TOKEN_DELAY" --prefill-delay "$BIG_FIRST_TOKEN" --enable-http2
 
 log "starting nginx and the routers: ${KINDS[*]}"
 NG=$(free_port)
@@ -256,7 +264,7 @@ for k in "${KINDS[@]}"; do
 	[ "$WRK_ONLY" = 1 ] && continue
 	launch "$k" "${k}_slow" "${slow[@]}"
 	launch "$k" "${k}_st" "${streams[@]}"
-	launch "$k" "${k}_big" "${big[@]}"
+	if [ "$k" = pdrouter ]; then launch "$k" "${k}_big" "${big[@]}" --upstream-http2; else launch "$k" "${k}_big" "${big[@]}"; fi
 	ROUTERS+=("${k}_slow" "${k}_st" "${k}_big")
 done
 for r in "${ROUTERS[@]}"; do ready "$r"; done
@@ -379,7 +387,8 @@ streams() {
 	fi
 }
 for k in "${KINDS[@]}"; do streams "$k" st "$STREAMS" inf; done
-for k in "${KINDS[@]}"; do streams "$k" big "$BIG_RUN" "$BIG_RATE"; done
+big_run() { if [ "$1" = pdrouter ]; then echo "$BIG_RUN_PD"; else echo "$BIG_RUN"; fi; }
+for k in "${KINDS[@]}"; do streams "$k" big "$(big_run "$k")" "$BIG_RATE"; done
 
 declare -A RSS
 for k in "${KINDS[@]}"; do
@@ -441,7 +450,7 @@ fds_per_stream() { awk -v p="${ST_PEAK_FDS[$1]:-0}" -v i="${ST_IDLE_FDS[$1]:-0}"
 	for k in "${KINDS[@]}"; do
 		for key in st big; do
 			n=$STREAMS
-			[ $key = big ] && n=$BIG_RUN
+			[ $key = big ] && n=$(big_run "$k")
 			printf '%s    "%s_%s": {"streams": %s, "tokens": %s, "completed": %s, "failed": %s, "peak_concurrency": %s, "seconds": %s, "idle_rss_kib": %s, "peak_rss_kib": %s, "kib_per_stream": %s, "idle_fds": %s, "peak_fds": %s, "fds_per_stream": %s}' \
 				"$sep" "$k" "$n" "$n" "$STREAM_TOKENS" "${ST_DONE[$k$key]}" "${ST_FAILED[$k$key]}" "${ST_PEAK[$k$key]}" \
 				"${ST_SECS[$k$key]}" "${ST_IDLE[$k$key]}" "${ST_RSS[$k$key]}" "$(per_stream_kib "$k$key")" \
@@ -499,15 +508,13 @@ if [ "$RUST" = 1 ]; then
 	targets+=" regular ≥ 3× smg's: **$(ratio "${RPS[pdrouter_reg]}" "${RPS[smg_reg]}")×, $(met "$(ratio "${RPS[pdrouter_reg]}" "${RPS[smg_reg]}")" 3)**;"
 fi
 targets+=" added p50 TTFT over direct ≤ one nginx hop's: **$TTFT_ROUTER µs vs $TTFT_NGINX µs, $(met "$TTFT_NGINX" "$TTFT_ROUTER")**;"
-targets+=" $BIG_STREAMS streams with 0 errors and router RSS ≤ 160 MiB: **$BIG_RUN run, ${ST_FAILED[pdrouterbig]} errors, $BIG_RSS MiB**"
-if ((BIG_RUN < BIG_STREAMS)); then
+targets+=" $BIG_STREAMS streams with 0 errors and router RSS ≤ 160 MiB: **$BIG_RUN_PD run, ${ST_FAILED[pdrouterbig]} errors, $BIG_RSS MiB**"
+if ((BIG_RUN_PD < BIG_STREAMS)); then
 	# Each open stream holds at least its client and decode sockets in the router, more while its
 	# prefill leg is open; RSS extrapolated from the big run's per-stream figure.
 	targets+=" (not met as stated: the router held $(fds_per_stream pdrouterbig) descriptors per open stream at its peak"
-	targets+=" (${ST_PEAK_FDS[pdrouterbig]} for ${ST_PEAK[pdrouterbig]} open) and never fewer than 2 (client and decode sockets),"
-	targets+=" so this machine's hard open-file limit, $FD_LIMIT (not raisable without CAP_SYS_RESOURCE), holds at most"
-	targets+=" $(((FD_LIMIT - ${ST_IDLE_FDS[pdrouterbig]}) / 2)) streams through one router process, and its default --max-connections admits"
-	targets+=" $(((FD_LIMIT - FD_RESERVE) / 3)) clients, with a prefill socket each and $FD_RESERVE descriptors for pools;"
+	targets+=" (${ST_PEAK_FDS[pdrouterbig]} for ${ST_PEAK[pdrouterbig]} open), and this machine's hard open-file limit, $FD_LIMIT"
+	targets+=" (not raisable without CAP_SYS_RESOURCE), admits $BIG_RUN_PD h2c streams through the default --max-connections;"
 	targets+=" at $(per_stream_kib pdrouterbig) KiB per stream, 10000 streams would take"
 	targets+=" $(awk -v i="${ST_IDLE[pdrouterbig]}" -v k="$(per_stream_kib pdrouterbig)" 'BEGIN {printf "%.0f", (i + 10000 * k) / 1024}') MiB)."
 else
@@ -548,7 +555,7 @@ $(for k in "${KINDS[@]}"; do path_row "${KIND_LABEL[$k]} PD 1P+1D" "${k}_pd1" de
 Slow prefill: PD 1P+1D with a prefill worker that answers after $SLOW_PREFILL, streamed requests at 50 req/s for 4 s
 (a router that waits for prefill before relaying decode's stream adds the whole delay to TTFT).
 Streams: a fresh PD 1P+1D router per run, $STREAM_TOKENS tokens per stream; $STREAMS streams opened at once with tokens
-10 ms apart, $BIG_RUN opened at $BIG_RATE/s, each with its first token after $BIG_FIRST_TOKEN and the rest $BIG_TOKEN_DELAY apart (so that all are open together, while the
+10 ms apart, $BIG_RUN_PD through pdrouter (to the workers over h2c, \`--upstream-http2\`) and $BIG_RUN through each other router (HTTP/1.1) opened at $BIG_RATE/s, each with its first token after $BIG_FIRST_TOKEN and the rest $BIG_TOKEN_DELAY apart (so that all are open together, while the
 prefill sockets of the ones arriving stay few and the decode worker is not generating while they arrive). RSS per stream is (peak − idle RSS) / streams open at the peak, descriptors per stream likewise.
 
 $heads |
@@ -569,14 +576,14 @@ $(cmp_row "peak RSS MiB, PD 1P+1D" v_rss pd1)
 $(cmp_row "$STREAMS streams: errors" v_stfail st)
 $(cmp_row "$STREAMS streams: peak RSS MiB" v_strss st)
 $(cmp_row "$STREAMS streams: KiB per stream" v_stper st)
-$(cmp_row "$BIG_RUN streams: errors" v_stfail big)
-$(cmp_row "$BIG_RUN streams: peak RSS MiB" v_strss big)
-$(cmp_row "$BIG_RUN streams: KiB per stream" v_stper big)
-$(cmp_row "$BIG_RUN streams: peak open descriptors" v_stfds big)
-$(cmp_row "$BIG_RUN streams: descriptors per open stream" v_stfdper big)
+$(cmp_row "big run streams: errors" v_stfail big)
+$(cmp_row "big run streams: peak RSS MiB" v_strss big)
+$(cmp_row "big run streams: KiB per stream" v_stper big)
+$(cmp_row "big run streams: peak open descriptors" v_stfds big)
+$(cmp_row "big run streams: descriptors per open stream" v_stfdper big)
 
 (For times, CPU and memory a ratio below 1 is pdrouter's advantage; for req/s, above 1.)
-Streams completed: $(for k in "${KINDS[@]}"; do printf '%s %s/%s and %s/%s (peak %s and %s open at once, %s s and %s s). ' "${KIND_LABEL[$k]}" "${ST_DONE[${k}st]}" "$STREAMS" "${ST_DONE[${k}big]}" "$BIG_RUN" "${ST_PEAK[${k}st]}" "${ST_PEAK[${k}big]}" "${ST_SECS[${k}st]}" "${ST_SECS[${k}big]}"; done)
+Streams completed: $(for k in "${KINDS[@]}"; do printf '%s %s/%s and %s/%s (peak %s and %s open at once, %s s and %s s). ' "${KIND_LABEL[$k]}" "${ST_DONE[${k}st]}" "$STREAMS" "${ST_DONE[${k}big]}" "$(big_run "$k")" "${ST_PEAK[${k}st]}" "${ST_PEAK[${k}big]}" "${ST_SECS[${k}st]}" "${ST_SECS[${k}big]}"; done)
 $targets
 EOF
 )
