@@ -25,7 +25,7 @@ run() {
 run "python unit tests (control client, TransferEngine, remap) against kvproxy" \
 	bash -c 'cd python && python3 -m unittest discover -s tests -t .'
 run "the harness's kvproxies and engines end with it (SIGTERM, SIGKILL)" \
-	bash -c 'cd python/harness && python3 -m unittest test_children'
+	bash -c 'cd python/harness && python3 -m unittest test_children test_ports'
 # python3 may lack numpy (batches then go as triples): page writes with it.
 run "TransferEngine page writes and the nixl look-alike, with numpy" \
 	bash -c "cd python && '$VENV/bin/python' -m unittest tests.test_pageplan tests.test_engine_pages tests.test_nixl"

@@ -33,10 +33,35 @@ import sglang_versions
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+_handed_out = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, not handed out before.
+
+    A port from bind(0) is an ephemeral one, and another bind(0) (SGLang's
+    engines bind several servers that way) could take it before the engine
+    that was given it binds it: the prefill's bootstrap server then failed
+    with "address already in use" and the run hung. No bind(0) takes a port
+    below the range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = max(1024, ephemeral - 12000)
+    for _ in range(1000):
+        port = random.randrange(low, ephemeral)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port in [%d, %d)" % (low, ephemeral))
 
 
 def make_plan(n, lo, hi, seed, sizes=""):
