@@ -83,12 +83,27 @@ func (m *Metrics) Selected(w *Worker, policy string) {
 	if m == nil {
 		return
 	}
+	// The worker's last counter first: a worker is nearly always chosen by
+	// the same policy, and comparing strings that share their bytes costs
+	// less than hashing them.
 	k := selectionKey{w.Type, w.ModelID, policy}
+	if last := w.st.selected.Load(); last != nil && last.metrics == m && last.key == k {
+		last.counter.Inc()
+		return
+	}
 	c, ok := m.selected.Load(k)
 	if !ok {
 		c = m.selected.LoadOrStore(k, m.selection.WithLabelValues(w.Type.String(), connectionMode, w.ModelID, policy))
 	}
+	w.st.selected.Store(&lastSelection{metrics: m, key: k, counter: c})
 	c.Inc()
+}
+
+// lastSelection is a worker's most recently used selection counter.
+type lastSelection struct {
+	metrics *Metrics
+	key     selectionKey
+	counter prometheus.Counter
 }
 
 // WorkerError counts a failed attempt on w (errorType e.g. "status_5xx", "connect").

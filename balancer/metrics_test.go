@@ -143,3 +143,37 @@ func TestMetricsPolicyBranches(t *testing.T) {
 		t.Errorf("manual cache entries = %v, want 1", v)
 	}
 }
+
+// Selected caches a worker's last counter: a change of policy, model or
+// registry must still count under its own labels.
+func TestMetricsSelectedCountsEachLabelSet(t *testing.T) {
+	regA, regB := prometheus.NewRegistry(), prometheus.NewRegistry()
+	a, err := NewMetrics(regA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := NewMetrics(regB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := NewWorker("http://a", Regular, 0)
+	w.ModelID = "m1"
+	a.Selected(w, "random")
+	a.Selected(w, "round_robin")
+	a.Selected(w, "random")
+	b.Selected(w, "random")
+	w.ModelID = "m2"
+	a.Selected(w, "random")
+	for _, c := range []struct {
+		reg           *prometheus.Registry
+		model, policy string
+		want          float64
+	}{
+		{regA, "m1", "random", 2}, {regA, "m1", "round_robin", 1}, {regA, "m2", "random", 1}, {regB, "m1", "random", 1},
+	} {
+		got, ok := gauge(t, c.reg, "smg_worker_selection_total", map[string]string{"connection_mode": "http", "model": c.model, "policy": c.policy, "worker_type": "regular"})
+		if !ok || got != c.want {
+			t.Errorf("%s/%s: %v (found %v), want %v", c.model, c.policy, got, ok, c.want)
+		}
+	}
+}

@@ -96,6 +96,8 @@ type workerState struct {
 	loadAtPoll atomic.Int64
 	reportedOK atomic.Bool
 	legacyLoad atomic.Bool // the engine has no /v1/loads: poll /get_load
+
+	selected atomic.Pointer[lastSelection] // Metrics.Selected's cache
 }
 
 // NewWorker builds a worker from its base URL. The worker starts healthy;
