@@ -41,10 +41,38 @@ type firstWait struct {
 	close  bool // it asked for Connection: close
 }
 
-// ownBuffers hold parked streams' copies; a large one is not kept.
-var ownBuffers = sync.Pool{New: func() any { b := make([]byte, 0, 1<<10); return &b }}
+// ownBuffers hold parked streams' copies, by size: 512 bytes to 16 KiB,
+// doubling (a stream holds its copy through its wait, so a buffer fits
+// it within twice). A larger copy is allocated and left to the collector.
+var ownBuffers [6]sync.Pool
 
-const ownBufferKept = 16 << 10
+const ownBufferMin = 512
+
+// ownBuffer returns a buffer of at least n bytes' capacity.
+func ownBuffer(n int) *[]byte {
+	for i, size := 0, ownBufferMin; i < len(ownBuffers); i, size = i+1, size*2 {
+		if n <= size {
+			if b, ok := ownBuffers[i].Get().(*[]byte); ok {
+				return b
+			}
+			b := make([]byte, 0, size)
+			return &b
+		}
+	}
+	b := make([]byte, 0, n)
+	return &b
+}
+
+// putOwnBuffer gives back a buffer ownBuffer made.
+func putOwnBuffer(b *[]byte) {
+	for i, size := 0, ownBufferMin; i < len(ownBuffers); i, size = i+1, size*2 {
+		if cap(*b) == size {
+			*b = (*b)[:0]
+			ownBuffers[i].Put(b)
+			return
+		}
+	}
+}
 
 // parkFirstToken parks r, whose decode reply (a's) has its head and no
 // body yet, until decode's first bytes (or its end, or its failure)
@@ -82,7 +110,14 @@ func (s *Server) parkFirstToken(ctx *fasthttp.RequestCtx, r *request, a *attempt
 func (r *request) detachWait(ctx *fasthttp.RequestCtx) {
 	p := &firstWait{r: r, http10: !ctx.Request.Header.IsHTTP11(), close: ctx.Request.Header.ConnectionClose()}
 	p.resume = p.firstToken
-	p.own = ownBuffers.Get().(*[]byte)
+	need := len(r.body) + len(r.requestID)
+	for k, v := range ctx.Request.Header.All() {
+		need += len(k) + len(v) + 4
+	}
+	for k, v := range ctx.Response.Header.All() {
+		need += len(k) + len(v) + 2*binary.MaxVarintLen32
+	}
+	p.own = ownBuffer(need)
 	b := append((*p.own)[:0], r.body...)
 	bodyEnd := len(b)
 	for k, v := range ctx.Request.Header.All() {
@@ -110,9 +145,8 @@ func (r *request) detachWait(ctx *fasthttp.RequestCtx) {
 // goes back to the pool when no leg reads it (idle: the attempt's body
 // released), else to the collector.
 func (p *firstWait) over(idle bool) {
-	if idle && cap(*p.own) <= ownBufferKept {
-		*p.own = (*p.own)[:0]
-		ownBuffers.Put(p.own)
+	if idle {
+		putOwnBuffer(p.own)
 	}
 	p.own = nil
 }
@@ -139,9 +173,7 @@ func (p *firstWait) firstToken() {
 	if !parked {
 		s.endStream(ctx, r)
 	}
-	ctx.Request.Reset()
-	ctx.Response.Reset()
-	answerCtxs.Put(ctx)
+	releaseAnswerCtx(ctx)
 }
 
 // answerCtxs hold the responses continuations answer on: a RequestCtx of
@@ -179,6 +211,12 @@ func (p *firstWait) answerCtx() *fasthttp.RequestCtx {
 		rt.rctx = ctx // for the status, if the answer ends the request
 	}
 	return ctx
+}
+
+func releaseAnswerCtx(ctx *fasthttp.RequestCtx) {
+	ctx.Request.Reset()
+	ctx.Response.Reset()
+	answerCtxs.Put(ctx)
 }
 
 // ownHeaders are the client's header lines, "Name: value\r\n" each, as

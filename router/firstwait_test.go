@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/valyala/fasthttp"
+
 	"github.com/pdrouter/pdrouter/balancer"
 	"github.com/pdrouter/pdrouter/mock/mockworker"
 )
@@ -357,4 +359,46 @@ func TestParkedStreamsAtShutdown(t *testing.T) {
 		}
 	}
 	waitFor(t, func() bool { return srv.live.Load() == 0 && h2cIdle(srv) })
+}
+
+// What a parked stream keeps of its RequestCtx is a copy, and all of what
+// the rest of it reads: once ctx is reused for another request, the body,
+// the headers policies read, the id and the response's header fields are
+// still the parked request's.
+func TestParkedRequestOwnsItsCopy(t *testing.T) {
+	var ctx fasthttp.RequestCtx
+	ctx.Request.Header.SetProtocol("HTTP/1.0")
+	ctx.Request.Header.Set("X-SMG-Routing-Key", "key-1")
+	ctx.Request.SetBodyString(`{"text":"a","stream":true}`)
+	ctx.Response.Header.Set("X-Request-Id", "id-1")
+	ctx.Response.Header.Set("Access-Control-Allow-Origin", "*")
+	r := &request{body: ctx.PostBody(), requestID: ctx.Response.Header.Peek("X-Request-Id")}
+	r.detachWait(&ctx)
+	ctx.Request.Reset() // fasthttp's next request
+	ctx.Response.Reset()
+	ctx.Request.SetBodyString(`{"text":"b","stream":false}`)
+	ctx.Request.Header.Set("X-SMG-Routing-Key", "key-2")
+	ctx.Response.Header.Set("X-Request-Id", "id-2")
+	if got := string(r.body); got != `{"text":"a","stream":true}` {
+		t.Errorf("body %q after ctx was reused", got)
+	}
+	if got := string(r.requestID); got != "id-1" {
+		t.Errorf("request id %q after ctx was reused", got)
+	}
+	if got := r.clientHeaders(&ctx).Get("x-smg-routing-key"); got != "key-1" {
+		t.Errorf("policies see X-SMG-Routing-Key %q, want the parked request's", got)
+	}
+	if got := r.clientHeaders(&ctx).Get("X-Absent"); got != "" {
+		t.Errorf("an absent header reads %q", got)
+	}
+	answer := r.park.answerCtx()
+	defer releaseAnswerCtx(answer)
+	if answer.Request.Header.IsHTTP11() {
+		t.Error("the answer is framed for HTTP/1.1, the client spoke HTTP/1.0")
+	}
+	h := &answer.Response.Header
+	if id, origin := string(h.Peek("X-Request-Id")), string(h.Peek("Access-Control-Allow-Origin")); id != "id-1" || origin != "*" {
+		t.Errorf("the answer's X-Request-Id %q and Access-Control-Allow-Origin %q, want the parked response's", id, origin)
+	}
+	r.park.over(true)
 }
