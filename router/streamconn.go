@@ -18,6 +18,8 @@ import (
 // token) goes back to its pool, and fasthttp's hijack handler, a shallow
 // frame, runs the attempts, waits for the first token and writes the head
 // and the first event straight to the socket (no 4 KiB connection writer).
+// Over h2c it does not wait: the request parks on decode's stream, and
+// the handler returns at once (firstwait.go).
 // The handler then returns, giving fasthttp its RequestCtx back
 // (endStream), and an h2c stream holds no goroutine between events: each
 // of its events is written by a goroutine that the h2c connection's reader
