@@ -14,13 +14,16 @@ import (
 // again of heap headroom: the collector counts stacks in its goal) and
 // 10,000 RequestCtxs (~1.8 KiB each with their buffers).
 //
-// Once both legs are sent and decode's head is in but none of its body,
-// the request copies what the rest of it reads of ctx (the client's body
-// for a retry, the headers policies read, its id, the response's header
-// fields so far, the request's HTTP version and Connection: close) into a
-// pooled buffer of its own (parkFirstToken), parks firstToken on the h2c
-// stream (parkH2C) and unwinds: the hijack handler returns, and fasthttp
-// takes its ctx back. Decode's first bytes, its end or failure (prefill
+// Before its attempts, a PD stream that may reach an h2c worker copies
+// what the rest of it reads of ctx into a pooled buffer of its own
+// (ownCopy): the client's body, which its legs then send from the copy,
+// the headers policies read, its id, the response's header fields so far,
+// the request's HTTP version and Connection: close. Copied then, and not
+// at the park, because prefill may be writing the body when decode
+// answers: the park would have to wait for it. Once both legs are sent and
+// decode's head is in but none of its body, the request parks firstToken
+// on the h2c stream (parkH2C) and unwinds: the hijack handler returns,
+// and fasthttp takes its ctx back. Decode's first bytes, its end or failure (prefill
 // failing resets it, and so do the client leaving, the stream idle
 // timeout and shutdown, through the request's scope) start firstToken on
 // a goroutine of its own: it runs the rest of the attempt (firstChunk,
@@ -77,19 +80,12 @@ func putOwnBuffer(b *[]byte) {
 // parkFirstToken parks r, whose decode reply (a's) has its head and no
 // body yet, until decode's first bytes (or its end, or its failure)
 // arrive: true when firstToken now owns r. False, with nothing done, for
-// an HTTP/1.1 reply, one whose first bytes are in already, or while
-// prefill is writing the client's body (released once it has, as detach
-// does).
-func (s *Server) parkFirstToken(ctx *fasthttp.RequestCtx, r *request, a *attempt) bool {
+// a request without its own copy, an HTTP/1.1 reply, or one whose first
+// bytes are in already.
+func (s *Server) parkFirstToken(r *request, a *attempt) bool {
 	resp := r.leg.resp
-	if resp.h2 == nil || !resp.waitsH2C() {
+	if r.park == nil || resp.h2 == nil || !resp.waitsH2C() {
 		return false
-	}
-	if r.park == nil { // the first park: ctx is still fasthttp's
-		if !a.guard.releaseIdle(&a.body) {
-			return false
-		}
-		r.detachWait(ctx)
 	}
 	r.park.a = a
 	if rt := r.trace; rt != nil {
@@ -105,9 +101,9 @@ func (s *Server) parkFirstToken(ctx *fasthttp.RequestCtx, r *request, a *attempt
 	return true
 }
 
-// detachWait copies into r's own buffer what it reads of ctx once ctx
-// has gone back to fasthttp.
-func (r *request) detachWait(ctx *fasthttp.RequestCtx) {
+// ownCopy copies into r's own buffer what it reads of ctx once ctx has
+// gone back to fasthttp, for a park to come.
+func (r *request) ownCopy(ctx *fasthttp.RequestCtx) {
 	p := &firstWait{r: r, http10: !ctx.Request.Header.IsHTTP11(), close: ctx.Request.Header.ConnectionClose()}
 	p.resume = p.firstToken
 	need := len(r.body) + len(r.requestID)
@@ -137,7 +133,6 @@ func (r *request) detachWait(ctx *fasthttp.RequestCtx) {
 	p.header = b[bodyEnd:headerEnd:headerEnd]
 	p.fields = b[headerEnd:fieldsEnd:fieldsEnd]
 	r.requestID = b[fieldsEnd:len(b):len(b)]
-	r.policy.Header = nil // it pointed into ctx
 	r.park = p
 }
 

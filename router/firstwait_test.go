@@ -373,7 +373,7 @@ func TestParkedRequestOwnsItsCopy(t *testing.T) {
 	ctx.Response.Header.Set("X-Request-Id", "id-1")
 	ctx.Response.Header.Set("Access-Control-Allow-Origin", "*")
 	r := &request{body: ctx.PostBody(), requestID: ctx.Response.Header.Peek("X-Request-Id")}
-	r.detachWait(&ctx)
+	r.ownCopy(&ctx)
 	ctx.Request.Reset() // fasthttp's next request
 	ctx.Response.Reset()
 	ctx.Request.SetBodyString(`{"text":"b","stream":false}`)

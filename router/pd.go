@@ -47,7 +47,7 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, att
 	} else {
 		fail, ok = s.sendBoth(r, a, dw)
 	}
-	if ok && r.info.Stream && s.parkFirstToken(ctx, r, a) {
+	if ok && r.info.Stream && s.parkFirstToken(r, a) {
 		return nil, attemptParked
 	}
 	streaming := false

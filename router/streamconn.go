@@ -43,6 +43,9 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 	ctx.Hijack(func(hc net.Conn) {
 		s.metrics.httpConnections.Inc() // fasthttp counted it out at the hijack
 		r.readAhead = readsAhead(hc, r.conn)
+		if s.cfg.Manager.UpstreamHTTP2 { // decode may be h2c: its wait for the first token may park
+			r.ownCopy(ctx)
+		}
 		if s.serve(ctx, r) {
 			return // parked for its first token: its continuation answers (firstwait.go)
 		}
@@ -301,8 +304,8 @@ func (s *Server) awaitStreams(ctx context.Context) {
 // prefill leg not done sending it gets a copy of its own). False, and nothing done,
 // while a leg is writing the client's body, or for a vLLM attempt. A
 // stream that was parked for its first token was detached then
-// (firstwait.go): its own copy of the body goes back to the pool here
-// once no leg reads it.
+// (firstwait.go) has its own copy of the body: that goes back to the pool
+// here once no leg reads it.
 func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
 	a := r.relay.attempt
 	if r.park != nil {
