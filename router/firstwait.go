@@ -20,17 +20,19 @@ import (
 // the headers policies read, its id, the response's header fields so far,
 // the request's HTTP version and Connection: close. Copied then, and not
 // at the park, because prefill may be writing the body when decode
-// answers: the park would have to wait for it. Once both legs are sent and
-// decode's head is in but none of its body, the request parks firstToken
-// on the h2c stream (parkH2C) and unwinds: the hijack handler returns,
-// and fasthttp takes its ctx back. Decode's first bytes, its end or failure (prefill
-// failing resets it, and so do the client leaving, the stream idle
-// timeout and shutdown, through the request's scope) start firstToken on
-// a goroutine of its own: it runs the rest of the attempt (firstChunk,
-// prefillVerdict) and of serve's retry loop, whose state lives in the
-// request, answering on a response of its own (answerCtx) written
-// straight to the client's connection as endStream writes every PD
-// stream's.
+// answers: the park would have to wait for it.
+//
+// Once both legs are sent and decode's head is in but none of its body,
+// the request parks firstToken on the h2c stream (parkH2C) and unwinds:
+// the hijack handler returns, and fasthttp takes its ctx back. Decode's
+// first bytes, its end or its failure (prefill failing resets it, and so
+// do the client leaving, the stream idle timeout and shutdown, through
+// the request's scope) start firstToken on a goroutine of its own: it
+// runs the rest of the attempt (firstChunk, prefillVerdict) and of
+// serve's retry loop, whose state lives in the request, answering on a
+// response of its own (answerCtx) written straight to the client's
+// connection, as endStream writes every PD stream's. A decode whose head
+// is late still waits for it on the hijack handler (postH2C).
 
 // firstWait is what a parked stream keeps of its RequestCtx.
 type firstWait struct {
