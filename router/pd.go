@@ -30,12 +30,13 @@ import (
 // A client that goes away cancels both legs (connwatch.go, stream.go).
 
 // pdAttempt runs one try on a fresh pair and room. It returns the failure to
-// report (nil when a reply was written) and whether a stream writer now owns
-// the request.
-func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, bool) {
+// report (nil when a reply was written) and how the attempt left the
+// request: a stream writer may own it now, or, for a stream whose decode
+// leg waits for its first token over h2c, a continuation (firstwait.go).
+func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, attemptEnd) {
 	pw, dw, fail := s.pickPair(ctx, r)
 	if fail != nil {
-		return fail, false
+		return fail, attemptEnded
 	}
 	r.rec.startPD()
 	a := s.newAttempt(r, pw, dw)
@@ -46,18 +47,29 @@ func (s *Server) pdAttempt(ctx *fasthttp.RequestCtx, r *request) (*apiError, boo
 	} else {
 		fail, ok = s.sendBoth(r, a, dw)
 	}
+	if ok && r.info.Stream && s.parkFirstToken(r, a) {
+		return nil, attemptParked
+	}
 	streaming := false
 	if ok {
 		fail, streaming = s.reply(ctx, r, &r.leg, a)
 	}
-	if !streaming {
-		a.releaseBody()
+	return r.attemptOver(a, fail, streaming)
+}
+
+// attemptOver ends a PD attempt whose reply began (streaming) or failed
+// with fail: pdAttempt's end, and a parked stream's once its first bytes
+// are in.
+func (r *request) attemptOver(a *attempt, fail *apiError, streaming bool) (*apiError, attemptEnd) {
+	if streaming {
+		return fail, attemptStreaming
 	}
-	if fail != nil && !streaming { // a retry may follow: the prefill leg ends first
+	a.releaseBody()
+	if fail != nil { // a retry may follow: the prefill leg ends first
 		a.abandon()
 		r.prev = a
 	}
-	return fail, streaming
+	return fail, attemptEnded
 }
 
 // pickPair chooses one worker of each side from one registry snapshot.

@@ -74,13 +74,36 @@ func (s *Server) backendType() string {
 	return "regular"
 }
 
-// serve runs attempts until one answers or the retry budget is spent.
-func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
+// serve runs attempts until one answers or the retry budget is spent. It
+// reports whether a PD stream's attempt is parked for its first token: its
+// continuation goes on from there (firstwait.go), and r is no longer the
+// caller's.
+func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) bool {
 	r.rec.model, r.rec.routed = s.modelLabel(r), true
+	return s.attempts(ctx, r, 0, nil)
+}
 
-	var fail *apiError
-	attempts := s.cfg.Retry.Attempts()
-	for attempt := range attempts {
+// attemptEnd is how an attempt left the request.
+type attemptEnd uint8
+
+const (
+	attemptEnded     attemptEnd = iota // answered (fail nil) or failed: serve decides what follows
+	attemptStreaming                   // a stream writer owns the request
+	attemptParked                      // parked for the first token (firstwait.go)
+)
+
+// streamingEnd is attemptEnd for the attempts that report a bool.
+func streamingEnd(streaming bool) attemptEnd {
+	if streaming {
+		return attemptStreaming
+	}
+	return attemptEnded
+}
+
+// attempts runs r's attempts from the next'th on (fail: the failure of the
+// one before it) and answers the last failure; true when one is parked.
+func (s *Server) attempts(ctx *fasthttp.RequestCtx, r *request, next int, fail *apiError) bool {
+	for attempt, n := next, s.cfg.Retry.Attempts(); attempt < n; attempt++ {
 		r.attempt = attempt
 		if attempt > 0 {
 			s.backOff(r, attempt)
@@ -88,24 +111,39 @@ func (s *Server) serve(ctx *fasthttp.RequestCtx, r *request) {
 		if r.scope.Err() != nil {
 			break
 		}
-		var streaming bool
+		var end attemptEnd
 		switch {
 		case s.cfg.VLLMPDDisaggregation:
+			var streaming bool
 			fail, streaming = s.vllmAttempt(ctx, r)
+			end = streamingEnd(streaming)
 		case s.cfg.PDDisaggregation:
-			fail, streaming = s.pdAttempt(ctx, r)
+			fail, end = s.pdAttempt(ctx, r)
 		default:
+			var streaming bool
 			fail, streaming = s.regularAttempt(ctx, r)
+			end = streamingEnd(streaming)
 		}
-		if streaming {
-			return // the stream writer finishes r
+		if end != attemptEnded {
+			return end == attemptParked // the stream writer, or the continuation, finishes r
 		}
-		if fail == nil || !balancer.Retryable(fail.Status) {
+		if !s.retryable(r, fail) {
 			break
 		}
-		r.rec.exhausted = attempt == attempts-1 && attempts > 1
 	}
 	s.answerFailure(ctx, r, fail)
+	return false
+}
+
+// retryable reports whether r's attempt that failed with fail (nil: it
+// answered) is followed by another, and records whether it was the last.
+func (s *Server) retryable(r *request, fail *apiError) bool {
+	if fail == nil || !balancer.Retryable(fail.Status) {
+		return false
+	}
+	attempts := s.cfg.Retry.Attempts()
+	r.rec.exhausted = r.attempt == attempts-1 && attempts > 1
+	return true
 }
 
 // backOff waits before r's attempt, a retry. Apart from serve: a stream's
@@ -179,12 +217,22 @@ func boolLabel(b bool) string {
 // policyRequest gives policies the request's routing text and headers.
 // It lives in the request, so a selection allocates nothing for it.
 func (s *Server) policyRequest(ctx *fasthttp.RequestCtx, r *request) *balancer.Request {
-	r.policy = balancer.Request{Header: (*clientHeaders)(&ctx.Request.Header)}
+	r.policy = balancer.Request{Header: r.clientHeaders(ctx)}
 	if s.needsText {
 		r.policy.Text = string(r.routingText())
 		r.policy.Model = string(splice.FirstString(r.body, r.info.Model))
 	}
 	return &r.policy
+}
+
+// clientHeaders are the client's headers as policies see them: ctx's,
+// or once r is parked for its first token (ctx gone back to fasthttp) its
+// own copy of them, for a retry's selection.
+func (r *request) clientHeaders(ctx *fasthttp.RequestCtx) balancer.Headers {
+	if r.park != nil {
+		return &r.park.header
+	}
+	return (*clientHeaders)(&ctx.Request.Header)
 }
 
 // clientHeaders shows policies the client's headers; valid while the

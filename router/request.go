@@ -17,6 +17,7 @@ import (
 type request struct {
 	s         *Server
 	route     routeKind
+	readAhead bool // PD stream: fasthttp's hijacked connection read past the request (readsAhead)
 	path      string
 	body      []byte // the client's body: fasthttp's buffer, valid until the response is written
 	info      splice.Info
@@ -62,6 +63,8 @@ type request struct {
 	// may outlive an attempt), and a PD stream keeps its request open, so
 	// its 432 bytes are not in request itself.
 	out *splice.Body
+
+	park *firstWait // a PD stream parked for its first token, until it is out (firstwait.go)
 }
 
 // regularRequest is a regular-mode request and its out, one allocation,

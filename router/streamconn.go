@@ -18,6 +18,8 @@ import (
 // token) goes back to its pool, and fasthttp's hijack handler, a shallow
 // frame, runs the attempts, waits for the first token and writes the head
 // and the first event straight to the socket (no 4 KiB connection writer).
+// Over h2c it does not wait: the request parks on decode's stream, and
+// the handler returns at once (firstwait.go).
 // The handler then returns, giving fasthttp its RequestCtx back
 // (endStream), and an h2c stream holds no goroutine between events: each
 // of its events is written by a goroutine that the h2c connection's reader
@@ -40,8 +42,14 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 	ctx.HijackSetNoResponse(true)
 	ctx.Hijack(func(hc net.Conn) {
 		s.metrics.httpConnections.Inc() // fasthttp counted it out at the hijack
-		s.serve(ctx, r)                 // parks in its wait for the first token: keep this frame small
-		s.endStream(ctx, r, hc)
+		r.readAhead = readsAhead(hc, r.conn)
+		if s.cfg.Manager.UpstreamHTTP2 { // decode may be h2c: its wait for the first token may park
+			r.ownCopy(ctx)
+		}
+		if s.serve(ctx, r) {
+			return // parked for its first token: its continuation answers (firstwait.go)
+		}
+		s.endStream(ctx, r)
 	})
 }
 
@@ -51,8 +59,8 @@ func (s *Server) serveStream(ctx *fasthttp.RequestCtx, r *request) {
 // goroutine of its own), so that fasthttp takes its RequestCtx back as it
 // returns: an open stream then holds neither fasthttp's request and
 // response (about 3.5 KiB with their buffers) nor this goroutine's stack.
-func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request, hc net.Conn) {
-	keep := s.answerHead(ctx, r) && !readsAhead(hc, r.conn)
+func (s *Server) endStream(ctx *fasthttp.RequestCtx, r *request) {
+	keep := s.answerHead(ctx, r) && !r.readAhead
 	sr := r.relay
 	if sr == nil {
 		_, err := ctx.Response.WriteTo(r.conn) // an error, or nothing for a client gone
@@ -294,17 +302,26 @@ func (s *Server) awaitStreams(ctx context.Context) {
 // the client got, its policy request (whose headers pointed into ctx,
 // keeping all of it) drops them, and its PD attempt's body is released (a
 // prefill leg not done sending it gets a copy of its own). False, and nothing done,
-// while a leg is writing the client's body, or for a vLLM attempt.
+// while a leg is writing the client's body, or for a vLLM attempt. A
+// stream that was parked for its first token was detached then
+// (firstwait.go) has its own copy of the body: that goes back to the pool
+// here once no leg reads it.
 func (r *request) detach(ctx *fasthttp.RequestCtx) bool {
 	a := r.relay.attempt
-	if a == nil || !a.guard.releaseIdle(&a.body) {
-		return false
+	if r.park != nil {
+		r.requestID = bytes.Clone(r.requestID) // it was in the copy
+		r.park.over(a.guard.releaseIdle(&a.body))
+		r.park, r.body = nil, nil
+	} else {
+		if a == nil || !a.guard.releaseIdle(&a.body) {
+			return false
+		}
+		r.requestID = bytes.Clone(r.requestID)
+		r.policy.Header = nil // policies read it while they select, in the handler
+		r.body = nil
 	}
-	r.requestID = bytes.Clone(r.requestID)
-	r.policy.Header = nil // policies read it while they select, in the handler
 	if rt := r.trace; rt != nil {
 		rt.status, rt.rctx = ctx.Response.StatusCode(), nil
 	}
-	r.body = nil
 	return true
 }

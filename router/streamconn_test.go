@@ -47,16 +47,16 @@ next:
 	return n
 }
 
-// An open stream waiting for its first token is served by a goroutine of
-// its own and not by fasthttp's connection goroutine, whose deep stack
-// (16-32 KiB) it held on older code; between events an h2c stream holds no
-// goroutine at all: the h2c connection's reader starts one for its next
-// event (a relay goroutine per stream, parked in awaitH2C, on the old
-// code).
+// An open PD stream over h2c holds no goroutine, neither while it waits
+// for its first token (it parks on its h2c stream: firstwait.go; older
+// code held fasthttp's connection goroutine, 16-32 KiB deep, then the
+// hijack handler's) nor between events: the h2c connection's reader
+// starts one for its next event (a relay goroutine per stream, parked in
+// awaitH2C, on older code).
 func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 	const streams = 50
-	// The first token after a second, the next ones a minute apart.
-	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: time.Second, TokenDelay: time.Minute})
+	// The first token after two seconds, the next ones a minute apart.
+	base, srv, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: 2 * time.Second, TokenDelay: time.Minute})
 	if _, err := streamTokens(context.Background(), base, 1); err != nil { // the connections are up
 		t.Fatal(err)
 	}
@@ -67,21 +67,16 @@ func TestOpenStreamHoldsNoFasthttpGoroutine(t *testing.T) {
 		conns[i] = sendStream(t, base, 3)
 		defer conns[i].Close()
 	}
-	waitFor(t, func() bool {
-		return countStacks(routerStacks(), "(*Server).startStream", "(*upstreamResponse).awaitH2C") == streams
-	})
-	stacks := routerStacks()
-	if n := countStacks(stacks, "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
+	waitFor(t, func() bool { return parkedStreams(srv) == streams })
+	waitFor(t, func() bool { return countStacks(routerStacks(), "fasthttp.hijackConnHandler") == 0 })
+	if n := countStacks(routerStacks(), "fasthttp.(*Server).serveConnCounted(", "(*Server).handle("); n != 0 {
 		t.Errorf("%d streams in fasthttp's serveConn while %d streams wait for their first token, want none", n, streams)
-	}
-	if n := countStacks(stacks, "fasthttp.hijackConnHandler", "(*Server).startStream"); n != streams {
-		t.Errorf("%d streams wait on their own goroutine, want %d", n, streams)
 	}
 	for _, c := range conns { // the first event, then the wait for the next
 		awaitFirstEvent(t, c)
 	}
 	waitFor(t, func() bool { return countStacks(routerStacks(), "fasthttp.hijackConnHandler") == 0 })
-	stacks = routerStacks()
+	stacks := routerStacks()
 	if n := countStacks(stacks, "(*streamRelay)."); n != 0 {
 		t.Errorf("%d streams hold a relay goroutine between events, want none", n)
 	}

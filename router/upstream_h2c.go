@@ -1020,9 +1020,10 @@ func (r *upstreamResponse) awaitH2C() {
 	c.mu.Unlock()
 }
 
-// parkH2C is awaitH2C without the wait, for a relay that holds no
-// goroutine between events: false when the stream is ready now, else
-// resume runs on a goroutine of its own (signal) once it is.
+// parkH2C is awaitH2C without the wait, for a PD stream that holds no
+// goroutine while it waits (for its first token: firstwait.go; between
+// events: resume): false when the stream is ready now, else resume runs on
+// a goroutine of its own (signal) once it is.
 func (r *upstreamResponse) parkH2C(resume func()) bool {
 	st := r.h2
 	if r.idle > 0 && st.timer == nil {
@@ -1036,6 +1037,15 @@ func (r *upstreamResponse) parkH2C(resume func()) bool {
 	}
 	st.waiter = resume
 	return true
+}
+
+// waitsH2C reports whether a read of an h2c reply would wait now: no body
+// bytes unread, and the stream neither ended nor failed.
+func (r *upstreamResponse) waitsH2C() bool {
+	st := r.h2
+	st.conn.mu.Lock()
+	defer st.conn.mu.Unlock()
+	return !st.ready()
 }
 
 // waitLocked is awaitH2C's wait with the connection's lock held.

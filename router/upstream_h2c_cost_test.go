@@ -586,11 +586,11 @@ func TestH2CStreamCancelledBeforeItsHeadersKeepsHPACKInStep(t *testing.T) {
 func TestWaitingStreamHoldsNoReplyHead(t *testing.T) {
 	defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
 	runtime.MemProfileRate = 1
-	base, _, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: time.Minute})
+	base, srv, _, _ := h2cPD(t, mockworker.Config{}, mockworker.Config{PrefillDelay: time.Minute})
 	sites := []string{"router.(*upstream).postH2C", "router.(*h2cConn).onHeaders"}
 	heap := func() []int64 { return []int64{heapUnder(sites[0]), heapUnder(sites[1])} }
 	waiting := func(n int) func() bool {
-		return func() bool { return strings.Count(allStacks(), "router.(*upstreamResponse).awaitH2C") >= n }
+		return func() bool { return parkedStreams(srv) >= n }
 	}
 	const streams = 100
 	conns := make([]net.Conn, streams+1)
