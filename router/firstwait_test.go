@@ -310,10 +310,10 @@ func TestParkedStreamClientGoneAbortsBothLegs(t *testing.T) {
 }
 
 // The stream idle timeout covers the wait for the first token of a parked
-// stream: the client gets the 504, both legs end, and prefill's engine
-// hears the abort (decode's stream is reset).
+// stream: the client gets the 504, both legs end, and both engines hear
+// the abort (decode's did not: its leg closed before the request ended).
 func TestParkedStreamIdleTimeout(t *testing.T) {
-	base, srv, p, _ := h2cPDWith(t, mockworker.Config{PrefillDelay: time.Minute}, mockworker.Config{PrefillDelay: time.Minute}, func(c *Config) {
+	base, srv, p, d := h2cPDWith(t, mockworker.Config{PrefillDelay: time.Minute}, mockworker.Config{PrefillDelay: time.Minute}, func(c *Config) {
 		c.StreamIdleTimeout = 300 * time.Millisecond
 	})
 	start := time.Now()
@@ -329,7 +329,7 @@ func TestParkedStreamIdleTimeout(t *testing.T) {
 	if took := time.Since(start); took > 5*time.Second {
 		t.Errorf("answered after %v, want about the idle timeout", took)
 	}
-	waitFor(t, func() bool { return len(p.Aborts()) == 1 })
+	waitFor(t, func() bool { return len(p.Aborts()) == 1 && len(d.Aborts()) == 1 })
 	waitFor(t, func() bool { return srv.live.Load() == 0 && h2cIdle(srv) })
 }
 

@@ -41,6 +41,9 @@ func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *att
 	a.scanDecode((*bufp)[:n])
 	if n == 0 && err != nil && err != io.EOF {
 		l.bodyFailed()
+		if err == errStreamIdle && l.sc.Cause() == nil {
+			r.cancel(errStreamIdle) // before the leg closes: cut short, its engine hears the abort
+		}
 		l.close()
 		chunkPool.Put(bufp)
 		if f := a.failure(); f != nil {
@@ -50,8 +53,7 @@ func (s *Server) firstChunk(ctx *fasthttp.RequestCtx, r *request, l *leg, a *att
 		if r.clientGone() {
 			return nil, false
 		}
-		if err == errStreamIdle { // not retried: the request ends, and both engines hear an abort
-			r.cancel(errStreamIdle)
+		if err == errStreamIdle { // not retried: the request ended above, and both engines hear an abort
 			return s.streamIdle(l), false
 		}
 		return &apiError{Status: 502, Code: l.w.Type.String() + "_server_error", Message: "Upstream stream failed: " + err.Error(), sse: true}, false
