@@ -87,15 +87,20 @@ func (m *Metrics) Selected(w *Worker, policy string) {
 	// the same policy, and comparing strings that share their bytes costs
 	// less than hashing them.
 	k := selectionKey{w.Type, w.ModelID, policy}
-	if last := w.st.selected.Load(); last != nil && last.metrics == m && last.key == k {
-		last.counter.Inc()
-		return
+	st := w.st // nil in a Worker not made by NewWorker: no cache
+	if st != nil {
+		if last := st.selected.Load(); last != nil && last.metrics == m && last.key == k {
+			last.counter.Inc()
+			return
+		}
 	}
 	c, ok := m.selected.Load(k)
 	if !ok {
 		c = m.selected.LoadOrStore(k, m.selection.WithLabelValues(w.Type.String(), connectionMode, w.ModelID, policy))
 	}
-	w.st.selected.Store(&lastSelection{metrics: m, key: k, counter: c})
+	if st != nil {
+		st.selected.Store(&lastSelection{metrics: m, key: k, counter: c})
+	}
 	c.Inc()
 }
 

@@ -156,6 +156,7 @@ func TestMetricsSelectedCountsEachLabelSet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	a.Selected(&Worker{Type: Regular, ModelID: "m1"}, "random") // no state: counted, not cached
 	w := NewWorker("http://a", Regular, 0)
 	w.ModelID = "m1"
 	a.Selected(w, "random")
@@ -169,7 +170,7 @@ func TestMetricsSelectedCountsEachLabelSet(t *testing.T) {
 		model, policy string
 		want          float64
 	}{
-		{regA, "m1", "random", 2}, {regA, "m1", "round_robin", 1}, {regA, "m2", "random", 1}, {regB, "m1", "random", 1},
+		{regA, "m1", "random", 3}, {regA, "m1", "round_robin", 1}, {regA, "m2", "random", 1}, {regB, "m1", "random", 1},
 	} {
 		got, ok := gauge(t, c.reg, "smg_worker_selection_total", map[string]string{"connection_mode": "http", "model": c.model, "policy": c.policy, "worker_type": "regular"})
 		if !ok || got != c.want {
