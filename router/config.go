@@ -55,6 +55,10 @@ type Config struct {
 	BodyReadTimeout       time.Duration
 	IdleConnectionTimeout time.Duration
 
+	// EventLoops serve regular mode's plain-HTTP requests on that many
+	// event loops (evloop.go, Linux); 0: on fasthttp, as every other.
+	EventLoops int
+
 	// StreamIdleTimeout ends a stream whose worker sent no byte for that
 	// long after its first (0: never): one SSE error event, both legs
 	// cancelled and their engines told to abort.

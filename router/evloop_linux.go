@@ -1,0 +1,820 @@
+//go:build linux
+
+package router
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/valyala/fasthttp"
+	"golang.org/x/sys/unix"
+
+	"github.com/pdrouter/pdrouter/balancer"
+	"github.com/pdrouter/pdrouter/router/splice"
+)
+
+// evLoops are the event loops of one Server (evloop.go). A client
+// connection's socket sits in a loop's epoll set beside Go's netpoller, as
+// a parked one does (parkconn.go); nothing reads it through its net.Conn
+// while the loop holds it, and it is closed through the net.Conn, which
+// the client limit counts. Worker connections are the loop's own
+// non-blocking sockets, kept alive in a pool per loop and worker.
+type evLoops struct {
+	s     *Server
+	loops []*evLoop
+	next  atomic.Uint32
+	owned atomic.Int64 // client connections the loops hold
+	// stopping refuses new connections; handoffs counts connections on
+	// their way to fasthttp.
+	stopping atomic.Bool
+	handoffs sync.WaitGroup
+	handedOff atomic.Int64 // connections given to fasthttp so far
+	running  sync.WaitGroup
+}
+
+// newEvLoops starts n loops; nil when n is 0 or the router is not in
+// regular mode.
+func newEvLoops(s *Server, n int) (*evLoops, error) {
+	if n <= 0 || s.cfg.PDDisaggregation || s.frontTLS != nil {
+		return nil, nil
+	}
+	e := &evLoops{s: s}
+	for range n {
+		l, err := newEvLoop(e)
+		if err != nil {
+			for _, l := range e.loops {
+				l.closeFDs()
+			}
+			return nil, err
+		}
+		e.loops = append(e.loops, l)
+	}
+	for _, l := range e.loops {
+		e.running.Add(1)
+		go l.run()
+	}
+	return e, nil
+}
+
+// take gives c to a loop; false leaves it to the caller (fasthttp).
+func (e *evLoops) take(c net.Conn) bool {
+	if e == nil || e.stopping.Load() {
+		return false
+	}
+	rc := rawConn(c)
+	if rc == nil {
+		return false
+	}
+	fd := -1
+	if rc.Control(func(f uintptr) { fd = int(f) }) != nil || fd < 0 {
+		return false
+	}
+	l := e.loops[e.next.Add(1)%uint32(len(e.loops))]
+	e.owned.Add(1)
+	e.s.metrics.httpConnections.Inc()
+	l.post(func() { l.adopt(c, fd) })
+	return true
+}
+
+// shutdown stops taking connections, closes the idle ones, lets requests
+// in flight finish until ctx ends, answers those left shuttingDown, then
+// stops the loops.
+func (e *evLoops) shutdown(ctx context.Context) {
+	if e == nil {
+		return
+	}
+	e.stopping.Store(true)
+	for _, l := range e.loops {
+		l.post(l.drain)
+	}
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+wait:
+	for e.owned.Load() > 0 {
+		select {
+		case <-ctx.Done():
+			for _, l := range e.loops {
+				l.post(l.closeAll)
+			}
+			break wait
+		case <-t.C:
+		}
+	}
+	for _, l := range e.loops {
+		l.post(nil) // nil: stop
+	}
+	e.running.Wait()
+	e.handoffs.Wait()
+}
+
+// evLoop is one loop: its epoll set, an eventfd that wakes it for posted
+// work, and what it holds.
+type evLoop struct {
+	e    *evLoops
+	s    *Server
+	ep   int
+	wake int
+
+	mu    sync.Mutex
+	inbox []func() // posted work; a nil entry stops the loop
+
+	conns   map[uint32]*evConn // by token
+	ups     map[uint32]*evUp
+	token   uint32
+	pool    map[string][]*evUp // idle worker connections by address
+	events  [128]unix.EpollEvent
+	scratch evScratch
+}
+
+// evScratch is the loop's parsing and writing state, reused request after
+// request: a loop serves one at a time.
+type evScratch struct {
+	rd   bytes.Reader
+	br   *bufio.Reader
+	resp fasthttp.Response
+	out  outBuf
+	bw   *bufio.Writer
+	info splice.Info
+	reqs []*fasthttp.RequestCtx // idle contexts
+}
+
+// outBuf is where bw writes a response: the client connection's output.
+type outBuf struct{ b *[]byte }
+
+func (o outBuf) Write(p []byte) (int, error) { *o.b = append(*o.b, p...); return len(p), nil }
+
+// Tokens tell a loop's sockets apart in epoll events: client connections
+// below upTokens, worker connections from it.
+const upTokens = 1 << 31
+
+func newEvLoop(e *evLoops) (*evLoop, error) {
+	l := &evLoop{e: e, s: e.s, ep: -1, wake: -1, conns: map[uint32]*evConn{}, ups: map[uint32]*evUp{}, pool: map[string][]*evUp{}}
+	var err error
+	if l.ep, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+		return nil, fmt.Errorf("event loop: epoll_create: %w", err)
+	}
+	if l.wake, err = unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC); err != nil {
+		l.closeFDs()
+		return nil, fmt.Errorf("event loop: eventfd: %w", err)
+	}
+	if err = unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, l.wake, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: 0}); err != nil {
+		l.closeFDs()
+		return nil, fmt.Errorf("event loop: epoll_ctl: %w", err)
+	}
+	l.scratch.br = bufio.NewReaderSize(nil, max(e.s.cfg.MaxHeaderSize, 4096))
+	l.scratch.bw = bufio.NewWriterSize(nil, 4096)
+	return l, nil
+}
+
+func (l *evLoop) closeFDs() {
+	for _, fd := range []int{l.wake, l.ep} {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}
+}
+
+// post runs f on the loop; nil stops it.
+func (l *evLoop) post(f func()) {
+	l.mu.Lock()
+	l.inbox = append(l.inbox, f)
+	l.mu.Unlock()
+	one := [8]byte{1}
+	_, _ = unix.Write(l.wake, one[:])
+}
+
+// sweepEvery is how often a loop looks for connections past a timeout.
+const sweepEvery = 100 * time.Millisecond
+
+func (l *evLoop) run() {
+	runtime.LockOSThread()
+	defer l.e.running.Done()
+	defer l.closeFDs()
+	nextSweep := time.Now().Add(sweepEvery)
+	for {
+		wait := -1
+		if len(l.conns) > 0 || len(l.ups) > 0 {
+			wait = max(int(time.Until(nextSweep)/time.Millisecond), 0) + 1
+		}
+		n, err := unix.EpollWait(l.ep, l.events[:], wait)
+		if err != nil && err != unix.EINTR {
+			l.s.log.Error("event loop stopped: epoll_wait failed; its connections are closed")
+			l.closeAll()
+			return
+		}
+		for _, ev := range l.events[:max(n, 0)] {
+			tok := uint32(ev.Fd)
+			switch {
+			case tok == 0:
+				if !l.runInbox() {
+					return
+				}
+			case tok >= upTokens:
+				if u := l.ups[tok]; u != nil {
+					l.upEvent(u, ev.Events)
+				}
+			default:
+				if c := l.conns[tok]; c != nil {
+					l.clientEvent(c, ev.Events)
+				}
+			}
+		}
+		if now := time.Now(); !now.Before(nextSweep) {
+			l.sweep(now)
+			nextSweep = now.Add(sweepEvery)
+		}
+	}
+}
+
+// runInbox runs the posted work; false once told to stop.
+func (l *evLoop) runInbox() bool {
+	var b [8]byte
+	_, _ = unix.Read(l.wake, b[:])
+	l.mu.Lock()
+	work := l.inbox
+	l.inbox = nil
+	l.mu.Unlock()
+	for _, f := range work {
+		if f == nil {
+			l.closeAll()
+			return false
+		}
+		f()
+	}
+	return true
+}
+
+func (l *evLoop) nextToken(up bool) uint32 {
+	for {
+		l.token = (l.token + 1) % upTokens
+		t := l.token
+		if up {
+			t |= upTokens
+		}
+		if _, used := l.conns[t]; t != 0 && !used {
+			if _, used := l.ups[t]; !used {
+				return t
+			}
+		}
+	}
+}
+
+// evConn is a client connection a loop holds. buf[:n] are the bytes read
+// and not yet answered; a request in flight spans the first of them.
+type evConn struct {
+	nc    net.Conn
+	fd    int
+	token uint32
+	buf   []byte
+	n     int
+	out   []byte // the response being written, from off on
+	off   int
+	// since is when the connection went idle, or when the request now
+	// being read began (its head complete: headAt).
+	since, headAt time.Time
+	req           *evRequest
+	readable      bool
+	closeAfter    bool
+	gone          bool // closed or handed off: no longer the loop's
+}
+
+// clientBuf is a client connection's first buffer; it grows for a larger
+// request and shrinks back after it.
+const clientBuf = 16 << 10
+
+func (l *evLoop) adopt(c net.Conn, fd int) {
+	ec := &evConn{nc: c, fd: fd, token: l.nextToken(false), buf: make([]byte, clientBuf), since: time.Now(), readable: true}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(ec.token)}
+	if err := unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		l.handOff(ec, nil) // fasthttp serves it as it would have
+		return
+	}
+	l.conns[ec.token] = ec
+	l.serve(ec)
+}
+
+// release forgets c: it leaves the epoll set and the loop.
+func (l *evLoop) release(c *evConn) {
+	c.gone = true
+	_ = unix.EpollCtl(l.ep, unix.EPOLL_CTL_DEL, c.fd, nil)
+	delete(l.conns, c.token)
+	l.e.owned.Add(-1)
+}
+
+// closeConn closes c, through its net.Conn: the client limit counts it.
+func (l *evLoop) closeConn(c *evConn) {
+	if c.req != nil {
+		l.abandon(c.req, errClientGone)
+	}
+	l.release(c)
+	l.s.metrics.httpConnections.Dec()
+	_ = c.nc.Close()
+}
+
+// handOff gives c to fasthttp with the bytes read so far in front, for the
+// request they begin and all after it. r, a request the loop began, ends
+// first: its failed leg is on its worker's breaker, and the engine aborts
+// it sent are answered before fasthttp sends the request again.
+func (l *evLoop) handOff(c *evConn, r *request) {
+	if _, held := l.conns[c.token]; held {
+		l.release(c)
+	} else { // adopt's: never in the set
+		c.gone = true
+		l.e.owned.Add(-1)
+	}
+	hc := &headConn{Conn: &lazyDeadlineConn{Conn: c.nc}}
+	if c.n > 0 {
+		hc.keep(c.buf[:c.n])
+	}
+	if r != nil {
+		r.pin()
+		r.rec.routed, r.rec.admission = false, notAdmitted // fasthttp's request counts it
+		l.finishRequest(r)
+	}
+	l.e.handedOff.Add(1)
+	l.e.handoffs.Add(1)
+	go func() {
+		defer l.e.handoffs.Done()
+		if r != nil {
+			r.aborts.Wait()
+			r.unpin()
+		}
+		_ = l.s.srv.ServeConn(hc) // ConnState closes the gauge's count
+	}()
+}
+
+func (l *evLoop) clientEvent(c *evConn, ev uint32) {
+	if ev&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 && c.req != nil {
+		l.closeConn(c) // the client left before its reply
+		return
+	}
+	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		c.readable = true
+	}
+	if c.off < len(c.out) && !l.flush(c) {
+		return
+	}
+	l.serve(c)
+}
+
+// serve reads and answers c's requests until it must wait.
+func (l *evLoop) serve(c *evConn) {
+	for !c.gone && c.req == nil && c.off == len(c.out) {
+		if c.closeAfter {
+			l.closeConn(c)
+			return
+		}
+		if done := l.next(c); done {
+			continue
+		}
+		if !c.readable {
+			return
+		}
+		if c.n == len(c.buf) {
+			l.handOff(c, nil) // a head larger than the buffer: fasthttp's 431 or more reading
+			return
+		}
+		m, err := unix.Read(c.fd, c.buf[c.n:])
+		if err == unix.EAGAIN {
+			c.readable = false
+			return
+		}
+		if err != nil || m == 0 {
+			if c.n > 0 {
+				l.handOff(c, nil) // fasthttp answers what the partial request deserves
+			} else {
+				l.closeConn(c)
+			}
+			return
+		}
+		if c.n == 0 {
+			c.since = time.Now()
+		}
+		c.n += m
+	}
+}
+
+// next starts the request at the front of c's bytes; false when they are
+// not a whole request yet. A request the loop does not serve goes to
+// fasthttp (and true: c is then no longer the loop's).
+func (l *evLoop) next(c *evConn) bool {
+	if c.n == 0 {
+		return false
+	}
+	end := bytes.Index(c.buf[:c.n], []byte("\r\n\r\n"))
+	if end < 0 {
+		return false
+	}
+	end += 4
+	ctx := l.ctx()
+	l.scratch.rd.Reset(c.buf[:end])
+	l.scratch.br.Reset(&l.scratch.rd)
+	h := &ctx.Request.Header
+	var route generationRoute
+	ok := false
+	if h.Read(l.scratch.br) == nil {
+		route, ok = l.s.loopLane(h)
+	}
+	if !ok {
+		l.putCtx(ctx)
+		l.handOff(c, nil)
+		return true
+	}
+	if c.headAt.IsZero() {
+		c.headAt = time.Now()
+	}
+	need := end + h.ContentLength()
+	if c.n < need {
+		if need > len(c.buf) {
+			c.buf = append(c.buf[:c.n], make([]byte, need-c.n)...)
+		}
+		l.putCtx(ctx)
+		return false
+	}
+	body := c.buf[end:need]
+	info := &l.scratch.info
+	*info = splice.Info{}
+	if splice.Inspect(body, info) != nil || info.Stream {
+		l.putCtx(ctx)
+		l.handOff(c, nil)
+		return true
+	}
+	snap := l.s.reg.Snapshot()
+	if !loopWorkers(snap) {
+		l.putCtx(ctx)
+		l.handOff(c, nil)
+		return true
+	}
+	ctx.Request.SetBodyRaw(body)
+	l.begin(c, ctx, route, need, snap)
+	return true
+}
+
+// loopWorkers reports whether the loops can send a request to any worker
+// a policy may pick.
+func loopWorkers(snap *balancer.Snapshot) bool {
+	avail := snap.Available(balancer.Regular)
+	for _, w := range avail {
+		if _, _, ok := loopWorker(w); !ok {
+			return false
+		}
+	}
+	return len(avail) > 0
+}
+
+func (l *evLoop) ctx() *fasthttp.RequestCtx {
+	if n := len(l.scratch.reqs); n > 0 {
+		ctx := l.scratch.reqs[n-1]
+		l.scratch.reqs = l.scratch.reqs[:n-1]
+		return ctx
+	}
+	ctx := new(fasthttp.RequestCtx)
+	ctx.Init2(nil, fasthttpLog{l.s.log}, false)
+	return ctx
+}
+
+func (l *evLoop) putCtx(ctx *fasthttp.RequestCtx) {
+	ctx.Request.Reset()
+	ctx.Response.Reset()
+	ctx.SetUserValue(nil, nil)
+	l.scratch.reqs = append(l.scratch.reqs, ctx)
+}
+
+// evRequest is a request a loop serves: fasthttp's RequestCtx for what the
+// router's functions read and write, the router's request, and its leg's
+// worker connection.
+type evRequest struct {
+	c     *evConn
+	ctx   *fasthttp.RequestCtx
+	r     *request
+	start time.Time
+	size  int // of its bytes in c.buf
+	up    *evUp
+	addr  string
+}
+
+// begin does what handle, generation, serve and regularAttempt do for
+// a request up to its send, and sends it.
+func (l *evLoop) begin(c *evConn, ctx *fasthttp.RequestCtx, g generationRoute, size int, snap *balancer.Snapshot) {
+	s := l.s
+	q := &evRequest{c: c, ctx: ctx, start: time.Now(), size: size}
+	c.req = q
+	s.setRequestID(ctx)
+	rr := regularRequests.Get().(*regularRequest)
+	r := &rr.request
+	r.out, r.whole = &rr.out, rr
+	r.s, r.route, r.path, r.start, r.requestID = s, g.kind, g.path, q.start, responseRequestID(ctx)
+	r.body = ctx.PostBody()
+	r.info = l.scratch.info
+	r.header = forwardHeaders(r.headerSpace[:0], ctx, false, r.requestID)
+	r.refs.Store(1)
+	r.pins.Store(1)
+	s.live.Add(1)
+	q.r = r
+	r.rec.admission = admitted
+	r.rec.model, r.rec.routed = s.modelLabel(r), true
+	w, fail := s.pick(snap, balancer.Regular, r, s.policyRequest(ctx, r))
+	if fail != nil { // no choice after all: fasthttp's request tries again
+		c.req = nil
+		l.putCtx(ctx)
+		l.handOff(c, r)
+		return
+	}
+	r.out.Reset(r.body)
+	lg := &r.leg
+	lg.open(r, w, s.setRID(r, r.out, batchSize(r.route, r.body, &r.info)))
+	lg.sc = &r.scope
+	w.AwaitReply()
+	addr, host, _ := loopWorker(w)
+	q.addr = addr
+	if err := l.send(q, host, false); err != nil {
+		l.workerFailed(q, err)
+	}
+}
+
+// send writes q's request to a pooled connection to its worker, or a new
+// one (fresh).
+func (l *evLoop) send(q *evRequest, host string, fresh bool) error {
+	u := l.upstream(q.addr, fresh)
+	if u == nil {
+		return errLoopConnect
+	}
+	u.req, q.up = q, u
+	b := u.out[:0]
+	b = append(b, "POST "...)
+	b = append(b, q.r.path...)
+	b = append(b, " HTTP/1.1\r\nHost: "...)
+	b = append(b, host...)
+	b = append(b, "\r\nContent-Type: application/json\r\nContent-Length: "...)
+	b = fmt.Appendf(b, "%d\r\n", q.r.out.Len())
+	b = append(b, q.r.header...)
+	b = append(b, "\r\n"...)
+	for seg := range q.r.out.Segments {
+		b = append(b, seg...)
+	}
+	u.out, u.off = b, 0
+	u.host = host
+	if !u.connecting {
+		l.upWrite(u)
+	}
+	return nil
+}
+
+var errLoopConnect = dialError{errors.New("event loop: connect to worker failed")}
+
+// workerFailed ends q's attempt on a worker failure before its reply was
+// whole (u its connection, nil if none): the leg records it on the
+// worker's breaker, and fasthttp serves the request again, as new.
+func (l *evLoop) workerFailed(q *evRequest, cause error) {
+	lg := &q.r.leg
+	if lg.resp == nil {
+		_ = lg.answered(nil, cause)
+	} else {
+		lg.broke = lg.sc.Cause() == nil
+	}
+	lg.close()
+	c := q.c
+	c.req = nil
+	l.putCtx(q.ctx)
+	l.handOff(c, q.r)
+}
+
+// finishRequest is request.finish for a request no inflight tracker
+// holds: the loop times it out and watches its client itself.
+func (l *evLoop) finishRequest(r *request) {
+	r.rec.responded(r)
+	if r.refs.Add(-1) == 0 {
+		r.emit()
+		r.cancel(context.Canceled)
+		l.s.live.Add(-1)
+		r.unpin()
+	}
+}
+
+// replied makes the worker's whole reply, parsed into resp, q's answer,
+// as replyWhole and answerFailure do, or sends q to fasthttp for a retry.
+func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
+	s, r, ctx := l.s, q.r, q.ctx
+	lg := &r.leg
+	lg.reply = upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, eof: true}
+	_ = lg.answered(&lg.reply, nil)
+	status := resp.StatusCode()
+	var fail *apiError
+	if status/100 == 2 {
+		ctx.Response.ResetBody()
+		ctx.Response.AppendBody(resp.Body())
+		ctx.SetStatusCode(status)
+		copyHeaders(ctx, &lg.reply)
+		r.observeFirstByte()
+	} else {
+		raw := append([]byte{}, resp.Body()[:min(len(resp.Body()), maxErrorBody)]...)
+		fail = &apiError{Status: status, Code: "upstream_" + statusLabel(status), raw: raw, rawType: string(resp.Header.ContentType())}
+	}
+	lg.close()
+	if fail != nil && balancer.Retryable(status) && s.cfg.Retry.Attempts() > 1 {
+		c := q.c
+		c.req = nil
+		l.putCtx(ctx)
+		l.handOff(c, r)
+		return
+	}
+	l.answer(q, fail)
+}
+
+// answer ends q with its reply or fail, as answerFailure and handle do,
+// and writes the response.
+func (l *evLoop) answer(q *evRequest, fail *apiError) {
+	s, r, ctx, c := l.s, q.r, q.ctx, q.c
+	switch r.scope.Cause() {
+	case errRequestTimeout:
+		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
+	case errShuttingDown:
+		fail = shuttingDown()
+	}
+	if fail != nil {
+		r.rec.fail(fail.Code)
+		fail.write(ctx)
+	} else {
+		r.rec.outcome = outcomeSucceeded
+	}
+	path := r.path // r is recycled once finished
+	l.finishRequest(r)
+	s.metrics.observeHTTP("POST", path, ctx.Response.StatusCode(), errorCode(ctx), since(q.start))
+	ctx.Response.Header.SetServer(s.srv.Name) // fasthttp's server adds its name
+	if s.draining.Load() {
+		ctx.Response.SetConnectionClose()
+		c.closeAfter = true
+	}
+	c.out = c.out[:0]
+	l.scratch.out.b = &c.out
+	l.scratch.bw.Reset(l.scratch.out)
+	_ = ctx.Response.Write(l.scratch.bw)
+	_ = l.scratch.bw.Flush()
+	l.scratch.bw.Reset(nil)
+	c.off = 0
+	c.req = nil
+	l.putCtx(ctx)
+	l.consume(c, q.size)
+	if l.flush(c) {
+		l.serve(c)
+	}
+}
+
+// consume drops the bytes of the request just answered.
+func (l *evLoop) consume(c *evConn, k int) {
+	c.n = copy(c.buf, c.buf[k:c.n])
+	if len(c.buf) > clientBuf && c.n <= clientBuf {
+		c.buf = append(make([]byte, 0, clientBuf), c.buf[:c.n]...)[:clientBuf]
+	}
+	c.since, c.headAt = time.Now(), time.Time{}
+}
+
+// flush writes c's response; false while some is left (or c closed).
+func (l *evLoop) flush(c *evConn) bool {
+	for c.off < len(c.out) {
+		m, err := unix.Write(c.fd, c.out[c.off:])
+		if err == unix.EAGAIN {
+			return false
+		}
+		if err != nil {
+			l.closeConn(c)
+			return false
+		}
+		c.off += m
+	}
+	c.out, c.off = c.out[:0], 0
+	if cap(c.out) > clientBuf {
+		c.out = nil
+	}
+	return true
+}
+
+// abandon ends q without a reply from its worker: its client left, it
+// timed out, or the router stops. The leg's scope says which.
+func (l *evLoop) abandon(q *evRequest, cause error) {
+	r := q.r
+	r.cancel(cause)
+	if q.up != nil {
+		l.closeUp(q.up)
+	}
+	if !r.leg.closed {
+		if r.leg.resp == nil {
+			_ = r.leg.answered(nil, r.scope.Cause())
+		}
+		r.leg.close()
+	}
+	if cause == errClientGone {
+		r.rec.fail("client_disconnected")
+		path := r.path
+		l.finishRequest(r)
+		l.s.metrics.observeHTTP("POST", path, q.ctx.Response.StatusCode(), errorCode(q.ctx), since(q.start))
+		q.c.req = nil
+		l.putCtx(q.ctx)
+		return
+	}
+	l.answer(q, nil)
+}
+
+// sweep closes connections past a timeout and times requests out.
+func (l *evLoop) sweep(now time.Time) {
+	cfg := &l.s.cfg
+	for _, c := range l.conns {
+		switch {
+		case c.req != nil:
+			if now.Sub(c.req.start) >= cfg.RequestTimeout {
+				l.abandon(c.req, errRequestTimeout)
+			}
+		case c.off < len(c.out):
+			if now.Sub(c.since) >= cfg.RequestTimeout+writeGrace {
+				l.closeConn(c)
+			}
+		case c.n == 0:
+			if now.Sub(c.since) >= cfg.IdleConnectionTimeout {
+				l.closeConn(c)
+			}
+		case !c.headAt.IsZero() && now.Sub(c.headAt) >= cfg.BodyReadTimeout,
+			c.headAt.IsZero() && now.Sub(c.since) >= cfg.HeaderReadTimeout:
+			l.handOffLate(c)
+		}
+	}
+	for addr, idle := range l.pool {
+		keep := idle[:0]
+		for _, u := range idle {
+			if now.Sub(u.since) >= l.s.cfg.UpstreamIdleTimeout {
+				l.closeUp(u)
+				continue
+			}
+			keep = append(keep, u)
+		}
+		l.pool[addr] = keep
+	}
+}
+
+// handOffLate gives fasthttp a connection whose partial request ran out of
+// time, with its read deadline already past: fasthttp answers the timeout
+// as it does its own.
+func (l *evLoop) handOffLate(c *evConn) {
+	_ = c.nc.SetReadDeadline(time.Unix(1, 0))
+	c.nc = &expiredConn{Conn: c.nc}
+	l.handOff(c, nil)
+}
+
+// expiredConn keeps the first read deadline set on it in the past.
+type expiredConn struct {
+	net.Conn
+	set bool
+}
+
+func (c *expiredConn) SetReadDeadline(t time.Time) error {
+	if !c.set {
+		c.set, t = true, time.Unix(1, 0)
+	}
+	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *expiredConn) SetDeadline(t time.Time) error {
+	if err := c.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return c.Conn.SetWriteDeadline(t)
+}
+
+// drain closes idle connections and has the others close after their
+// current request (Shutdown).
+func (l *evLoop) drain() {
+	for _, c := range l.conns {
+		if c.req == nil && c.n == 0 && c.off == len(c.out) {
+			l.closeConn(c)
+			continue
+		}
+		c.closeAfter = c.req != nil
+		if c.req == nil && c.off == len(c.out) {
+			l.handOff(c, nil) // a partial request: fasthttp's shutdown decides
+		}
+	}
+}
+
+// closeAll ends everything the loop holds: requests in flight are answered
+// shuttingDown (the router stops).
+func (l *evLoop) closeAll() {
+	for _, c := range l.conns {
+		if c.req != nil {
+			c.closeAfter = true
+			l.abandon(c.req, errShuttingDown)
+		}
+		if _, held := l.conns[c.token]; held {
+			l.closeConn(c)
+		}
+	}
+	for _, u := range l.ups {
+		l.closeUp(u)
+	}
+}
