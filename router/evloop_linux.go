@@ -34,10 +34,10 @@ type evLoops struct {
 	owned atomic.Int64 // client connections the loops hold
 	// stopping refuses new connections; handoffs counts connections on
 	// their way to fasthttp.
-	stopping atomic.Bool
-	handoffs sync.WaitGroup
+	stopping  atomic.Bool
+	handoffs  sync.WaitGroup
 	handedOff atomic.Int64 // connections given to fasthttp so far
-	running  sync.WaitGroup
+	running   sync.WaitGroup
 }
 
 // newEvLoops starts n loops; nil when n is 0 or the router is not in

@@ -299,4 +299,3 @@ func value(m *dto.Metric) string {
 	}
 	return "?"
 }
-
