@@ -17,6 +17,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/valyala/fasthttp"
+	"go.uber.org/goleak"
+
+	"github.com/pdrouter/pdrouter/balancer"
 )
 
 // caseWorker answers by the word after "case:" in the request's body, so
@@ -298,4 +302,198 @@ func value(m *dto.Metric) string {
 		return fmt.Sprint("count ", m.Histogram.GetSampleCount())
 	}
 	return "?"
+}
+
+func TestLoopLane(t *testing.T) {
+	head := func(lines ...string) *fasthttp.RequestHeader {
+		var h fasthttp.RequestHeader
+		raw := strings.Join(lines, "\r\n") + "\r\n\r\n"
+		if err := h.Read(bufio.NewReader(strings.NewReader(raw))); err != nil {
+			t.Fatalf("%q: %v", raw, err)
+		}
+		return &h
+	}
+	post := func(extra ...string) *fasthttp.RequestHeader {
+		return head(append([]string{"POST /generate HTTP/1.1", "Host: r", "Content-Length: 10"}, extra...)...)
+	}
+	s := &Server{cfg: DefaultConfig()}
+	cases := []struct {
+		name string
+		h    *fasthttp.RequestHeader
+		tune func(*Server)
+		want bool
+	}{
+		{"plain POST", post(), nil, true},
+		{"chat", head("POST /v1/chat/completions HTTP/1.1", "Host: r", "Content-Length: 2"), nil, true},
+		{"GET", head("GET /generate HTTP/1.1", "Host: r"), nil, false},
+		{"not a generation route", head("POST /flush_cache HTTP/1.1", "Host: r", "Content-Length: 0"), nil, false},
+		{"query string", head("POST /generate?a=1 HTTP/1.1", "Host: r", "Content-Length: 2"), nil, false},
+		{"HTTP/1.0", head("POST /generate HTTP/1.0", "Host: r", "Content-Length: 2"), nil, false},
+		{"Connection: close", post("Connection: close"), nil, false},
+		{"chunked", head("POST /generate HTTP/1.1", "Host: r", "Transfer-Encoding: chunked"), nil, false},
+		{"Expect", post("Expect: 100-continue"), nil, false},
+		{"CORS", post("Origin: http://x"), nil, false},
+		{"client's left-body header", post(leftBodyHeader + ": 5"), nil, false},
+		{"body over the loops' limit", head("POST /generate HTTP/1.1", "Host: r", fmt.Sprintf("Content-Length: %d", maxLoopBody+1)), nil, false},
+		{"body over --max-payload-size", post(), func(s *Server) { s.cfg.MaxPayloadSize = 5 }, false},
+		{"API key", post(), func(s *Server) { s.cfg.APIKey = "k" }, false},
+		{"tracing", post(), func(s *Server) { s.trace = &tracer{} }, false},
+		{"admission limit", post(), func(s *Server) { s.admission = balancer.NewAdmission(balancer.AdmissionConfig{MaxConcurrent: 1}) }, false},
+		{"PD", post(), func(s *Server) { s.cfg.PDDisaggregation = true }, false},
+	}
+	for _, c := range cases {
+		s := *s
+		if c.tune != nil {
+			c.tune(&s)
+		}
+		if _, got := s.loopLane(c.h); got != c.want {
+			t.Errorf("%s: loopLane = %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+func TestLoopWorker(t *testing.T) {
+	for _, c := range []struct {
+		w    *balancer.Worker
+		want bool
+	}{
+		{&balancer.Worker{BaseURL: "http://127.0.0.1:30000"}, true},
+		{&balancer.Worker{BaseURL: "http://[::1]:30000"}, true},
+		{&balancer.Worker{BaseURL: "https://127.0.0.1:30000"}, false},
+		{&balancer.Worker{BaseURL: "http://engine:30000"}, false}, // a name would be resolved in the loop
+		{&balancer.Worker{BaseURL: "http://127.0.0.1:30000", APIKey: "k"}, false},
+		{&balancer.Worker{BaseURL: "http://127.0.0.1:30000", DPSize: 2}, false},
+		{&balancer.Worker{BaseURL: "http://127.0.0.1:30000", HTTP2: true}, false},
+	} {
+		if _, _, ok := loopWorker(c.w); ok != c.want {
+			t.Errorf("%s %+v: loopWorker = %v, want %v", c.w.BaseURL, c.w, ok, c.want)
+		}
+	}
+}
+
+// loopRouter serves worker with event loops on (and tune), shut down at
+// the test's end unless the test does it.
+func loopRouter(t *testing.T, worker string, tune func(*Config)) (string, *Server) {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.WorkerURLs = []string{worker}
+	cfg.EventLoops = 2
+	if tune != nil {
+		tune(&cfg)
+	}
+	base, srv := serveInProcess(t, cfg)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		srv.Shutdown(ctx)
+	})
+	return base, srv
+}
+
+func TestEventLoopsShutdownWaitsForRequests(t *testing.T) {
+	worker, _ := caseWorker(t)
+	base, srv := loopRouter(t, worker, nil)
+	idle, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close()
+	exchange(t, base, "GET /health HTTP/1.1\r\nHost: r\r\n\r\n", 1) // idle is accepted by now
+	got := make(chan *http.Response, 1)
+	go func() { got <- exchange(t, base, postRaw(`{"text":"case:slow"}`), 1)[0] }()
+	time.Sleep(100 * time.Millisecond) // the slow request is with the worker
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := srv.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resp := <-got
+	if body, _ := io.ReadAll(resp.Body); resp.StatusCode != 200 || !resp.Close || string(body) != `{"text":"slow"}` {
+		t.Errorf("the request in flight at shutdown got %d close=%v %q, want its reply and Connection: close", resp.StatusCode, resp.Close, body)
+	}
+	if d := time.Since(start); d < 100*time.Millisecond {
+		t.Errorf("Shutdown returned after %v, before the request in flight ended", d)
+	}
+	idle.SetReadDeadline(time.Now().Add(time.Second))
+	if n, err := idle.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("idle connection at shutdown: read %d, %v; want it closed", n, err)
+	}
+}
+
+func TestEventLoopsTimeouts(t *testing.T) {
+	worker, _ := caseWorker(t)
+	p := startPair(t, []string{worker}, func(c *Config) {
+		c.IdleConnectionTimeout = 300 * time.Millisecond
+		c.HeaderReadTimeout = 300 * time.Millisecond
+		c.BodyReadTimeout = 300 * time.Millisecond
+	})
+	for _, base := range []string{p.on, p.off} {
+		c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.Write([]byte(postRaw(`{"text":"case:ok"}`)))
+		if _, err := http.ReadResponse(bufio.NewReader(c), nil); err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		c.SetReadDeadline(time.Now().Add(3 * time.Second))
+		if n, err := c.Read(make([]byte, 1)); err != io.EOF {
+			t.Errorf("%s: an idle connection read %d, %v; want it closed", base, n, err)
+		} else if d := time.Since(start); d < 250*time.Millisecond {
+			t.Errorf("%s: an idle connection closed after %v, before the idle timeout", base, d)
+		}
+		c.Close()
+	}
+	for _, partial := range []string{"POST /generate HTTP/1.1\r\nHost: r\r\n", postRaw(`{"text":"case:ok"}`)[:90]} {
+		var got [2]*http.Response
+		for i, base := range []string{p.on, p.off} {
+			c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.SetDeadline(time.Now().Add(3 * time.Second))
+			c.Write([]byte(partial))
+			if got[i], err = http.ReadResponse(bufio.NewReader(c), nil); err != nil {
+				t.Fatalf("%s: %q: %v", base, partial, err)
+			}
+			c.Close()
+		}
+		same(t, fmt.Sprintf("partial %q", partial), got[0], got[1])
+	}
+}
+
+func TestEventLoopsLeakNothing(t *testing.T) {
+	defer goleak.VerifyNone(t,
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.updateServerDate.func1"),
+		goleak.IgnoreAnyFunction("github.com/valyala/fasthttp.(*workerPool).Start.func2"))
+	fds := openFDs(t)
+	worker, stopWorker := caseWorker(t)
+	base, srv := loopRouter(t, worker, nil)
+	// Served, handed off, a worker dying mid-reply, and a client leaving
+	// before its reply.
+	exchange(t, base, postRaw(`{"text":"case:ok"}`)+postRaw(`{"text":"case:bad"}`), 2)
+	exchange(t, base, postRaw(`{"text":"case:ok","stream":true}`), 1)
+	exchange(t, base, postRaw(`{"text":"case:die"}`), 1)
+	c, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Write([]byte(postRaw(`{"text":"case:slow"}`)))
+	time.Sleep(50 * time.Millisecond)
+	c.Close()
+	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	for _, w := range srv.reg.Snapshot().All {
+		if n := w.Load(); n != 0 {
+			t.Errorf("worker %s keeps a load of %d", w.URL, n)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stopWorker()
+	waitFor(t, func() bool { return openFDs(t) <= fds })
 }
