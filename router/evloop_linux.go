@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"runtime"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -126,12 +127,17 @@ type evLoop struct {
 	mu    sync.Mutex
 	inbox []func() // posted work; a nil entry stops the loop
 
-	conns   map[uint32]*evConn // by token
-	ups     map[uint32]*evUp
-	token   uint32
-	pool    map[string][]*evUp // idle worker connections by address
-	events  [128]unix.EpollEvent
-	scratch evScratch
+	conns map[uint32]*evConn // by token
+	ups   map[uint32]*evUp
+	token uint32
+	pool  map[string][]*evUp // idle worker connections by address
+	// snap is the worker snapshot follow last saw; endpoints its workers'
+	// addresses, when snapOK (the loops can reach them all).
+	snap      *balancer.Snapshot
+	snapOK    bool
+	endpoints map[*balancer.Worker]endpoint
+	events    [128]unix.EpollEvent
+	scratch   evScratch
 }
 
 // evScratch is the loop's parsing and writing state, reused request after
@@ -156,7 +162,8 @@ func (o outBuf) Write(p []byte) (int, error) { *o.b = append(*o.b, p...); return
 const upTokens = 1 << 31
 
 func newEvLoop(e *evLoops) (*evLoop, error) {
-	l := &evLoop{e: e, s: e.s, ep: -1, wake: -1, conns: map[uint32]*evConn{}, ups: map[uint32]*evUp{}, pool: map[string][]*evUp{}}
+	l := &evLoop{e: e, s: e.s, ep: -1, wake: -1, conns: map[uint32]*evConn{}, ups: map[uint32]*evUp{}, pool: map[string][]*evUp{},
+		endpoints: map[*balancer.Worker]endpoint{}}
 	var err error
 	if l.ep, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
 		return nil, fmt.Errorf("event loop: epoll_create: %w", err)
@@ -398,6 +405,11 @@ func (l *evLoop) serve(c *evConn) {
 		if c.n == 0 {
 			c.since = time.Now()
 		}
+		// A short read drained the socket: the next bytes raise a new
+		// edge, so waiting for it saves a read that would find none.
+		if m < len(c.buf)-c.n {
+			c.readable = false
+		}
 		c.n += m
 	}
 }
@@ -448,7 +460,7 @@ func (l *evLoop) next(c *evConn) bool {
 		return true
 	}
 	snap := l.s.reg.Snapshot()
-	if !loopWorkers(snap) {
+	if !l.follow(snap) {
 		l.putCtx(ctx)
 		l.handOff(c, nil)
 		return true
@@ -458,16 +470,25 @@ func (l *evLoop) next(c *evConn) bool {
 	return true
 }
 
-// loopWorkers reports whether the loops can send a request to any worker
-// a policy may pick.
-func loopWorkers(snap *balancer.Snapshot) bool {
+// follow reports whether the loops can send a request to any worker a
+// policy may pick in snap, and keeps their addresses for send: a snapshot
+// changes far less often than requests come.
+func (l *evLoop) follow(snap *balancer.Snapshot) bool {
+	if snap == l.snap {
+		return l.snapOK
+	}
+	l.snap, l.snapOK = snap, false
+	clear(l.endpoints)
 	avail := snap.Available(balancer.Regular)
 	for _, w := range avail {
-		if _, _, ok := loopWorker(w); !ok {
+		addr, host, ok := loopWorker(w)
+		if !ok {
 			return false
 		}
+		l.endpoints[w] = endpoint{addr: addr, host: host}
 	}
-	return len(avail) > 0
+	l.snapOK = len(avail) > 0
+	return l.snapOK
 }
 
 func (l *evLoop) ctx() *fasthttp.RequestCtx {
@@ -533,9 +554,9 @@ func (l *evLoop) begin(c *evConn, ctx *fasthttp.RequestCtx, g generationRoute, s
 	lg.open(r, w, s.setRID(r, r.out, batchSize(r.route, r.body, &r.info)))
 	lg.sc = &r.scope
 	w.AwaitReply()
-	addr, host, _ := loopWorker(w)
-	q.addr = addr
-	if err := l.send(q, host, false); err != nil {
+	ep := l.endpoints[w]
+	q.addr = ep.addr
+	if err := l.send(q, ep.host, false); err != nil {
 		l.workerFailed(q, err)
 	}
 }
@@ -554,7 +575,8 @@ func (l *evLoop) send(q *evRequest, host string, fresh bool) error {
 	b = append(b, " HTTP/1.1\r\nHost: "...)
 	b = append(b, host...)
 	b = append(b, "\r\nContent-Type: application/json\r\nContent-Length: "...)
-	b = fmt.Appendf(b, "%d\r\n", q.r.out.Len())
+	b = strconv.AppendInt(b, int64(q.r.out.Len()), 10)
+	b = append(b, "\r\n"...)
 	b = append(b, q.r.header...)
 	b = append(b, "\r\n"...)
 	for seg := range q.r.out.Segments {

@@ -316,7 +316,6 @@ func TestLoopLane(t *testing.T) {
 	post := func(extra ...string) *fasthttp.RequestHeader {
 		return head(append([]string{"POST /generate HTTP/1.1", "Host: r", "Content-Length: 10"}, extra...)...)
 	}
-	s := &Server{cfg: DefaultConfig()}
 	cases := []struct {
 		name string
 		h    *fasthttp.RequestHeader
@@ -342,9 +341,9 @@ func TestLoopLane(t *testing.T) {
 		{"PD", post(), func(s *Server) { s.cfg.PDDisaggregation = true }, false},
 	}
 	for _, c := range cases {
-		s := *s
+		s := &Server{cfg: DefaultConfig()}
 		if c.tune != nil {
-			c.tune(&s)
+			c.tune(s)
 		}
 		if _, got := s.loopLane(c.h); got != c.want {
 			t.Errorf("%s: loopLane = %v, want %v", c.name, got, c.want)

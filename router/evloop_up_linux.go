@@ -159,6 +159,7 @@ func (l *evLoop) upRead(u *evUp) {
 		if u.n == len(u.in) {
 			u.in = append(u.in, make([]byte, len(u.in))...)
 		}
+		space := len(u.in) - u.n
 		m, err := unix.Read(u.fd, u.in[u.n:])
 		if err == unix.EAGAIN {
 			return
@@ -178,6 +179,8 @@ func (l *evLoop) upRead(u *evUp) {
 			return
 		case whole:
 			l.upDone(u)
+			return
+		case m < space: // drained: the rest raises a new edge
 			return
 		}
 	}
