@@ -291,6 +291,7 @@ type evConn struct {
 	readable      bool
 	closeAfter    bool
 	gone          bool // closed or handed off: no longer the loop's
+	hup           bool // the client shut its side: read to the end
 }
 
 // clientBuf is a client connection's first buffer; it grows for a larger
@@ -366,6 +367,7 @@ func (l *evLoop) clientEvent(c *evConn, ev uint32) {
 	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
 		c.readable = true
 	}
+	c.hup = c.hup || ev&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0
 	if c.off < len(c.out) && !l.flush(c) {
 		return
 	}
@@ -407,7 +409,7 @@ func (l *evLoop) serve(c *evConn) {
 		}
 		// A short read drained the socket: the next bytes raise a new
 		// edge, so waiting for it saves a read that would find none.
-		if m < len(c.buf)-c.n {
+		if m < len(c.buf)-c.n && !c.hup {
 			c.readable = false
 		}
 		c.n += m

@@ -483,6 +483,8 @@ func TestEventLoopsLeakNothing(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	c.Close()
 	waitFor(t, func() bool { return srv.live.Load() == 0 })
+	// Every client connection is closed: the loops' and those they handed off.
+	waitFor(t, func() bool { return gaugeValue(t, srv.metrics.httpConnections) == 0 })
 	for _, w := range srv.reg.Snapshot().All {
 		if n := w.Load(); n != 0 {
 			t.Errorf("worker %s keeps a load of %d", w.URL, n)
@@ -495,4 +497,38 @@ func TestEventLoopsLeakNothing(t *testing.T) {
 	}
 	stopWorker()
 	waitFor(t, func() bool { return openFDs(t) <= fds })
+}
+
+func TestEventLoopsCountAgainstMaxConnections(t *testing.T) {
+	worker, _ := caseWorker(t)
+	base, _ := loopRouter(t, worker, func(c *Config) { c.MaxConnections = 2 })
+	addr := strings.TrimPrefix(base, "http://")
+	var held []net.Conn
+	for range 2 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		c.Write([]byte(postRaw(`{"text":"case:ok"}`)))
+		if resp, err := http.ReadResponse(bufio.NewReader(c), nil); err != nil || resp.StatusCode != 200 {
+			t.Fatalf("connection %d: %v %v", len(held)+1, resp, err)
+		}
+		held = append(held, c)
+	}
+	if resp := exchange(t, base, postRaw(`{"text":"case:ok"}`), 1)[0]; resp.StatusCode != 503 {
+		t.Fatalf("a third connection over --max-connections 2 got %d, want 503", resp.StatusCode)
+	}
+	held[0].Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if resp := exchange(t, base, postRaw(`{"text":"case:ok"}`), 1)[0]; resp.StatusCode == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a connection closed on a loop never freed its slot")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

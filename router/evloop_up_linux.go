@@ -130,7 +130,7 @@ func (l *evLoop) upEvent(u *evUp, ev uint32) {
 		return
 	}
 	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
-		l.upRead(u)
+		l.upRead(u, ev&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0)
 	}
 }
 
@@ -153,8 +153,9 @@ func (l *evLoop) upWrite(u *evUp) bool {
 	return true
 }
 
-// upRead reads u's reply until it is whole, or the socket is drained.
-func (l *evLoop) upRead(u *evUp) {
+// upRead reads u's reply until it is whole, or the socket is drained;
+// hup: the worker shut its side, so read to the end.
+func (l *evLoop) upRead(u *evUp, hup bool) {
 	for u.req != nil {
 		if u.n == len(u.in) {
 			u.in = append(u.in, make([]byte, len(u.in))...)
@@ -180,7 +181,7 @@ func (l *evLoop) upRead(u *evUp) {
 		case whole:
 			l.upDone(u)
 			return
-		case m < space: // drained: the rest raises a new edge
+		case m < space && !hup: // drained: the rest raises a new edge
 			return
 		}
 	}
