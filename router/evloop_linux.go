@@ -124,8 +124,9 @@ type evLoop struct {
 	ep   int
 	wake int
 
-	mu    sync.Mutex
-	inbox []func() // posted work; a nil entry stops the loop
+	mu      sync.Mutex
+	inbox   []func() // posted work; a nil entry stops the loop
+	stopped bool     // its descriptors are closed
 
 	conns map[uint32]*evConn // by token
 	ups   map[uint32]*evUp
@@ -189,11 +190,15 @@ func (l *evLoop) closeFDs() {
 	}
 }
 
-// post runs f on the loop; nil stops it.
+// post runs f on the loop; nil stops it. Once it has stopped, f is
+// dropped.
 func (l *evLoop) post(f func()) {
 	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.stopped {
+		return
+	}
 	l.inbox = append(l.inbox, f)
-	l.mu.Unlock()
 	one := [8]byte{1}
 	_, _ = unix.Write(l.wake, one[:])
 }
@@ -204,7 +209,12 @@ const sweepEvery = 100 * time.Millisecond
 func (l *evLoop) run() {
 	runtime.LockOSThread()
 	defer l.e.running.Done()
-	defer l.closeFDs()
+	defer func() {
+		l.mu.Lock()
+		l.stopped = true
+		l.closeFDs()
+		l.mu.Unlock()
+	}()
 	nextSweep := time.Now().Add(sweepEvery)
 	for {
 		wait := -1
@@ -302,7 +312,7 @@ func (l *evLoop) adopt(c net.Conn, fd int) {
 	ec := &evConn{nc: c, fd: fd, token: l.nextToken(false), buf: make([]byte, clientBuf), since: time.Now(), readable: true}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(ec.token)}
 	if err := unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
-		l.handOff(ec, nil) // fasthttp serves it as it would have
+		l.handOff(ec) // fasthttp serves it as it would have
 		return
 	}
 	l.conns[ec.token] = ec
@@ -328,10 +338,8 @@ func (l *evLoop) closeConn(c *evConn) {
 }
 
 // handOff gives c to fasthttp with the bytes read so far in front, for the
-// request they begin and all after it. r, a request the loop began, ends
-// first: its failed leg is on its worker's breaker, and the engine aborts
-// it sent are answered before fasthttp sends the request again.
-func (l *evLoop) handOff(c *evConn, r *request) {
+// request they begin and all after it.
+func (l *evLoop) handOff(c *evConn) {
 	if _, held := l.conns[c.token]; held {
 		l.release(c)
 	} else { // adopt's: never in the set
@@ -342,19 +350,10 @@ func (l *evLoop) handOff(c *evConn, r *request) {
 	if c.n > 0 {
 		hc.keep(c.buf[:c.n])
 	}
-	if r != nil {
-		r.pin()
-		r.rec.routed, r.rec.admission = false, notAdmitted // fasthttp's request counts it
-		l.finishRequest(r)
-	}
 	l.e.handedOff.Add(1)
 	l.e.handoffs.Add(1)
 	go func() {
 		defer l.e.handoffs.Done()
-		if r != nil {
-			r.aborts.Wait()
-			r.unpin()
-		}
 		_ = l.s.srv.ServeConn(hc) // ConnState closes the gauge's count
 	}()
 }
@@ -388,7 +387,7 @@ func (l *evLoop) serve(c *evConn) {
 			return
 		}
 		if c.n == len(c.buf) {
-			l.handOff(c, nil) // a head larger than the buffer: fasthttp's 431 or more reading
+			l.handOff(c) // a head larger than the buffer: fasthttp's 431 or more reading
 			return
 		}
 		m, err := unix.Read(c.fd, c.buf[c.n:])
@@ -398,7 +397,7 @@ func (l *evLoop) serve(c *evConn) {
 		}
 		if err != nil || m == 0 {
 			if c.n > 0 {
-				l.handOff(c, nil) // fasthttp answers what the partial request deserves
+				l.handOff(c) // fasthttp answers what the partial request deserves
 			} else {
 				l.closeConn(c)
 			}
@@ -439,7 +438,7 @@ func (l *evLoop) next(c *evConn) bool {
 	}
 	if !ok {
 		l.putCtx(ctx)
-		l.handOff(c, nil)
+		l.handOff(c)
 		return true
 	}
 	if c.headAt.IsZero() {
@@ -458,13 +457,13 @@ func (l *evLoop) next(c *evConn) bool {
 	*info = splice.Info{}
 	if splice.Inspect(body, info) != nil || info.Stream {
 		l.putCtx(ctx)
-		l.handOff(c, nil)
+		l.handOff(c)
 		return true
 	}
 	snap := l.s.reg.Snapshot()
 	if !l.follow(snap) {
 		l.putCtx(ctx)
-		l.handOff(c, nil)
+		l.handOff(c)
 		return true
 	}
 	ctx.Request.SetBodyRaw(body)
@@ -522,6 +521,8 @@ type evRequest struct {
 	size  int // of its bytes in c.buf
 	up    *evUp
 	addr  string
+	fail  *apiError // the last try's, while the next waits
+	ended bool      // answered, or its client left
 }
 
 // begin does what handle, generation, serve and regularAttempt do for
@@ -544,11 +545,15 @@ func (l *evLoop) begin(c *evConn, ctx *fasthttp.RequestCtx, g generationRoute, s
 	q.r = r
 	r.rec.admission = admitted
 	r.rec.model, r.rec.routed = s.modelLabel(r), true
-	w, fail := s.pick(snap, balancer.Regular, r, s.policyRequest(ctx, r))
-	if fail != nil { // no choice after all: fasthttp's request tries again
-		c.req = nil
-		l.putCtx(ctx)
-		l.handOff(c, r)
+	l.attempt(q, snap)
+}
+
+// attempt makes r's next try, as serve's loop and regularAttempt do.
+func (l *evLoop) attempt(q *evRequest, snap *balancer.Snapshot) {
+	s, r := l.s, q.r
+	w, fail := s.pick(snap, balancer.Regular, r, s.policyRequest(q.ctx, r))
+	if fail != nil {
+		l.failed(q, fail)
 		return
 	}
 	r.out.Reset(r.body)
@@ -559,16 +564,16 @@ func (l *evLoop) begin(c *evConn, ctx *fasthttp.RequestCtx, g generationRoute, s
 	ep := l.endpoints[w]
 	q.addr = ep.addr
 	if err := l.send(q, ep.host, false); err != nil {
-		l.workerFailed(q, err)
+		l.sendFailed(q, err)
 	}
 }
 
 // send writes q's request to a pooled connection to its worker, or a new
 // one (fresh).
 func (l *evLoop) send(q *evRequest, host string, fresh bool) error {
-	u := l.upstream(q.addr, fresh)
-	if u == nil {
-		return errLoopConnect
+	u, err := l.upstream(q.addr, fresh)
+	if err != nil {
+		return err
 	}
 	u.req, q.up = q, u
 	b := u.out[:0]
@@ -592,23 +597,66 @@ func (l *evLoop) send(q *evRequest, host string, fresh bool) error {
 	return nil
 }
 
-var errLoopConnect = dialError{errors.New("event loop: connect to worker failed")}
-
-// workerFailed ends q's attempt on a worker failure before its reply was
-// whole (u its connection, nil if none): the leg records it on the
-// worker's breaker, and fasthttp serves the request again, as new.
-func (l *evLoop) workerFailed(q *evRequest, cause error) {
-	lg := &q.r.leg
-	if lg.resp == nil {
-		_ = lg.answered(nil, cause)
-	} else {
-		lg.broke = lg.sc.Cause() == nil
+// sendFailed ends q's try on a failure before its reply's head, as
+// regularAttempt does.
+func (l *evLoop) sendFailed(q *evRequest, err error) {
+	r := q.r
+	_ = r.leg.answered(nil, err)
+	r.leg.close()
+	if errors.Is(err, context.DeadlineExceeded) {
+		l.failed(q, &apiError{Status: 504, Code: "call_upstream_timeout", Message: "Upstream request timed out: " + err.Error()})
+		return
 	}
+	l.failed(q, &apiError{Status: 502, Code: "call_upstream_connection_failed", Message: "Failed to reach worker: " + err.Error()})
+}
+
+// bodyFailed ends q's try on a reply whose body broke off, as replyWhole
+// does.
+func (l *evLoop) bodyFailed(q *evRequest, status int, err error) {
+	lg := &q.r.leg
+	lg.reply = upstreamResponse{StatusCode: status}
+	_ = lg.answered(&lg.reply, nil)
+	lg.bodyFailed()
 	lg.close()
-	c := q.c
-	c.req = nil
-	l.putCtx(q.ctx)
-	l.handOff(c, q.r)
+	l.failed(q, &apiError{Status: 502, Code: "read_response_failed", Message: "Failed to read worker response: " + err.Error()})
+}
+
+// failed ends q's try with fail: serve's loop makes another, after its
+// backoff and once the engine aborts of this one are answered (settle),
+// or answers the last failure.
+func (l *evLoop) failed(q *evRequest, fail *apiError) {
+	s, r := l.s, q.r
+	attempts := s.cfg.Retry.Attempts()
+	if !balancer.Retryable(fail.Status) || r.attempt == attempts-1 {
+		r.rec.exhausted = balancer.Retryable(fail.Status) && attempts > 1
+		l.answer(q, fail)
+		return
+	}
+	r.attempt++
+	backoff := s.cfg.Retry.Backoff(r.attempt - 1)
+	r.rec.backoffs = append(r.rec.backoffs, backoff)
+	q.fail = fail
+	r.pin() // r's memory outlives the request if it ends meanwhile
+	time.AfterFunc(backoff, func() {
+		r.aborts.Wait()
+		l.post(func() { l.retry(q) })
+	})
+}
+
+// retry makes q's next try, unless q has ended meanwhile (its client left,
+// it timed out, the router stops).
+func (l *evLoop) retry(q *evRequest) {
+	r := q.r
+	defer r.unpin()
+	if q.ended {
+		return
+	}
+	snap := l.s.reg.Snapshot()
+	if r.scope.Err() != nil || !l.follow(snap) {
+		l.answer(q, q.fail) // a worker the loop cannot reach is a case for fasthttp's next request
+		return
+	}
+	l.attempt(q, snap)
 }
 
 // finishRequest is request.finish for a request no inflight tracker
@@ -624,9 +672,9 @@ func (l *evLoop) finishRequest(r *request) {
 }
 
 // replied makes the worker's whole reply, parsed into resp, q's answer,
-// as replyWhole and answerFailure do, or sends q to fasthttp for a retry.
+// as replyWhole and regularAttempt do.
 func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
-	s, r, ctx := l.s, q.r, q.ctx
+	r, ctx := q.r, q.ctx
 	lg := &r.leg
 	lg.reply = upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, eof: true}
 	_ = lg.answered(&lg.reply, nil)
@@ -643,20 +691,18 @@ func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
 		fail = &apiError{Status: status, Code: "upstream_" + statusLabel(status), raw: raw, rawType: string(resp.Header.ContentType())}
 	}
 	lg.close()
-	if fail != nil && balancer.Retryable(status) && s.cfg.Retry.Attempts() > 1 {
-		c := q.c
-		c.req = nil
-		l.putCtx(ctx)
-		l.handOff(c, r)
+	if fail != nil {
+		l.failed(q, fail)
 		return
 	}
-	l.answer(q, fail)
+	l.answer(q, nil)
 }
 
 // answer ends q with its reply or fail, as answerFailure and handle do,
 // and writes the response.
 func (l *evLoop) answer(q *evRequest, fail *apiError) {
 	s, r, ctx, c := l.s, q.r, q.ctx, q.c
+	q.ended = true
 	switch r.scope.Cause() {
 	case errRequestTimeout:
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
@@ -736,6 +782,7 @@ func (l *evLoop) abandon(q *evRequest, cause error) {
 		r.leg.close()
 	}
 	if cause == errClientGone {
+		q.ended = true
 		r.rec.fail("client_disconnected")
 		path := r.path
 		l.finishRequest(r)
@@ -744,7 +791,7 @@ func (l *evLoop) abandon(q *evRequest, cause error) {
 		l.putCtx(q.ctx)
 		return
 	}
-	l.answer(q, nil)
+	l.answer(q, nil) // the cause's own answer (answer)
 }
 
 // sweep closes connections past a timeout and times requests out.
@@ -788,7 +835,7 @@ func (l *evLoop) sweep(now time.Time) {
 func (l *evLoop) handOffLate(c *evConn) {
 	_ = c.nc.SetReadDeadline(time.Unix(1, 0))
 	c.nc = &expiredConn{Conn: c.nc}
-	l.handOff(c, nil)
+	l.handOff(c)
 }
 
 // expiredConn keeps the first read deadline set on it in the past.
@@ -821,7 +868,7 @@ func (l *evLoop) drain() {
 		}
 		c.closeAfter = c.req != nil
 		if c.req == nil && c.off == len(c.out) {
-			l.handOff(c, nil) // a partial request: fasthttp's shutdown decides
+			l.handOff(c) // a partial request: fasthttp's shutdown decides
 		}
 	}
 }

@@ -5,7 +5,11 @@ package router
 import (
 	"bytes"
 	"errors"
+	"fmt"
+	"io"
+	"net"
 	"net/netip"
+	"os"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -48,17 +52,17 @@ const (
 const upBuf = 16 << 10
 
 // upstream is a pooled connection to addr or, fresh or none pooled, a new
-// one; nil when the connect failed at once.
-func (l *evLoop) upstream(addr string, fresh bool) *evUp {
+// one, its connect begun.
+func (l *evLoop) upstream(addr string, fresh bool) (*evUp, error) {
 	if idle := l.pool[addr]; !fresh && len(idle) > 0 {
 		u := idle[len(idle)-1]
 		l.pool[addr] = idle[:len(idle)-1]
 		u.reused = true
-		return u
+		return u, nil
 	}
 	ap, err := netip.ParseAddrPort(addr)
 	if err != nil {
-		return nil
+		return nil, dialError{err}
 	}
 	var sa unix.Sockaddr
 	family := unix.AF_INET
@@ -70,22 +74,32 @@ func (l *evLoop) upstream(addr string, fresh bool) *evUp {
 	}
 	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return nil
+		return nil, dialFailed(addr, "socket", err)
 	}
 	_ = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	err = unix.Connect(fd, sa)
 	if err != nil && err != unix.EINPROGRESS {
 		unix.Close(fd)
-		return nil
+		return nil, dialFailed(addr, "connect", err)
 	}
 	u := &evUp{fd: fd, token: l.nextToken(true), addr: addr, connecting: err != nil, in: make([]byte, upBuf)}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(u.token)}
-	if unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+	if err := unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
 		unix.Close(fd)
-		return nil
+		return nil, dialFailed(addr, "epoll_ctl", err)
 	}
 	l.ups[u.token] = u
-	return u
+	return u, nil
+}
+
+// dialFailed is a failed connect to addr as net.Dialer words it, so that
+// the client's 502 reads as on fasthttp's path.
+func dialFailed(addr, call string, errno error) error {
+	var a net.Addr
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		a = net.TCPAddrFromAddrPort(ap)
+	}
+	return dialError{&net.OpError{Op: "dial", Net: "tcp", Addr: a, Err: os.NewSyscallError(call, errno)}}
 }
 
 // closeUp closes u, wherever it is.
@@ -121,7 +135,10 @@ func (l *evLoop) upEvent(u *evUp, ev uint32) {
 			return
 		}
 		if v, err := unix.GetsockoptInt(u.fd, unix.SOL_SOCKET, unix.SO_ERROR); err != nil || v != 0 {
-			l.upFailed(u, dialError{errLoopConnect})
+			if err == nil {
+				err = unix.Errno(v)
+			}
+			l.upFailed(u, dialFailed(u.addr, "connect", err))
 			return
 		}
 		u.connecting = false
@@ -194,16 +211,22 @@ func (l *evLoop) upRead(u *evUp, hup bool) {
 func (l *evLoop) upFailed(u *evUp, err error) {
 	q := u.req
 	retry := u.reused && u.n == 0
-	if u.frame.head > 0 { // the body broke off: the leg has the reply's status
-		lg := &q.r.leg
-		lg.reply = upstreamResponse{StatusCode: int(parseLength(u.in[9:12]))}
-		_ = lg.answered(&lg.reply, nil)
+	head, status := u.frame.head > 0, 0
+	if head {
+		status = int(parseLength(u.in[9:12]))
 	}
 	l.closeUp(u)
-	if retry && l.send(q, u.host, true) == nil {
-		return
+	if retry {
+		if err = l.send(q, u.host, true); err == nil {
+			return
+		}
 	}
-	l.workerFailed(q, err)
+	switch {
+	case head:
+		l.bodyFailed(q, status, io.ErrUnexpectedEOF)
+	default:
+		l.sendFailed(q, err)
+	}
 }
 
 // upDone parses u's whole reply, pools u if it may carry another request,
@@ -230,7 +253,7 @@ func (l *evLoop) upDone(u *evUp) {
 		l.closeUp(u)
 	}
 	if err != nil || resp.StatusCode() < 200 {
-		l.workerFailed(q, errBadReply)
+		l.sendFailed(q, fmt.Errorf("%w: %v", errUpstreamClosed, errBadReply))
 		return
 	}
 	l.replied(q, resp)

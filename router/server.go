@@ -269,6 +269,7 @@ func (s *Server) Serve(ln net.Listener) error {
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)            // a stream's connection closes at its end (streamconn.go)
 	s.inflight.watcher.lot.closeAll() // and those idle since a stream close now (parkconn.go)
+	s.loopsOnce.Do(func() {})         // Serve's, if it ran: s.loops is set
 	s.loops.shutdown(ctx)             // first: what the loops hand off, fasthttp's shutdown closes
 	err := s.srv.ShutdownWithContext(ctx)
 	s.awaitStreams(ctx) // hijacked streams, which fasthttp does not wait for
