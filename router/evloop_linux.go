@@ -11,6 +11,7 @@ import (
 	"net"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -302,6 +303,7 @@ type evConn struct {
 	closeAfter    bool
 	gone          bool // closed or handed off: no longer the loop's
 	hup           bool // the client shut its side: read to the end
+	late          bool // its partial request ran out of time
 }
 
 // clientBuf is a client connection's first buffer; it grows for a larger
@@ -346,7 +348,11 @@ func (l *evLoop) handOff(c *evConn) {
 		c.gone = true
 		l.e.owned.Add(-1)
 	}
-	hc := &headConn{Conn: &lazyDeadlineConn{Conn: c.nc}}
+	var conn net.Conn = &lazyDeadlineConn{Conn: c.nc} // as Serve's listeners wrap it
+	if c.late {
+		conn = &expiredConn{Conn: conn}
+	}
+	hc := &headConn{Conn: conn}
 	if c.n > 0 {
 		hc.keep(c.buf[:c.n])
 	}
@@ -354,8 +360,22 @@ func (l *evLoop) handOff(c *evConn) {
 	l.e.handoffs.Add(1)
 	go func() {
 		defer l.e.handoffs.Done()
-		_ = l.s.srv.ServeConn(hc) // ConnState closes the gauge's count
+		// ServeConn closes it, and ConnState the gauge's count; what it
+		// failed on is logged as fasthttp's worker pool does.
+		if err := l.s.srv.ServeConn(hc); err != nil && !quietServeError(err) {
+			l.s.srv.Logger.Printf("error when serving connection %q<->%q: %v", hc.LocalAddr(), hc.RemoteAddr(), err)
+		}
 	}()
+}
+
+// quietServeError reports the errors of serving a connection that
+// fasthttp's worker pool does not log.
+func quietServeError(err error) bool {
+	s := err.Error()
+	return strings.Contains(s, "broken pipe") || strings.Contains(s, "reset by peer") ||
+		strings.Contains(s, "request headers: "+fasthttp.ErrSmallReadBuffer.Error()) ||
+		strings.Contains(s, "unexpected EOF") || strings.Contains(s, "i/o timeout") ||
+		errors.Is(err, fasthttp.ErrBadTrailer)
 }
 
 func (l *evLoop) clientEvent(c *evConn, ev uint32) {
@@ -833,8 +853,7 @@ func (l *evLoop) sweep(now time.Time) {
 // time, with its read deadline already past: fasthttp answers the timeout
 // as it does its own.
 func (l *evLoop) handOffLate(c *evConn) {
-	_ = c.nc.SetReadDeadline(time.Unix(1, 0))
-	c.nc = &expiredConn{Conn: c.nc}
+	c.late = true
 	l.handOff(c)
 }
 
