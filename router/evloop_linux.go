@@ -82,7 +82,11 @@ func (e *evLoops) take(c net.Conn) bool {
 	l := e.loops[e.next.Add(1)%uint32(len(e.loops))]
 	e.owned.Add(1)
 	e.s.metrics.httpConnections.Inc()
-	l.post(func() { l.adopt(c, fd) })
+	if !l.post(func() { l.adopt(c, fd) }) { // the loop has stopped
+		e.owned.Add(-1)
+		e.s.metrics.httpConnections.Dec()
+		return false
+	}
 	return true
 }
 
@@ -114,7 +118,20 @@ wait:
 		l.post(nil) // nil: stop
 	}
 	e.running.Wait()
-	e.handoffs.Wait()
+}
+
+// awaitHandoffs waits, until ctx ends, for the connections the loops gave
+// fasthttp to be done: after fasthttp's own shutdown, which closes them.
+func (e *evLoops) awaitHandoffs(ctx context.Context) {
+	if e == nil {
+		return
+	}
+	done := make(chan struct{})
+	go func() { e.handoffs.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
 }
 
 // evLoop is one loop: its epoll set, an eventfd that wakes it for posted
@@ -191,17 +208,18 @@ func (l *evLoop) closeFDs() {
 	}
 }
 
-// post runs f on the loop; nil stops it. Once it has stopped, f is
-// dropped.
-func (l *evLoop) post(f func()) {
+// post runs f on the loop; nil stops it. False once it has stopped: f
+// is dropped.
+func (l *evLoop) post(f func()) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.stopped {
-		return
+		return false
 	}
 	l.inbox = append(l.inbox, f)
 	one := [8]byte{1}
 	_, _ = unix.Write(l.wake, one[:])
+	return true
 }
 
 // sweepEvery is how often a loop looks for connections past a timeout.
@@ -659,7 +677,9 @@ func (l *evLoop) failed(q *evRequest, fail *apiError) {
 	r.pin() // r's memory outlives the request if it ends meanwhile
 	time.AfterFunc(backoff, func() {
 		r.aborts.Wait()
-		l.post(func() { l.retry(q) })
+		if !l.post(func() { l.retry(q) }) { // the loop has stopped, and answered q
+			r.unpin()
+		}
 	})
 }
 
@@ -881,12 +901,12 @@ func (c *expiredConn) SetDeadline(t time.Time) error {
 // current request (Shutdown).
 func (l *evLoop) drain() {
 	for _, c := range l.conns {
-		if c.req == nil && c.n == 0 && c.off == len(c.out) {
+		switch {
+		case c.req != nil || c.off < len(c.out):
+			c.closeAfter = true
+		case c.n == 0:
 			l.closeConn(c)
-			continue
-		}
-		c.closeAfter = c.req != nil
-		if c.req == nil && c.off == len(c.out) {
+		default:
 			l.handOff(c) // a partial request: fasthttp's shutdown decides
 		}
 	}

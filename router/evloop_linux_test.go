@@ -397,7 +397,19 @@ func TestEventLoopsShutdownWaitsForRequests(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer idle.Close()
-	exchange(t, base, "GET /health HTTP/1.1\r\nHost: r\r\n\r\n", 1) // idle is accepted by now
+	// handed is a keep-alive connection the loops gave fasthttp, idle there.
+	handed, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer handed.Close()
+	handed.Write([]byte("GET /health HTTP/1.1\r\nHost: r\r\n\r\n"))
+	handedReader := bufio.NewReader(handed)
+	if resp, err := http.ReadResponse(handedReader, nil); err != nil {
+		t.Fatal(err)
+	} else {
+		io.ReadAll(resp.Body)
+	}
 	got := make(chan *http.Response, 1)
 	go func() { got <- exchange(t, base, postRaw(`{"text":"case:slow"}`), 1)[0] }()
 	time.Sleep(100 * time.Millisecond) // the slow request is with the worker
@@ -414,9 +426,16 @@ func TestEventLoopsShutdownWaitsForRequests(t *testing.T) {
 	if d := time.Since(start); d < 100*time.Millisecond {
 		t.Errorf("Shutdown returned after %v, before the request in flight ended", d)
 	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("Shutdown took %v: it waited for idle connections", d)
+	}
 	idle.SetReadDeadline(time.Now().Add(time.Second))
 	if n, err := idle.Read(make([]byte, 1)); err != io.EOF {
 		t.Errorf("idle connection at shutdown: read %d, %v; want it closed", n, err)
+	}
+	handed.SetReadDeadline(time.Now().Add(time.Second))
+	if n, err := handedReader.Read(make([]byte, 1)); err != io.EOF {
+		t.Errorf("idle connection handed to fasthttp, at shutdown: read %d, %v; want it closed", n, err)
 	}
 }
 

@@ -16,3 +16,5 @@ func newEvLoops(*Server, int) (*evLoops, error) { return nil, nil }
 func (*evLoops) take(net.Conn) bool { return false }
 
 func (*evLoops) shutdown(context.Context) {}
+
+func (*evLoops) awaitHandoffs(context.Context) {}

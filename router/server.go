@@ -272,6 +272,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.loopsOnce.Do(func() {})         // Serve's, if it ran: s.loops is set
 	s.loops.shutdown(ctx)             // first: what the loops hand off, fasthttp's shutdown closes
 	err := s.srv.ShutdownWithContext(ctx)
+	s.loops.awaitHandoffs(ctx)
 	s.awaitStreams(ctx) // hijacked streams, which fasthttp does not wait for
 	s.cancelBase()
 	s.inflight.close()
