@@ -272,11 +272,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.loopsOnce.Do(func() {})         // Serve's, if it ran: s.loops is set
 	s.loops.shutdown(ctx)             // first: what the loops hand off, fasthttp's shutdown closes
 	err := s.srv.ShutdownWithContext(ctx)
-	s.loops.awaitHandoffs(ctx)
 	s.awaitStreams(ctx) // hijacked streams, which fasthttp does not wait for
 	s.cancelBase()
 	s.inflight.close()
 	s.awaitRequests(s.cfg.AbortTimeout + time.Second)
+	s.loops.awaitHandoffs(ctx) // fasthttp has closed them, or their requests are cancelled
 	s.aborts.close()
 	s.background.Wait()
 	s.trace.shutdown()
