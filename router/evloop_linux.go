@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"runtime"
 	"strconv"
 	"strings"
@@ -71,23 +72,55 @@ func (e *evLoops) take(c net.Conn) bool {
 	if e == nil || e.stopping.Load() {
 		return false
 	}
-	rc := rawConn(c)
-	if rc == nil {
-		return false
-	}
-	fd := -1
-	if rc.Control(func(f uintptr) { fd = int(f) }) != nil || fd < 0 {
+	fd, ok := detach(c)
+	if !ok {
 		return false
 	}
 	l := e.loops[e.next.Add(1)%uint32(len(e.loops))]
 	e.owned.Add(1)
 	e.s.metrics.httpConnections.Inc()
-	if !l.post(func() { l.adopt(c, fd) }) { // the loop has stopped
+	if !l.post(func() { l.adopt(c, fd) }) { // the loop has stopped: fasthttp serves it
 		e.owned.Add(-1)
-		e.s.metrics.httpConnections.Dec()
-		return false
+		l.handOffSocket(c, fd, nil)
 	}
 	return true
+}
+
+// detach takes c's socket out of Go's netpoller, which would otherwise
+// be woken for every request the loop reads from it too: a duplicate
+// descriptor keeps the socket, and the connection itself is closed. c's
+// own Close then only frees its slot under --max-connections (netutil).
+func detach(c net.Conn) (int, bool) {
+	u, ok := c.(interface{ Unwrap() net.Conn })
+	if !ok {
+		return -1, false
+	}
+	tcp, ok := u.Unwrap().(*net.TCPConn)
+	if !ok {
+		return -1, false
+	}
+	rc, err := tcp.SyscallConn()
+	if err != nil {
+		return -1, false
+	}
+	fd := -1
+	if rc.Control(func(f uintptr) { fd, err = unix.FcntlInt(f, unix.F_DUPFD_CLOEXEC, 0) }) != nil || err != nil {
+		return -1, false
+	}
+	_ = tcp.Close()
+	return fd, true // non-blocking: the flag is the socket's, shared with the duplicate
+}
+
+// slotConn is a socket the loops gave back to fasthttp, as a net.Conn of
+// its own; closing it frees the accepted connection's slot too.
+type slotConn struct {
+	*net.TCPConn
+	slot net.Conn
+}
+
+func (c *slotConn) Close() error {
+	_ = c.slot.Close() // its socket is closed already (detach)
+	return c.TCPConn.Close()
 }
 
 // shutdown stops taking connections, closes the idle ones, lets requests
@@ -354,7 +387,8 @@ func (l *evLoop) closeConn(c *evConn) {
 	}
 	l.release(c)
 	l.s.metrics.httpConnections.Dec()
-	_ = c.nc.Close()
+	unix.Close(c.fd)
+	_ = c.nc.Close() // frees its slot
 }
 
 // handOff gives c to fasthttp with the bytes read so far in front, for the
@@ -366,13 +400,39 @@ func (l *evLoop) handOff(c *evConn) {
 		c.gone = true
 		l.e.owned.Add(-1)
 	}
-	var conn net.Conn = &lazyDeadlineConn{Conn: c.nc} // as Serve's listeners wrap it
-	if c.late {
+	var kept []byte
+	if c.n > 0 {
+		kept = c.buf[:c.n]
+	}
+	l.handOffSocket(c.nc, c.fd, &handOffState{kept: kept, late: c.late})
+}
+
+type handOffState struct {
+	kept []byte // read already: the start of the next request
+	late bool   // its partial request ran out of time
+}
+
+// handOffSocket serves fd, the socket of slot, on fasthttp.
+func (l *evLoop) handOffSocket(slot net.Conn, fd int, st *handOffState) {
+	f := os.NewFile(uintptr(fd), "")
+	fc, err := net.FileConn(f) // in Go's netpoller again
+	f.Close()
+	tcp, ok := fc.(*net.TCPConn)
+	if err != nil || !ok {
+		if fc != nil {
+			fc.Close()
+		}
+		_ = slot.Close()
+		l.s.metrics.httpConnections.Dec()
+		return
+	}
+	var conn net.Conn = &lazyDeadlineConn{Conn: &slotConn{TCPConn: tcp, slot: slot}} // as Serve's listeners wrap it
+	if st != nil && st.late {
 		conn = &expiredConn{Conn: conn}
 	}
 	hc := &headConn{Conn: conn}
-	if c.n > 0 {
-		hc.keep(c.buf[:c.n])
+	if st != nil && len(st.kept) > 0 {
+		hc.keep(st.kept)
 	}
 	l.e.handedOff.Add(1)
 	l.e.handoffs.Add(1)
