@@ -2,6 +2,7 @@ package router
 
 import (
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"time"
@@ -54,6 +55,10 @@ type Config struct {
 	HeaderReadTimeout     time.Duration
 	BodyReadTimeout       time.Duration
 	IdleConnectionTimeout time.Duration
+
+	// EventLoops serve regular mode's plain-HTTP requests on that many
+	// event loops (evloop.go, Linux); 0: on fasthttp, as every other.
+	EventLoops int
 
 	// StreamIdleTimeout ends a stream whose worker sent no byte for that
 	// long after its first (0: never): one SSE error event, both legs
@@ -111,6 +116,7 @@ func DefaultConfig() Config {
 		HeaderReadTimeout:     30 * time.Second,
 		BodyReadTimeout:       300 * time.Second,
 		IdleConnectionTimeout: 60 * time.Second,
+		EventLoops:            runtime.GOMAXPROCS(0),
 		StreamIdleTimeout:     300 * time.Second,
 		UpstreamIdleTimeout:   3 * time.Second,
 	}
@@ -187,6 +193,7 @@ func (c Config) Validate() error {
 			"header_read_timeout_secs, body_read_timeout_secs and idle_connection_timeout_secs must be > 0"},
 		{c.StreamIdleTimeout < 0, "stream_idle_timeout_secs must be >= 0 (0: no stream idle timeout)"},
 		{c.UpstreamIdleTimeout <= 0, "upstream_pool_idle_timeout_secs must be > 0"},
+		{c.EventLoops < 0 || c.EventLoops > 1024, "event_loops must be in 0..1024 (0: none)"},
 	} {
 		if check.bad {
 			return invalid("%s", check.rule)

@@ -86,6 +86,9 @@ type Server struct {
 
 	// requestIDNames are --request-id-headers as fasthttp normalizes names.
 	requestIDNames []string
+
+	loops     *evLoops // nil: off (evloop.go)
+	loopsOnce sync.Once
 }
 
 // New builds a router from cfg, which must pass Config.Validate. Metrics
@@ -244,6 +247,14 @@ func (s *Server) Start() error {
 // Serve answers requests on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
 	ln = s.limitListener(ln)
+	var err error
+	s.loopsOnce.Do(func() { s.loops, err = newEvLoops(s, s.cfg.EventLoops) })
+	if err != nil {
+		return err
+	}
+	if s.loops != nil {
+		ln = loopListener{Listener: ln, loops: s.loops}
+	}
 	// Large bodies are read from the connection (body.go).
 	if s.cfg.PDDisaggregation {
 		ln = headListener{Listener: s.listener(ln), firstByteWait: true}
@@ -258,11 +269,14 @@ func (s *Server) Serve(ln net.Listener) error {
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)            // a stream's connection closes at its end (streamconn.go)
 	s.inflight.watcher.lot.closeAll() // and those idle since a stream close now (parkconn.go)
+	s.loopsOnce.Do(func() {})         // Serve's, if it ran: s.loops is set
+	s.loops.shutdown(ctx)             // first: what the loops hand off, fasthttp's shutdown closes
 	err := s.srv.ShutdownWithContext(ctx)
 	s.awaitStreams(ctx) // hijacked streams, which fasthttp does not wait for
 	s.cancelBase()
 	s.inflight.close()
 	s.awaitRequests(s.cfg.AbortTimeout + time.Second)
+	s.loops.awaitHandoffs(ctx) // fasthttp has closed them, or their requests are cancelled
 	s.aborts.close()
 	s.background.Wait()
 	s.trace.shutdown()

@@ -92,6 +92,7 @@ func newParser() (*cli.Parser, *options) {
 	p.Int(rq, "max-header-size", &c.MaxHeaderSize, "Largest request head in bytes (larger is a 431)")
 	p.Duration(rq, "header-read-timeout-secs", &c.HeaderReadTimeout, time.Second, "Seconds a client has to send a request's head")
 	p.Duration(rq, "body-read-timeout-secs", &c.BodyReadTimeout, time.Second, "Seconds a client has to send a request's body once its head is in")
+	p.Int(rq, "event-loops", &c.EventLoops, "Event loops (epoll, Linux) serving regular mode's plain-HTTP non-streamed generations; anything else is served as before (0: none)")
 	p.Duration(rq, "idle-connection-timeout-secs", &c.IdleConnectionTimeout, time.Second, "Seconds a keep-alive client connection may stay idle")
 	p.Duration(rq, "stream-idle-timeout-secs", &c.StreamIdleTimeout, time.Second, "Seconds a stream may go without a byte from its worker after the first; then one SSE error event, and both legs end (0: never)")
 	p.Duration(rq, "upstream-pool-idle-timeout-secs", &c.UpstreamIdleTimeout, time.Second, "Seconds a pooled worker connection may stay unused before the router closes it (keep below the engines' keep-alive, 5 s for SGLang)")

@@ -202,6 +202,10 @@ func (c *conn) Close() error {
 	return c.Conn.Close()
 }
 
+// Unwrap is the accepted connection itself, for code that takes its
+// socket over (the router's event loops); Close still frees its slot.
+func (c *conn) Unwrap() net.Conn { return c.Conn }
+
 // SyscallConn exposes the socket, so code that polls it (the router's
 // departed-client watch) still can.
 func (c *conn) SyscallConn() (syscall.RawConn, error) {

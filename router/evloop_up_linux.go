@@ -1,0 +1,411 @@
+//go:build linux
+
+package router
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// evUp is a loop's connection to a worker: idle in the loop's pool, or
+// carrying one request (req) and collecting its reply in in[:n].
+type evUp struct {
+	fd         int
+	token      uint32
+	addr, host string
+	connecting bool
+	reused     bool // from the pool: a failure before any reply byte may be its staleness
+	out        []byte
+	off        int
+	in         []byte
+	n          int
+	req        *evRequest
+	since      time.Time // idle since
+	frame      replyFrame
+}
+
+// replyFrame is how far a reply in in[:n] has been framed.
+type replyFrame struct {
+	head       int // its head's length; 0 until it is whole
+	framing    int
+	left       int64 // byLength: body bytes still to come
+	scanned    int   // chunked: bytes the chunk scanner has seen
+	chunks     chunkScan
+	closeAfter bool // the connection cannot carry another request
+}
+
+// How a reply's body ends.
+const (
+	byLength = iota
+	byChunks
+	byClose
+)
+
+const upBuf = 16 << 10
+
+// upstream is a pooled connection to addr or, fresh or none pooled, a new
+// one, its connect begun.
+func (l *evLoop) upstream(addr string, fresh bool) (*evUp, error) {
+	if idle := l.pool[addr]; !fresh && len(idle) > 0 {
+		u := idle[len(idle)-1]
+		l.pool[addr] = idle[:len(idle)-1]
+		u.reused = true
+		return u, nil
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return nil, dialError{err}
+	}
+	var sa unix.Sockaddr
+	family := unix.AF_INET
+	if ap.Addr().Is4() || ap.Addr().Is4In6() {
+		sa = &unix.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().Unmap().As4()}
+	} else {
+		family = unix.AF_INET6
+		sa = &unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()}
+	}
+	fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, dialFailed(addr, "socket", err)
+	}
+	_ = unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	err = unix.Connect(fd, sa)
+	if err != nil && err != unix.EINPROGRESS {
+		unix.Close(fd)
+		return nil, dialFailed(addr, "connect", err)
+	}
+	u := &evUp{fd: fd, token: l.nextToken(true), addr: addr, connecting: err != nil, in: make([]byte, upBuf)}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(u.token)}
+	if err := unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		unix.Close(fd)
+		return nil, dialFailed(addr, "epoll_ctl", err)
+	}
+	l.ups[u.token] = u
+	return u, nil
+}
+
+// dialFailed is a failed connect to addr as net.Dialer words it, so that
+// the client's 502 reads as on fasthttp's path.
+func dialFailed(addr, call string, errno error) error {
+	var a net.Addr
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		a = net.TCPAddrFromAddrPort(ap)
+	}
+	return dialError{&net.OpError{Op: "dial", Net: "tcp", Addr: a, Err: os.NewSyscallError(call, errno)}}
+}
+
+// closeUp closes u, wherever it is.
+func (l *evLoop) closeUp(u *evUp) {
+	if _, ok := l.ups[u.token]; !ok {
+		return
+	}
+	delete(l.ups, u.token)
+	if u.req == nil {
+		idle := l.pool[u.addr]
+		for i, p := range idle {
+			if p == u {
+				l.pool[u.addr] = append(idle[:i], idle[i+1:]...)
+				break
+			}
+		}
+	} else {
+		u.req.up, u.req = nil, nil
+	}
+	unix.Close(u.fd) // leaves the epoll set with it
+}
+
+func (l *evLoop) upEvent(u *evUp, ev uint32) {
+	switch {
+	case u.req == nil: // pooled: the worker closed it, or sent what nobody asked for
+		var b [1]byte
+		if _, err := unix.Read(u.fd, b[:]); err != unix.EAGAIN {
+			l.closeUp(u)
+		}
+		return
+	case u.connecting:
+		if ev&(unix.EPOLLOUT|unix.EPOLLERR|unix.EPOLLHUP) == 0 {
+			return
+		}
+		if v, err := unix.GetsockoptInt(u.fd, unix.SOL_SOCKET, unix.SO_ERROR); err != nil || v != 0 {
+			if err == nil {
+				err = unix.Errno(v)
+			}
+			l.upFailed(u, dialFailed(u.addr, "connect", err))
+			return
+		}
+		u.connecting = false
+	}
+	if u.off < len(u.out) && !l.upWrite(u) {
+		return
+	}
+	if ev&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0 {
+		l.upRead(u, ev&(unix.EPOLLRDHUP|unix.EPOLLHUP|unix.EPOLLERR) != 0)
+	}
+}
+
+// upWrite sends u's request; false while some is left (or u failed).
+func (l *evLoop) upWrite(u *evUp) bool {
+	for u.off < len(u.out) {
+		m, err := unix.Write(u.fd, u.out[u.off:])
+		if err == unix.EAGAIN {
+			return false
+		}
+		if err != nil {
+			l.upFailed(u, errUpstreamClosed)
+			return false
+		}
+		u.off += m
+	}
+	if cap(u.out) > upBuf {
+		u.out = nil
+	}
+	return true
+}
+
+// upRead reads u's reply until it is whole, or the socket is drained;
+// hup: the worker shut its side, so read to the end.
+func (l *evLoop) upRead(u *evUp, hup bool) {
+	for u.req != nil {
+		if u.n == len(u.in) {
+			u.in = append(u.in, make([]byte, len(u.in))...)
+		}
+		space := len(u.in) - u.n
+		m, err := unix.Read(u.fd, u.in[u.n:])
+		if err == unix.EAGAIN {
+			return
+		}
+		if err != nil || m == 0 {
+			if u.frame.head > 0 && u.frame.framing == byClose {
+				l.upDone(u)
+				return
+			}
+			l.upFailed(u, errUpstreamClosed)
+			return
+		}
+		u.n += m
+		switch whole, err := u.frame.scan(u.in[:u.n]); {
+		case err != nil:
+			l.upFailed(u, err)
+			return
+		case whole:
+			l.upDone(u)
+			return
+		case m < space && !hup: // drained: the rest raises a new edge
+			return
+		}
+	}
+}
+
+// upFailed ends u's request on a failure before its reply was whole: once
+// more on a new connection if u came from the pool and nothing of the
+// reply arrived (the worker may have closed it idle), else the worker's
+// failure.
+func (l *evLoop) upFailed(u *evUp, err error) {
+	q := u.req
+	retry := u.reused && u.n == 0
+	head, status := u.frame.head > 0, 0
+	if head {
+		status = int(parseLength(u.in[9:12]))
+	}
+	l.closeUp(u)
+	if retry {
+		if err = l.send(q, u.host, true); err == nil {
+			return
+		}
+	}
+	switch {
+	case head:
+		l.bodyFailed(q, status, io.ErrUnexpectedEOF)
+	default:
+		l.sendFailed(q, err)
+	}
+}
+
+// upDone parses u's whole reply, pools u if it may carry another request,
+// and answers the client.
+func (l *evLoop) upDone(u *evUp) {
+	q := u.req
+	resp := &l.scratch.resp
+	resp.Reset()
+	l.scratch.rd.Reset(u.in[:u.n])
+	l.scratch.br.Reset(&l.scratch.rd)
+	err := resp.Read(l.scratch.br)
+	l.scratch.br.Reset(nil)
+	reusable := err == nil && !u.frame.closeAfter && u.frame.framing != byClose && l.scratch.rd.Len() == 0 && !resp.ConnectionClose()
+	u.req, q.up = nil, nil
+	u.n, u.frame, u.reused = 0, replyFrame{}, false
+	if cap(u.in) > upBuf {
+		u.in = make([]byte, upBuf)
+	}
+	if reusable {
+		u.since = time.Now()
+		l.pool[u.addr] = append(l.pool[u.addr], u)
+	} else {
+		u.req = nil
+		l.closeUp(u)
+	}
+	if err != nil || resp.StatusCode() < 200 {
+		l.sendFailed(q, fmt.Errorf("%w: %v", errUpstreamClosed, errBadReply))
+		return
+	}
+	l.replied(q, resp)
+}
+
+var errBadReply = errors.New("event loop: malformed worker reply")
+
+// scan frames the reply in b (all of it read so far): whole once its body
+// has ended.
+func (f *replyFrame) scan(b []byte) (bool, error) {
+	if f.head == 0 {
+		end := bytes.Index(b, []byte("\r\n\r\n"))
+		if end < 0 {
+			return false, nil
+		}
+		if err := f.parseHead(b[:end+2]); err != nil {
+			return false, err
+		}
+		f.head = end + 4
+		f.scanned = f.head
+	}
+	switch f.framing {
+	case byLength:
+		return int64(len(b)-f.head) >= f.left, nil
+	case byChunks:
+		k, err := f.chunks.scan(b[f.scanned:])
+		f.scanned += k
+		return f.chunks.done, err
+	}
+	return false, nil
+}
+
+// parseHead reads what framing needs from a reply's head (its lines, each
+// ending in CRLF).
+func (f *replyFrame) parseHead(h []byte) error {
+	line, rest, _ := bytes.Cut(h, []byte("\r\n"))
+	if !bytes.HasPrefix(line, []byte("HTTP/1.1 ")) {
+		f.closeAfter = true
+	}
+	length, chunked := int64(-1), false
+	for len(rest) > 0 {
+		line, rest, _ = bytes.Cut(rest, []byte("\r\n"))
+		name, value, _ := bytes.Cut(line, []byte(":"))
+		value = bytes.TrimSpace(value)
+		switch {
+		case bytes.EqualFold(name, []byte("Content-Length")):
+			n := parseLength(value)
+			if n < 0 || (length >= 0 && n != length) {
+				return errBadReply
+			}
+			length = n
+		case bytes.EqualFold(name, []byte("Transfer-Encoding")):
+			chunked = len(value) >= 7 && bytes.EqualFold(value[len(value)-7:], []byte("chunked"))
+			if !chunked {
+				return errBadReply
+			}
+		case bytes.EqualFold(name, []byte("Connection")):
+			f.closeAfter = f.closeAfter || bytes.Contains(bytes.ToLower(value), []byte("close"))
+		}
+	}
+	switch {
+	case chunked:
+		f.framing = byChunks
+	case length >= 0:
+		f.framing, f.left = byLength, length
+	default:
+		f.framing, f.closeAfter = byClose, true
+	}
+	return nil
+}
+
+// parseLength parses a Content-Length value: -1 if it is not one.
+func parseLength(v []byte) int64 {
+	if len(v) == 0 || len(v) > 18 {
+		return -1
+	}
+	var n int64
+	for _, c := range v {
+		if c < '0' || c > '9' {
+			return -1
+		}
+		n = n*10 + int64(c-'0')
+	}
+	return n
+}
+
+// chunkScan follows a chunked body's framing (RFC 9112 §7.1) as it
+// arrives.
+type chunkScan struct {
+	state, digits, lineLen int
+	size                   int64
+	done                   bool
+}
+
+const (
+	chunkSize = iota
+	chunkExt
+	chunkData
+	chunkDataEnd
+	chunkTrailer
+)
+
+var errChunked = errors.New("event loop: bad chunked framing in a worker reply")
+
+// scan returns how many bytes of p it framed: all of them, or up to the
+// body's end (c.done).
+func (c *chunkScan) scan(p []byte) (int, error) {
+	for i := 0; i < len(p); i++ {
+		b := p[i]
+		switch c.state {
+		case chunkSize, chunkExt:
+			switch d := unhex(b); {
+			case b == '\n':
+				if c.digits == 0 {
+					return 0, errChunked
+				}
+				c.state, c.digits, c.lineLen = chunkData, 0, 0
+				if c.size == 0 {
+					c.state = chunkTrailer
+				}
+			case c.state == chunkSize && d >= 0:
+				if c.digits++; c.digits > 15 {
+					return 0, errChunked
+				}
+				c.size = c.size<<4 | int64(d)
+			case c.state == chunkSize && (b == ';' || b == ' ' || b == '\t' || b == '\r'):
+				c.state = chunkExt
+			case c.state == chunkSize:
+				return 0, errChunked
+			}
+		case chunkData:
+			k := min(int64(len(p)-i), c.size)
+			c.size -= k
+			i += int(k) - 1
+			if c.size == 0 {
+				c.state = chunkDataEnd
+			}
+		case chunkDataEnd:
+			if b == '\n' {
+				c.state = chunkSize
+			}
+		case chunkTrailer:
+			if b == '\n' {
+				if c.lineLen == 0 {
+					c.done = true
+					return i + 1, nil
+				}
+				c.lineLen = 0
+			} else if b != '\r' {
+				c.lineLen++
+			}
+		}
+	}
+	return len(p), nil
+}
