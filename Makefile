@@ -27,6 +27,15 @@ test: deps
 	cd deploy/helm && $(GO) vet ./... && $(GO) test -count=1 ./...
 	@scripts/test-kv-sglang.sh
 
+# fuzz: each Fuzz target for FUZZTIME (make test runs their seed corpora).
+FUZZTIME ?= 15s
+fuzz:
+	@for d in $$(grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u); do \
+		for f in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$d/*_test.go | sed 's/^func //'); do \
+			$(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) $$d || exit 1; \
+		done; \
+	done
+
 # chaos: issue 13's attacks (fd exhaustion, slowloris, invented methods, HELLO
 # flood) against the real binaries at full size; `make test` runs a short pass.
 chaos: deps

@@ -25,7 +25,6 @@ package main
 
 import (
 	"bytes"
-	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -33,6 +32,8 @@ import (
 	"runtime"
 
 	"golang.org/x/sys/unix"
+
+	chunkedbody "github.com/pdrouter/pdrouter/internal/chunked"
 )
 
 func main() {
@@ -81,7 +82,7 @@ type sock struct {
 	off, end, n        int
 	state, framing     int
 	left               int64 // byLength: body bytes not yet framed
-	chunks             chunks
+	chunks             chunkedbody.Scanner
 	peer               *sock
 	readable, writable bool // false only once the kernel has said so (edge-triggered)
 	hup                bool // the peer shut down or failed
@@ -356,7 +357,7 @@ func (l *loop) pump(s *sock) {
 }
 
 func (s *sock) complete() bool {
-	return s.framing == byLength && s.left == 0 || s.framing == chunked && s.chunks.done
+	return s.framing == byLength && s.left == 0 || s.framing == chunked && s.chunks.Done()
 }
 
 // fill reads more of s once everything framed has been sent; false when
@@ -428,7 +429,7 @@ func (l *loop) frame(s *sock) {
 		s.left -= int64(k)
 	case chunked:
 		var err error
-		if k, err = s.chunks.scan(s.buf[s.end:s.n]); err != nil {
+		if k, err = s.chunks.Scan(s.buf[s.end:s.n]); err != nil {
 			l.abort(s)
 			return
 		}
@@ -540,7 +541,7 @@ func (l *loop) startReply(s *sock, first []byte, length int64, te []byte) bool {
 	case s.peer.headReq || status == 204 || status == 304:
 		s.state = body
 	case len(te) >= 7 && bytes.EqualFold(te[len(te)-7:], []byte("chunked")):
-		s.state, s.framing, s.chunks = body, chunked, chunks{}
+		s.state, s.framing, s.chunks = body, chunked, chunkedbody.Scanner{}
 	case length >= 0:
 		s.state, s.left = body, length
 	default:
@@ -618,84 +619,4 @@ func (l *loop) abort(s *sock) {
 func (l *loop) reply(c *sock, status string) {
 	_, _ = unix.Write(c.fd, []byte("HTTP/1.1 "+status+"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"))
 	l.close(c)
-}
-
-// chunks follows a chunked body's framing (RFC 9112 §7.1) as it passes.
-type chunks struct {
-	state, digits, lineLen int
-	size                   int64
-	done                   bool
-}
-
-const (
-	chunkSize = iota
-	chunkExt
-	chunkData
-	chunkDataEnd
-	chunkTrailer
-)
-
-var errChunked = errors.New("bad chunked framing")
-
-// scan returns how many bytes of p belong to the body; c.done once it has ended.
-func (c *chunks) scan(p []byte) (int, error) {
-	for i := 0; i < len(p); i++ {
-		b := p[i]
-		switch c.state {
-		case chunkSize, chunkExt:
-			switch d := hexDigit(b); {
-			case b == '\n':
-				if c.digits == 0 {
-					return 0, errChunked
-				}
-				c.state, c.digits, c.lineLen = chunkData, 0, 0
-				if c.size == 0 {
-					c.state = chunkTrailer
-				}
-			case c.state == chunkSize && d >= 0:
-				if c.digits++; c.digits > 15 {
-					return 0, errChunked
-				}
-				c.size = c.size<<4 | int64(d)
-			case c.state == chunkSize && (b == ';' || b == ' ' || b == '\t' || b == '\r'):
-				c.state = chunkExt
-			case c.state == chunkSize:
-				return 0, errChunked
-			}
-		case chunkData:
-			k := min(int64(len(p)-i), c.size)
-			c.size -= k
-			i += int(k) - 1
-			if c.size == 0 {
-				c.state = chunkDataEnd
-			}
-		case chunkDataEnd:
-			if b == '\n' {
-				c.state = chunkSize
-			}
-		case chunkTrailer:
-			if b == '\n' {
-				if c.lineLen == 0 {
-					c.done = true
-					return i + 1, nil
-				}
-				c.lineLen = 0
-			} else if b != '\r' {
-				c.lineLen++
-			}
-		}
-	}
-	return len(p), nil
-}
-
-func hexDigit(b byte) int {
-	switch {
-	case '0' <= b && b <= '9':
-		return int(b - '0')
-	case 'a' <= b && b <= 'f':
-		return int(b-'a') + 10
-	case 'A' <= b && b <= 'F':
-		return int(b-'A') + 10
-	}
-	return -1
 }

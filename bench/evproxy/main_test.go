@@ -4,7 +4,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -280,28 +279,5 @@ func TestClientClosingMidRequestLeaksNoFD(t *testing.T) {
 	}
 	if after := openFDs(t); after != before {
 		t.Fatalf("open descriptors %d before 3 abandoned requests, %d after", before, after)
-	}
-}
-
-// The chunked scanner finds a body's end wherever the bytes are cut.
-func TestChunksScanEveryCut(t *testing.T) {
-	msg := []byte("4\r\nabcd\r\nA;x=y\r\n0123456789\r\n0\r\nT: 1\r\n\r\nNEXT")
-	bodyLen := bytes.Index(msg, []byte("NEXT"))
-	for cut := 0; cut <= len(msg); cut++ {
-		var c chunks
-		n1, err1 := c.scan(msg[:cut])
-		n2, err2 := 0, error(nil)
-		if !c.done {
-			n2, err2 = c.scan(msg[n1:])
-		}
-		if err1 != nil || err2 != nil || !c.done || n1+n2 != bodyLen {
-			t.Fatalf("cut at %d: %d+%d bytes, done %v, errors %v %v; want %d", cut, n1, n2, c.done, err1, err2, bodyLen)
-		}
-	}
-	for _, bad := range []string{"\r\n", "x\r\n", "12345678123456781\r\n"} {
-		var c chunks
-		if _, err := c.scan([]byte(bad)); err == nil {
-			t.Errorf("%q: no error", bad)
-		}
 	}
 }
