@@ -246,7 +246,7 @@ func (l *evLoop) upDone(u *evUp) {
 		u.in = make([]byte, upBuf)
 	}
 	if reusable {
-		u.since = time.Now()
+		u.since = l.now
 		l.pool[u.addr] = append(l.pool[u.addr], u)
 	} else {
 		u.req = nil
