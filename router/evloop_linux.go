@@ -777,9 +777,9 @@ func (l *evLoop) finishRequest(r *request) {
 	}
 }
 
-// replied makes the worker's whole reply, parsed into resp, q's answer,
-// as replyWhole and regularAttempt do.
-func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
+// replied makes the worker's whole reply, its head parsed into resp, q's
+// answer, as replyWhole and regularAttempt do.
+func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response, body []byte) {
 	r, ctx := q.r, q.ctx
 	lg := &r.leg
 	lg.reply = upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, eof: true}
@@ -788,12 +788,12 @@ func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
 	var fail *apiError
 	if status/100 == 2 {
 		ctx.Response.ResetBody()
-		ctx.Response.AppendBody(resp.Body())
+		ctx.Response.AppendBody(body)
 		ctx.SetStatusCode(status)
 		copyHeaders(ctx, &lg.reply)
 		r.observeFirstByte()
 	} else {
-		raw := append([]byte{}, resp.Body()[:min(len(resp.Body()), maxErrorBody)]...)
+		raw := append([]byte{}, body[:min(len(body), maxErrorBody)]...)
 		fail = &apiError{Status: status, Code: "upstream_" + statusLabel(status), raw: raw, rawType: string(resp.Header.ContentType())}
 	}
 	lg.close()

@@ -12,6 +12,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/valyala/fasthttp"
 	"golang.org/x/sys/unix"
 )
 
@@ -234,16 +235,12 @@ func (l *evLoop) upFailed(u *evUp, err error) {
 func (l *evLoop) upDone(u *evUp) {
 	q := u.req
 	resp := &l.scratch.resp
-	resp.Reset()
-	l.scratch.rd.Reset(u.in[:u.n])
-	l.scratch.br.Reset(&l.scratch.rd)
-	err := resp.Read(l.scratch.br)
-	l.scratch.br.Reset(nil)
-	reusable := err == nil && !u.frame.closeAfter && u.frame.framing != byClose && l.scratch.rd.Len() == 0 && !resp.ConnectionClose()
+	body, err := l.parseReply(u, resp)
+	reusable := err == nil && !u.frame.closeAfter && u.frame.framing != byClose && !resp.ConnectionClose()
 	u.req, q.up = nil, nil
 	u.n, u.frame, u.reused = 0, replyFrame{}, false
 	if cap(u.in) > upBuf {
-		u.in = make([]byte, upBuf)
+		u.in = make([]byte, upBuf) // body keeps the old one
 	}
 	if reusable {
 		u.since = l.now
@@ -256,7 +253,36 @@ func (l *evLoop) upDone(u *evUp) {
 		l.sendFailed(q, fmt.Errorf("%w: %v", errUpstreamClosed, errBadReply))
 		return
 	}
-	l.replied(q, resp)
+	l.replied(q, resp, body)
+}
+
+// parseReply parses u's whole reply into resp's head and returns its body.
+// A reply framed by its length, the common one, has only its head parsed:
+// the body is the bytes after it in u.in, not read through resp and copied
+// again. Any other goes through fasthttp's Response.Read whole.
+func (l *evLoop) parseReply(u *evUp, resp *fasthttp.Response) ([]byte, error) {
+	resp.Reset()
+	f := &u.frame
+	if f.framing == byLength && int64(u.n-f.head) == f.left {
+		l.scratch.rd.Reset(u.in[:f.head])
+		l.scratch.br.Reset(&l.scratch.rd)
+		err := resp.Header.Read(l.scratch.br)
+		l.scratch.br.Reset(nil)
+		status := resp.StatusCode()
+		if err != nil || (status >= 200 && status != fasthttp.StatusNoContent && status != fasthttp.StatusNotModified &&
+			int64(resp.Header.ContentLength()) == f.left) {
+			return u.in[f.head:u.n], err
+		}
+		resp.Reset() // an interim or bodiless status: Response.Read's rules
+	}
+	l.scratch.rd.Reset(u.in[:u.n])
+	l.scratch.br.Reset(&l.scratch.rd)
+	err := resp.Read(l.scratch.br)
+	l.scratch.br.Reset(nil)
+	if err == nil && l.scratch.rd.Len() > 0 {
+		f.closeAfter = true // bytes past the reply: the connection is out of step
+	}
+	return resp.Body(), err
 }
 
 var errBadReply = errors.New("event loop: malformed worker reply")
