@@ -35,7 +35,8 @@ type evUp struct {
 
 // replyFrame is how far a reply in in[:n] has been framed.
 type replyFrame struct {
-	head       int // its head's length; 0 until it is whole
+	start      int // where its head begins, after any interim ones
+	head       int // where its body begins; 0 until its head is whole
 	framing    int
 	left       int64 // byLength: body bytes still to come
 	scanned    int   // chunked: bytes the chunk scanner has seen
@@ -214,7 +215,7 @@ func (l *evLoop) upFailed(u *evUp, err error) {
 	retry := u.reused && u.n == 0
 	head, status := u.frame.head > 0, 0
 	if head {
-		status = int(parseLength(u.in[9:12]))
+		status = replyStatus(u.in[u.frame.start:])
 	}
 	l.closeUp(u)
 	if retry {
@@ -264,7 +265,7 @@ func (l *evLoop) parseReply(u *evUp, resp *fasthttp.Response) ([]byte, error) {
 	resp.Reset()
 	f := &u.frame
 	if f.framing == byLength && int64(u.n-f.head) == f.left {
-		l.scratch.rd.Reset(u.in[:f.head])
+		l.scratch.rd.Reset(u.in[f.start:f.head]) // Response.Read too skips interim heads
 		l.scratch.br.Reset(&l.scratch.rd)
 		err := resp.Header.Read(l.scratch.br)
 		l.scratch.br.Reset(nil)
@@ -290,12 +291,17 @@ var errBadReply = errors.New("event loop: malformed worker reply")
 // scan frames the reply in b (all of it read so far): whole once its body
 // has ended.
 func (f *replyFrame) scan(b []byte) (bool, error) {
-	if f.head == 0 {
-		end := bytes.Index(b, []byte("\r\n\r\n"))
+	for f.head == 0 {
+		end := bytes.Index(b[f.start:], []byte("\r\n\r\n"))
 		if end < 0 {
 			return false, nil
 		}
-		if err := f.parseHead(b[:end+2]); err != nil {
+		end += f.start
+		if status := replyStatus(b[f.start:]); status >= 100 && status < 200 && status != 101 {
+			f.start = end + 4 // an interim head: the reply's own follows
+			continue
+		}
+		if err := f.parseHead(b[f.start : end+2]); err != nil {
 			return false, err
 		}
 		f.head = end + 4
@@ -340,7 +346,10 @@ func (f *replyFrame) parseHead(h []byte) error {
 			f.closeAfter = f.closeAfter || bytes.Contains(bytes.ToLower(value), []byte("close"))
 		}
 	}
-	switch {
+	switch status := replyStatus(h); {
+	case status < 200 || status == 204 || status == 304: // no body, whatever the head says
+		f.framing, f.left = byLength, 0
+		f.closeAfter = f.closeAfter || status == 101
 	case chunked:
 		f.framing = byChunks
 	case length >= 0:
@@ -349,6 +358,14 @@ func (f *replyFrame) parseHead(h []byte) error {
 		f.framing, f.closeAfter = byClose, true
 	}
 	return nil
+}
+
+// replyStatus is the status code of the reply head h begins: -1 if none.
+func replyStatus(h []byte) int {
+	if len(h) < 12 {
+		return -1
+	}
+	return int(parseLength(h[9:12]))
 }
 
 // parseLength parses a Content-Length value: -1 if it is not one.
