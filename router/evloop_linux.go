@@ -190,6 +190,10 @@ type evLoop struct {
 	endpoints map[*balancer.Worker]endpoint
 	events    [128]unix.EpollEvent
 	scratch   evScratch
+	// now is when epoll_wait last returned: the connections' idle and
+	// read timestamps, which only the 100 ms sweep reads, need no finer
+	// clock than one read per wakeup.
+	now time.Time
 }
 
 // evScratch is the loop's parsing and writing state, reused request after
@@ -267,13 +271,15 @@ func (l *evLoop) run() {
 		l.closeFDs()
 		l.mu.Unlock()
 	}()
-	nextSweep := time.Now().Add(sweepEvery)
+	l.now = time.Now()
+	nextSweep := l.now.Add(sweepEvery)
 	for {
 		wait := -1
 		if len(l.conns) > 0 || len(l.ups) > 0 {
 			wait = max(int(time.Until(nextSweep)/time.Millisecond), 0) + 1
 		}
 		n, err := unix.EpollWait(l.ep, l.events[:], wait)
+		l.now = time.Now()
 		if err != nil && err != unix.EINTR {
 			l.s.log.Error("event loop stopped: epoll_wait failed; its connections are closed")
 			l.closeAll()
@@ -296,9 +302,9 @@ func (l *evLoop) run() {
 				}
 			}
 		}
-		if now := time.Now(); !now.Before(nextSweep) {
-			l.sweep(now)
-			nextSweep = now.Add(sweepEvery)
+		if !l.now.Before(nextSweep) {
+			l.sweep(l.now)
+			nextSweep = l.now.Add(sweepEvery)
 		}
 	}
 }
@@ -362,7 +368,7 @@ type evConn struct {
 const clientBuf = 16 << 10
 
 func (l *evLoop) adopt(c net.Conn, fd int) {
-	ec := &evConn{nc: c, fd: fd, token: l.nextToken(false), buf: make([]byte, clientBuf), since: time.Now(), readable: true}
+	ec := &evConn{nc: c, fd: fd, token: l.nextToken(false), buf: make([]byte, clientBuf), since: l.now, readable: true}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLOUT | unix.EPOLLRDHUP | unix.EPOLLET, Fd: int32(ec.token)}
 	if err := unix.EpollCtl(l.ep, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
 		l.handOff(ec) // fasthttp serves it as it would have
@@ -502,7 +508,7 @@ func (l *evLoop) serve(c *evConn) {
 			return
 		}
 		if c.n == 0 {
-			c.since = time.Now()
+			c.since = l.now
 		}
 		// A short read drained the socket: the next bytes raise a new
 		// edge, so waiting for it saves a read that would find none.
@@ -540,7 +546,7 @@ func (l *evLoop) next(c *evConn) bool {
 		return true
 	}
 	if c.headAt.IsZero() {
-		c.headAt = time.Now()
+		c.headAt = l.now
 	}
 	need := end + h.ContentLength()
 	if c.n < need {
@@ -771,9 +777,9 @@ func (l *evLoop) finishRequest(r *request) {
 	}
 }
 
-// replied makes the worker's whole reply, parsed into resp, q's answer,
-// as replyWhole and regularAttempt do.
-func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
+// replied makes the worker's whole reply, its head parsed into resp, q's
+// answer, as replyWhole and regularAttempt do.
+func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response, body []byte) {
 	r, ctx := q.r, q.ctx
 	lg := &r.leg
 	lg.reply = upstreamResponse{StatusCode: resp.StatusCode(), Header: &resp.Header, eof: true}
@@ -782,12 +788,12 @@ func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response) {
 	var fail *apiError
 	if status/100 == 2 {
 		ctx.Response.ResetBody()
-		ctx.Response.AppendBody(resp.Body())
+		ctx.Response.AppendBody(body)
 		ctx.SetStatusCode(status)
 		copyHeaders(ctx, &lg.reply)
 		r.observeFirstByte()
 	} else {
-		raw := append([]byte{}, resp.Body()[:min(len(resp.Body()), maxErrorBody)]...)
+		raw := append([]byte{}, body[:min(len(body), maxErrorBody)]...)
 		fail = &apiError{Status: status, Code: "upstream_" + statusLabel(status), raw: raw, rawType: string(resp.Header.ContentType())}
 	}
 	lg.close()
@@ -844,7 +850,7 @@ func (l *evLoop) consume(c *evConn, k int) {
 	if len(c.buf) > clientBuf && c.n <= clientBuf {
 		c.buf = append(make([]byte, 0, clientBuf), c.buf[:c.n]...)[:clientBuf]
 	}
-	c.since, c.headAt = time.Now(), time.Time{}
+	c.since, c.headAt = l.now, time.Time{}
 }
 
 // flush writes c's response; false while some is left (or c closed).

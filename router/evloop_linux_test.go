@@ -61,6 +61,14 @@ func caseWorker(t *testing.T) (string, func()) {
 			bw.WriteString("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"text\":")
 			bw.Flush()
 			c.Close()
+		case "empty":
+			w.WriteHeader(204)
+		case "hint": // an interim head before the reply's own
+			c, bw, _ := w.(http.Hijacker).Hijack()
+			bw.WriteString("HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+			bw.WriteString("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n{\"text\":\"late\"}")
+			bw.Flush()
+			c.Close()
 		case "slow":
 			time.Sleep(300 * time.Millisecond)
 			io.WriteString(w, `{"text":"slow"}`)
@@ -222,6 +230,8 @@ func TestEventLoopsAnswerAsFasthttpDoes(t *testing.T) {
 		{"pipelined", postRaw(`{"text":"case:ok"}`) + postRaw(`{"text":"case:chunked"}`) + postRaw(`{"text":"case:ok","y":2}`), 3, true},
 		{"request id", postRaw(`{"text":"case:ok"}`, "X-Request-Id: client-id-7"), 1, true},
 		{"worker dies mid-reply, retried", postRaw(`{"text":"case:die"}`), 1, true},
+		{"worker 204, no body", postRaw(`{"text":"case:empty"}`) + postRaw(`{"text":"case:ok"}`), 2, true},
+		{"interim head", postRaw(`{"text":"case:hint"}`), 1, true},
 		{"bad JSON", postRaw(`{"text":`), 1, false},
 		{"stream", postRaw(`{"text":"case:ok","stream":true}`), 1, false},
 		{"health then generate", "GET /health HTTP/1.1\r\nHost: r\r\n\r\n" + postRaw(`{"text":"case:ok"}`), 2, false},

@@ -12,6 +12,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/valyala/fasthttp"
 	"golang.org/x/sys/unix"
 )
 
@@ -34,7 +35,8 @@ type evUp struct {
 
 // replyFrame is how far a reply in in[:n] has been framed.
 type replyFrame struct {
-	head       int // its head's length; 0 until it is whole
+	start      int // where its head begins, after any interim ones
+	head       int // where its body begins; 0 until its head is whole
 	framing    int
 	left       int64 // byLength: body bytes still to come
 	scanned    int   // chunked: bytes the chunk scanner has seen
@@ -213,7 +215,7 @@ func (l *evLoop) upFailed(u *evUp, err error) {
 	retry := u.reused && u.n == 0
 	head, status := u.frame.head > 0, 0
 	if head {
-		status = int(parseLength(u.in[9:12]))
+		status = replyStatus(u.in[u.frame.start:])
 	}
 	l.closeUp(u)
 	if retry {
@@ -234,19 +236,15 @@ func (l *evLoop) upFailed(u *evUp, err error) {
 func (l *evLoop) upDone(u *evUp) {
 	q := u.req
 	resp := &l.scratch.resp
-	resp.Reset()
-	l.scratch.rd.Reset(u.in[:u.n])
-	l.scratch.br.Reset(&l.scratch.rd)
-	err := resp.Read(l.scratch.br)
-	l.scratch.br.Reset(nil)
-	reusable := err == nil && !u.frame.closeAfter && u.frame.framing != byClose && l.scratch.rd.Len() == 0 && !resp.ConnectionClose()
+	body, err := l.parseReply(u, resp)
+	reusable := err == nil && !u.frame.closeAfter && u.frame.framing != byClose && !resp.ConnectionClose()
 	u.req, q.up = nil, nil
 	u.n, u.frame, u.reused = 0, replyFrame{}, false
 	if cap(u.in) > upBuf {
-		u.in = make([]byte, upBuf)
+		u.in = make([]byte, upBuf) // body keeps the old one
 	}
 	if reusable {
-		u.since = time.Now()
+		u.since = l.now
 		l.pool[u.addr] = append(l.pool[u.addr], u)
 	} else {
 		u.req = nil
@@ -256,7 +254,36 @@ func (l *evLoop) upDone(u *evUp) {
 		l.sendFailed(q, fmt.Errorf("%w: %v", errUpstreamClosed, errBadReply))
 		return
 	}
-	l.replied(q, resp)
+	l.replied(q, resp, body)
+}
+
+// parseReply parses u's whole reply into resp's head and returns its body.
+// A reply framed by its length, the common one, has only its head parsed:
+// the body is the bytes after it in u.in, not read through resp and copied
+// again. Any other goes through fasthttp's Response.Read whole.
+func (l *evLoop) parseReply(u *evUp, resp *fasthttp.Response) ([]byte, error) {
+	resp.Reset()
+	f := &u.frame
+	if f.framing == byLength && int64(u.n-f.head) == f.left {
+		l.scratch.rd.Reset(u.in[f.start:f.head]) // Response.Read too skips interim heads
+		l.scratch.br.Reset(&l.scratch.rd)
+		err := resp.Header.Read(l.scratch.br)
+		l.scratch.br.Reset(nil)
+		status := resp.StatusCode()
+		if err != nil || (status >= 200 && status != fasthttp.StatusNoContent && status != fasthttp.StatusNotModified &&
+			int64(resp.Header.ContentLength()) == f.left) {
+			return u.in[f.head:u.n], err
+		}
+		resp.Reset() // an interim or bodiless status: Response.Read's rules
+	}
+	l.scratch.rd.Reset(u.in[:u.n])
+	l.scratch.br.Reset(&l.scratch.rd)
+	err := resp.Read(l.scratch.br)
+	l.scratch.br.Reset(nil)
+	if err == nil && l.scratch.rd.Len() > 0 {
+		f.closeAfter = true // bytes past the reply: the connection is out of step
+	}
+	return resp.Body(), err
 }
 
 var errBadReply = errors.New("event loop: malformed worker reply")
@@ -264,12 +291,17 @@ var errBadReply = errors.New("event loop: malformed worker reply")
 // scan frames the reply in b (all of it read so far): whole once its body
 // has ended.
 func (f *replyFrame) scan(b []byte) (bool, error) {
-	if f.head == 0 {
-		end := bytes.Index(b, []byte("\r\n\r\n"))
+	for f.head == 0 {
+		end := bytes.Index(b[f.start:], []byte("\r\n\r\n"))
 		if end < 0 {
 			return false, nil
 		}
-		if err := f.parseHead(b[:end+2]); err != nil {
+		end += f.start
+		if status := replyStatus(b[f.start:]); status >= 100 && status < 200 && status != 101 {
+			f.start = end + 4 // an interim head: the reply's own follows
+			continue
+		}
+		if err := f.parseHead(b[f.start : end+2]); err != nil {
 			return false, err
 		}
 		f.head = end + 4
@@ -314,7 +346,10 @@ func (f *replyFrame) parseHead(h []byte) error {
 			f.closeAfter = f.closeAfter || bytes.Contains(bytes.ToLower(value), []byte("close"))
 		}
 	}
-	switch {
+	switch status := replyStatus(h); {
+	case status < 200 || status == 204 || status == 304: // no body, whatever the head says
+		f.framing, f.left = byLength, 0
+		f.closeAfter = f.closeAfter || status == 101
 	case chunked:
 		f.framing = byChunks
 	case length >= 0:
@@ -323,6 +358,14 @@ func (f *replyFrame) parseHead(h []byte) error {
 		f.framing, f.closeAfter = byClose, true
 	}
 	return nil
+}
+
+// replyStatus is the status code of the reply head h begins: -1 if none.
+func replyStatus(h []byte) int {
+	if len(h) < 12 {
+		return -1
+	}
+	return int(parseLength(h[9:12]))
 }
 
 // parseLength parses a Content-Length value: -1 if it is not one.
