@@ -361,6 +361,7 @@ type evConn struct {
 	gone          bool // closed or handed off: no longer the loop's
 	hup           bool // the client shut its side: read to the end
 	late          bool // its partial request ran out of time
+	answered      bool // it has had a reply: it waits for a next request
 }
 
 // clientBuf is a client connection's first buffer; it grows for a larger
@@ -851,6 +852,7 @@ func (l *evLoop) consume(c *evConn, k int) {
 		c.buf = append(make([]byte, 0, clientBuf), c.buf[:c.n]...)[:clientBuf]
 	}
 	c.since, c.headAt = l.now, time.Time{}
+	c.answered = true
 }
 
 // flush writes c's response; false while some is left (or c closed).
@@ -913,7 +915,7 @@ func (l *evLoop) sweep(now time.Time) {
 			if now.Sub(c.since) >= cfg.RequestTimeout+writeGrace {
 				l.closeConn(c)
 			}
-		case c.n == 0:
+		case c.n == 0 && c.answered: // a fresh one has the header read timeout below, as fasthttp's first request
 			if now.Sub(c.since) >= cfg.IdleConnectionTimeout {
 				l.closeConn(c)
 			}

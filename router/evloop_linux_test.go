@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -560,4 +561,53 @@ func TestEventLoopsCountAgainstMaxConnections(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// A connection that sends nothing gets fasthttp's 408 at the header read
+// timeout, and is closed (a flood of silent connections must not hold the
+// --max-connections slots for the idle timeout); one that has had a reply
+// waits the idle timeout for its next request.
+func TestEventLoopsCloseSilentConnectionsAtTheHeaderTimeout(t *testing.T) {
+	worker, _ := caseWorker(t)
+	p := startPair(t, []string{worker}, func(c *Config) {
+		c.HeaderReadTimeout = 300 * time.Millisecond
+		c.IdleConnectionTimeout = 10 * time.Second
+	})
+	var got [2]*http.Response
+	for i, base := range []string{p.on, p.off} {
+		silent, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		kept, err := net.Dial("tcp", strings.TrimPrefix(base, "http://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		kept.Write([]byte(postRaw(`{"text":"case:ok"}`)))
+		if _, err := http.ReadResponse(bufio.NewReader(kept), nil); err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		silent.SetReadDeadline(time.Now().Add(3 * time.Second))
+		br := bufio.NewReader(silent)
+		if got[i], err = http.ReadResponse(br, nil); err != nil {
+			t.Fatalf("%s: a silent connection: %v; want fasthttp's 408", base, err)
+		}
+		body, _ := io.ReadAll(got[i].Body)
+		got[i].Body = io.NopCloser(bytes.NewReader(body))
+		if _, err := br.ReadByte(); err != io.EOF || time.Since(start) > 2*time.Second {
+			t.Errorf("%s: a silent connection read %v after %v; want it closed at the header read timeout", base, err, time.Since(start))
+		}
+		kept.SetReadDeadline(time.Now().Add(time.Second))
+		var ne net.Error
+		if n, err := kept.Read(make([]byte, 1)); !errors.As(err, &ne) || !ne.Timeout() {
+			t.Errorf("%s: a kept-alive connection read %d, %v within 1 s; want it open until the idle timeout", base, n, err)
+		}
+		silent.Close()
+		kept.Close()
+	}
+	if got[0].StatusCode != 408 {
+		t.Errorf("a silent connection got %d, want 408", got[0].StatusCode)
+	}
+	same(t, "silent connection", got[0], got[1])
 }
