@@ -810,17 +810,8 @@ func (l *evLoop) replied(q *evRequest, resp *fasthttp.Response, body []byte) {
 func (l *evLoop) answer(q *evRequest, fail *apiError) {
 	s, r, ctx, c := l.s, q.r, q.ctx, q.c
 	q.ended = true
-	switch r.scope.Cause() {
-	case errRequestTimeout:
-		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
-	case errShuttingDown:
-		fail = shuttingDown()
-	}
-	if fail != nil {
-		r.rec.fail(fail.Code)
+	if fail := r.ending(fail); fail != nil {
 		fail.write(ctx)
-	} else {
-		r.rec.outcome = outcomeSucceeded
 	}
 	path := r.path // r is recycled once finished
 	l.finishRequest(r)

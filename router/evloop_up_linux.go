@@ -14,6 +14,8 @@ import (
 
 	"github.com/valyala/fasthttp"
 	"golang.org/x/sys/unix"
+
+	"github.com/pdrouter/pdrouter/internal/chunked"
 )
 
 // evUp is a loop's connection to a worker: idle in the loop's pool, or
@@ -40,7 +42,7 @@ type replyFrame struct {
 	framing    int
 	left       int64 // byLength: body bytes still to come
 	scanned    int   // chunked: bytes the chunk scanner has seen
-	chunks     chunkScan
+	chunks     chunked.Scanner
 	closeAfter bool // the connection cannot carry another request
 }
 
@@ -311,9 +313,9 @@ func (f *replyFrame) scan(b []byte) (bool, error) {
 	case byLength:
 		return int64(len(b)-f.head) >= f.left, nil
 	case byChunks:
-		k, err := f.chunks.scan(b[f.scanned:])
+		k, err := f.chunks.Scan(b[f.scanned:])
 		f.scanned += k
-		return f.chunks.done, err
+		return f.chunks.Done(), err
 	}
 	return false, nil
 }
@@ -381,74 +383,4 @@ func parseLength(v []byte) int64 {
 		n = n*10 + int64(c-'0')
 	}
 	return n
-}
-
-// chunkScan follows a chunked body's framing (RFC 9112 §7.1) as it
-// arrives.
-type chunkScan struct {
-	state, digits, lineLen int
-	size                   int64
-	done                   bool
-}
-
-const (
-	chunkSize = iota
-	chunkExt
-	chunkData
-	chunkDataEnd
-	chunkTrailer
-)
-
-var errChunked = errors.New("event loop: bad chunked framing in a worker reply")
-
-// scan returns how many bytes of p it framed: all of them, or up to the
-// body's end (c.done).
-func (c *chunkScan) scan(p []byte) (int, error) {
-	for i := 0; i < len(p); i++ {
-		b := p[i]
-		switch c.state {
-		case chunkSize, chunkExt:
-			switch d := unhex(b); {
-			case b == '\n':
-				if c.digits == 0 {
-					return 0, errChunked
-				}
-				c.state, c.digits, c.lineLen = chunkData, 0, 0
-				if c.size == 0 {
-					c.state = chunkTrailer
-				}
-			case c.state == chunkSize && d >= 0:
-				if c.digits++; c.digits > 15 {
-					return 0, errChunked
-				}
-				c.size = c.size<<4 | int64(d)
-			case c.state == chunkSize && (b == ';' || b == ' ' || b == '\t' || b == '\r'):
-				c.state = chunkExt
-			case c.state == chunkSize:
-				return 0, errChunked
-			}
-		case chunkData:
-			k := min(int64(len(p)-i), c.size)
-			c.size -= k
-			i += int(k) - 1
-			if c.size == 0 {
-				c.state = chunkDataEnd
-			}
-		case chunkDataEnd:
-			if b == '\n' {
-				c.state = chunkSize
-			}
-		case chunkTrailer:
-			if b == '\n' {
-				if c.lineLen == 0 {
-					c.done = true
-					return i + 1, nil
-				}
-				c.lineLen = 0
-			} else if b != '\r' {
-				c.lineLen++
-			}
-		}
-	}
-	return len(p), nil
 }

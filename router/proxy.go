@@ -170,6 +170,15 @@ func (s *Server) answerFailure(ctx *fasthttp.RequestCtx, r *request, fail *apiEr
 		r.rec.fail("client_disconnected")
 		return
 	}
+	if fail := r.ending(fail); fail != nil {
+		fail.write(ctx)
+	}
+}
+
+// ending records how r ends and returns the failure to answer: a timeout
+// or the shutdown that ended its scope, else its last attempt's (nil: it
+// succeeded).
+func (r *request) ending(fail *apiError) *apiError {
 	switch r.scope.Cause() {
 	case errRequestTimeout:
 		fail = &apiError{Status: 504, Code: "request_timeout", Message: "request timed out"}
@@ -178,10 +187,10 @@ func (s *Server) answerFailure(ctx *fasthttp.RequestCtx, r *request, fail *apiEr
 	}
 	if fail != nil {
 		r.rec.fail(fail.Code)
-		fail.write(ctx)
-		return
+		return fail
 	}
 	r.rec.outcome = outcomeSucceeded
+	return nil
 }
 
 // modelLabel is the request's model when a worker serves it: the label is
