@@ -206,6 +206,7 @@ type evScratch struct {
 	bw   *bufio.Writer
 	info splice.Info
 	reqs []*fasthttp.RequestCtx // idle contexts
+	free []*evRequest           // ended, and held by no retry timer
 }
 
 // outBuf is where bw writes a response: the client connection's output.
@@ -628,13 +629,35 @@ type evRequest struct {
 	addr  string
 	fail  *apiError // the last try's, while the next waits
 	ended bool      // answered, or its client left
+	timed bool      // a retry's backoff timer holds it
+}
+
+// newRequest is an ended request of the loop's, or a new one: a request
+// allocates nothing (TestRegularRequestAllocations).
+func (l *evLoop) newRequest() *evRequest {
+	if n := len(l.scratch.free); n > 0 {
+		q := l.scratch.free[n-1]
+		l.scratch.free = l.scratch.free[:n-1]
+		return q
+	}
+	return new(evRequest)
+}
+
+// recycle keeps q for a next request once nothing refers to it: it has
+// ended, no retry timer will run it, and no worker connection serves it.
+func (l *evLoop) recycle(q *evRequest) {
+	if q.ended && !q.timed && q.up == nil {
+		*q = evRequest{}
+		l.scratch.free = append(l.scratch.free, q)
+	}
 }
 
 // begin does what handle, generation, serve and regularAttempt do for
 // a request up to its send, and sends it.
 func (l *evLoop) begin(c *evConn, ctx *fasthttp.RequestCtx, g generationRoute, size int, snap *balancer.Snapshot) {
 	s := l.s
-	q := &evRequest{c: c, ctx: ctx, start: time.Now(), size: size}
+	q := l.newRequest()
+	*q = evRequest{c: c, ctx: ctx, start: time.Now(), size: size}
 	c.req = q
 	s.setRequestID(ctx)
 	rr := regularRequests.Get().(*regularRequest)
@@ -740,7 +763,7 @@ func (l *evLoop) failed(q *evRequest, fail *apiError) {
 	r.attempt++
 	backoff := s.cfg.Retry.Backoff(r.attempt - 1)
 	r.rec.backoffs = append(r.rec.backoffs, backoff)
-	q.fail = fail
+	q.fail, q.timed = fail, true
 	r.pin() // r's memory outlives the request if it ends meanwhile
 	time.AfterFunc(backoff, func() {
 		r.aborts.Wait()
@@ -755,7 +778,9 @@ func (l *evLoop) failed(q *evRequest, fail *apiError) {
 func (l *evLoop) retry(q *evRequest) {
 	r := q.r
 	defer r.unpin()
+	q.timed = false
 	if q.ended {
+		l.recycle(q)
 		return
 	}
 	snap := l.s.reg.Snapshot()
@@ -831,6 +856,7 @@ func (l *evLoop) answer(q *evRequest, fail *apiError) {
 	c.req = nil
 	l.putCtx(ctx)
 	l.consume(c, q.size)
+	l.recycle(q)
 	if l.flush(c) {
 		l.serve(c)
 	}
@@ -888,6 +914,7 @@ func (l *evLoop) abandon(q *evRequest, cause error) {
 		l.s.metrics.observeHTTP("POST", path, q.ctx.Response.StatusCode(), errorCode(q.ctx), since(q.start))
 		q.c.req = nil
 		l.putCtx(q.ctx)
+		l.recycle(q)
 		return
 	}
 	l.answer(q, nil) // the cause's own answer (answer)

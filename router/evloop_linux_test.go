@@ -611,3 +611,26 @@ func TestEventLoopsCloseSilentConnectionsAtTheHeaderTimeout(t *testing.T) {
 	}
 	same(t, "silent connection", got[0], got[1])
 }
+
+// A loop reuses its ended requests, but not one a retry's backoff timer
+// still holds: a request timed out during its backoff, and the next one
+// on its connection in flight when the timer fires, each get their own
+// answer.
+func TestEventLoopsReuseNoRequestARetryTimerHolds(t *testing.T) {
+	worker, _ := caseWorker(t)
+	base, _ := loopRouter(t, worker, func(c *Config) {
+		c.RequestTimeout = 400 * time.Millisecond
+		c.Retry = balancer.RetryConfig{MaxRetries: 2, InitialBackoff: 600 * time.Millisecond, MaxBackoff: 600 * time.Millisecond, Multiplier: 1}
+	})
+	got := exchange(t, base, postRaw(`{"text":"case:busy"}`)+postRaw(`{"text":"case:slow"}`)+postRaw(`{"text":"case:ok"}`), 3)
+	want := []struct {
+		status int
+		body   string
+	}{{504, `"code":"request_timeout"`}, {200, `"text":"slow"`}, {200, `"text":"echo`}}
+	for i, w := range want {
+		b, _ := io.ReadAll(got[i].Body)
+		if got[i].StatusCode != w.status || !strings.Contains(string(b), w.body) {
+			t.Errorf("response %d: %d %s; want %d with %s", i+1, got[i].StatusCode, b, w.status, w.body)
+		}
+	}
+}
